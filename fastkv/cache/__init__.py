@@ -1,0 +1,1 @@
+"""Block pools, LRU free queues, chained keys, the prefix index across tiers, tier policies."""

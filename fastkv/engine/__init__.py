@@ -1,0 +1,1 @@
+"""Engine process loop, worker protocol and reference runners."""

@@ -1,0 +1,1 @@
+"""Shared-memory rings, semaphores, channels, signal arrays, namespaces and cleanup."""

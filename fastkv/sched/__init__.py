@@ -1,0 +1,1 @@
+"""Requests, queues, admission, preemption and the scheduler step."""

@@ -1,0 +1,1 @@
+"""Storage tier: backend interface, embedded LMDB store, distributed Redis store."""

@@ -1,0 +1,1 @@
+"""Copy tasks, the per-rank cache-transfer process, and the engine-side client."""

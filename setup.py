@@ -1,0 +1,35 @@
+"""fastkv: a KV-cache subsystem for Paddle LLM serving.
+
+Paddle is deliberately not a hard dependency: a GPU deployment already has
+``paddlepaddle-gpu`` and installing fastkv must not pull the CPU wheel over it.
+CPU machines install the ``cpu`` extra (``pip install -e '.[cpu]'``).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="fastkv",
+    version="0.1.0",
+    description="KV-cache subsystem for Paddle LLM serving: prefix cache, tiered offload, shm IPC",
+    python_requires=">=3.11",
+    packages=find_packages(include=["fastkv", "fastkv.*"]),
+    install_requires=[
+        "numpy>=1.26",
+        "posix-ipc>=1.1",
+        "blake3>=0.4",  # chained block keys: collision resistant and ~5x faster than sha256
+        "xxhash>=3.0",  # xxh3-128 checksums of stored blocks
+        "lmdb>=1.4",  # embedded storage tier
+        "redis>=5.0",  # distributed storage tier
+        "prometheus-client>=0.20",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "cpu": ["paddlepaddle>=3.0"],
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.5"],
+    },
+    entry_points={
+        "console_scripts": [
+            "fastkv-supervisor=fastkv.cli:main",
+        ],
+    },
+)
