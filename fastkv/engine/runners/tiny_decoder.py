@@ -11,8 +11,9 @@ Between reductions, values are re-rounded to the grid by elementwise ops, which 
 same IEEE operation on the same inputs whatever the batch. exp, sigmoid and the RoPE
 tables are rounded to a 2^-16 / 2^-14 grid, so a 1-ulp difference between vectorized and
 scalar libm paths could only matter if it straddled a grid point (~2^-36 per element).
-K and V are exact in float32 (<= 21 significant bits); a float16 cache rounds them once,
-and attention re-grids what it reads back.
+K and V are exact in float32 (<= 21 significant bits), so the cache is float32: a 16-bit
+cache would need rounding on write and re-gridding on read, and Paddle's CPU gather has
+no float16 kernel.
 
 The model: token embedding, ``num_layers`` blocks of RMSNorm -> GQA attention with RoPE ->
 residual -> RMSNorm -> SwiGLU MLP -> residual, final RMSNorm, untied LM head; weights
@@ -66,8 +67,8 @@ class TinyConfig:
             raise ValueError(f"num_q_heads {q} must be a multiple of the {kv} KV heads")
         if layout.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {layout.head_dim}")
-        if layout.dtype not in ("float32", "float16"):
-            raise ValueError(f"the tiny decoder computes on float32 or float16 caches, not {layout.dtype}")
+        if layout.dtype != "float32":
+            raise ValueError(f"the tiny decoder needs a float32 KV layout, got {layout.dtype}")
         # Exactness budget (bits of grid units, must stay < 53): a reduction of K terms of
         # a x b units takes bits(a) + bits(b) + log2(K).
         act = ACT_BITS + int(math.log2(CLIP))  # 20
@@ -234,10 +235,9 @@ class TinyDecoderRunner(ModelRunner):
 
     def _write_kv(self, layer: int, k: paddle.Tensor, v: paddle.Tensor, b: _Batch) -> None:
         """Store the new tokens' K/V [T, h, D] in their slots, in place, touching no other slot."""
-        dtype = self.layout.numpy_dtype
         for views, caches, val in ((self.k_views, self.k_caches, k), (self.v_views, self.v_caches, v)):
             if views[layer] is not None:
-                views[layer][b.slot_blocks, :, b.slot_offsets, :] = val.numpy().astype(dtype)
+                views[layer][b.slot_blocks, :, b.slot_offsets, :] = val.numpy().astype(np.float32)
             else:  # an accelerator tensor: Paddle's index_put writes in place
                 caches[layer][paddle.to_tensor(b.slot_blocks), :, paddle.to_tensor(b.slot_offsets), :] = val.astype(
                     caches[layer].dtype
@@ -249,8 +249,7 @@ class TinyDecoderRunner(ModelRunner):
         S, nb = b.tables.shape
         blocks = blocks.reshape([S, nb, self.layout.kv_heads, self.layout.block_size, self.layout.head_dim])
         out = blocks.transpose([0, 2, 1, 3, 4]).reshape([S, self.layout.kv_heads, -1, self.layout.head_dim])
-        out = out[:, :, : b.max_len].astype("float64")
-        return out if self.layout.dtype == "float32" else _q(out)  # float16 reads back off the grid
+        return out[:, :, : b.max_len].astype("float64")
 
     def _attend(self, layer: int, q: paddle.Tensor, b: _Batch, g: int) -> paddle.Tensor:
         """Causal attention of the new tokens' queries [T, q_heads, D] over each sequence's paged KV."""
