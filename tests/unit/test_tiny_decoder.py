@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import paddle
@@ -23,6 +24,8 @@ from fastkv.engine.runners.tiny_decoder import (
 from fastkv.engine.step import SeqWork, StepPlan
 from tests.runner_driver import drive, solo
 
+# These properties run whole schedules, so they get a fixed budget (4x in CI), not the profile's.
+SCALE = 4 if os.environ.get("CI") else 1
 # Small enough that a hypothesis example (dozens of steps) takes well under a second.
 CFG = TinyConfig(vocab=512, hidden=64, intermediate=128, max_positions=256, seed=3)
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=16, dtype="float32")
@@ -127,7 +130,7 @@ def test_outputs_are_not_degenerate():
 PROMPTS = st.lists(st.integers(0, CFG.vocab - 1), min_size=1, max_size=14)
 
 
-@settings(max_examples=25)
+@settings(max_examples=25 * SCALE)
 @given(prompts=st.lists(PROMPTS, min_size=1, max_size=4), seed=st.integers(0, 2**32 - 1),
        max_chunk=st.integers(1, 9), preempt=st.sampled_from([0.0, 0.3]))
 def test_chunking_batching_placement_and_recompute_invariance(prompts, seed, max_chunk, preempt):
@@ -140,7 +143,7 @@ def test_chunking_batching_placement_and_recompute_invariance(prompts, seed, max
     assert got == want, stats
 
 
-@settings(max_examples=10)
+@settings(max_examples=10 * SCALE)
 @given(prompt=PROMPTS, split=st.integers(1, 13), first=st.integers(0, 40))
 def test_kv_bytes_do_not_depend_on_chunking_or_placement(prompt, split, first):
     """The KV of a sequence is bit-identical however it was computed (what prefix caching relies on)."""
