@@ -230,3 +230,16 @@ def test_bad_plans_and_layouts_are_rejected():
         SyntheticRunner(lay, 0, 1, k[:1], k[:1])
     with pytest.raises(ValueError, match="head_dim"):
         kv_rows(KVLayout(1, 1, 4, 8), 0, [1], [1])
+
+
+def test_runner_registry_and_synthetic_needs_no_paddle():
+    import subprocess
+    import sys
+
+    from fastkv.engine.runners import runner_class
+
+    assert runner_class("synthetic") is SyntheticRunner
+    with pytest.raises(ValueError, match="unknown runner"):
+        runner_class("gpt5")
+    code = "import sys, fastkv.engine.runners.synthetic; assert 'paddle' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

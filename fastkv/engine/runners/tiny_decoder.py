@@ -243,32 +243,49 @@ class TinyDecoderRunner(ModelRunner):
                     caches[layer].dtype
                 )
 
-    def _gather(self, cache: paddle.Tensor, b: _Batch) -> paddle.Tensor:
-        """[S, h, max_len, D] float64: every sequence's cached positions, padded."""
-        blocks = paddle.index_select(cache, paddle.to_tensor(b.tables.reshape(-1)), axis=0)
-        S, nb = b.tables.shape
-        blocks = blocks.reshape([S, nb, self.layout.kv_heads, self.layout.block_size, self.layout.head_dim])
-        out = blocks.transpose([0, 2, 1, 3, 4]).reshape([S, self.layout.kv_heads, -1, self.layout.head_dim])
-        return out[:, :, : b.max_len].astype("float64")
+    def _gather(self, layer: int, b: _Batch) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """K and V [S, blocks, h, block_size, D] float64 of every sequence's blocks, block-major.
+
+        Slots past a sequence's length (the tail of its last block, padding blocks) hold
+        another request's data or none: V there is zeroed so that 0 * garbage cannot become
+        NaN (K there is masked out of the scores).
+        """
+        if self.k_views[layer] is not None:  # host memory: numpy's gather beats Paddle's cast + where
+            k = self.k_views[layer][b.tables].astype(np.float64)
+            v = self.v_views[layer][b.tables].astype(np.float64)
+            v[b.invalid[0], b.invalid[1], :, b.invalid[2], :] = 0.0
+            return _from_numpy(k), _from_numpy(v)
+        idx = paddle.to_tensor(b.tables.reshape(-1))
+        shape = [*b.tables.shape, *self.layout.device_shape(0)[1:]]
+        k = paddle.index_select(self.k_caches[layer], idx, axis=0).reshape(shape).astype("float64")
+        v = paddle.index_select(self.v_caches[layer], idx, axis=0).reshape(shape).astype("float64")
+        return k, paddle.where(paddle.to_tensor(b.key_valid), v, paddle.zeros_like(v))
 
     def _attend(self, layer: int, q: paddle.Tensor, b: _Batch, g: int) -> paddle.Tensor:
-        """Causal attention of the new tokens' queries [T, q_heads, D] over each sequence's paged KV."""
-        D, h = self.layout.head_dim, self.layout.kv_heads
-        S, Q, L = len(b.starts), b.max_new, b.max_len
-        kc, vc = self._gather(self.k_caches[layer], b), self._gather(self.v_caches[layer], b)
-        # Keys past a sequence's length hold another request's (or no) data: zero them so
-        # that 0 * garbage cannot turn into NaN.
-        vc = paddle.where(b.key_valid, vc, paddle.zeros_like(vc))
+        """Causal attention of the new tokens' queries [T, q_heads, D] over each sequence's paged KV.
+
+        Scores stay block-major [S, blocks, h, g*Q, block_size] so the gathered blocks are used
+        as they lie (no transpose copy); softmax reduces over (blocks, slots).
+        """
+        D, h, bs = self.layout.head_dim, self.layout.kv_heads, self.layout.block_size
+        S, Q, nb = len(b.starts), b.max_new, b.tables.shape[1]
+        kc, vc = self._gather(layer, b)
         qp = paddle.gather(paddle.concat([q, paddle.zeros([1, *q.shape[1:]], q.dtype)]), b.pad_index)
-        qp = qp.reshape([S, Q, h, g, D]).transpose([0, 2, 3, 1, 4]).reshape([S, h, g * Q, D])
-        scores = (paddle.matmul(qp, kc, transpose_y=True) * self.scale).reshape([S, h, g, Q, L])
+        qp = qp.reshape([S, Q, h, g, D]).transpose([0, 2, 3, 1, 4]).reshape([S, 1, h, g * Q, D])
+        scores = (paddle.matmul(qp, kc, transpose_y=True) * self.scale).reshape([S, nb, h, g, Q, bs])
         scores = paddle.where(b.visible, scores, paddle.full_like(scores, -math.inf))
-        e = paddle.exp(scores - paddle.max(scores, axis=-1, keepdim=True))
+        e = paddle.exp(scores - paddle.amax(scores, axis=[1, 5], keepdim=True))
         p = _q(e, P_BITS)
-        denom = paddle.sum(p, axis=-1, keepdim=True)  # exact; >= 1 (the max term is 1)
-        o = paddle.matmul(p.reshape([S, h, g * Q, L]), vc).reshape([S, h, g, Q, D]) / denom
-        o = _q(o).transpose([0, 3, 1, 2, 4]).reshape([S * Q, h * g * D])
+        denom = paddle.sum(p, axis=[1, 5])  # exact; >= 1 (the max term is 1)
+        o = paddle.sum(paddle.matmul(p.reshape([S, nb, h, g * Q, bs]), vc), axis=1)  # exact
+        o = _q(o.reshape([S, h, g, Q, D]) / denom.unsqueeze(-1))
+        o = o.transpose([0, 3, 1, 2, 4]).reshape([S * Q, h * g * D])
         return paddle.gather(o, b.token_rows)
+
+
+def _from_numpy(a: np.ndarray) -> paddle.Tensor:
+    """Zero-copy: the array's memory becomes the tensor's (a fresh array nobody else holds)."""
+    return paddle.utils.dlpack.from_dlpack(np.ascontiguousarray(a).__dlpack__())
 
 
 class _Batch:
@@ -279,8 +296,8 @@ class _Batch:
         self.starts = np.array([s.start_pos for s in seqs])
         ends = self.starts + n
         S, Q = len(seqs), int(n.max())
-        self.max_new, self.max_len = Q, int(ends.max())
-        nb = -(-self.max_len // block_size)
+        self.max_new = Q
+        nb = -(-int(ends.max()) // block_size)
         self.tables = np.zeros((S, nb), np.int64)  # padding reads block 0; masked below
         seq_of = np.repeat(np.arange(S), n)
         row_in_seq = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
@@ -300,12 +317,14 @@ class _Batch:
         pad = np.full((S, Q), int(n.sum()), np.int64)
         pad[seq_of, row_in_seq] = np.arange(int(n.sum()))
         self.pad_index = paddle.to_tensor(pad.reshape(-1))
-        # Query row r of sequence i sees keys 0..start+r; padding rows repeat the last real row
-        # so no row is fully masked (their outputs are dropped).
+        # Key j = block * block_size + slot. Query row r of sequence i sees keys 0..start+r;
+        # padding rows repeat the last real row so no row is fully masked (outputs dropped).
         r = np.minimum(np.arange(Q)[None, :], (n - 1)[:, None])  # [S, Q]
-        visible = np.arange(self.max_len)[None, None, :] <= (self.starts[:, None] + r)[:, :, None]
-        self.visible = paddle.to_tensor(visible[:, None, None])  # [S, 1, 1, Q, L]
-        valid = np.arange(self.max_len)[None, :] < ends[:, None]
-        self.key_valid = paddle.to_tensor(valid[:, None, :, None])  # [S, 1, L, 1]
+        keys = np.arange(nb * block_size).reshape(nb, 1, block_size)  # [nb, 1, bs]
+        visible = keys[None, :, :, None, :] <= (self.starts[:, None] + r)[:, None, None, :, None]
+        self.visible = paddle.to_tensor(visible[:, :, None])  # [S, nb, 1, 1, Q, bs]
+        valid = keys[None, :, 0, :] < ends[:, None, None]  # [S, nb, bs]
+        self.key_valid = valid[:, :, None, :, None]  # [S, nb, 1, bs, 1]
+        self.invalid = np.nonzero(~valid)
         self.sample_rows = np.array([int(np.cumsum(n)[i]) - 1 for i, s in enumerate(seqs) if s.sample], np.int64)
         self.sample_ids = [s.request_id for s in seqs if s.sample]
