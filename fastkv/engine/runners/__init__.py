@@ -1,0 +1,20 @@
+"""Reference model runners, by the name the supervisor's ``--runner`` flag takes.
+
+Imported lazily: the synthetic runner must not pay for importing Paddle.
+"""
+from __future__ import annotations
+
+import importlib
+
+RUNNERS = {
+    "synthetic": "fastkv.engine.runners.synthetic:SyntheticRunner",
+    "tiny": "fastkv.engine.runners.tiny_decoder:TinyDecoderRunner",
+}
+
+
+def runner_class(name: str) -> type:
+    """The ModelRunner subclass registered as ``name``."""
+    if name not in RUNNERS:
+        raise ValueError(f"unknown runner {name!r}; choose one of {sorted(RUNNERS)}")
+    module, cls = RUNNERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,366 @@
+"""A runner whose KV bytes are a pure function of (token, position, layer, head, rank, K or V).
+
+It does no model math, so any block's bytes can be recomputed and checked anywhere, any
+time: on the device tier before every step (``verify_seq``), in a host block or a storage
+value (``verify_block``), after any number of tier round trips. That is how the end-to-end
+tests prove offload and restore byte-exact.
+
+Row format. Every (layer, K|V, head, position) row of ``head_dim`` elements is
+``[token id: 4 bytes LE][position: 4 bytes LE][head_dim - 8 pseudo-random values]``; each
+header byte is stored as an element holding that small integer exactly (0..255 is exact in
+every supported dtype), so a row names the token and position it was computed for. The
+random values are finite floats in +-[2^-7, 1) for float dtypes (bfloat16 as uint16 bit
+patterns) and raw bytes for int8/uint8, derived by splitmix64 from the token, position,
+layer, K|V, global head (``rank * kv_heads + head``: rank enters here) and element index.
+A slot never written (zeros) or written for other tokens fails verification.
+
+The next token is a function of (last token, its position) over ``vocab`` ids.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from fastkv.config import KVLayout
+from fastkv.engine.runners.base import ModelRunner
+from fastkv.engine.step import StepOutput, StepPlan, validate_plan
+
+HEADER = 8  # elements: 4 token bytes, 4 position bytes
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+class KVMismatch(AssertionError):
+    """KV bytes (or a token history) differ from what the synthetic function says they must be."""
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer on uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@lru_cache(maxsize=64)
+def _row_salts(layout: KVLayout, rank: int) -> np.ndarray:
+    """uint64 [layers, 2, kv_heads, 1, head_dim - HEADER]: one salt per (layer, K|V, global head, element)."""
+    L, H, D = layout.num_layers, layout.kv_heads, layout.head_dim
+    idx = np.arange(L * 2 * H * (D - HEADER), dtype=np.uint64).reshape(L, 2, H, 1, D - HEADER)
+    heads_before = np.uint64(rank * H)
+    # Re-number heads globally so rank r's shard equals heads [r*H, (r+1)*H) of a tp=1 layout.
+    layer_kv = idx // np.uint64(H * (D - HEADER))
+    rest = idx % np.uint64(H * (D - HEADER))
+    head = rest // np.uint64(D - HEADER) + heads_before
+    elem = rest % np.uint64(D - HEADER)
+    salts = _mix((layer_kv << np.uint64(40)) ^ (head << np.uint64(20)) ^ elem ^ np.uint64(0x5EED))
+    salts.setflags(write=False)
+    return salts
+
+
+def _bits_to_values(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """Map uint64 hash bits to finite values of ``dtype`` (its numpy storage type)."""
+    sign = (bits >> np.uint64(63)).astype(np.uint32)
+    exp = ((bits >> np.uint64(32)) % np.uint64(7)).astype(np.uint32)
+    mant = bits.astype(np.uint32)
+    if dtype == "float32":
+        return ((sign << 31) | ((120 + exp) << 23) | (mant & 0x7FFFFF)).view(np.float32)
+    if dtype == "bfloat16":
+        return ((sign << 15) | ((120 + exp) << 7) | (mant & 0x7F)).astype(np.uint16)
+    if dtype == "float16":
+        return ((sign << 15) | ((8 + exp) << 10) | (mant & 0x3FF)).astype(np.uint16).view(np.float16)
+    return (mant & 0xFF).astype(np.uint8).view(np.dtype(dtype))
+
+
+def _bytes_to_elems(b: np.ndarray, dtype: str) -> np.ndarray:
+    """Header bytes (0..255, any int array) -> elements holding them exactly."""
+    if dtype == "bfloat16":
+        return (b.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    if dtype in ("float32", "float16"):
+        return b.astype(dtype)
+    return b.astype(np.uint8).view(np.dtype(dtype))
+
+
+def _elems_to_bytes(e: np.ndarray, dtype: str) -> np.ndarray:
+    """Inverse of ``_bytes_to_elems``; garbage maps to some int64, caught by the full comparison."""
+    if dtype == "bfloat16":
+        e = (e.astype(np.uint32) << 16).view(np.float32)
+    if dtype in ("float32", "float16", "bfloat16"):
+        with np.errstate(invalid="ignore"):
+            return np.nan_to_num(e.astype(np.float64), nan=-1.0).clip(-1, 256).astype(np.int64)
+    return e.view(np.uint8).astype(np.int64)
+
+
+def kv_rows(layout: KVLayout, rank: int, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The K/V rows of tokens at positions: [layers, 2, kv_heads, n, head_dim] in ``layout.numpy_dtype``."""
+    if layout.head_dim < HEADER + 1:
+        raise ValueError(f"the synthetic runner needs head_dim > {HEADER}, got {layout.head_dim}")
+    tok = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if len(tok) != len(pos):
+        raise ValueError(f"{len(tok)} token ids for {len(pos)} positions")
+    if len(tok) and (tok.min() < 0 or tok.max() >= 2**32 or pos.min() < 0 or pos.max() >= 2**32):
+        raise ValueError("token ids and positions must be in [0, 2**32)")
+    L, H, D = layout.num_layers, layout.kv_heads, layout.head_dim
+    out = np.empty((L, 2, H, len(tok), D), dtype=layout.numpy_dtype)
+    key = _mix((tok.astype(np.uint64) << np.uint64(32)) | pos.astype(np.uint64))
+    out[..., HEADER:] = _bits_to_values(_mix(_row_salts(layout, rank) ^ key[:, None]), layout.dtype)
+    shifts = np.arange(4, dtype=np.int64) * 8
+    header = np.concatenate([(tok[:, None] >> shifts) & 0xFF, (pos[:, None] >> shifts) & 0xFF], axis=1)
+    out[..., :HEADER] = _bytes_to_elems(header, layout.dtype)
+    return out
+
+
+def decode_rows(layout: KVLayout, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, positions) named by the headers of layer 0 / K / head 0 of ``rows`` [L, 2, H, n, D]."""
+    b = _elems_to_bytes(rows[0, 0, 0, :, :HEADER], layout.dtype)
+    shifts = np.arange(4, dtype=np.int64) * 8
+    return (b[:, :4] << shifts).sum(axis=1), (b[:, 4:] << shifts).sum(axis=1)
+
+
+def next_token(last_token: int, position: int, vocab: int) -> int:
+    """The synthetic model's greedy choice after ``last_token`` at ``position``."""
+    x = np.array([(int(last_token) << 32) | int(position)], dtype=np.uint64)
+    return int(_mix(x ^ np.uint64(0xD1CE))[0] % np.uint64(vocab))
+
+
+def expected_block(layout: KVLayout, rank: int, token_ids_of_block: np.ndarray, start_pos: int) -> np.ndarray:
+    """A host-tier block [layers, 2, kv_heads, block_size, head_dim] holding these tokens from ``start_pos``.
+
+    Slots past ``len(token_ids_of_block)`` (a partial last block) are zero; their content is
+    undefined in a real block, so compare only the first ``len(token_ids)`` slots
+    (``verify_block`` does). ``.view(np.uint8)`` gives the block's bytes.
+    """
+    tok = np.asarray(token_ids_of_block).reshape(-1)
+    if len(tok) > layout.block_size:
+        raise ValueError(f"{len(tok)} tokens do not fit a block of {layout.block_size}")
+    out = np.zeros((layout.num_layers, 2, layout.kv_heads, layout.block_size, layout.head_dim), layout.numpy_dtype)
+    out[:, :, :, : len(tok)] = kv_rows(layout, rank, tok, np.arange(start_pos, start_pos + len(tok)))
+    return out
+
+
+def _check_rows(
+    layout: KVLayout,
+    rank: int,
+    rows: np.ndarray,
+    positions: np.ndarray,
+    token_ids: np.ndarray | None,
+    where: str,
+    blocks: np.ndarray | None = None,
+) -> np.ndarray:
+    """Check rows [L, 2, H, n, D] computed at ``positions``; return the tokens they name."""
+    decoded_tok, decoded_pos = decode_rows(layout, rows)
+    tok_ok = decoded_tok.clip(0, 2**32 - 1)
+    want = kv_rows(layout, rank, tok_ok, positions)
+    bad = np.flatnonzero(
+        (rows.view(np.uint8).reshape(*rows.shape[:4], -1) != want.view(np.uint8).reshape(*want.shape[:4], -1))
+        .any(axis=(0, 1, 2, 4))
+        | (decoded_pos != positions)
+    )
+    if token_ids is not None:
+        bad = np.union1d(bad, np.flatnonzero(decoded_tok != token_ids))
+    if len(bad):
+        i = int(bad[0])
+        block = f"block {int(blocks[i])} " if blocks is not None else ""
+        diff = np.argwhere(rows[:, :, :, i].view(np.uint8) != want[:, :, :, i].view(np.uint8))
+        detail = ""
+        if len(diff):
+            layer, kv, head, byte = (int(v) for v in diff[0])
+            detail = f"; first differing byte: layer {layer} {'KV'[kv]} head {head} byte {byte}"
+        expect = f", expected token {int(token_ids[i])}" if token_ids is not None else ""
+        raise KVMismatch(
+            f"{where}: {block}position {int(positions[i])} (slot {int(positions[i]) % layout.block_size}) "
+            f"holds token {int(decoded_tok[i])} at position {int(decoded_pos[i])}{expect}{detail}; "
+            f"{len(bad)} bad position(s) in all"
+        )
+    return decoded_tok
+
+
+def verify_block(
+    layout: KVLayout,
+    rank: int,
+    block: np.ndarray,
+    start_pos: int,
+    num_tokens: int,
+    token_ids: np.ndarray | None = None,
+    where: str = "host block",
+) -> np.ndarray:
+    """Check the first ``num_tokens`` slots of a host-layout block computed from ``start_pos``.
+
+    ``block`` is [layers, 2, kv_heads, block_size, head_dim] (or its bytes, any shape of the
+    right size). Returns the token ids the block holds; raises KVMismatch naming ``where``
+    and the position on any difference, or when ``token_ids`` is given and differs.
+    """
+    shape = (layout.num_layers, 2, layout.kv_heads, layout.block_size, layout.head_dim)
+    rows = np.ascontiguousarray(block).view(layout.numpy_dtype).reshape(shape)[:, :, :, :num_tokens]
+    tok = None if token_ids is None else np.asarray(token_ids, dtype=np.int64).reshape(-1)[:num_tokens]
+    return _check_rows(layout, rank, rows, np.arange(start_pos, start_pos + num_tokens), tok, where)
+
+
+def gather_seq_rows(
+    layout: KVLayout, k_views: Sequence[np.ndarray], v_views: Sequence[np.ndarray], block_table: np.ndarray, n: int
+) -> np.ndarray:
+    """The device-tier rows of positions 0..n-1 of a sequence: [layers, 2, kv_heads, n, head_dim]."""
+    bs = layout.block_size
+    table = np.asarray(block_table, dtype=np.int64)[: -(-n // bs)]
+    kv = np.stack([np.stack([k[table], v[table]]) for k, v in zip(k_views, v_views, strict=True)])
+    # [L, 2, blocks, H, bs, D] -> [L, 2, H, blocks * bs, D]
+    kv = kv.transpose(0, 1, 3, 2, 4, 5).reshape(*kv.shape[:2], layout.kv_heads, -1, layout.head_dim)
+    return kv[:, :, :, :n]
+
+
+def verify_seq(
+    layout: KVLayout,
+    rank: int,
+    k_views: Sequence[np.ndarray],
+    v_views: Sequence[np.ndarray],
+    request_id: int,
+    block_table: np.ndarray,
+    num_tokens: int,
+    token_ids: np.ndarray | None = None,
+) -> np.ndarray:
+    """Check positions 0..num_tokens-1 of a sequence in the device caches (per-layer numpy views).
+
+    ``token_ids``, when given, are the tokens known for the first ``len(token_ids)`` positions
+    (the rest are only checked for self-consistency). Returns all tokens the cache holds;
+    raises KVMismatch naming the request, block and position of the first difference.
+    """
+    if num_tokens == 0:
+        return np.empty(0, np.int64)
+    rows = gather_seq_rows(layout, k_views, v_views, block_table, num_tokens)
+    pos = np.arange(num_tokens)
+    known = None
+    if token_ids is not None:
+        known = np.full(num_tokens, -1, np.int64)
+        t = np.asarray(token_ids, dtype=np.int64)[:num_tokens]
+        known[: len(t)] = t
+    blocks = np.asarray(block_table)[pos // layout.block_size]
+    decoded = _check_rows(layout, rank, rows, pos, None, f"request {request_id}", blocks)
+    if known is not None:
+        bad = np.flatnonzero((known >= 0) & (decoded != known))
+        if len(bad):
+            i = int(bad[0])
+            raise KVMismatch(
+                f"request {request_id}: block {int(blocks[i])} position {i} holds token {int(decoded[i])}, "
+                f"the request's token there is {int(known[i])}; {len(bad)} bad position(s) in all"
+            )
+    return decoded
+
+
+class SyntheticRunner(ModelRunner):
+    """The synthetic model on one rank; caches may be numpy arrays or CPU Paddle tensors.
+
+    ``verify``: "all" checks every computed position of every sequence before each step;
+    "resumed" only for a sequence that did not run in this runner's previous step (new,
+    preempted, restored) or whose block table changed; "off" never. ``compute_us_per_token``
+    and ``step_us`` burn CPU (busy math, not sleep) to model prefill and per-step cost.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        rank: int,
+        tp_size: int,
+        k_caches: Sequence[Any],
+        v_caches: Sequence[Any],
+        *,
+        vocab: int = 1024,
+        verify: str = "all",
+        compute_us_per_token: float = 0.0,
+        step_us: float = 0.0,
+        max_tracked_requests: int = 65536,
+    ) -> None:
+        super().__init__(layout, rank, tp_size, k_caches, v_caches)
+        if layout.head_dim <= HEADER:
+            raise ValueError(f"the synthetic runner needs head_dim > {HEADER}, got {layout.head_dim}")
+        if any(v is None for v in self.k_views + self.v_views):
+            raise ValueError("the synthetic runner needs host-resident caches (numpy or CPU Paddle tensors)")
+        if verify not in ("all", "resumed", "off"):
+            raise ValueError(f"verify must be 'all', 'resumed' or 'off', got {verify!r}")
+        if vocab < 1:
+            raise ValueError(f"vocab must be positive, got {vocab}")
+        self.vocab = vocab
+        self.verify = verify
+        self.compute_us_per_token = float(compute_us_per_token)
+        self.step_us = float(step_us)
+        self.max_tracked_requests = max_tracked_requests
+        # request id -> (tokens whose KV this runner knows, block table of its last step)
+        self._history: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._last_step_ids: set[int] = set()
+        self._burn = np.ones((32, 32), np.float32)
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        t0 = time.perf_counter()
+        validate_plan(plan, self.layout.block_size, self.num_device_blocks)
+        L, bs = self.layout.num_layers, self.layout.block_size
+        sampled: dict[int, int] = {}
+        toks, poss, blocks, slots = [], [], [], []
+        for seq in plan.seqs:
+            known = self._check_history(seq)
+            self._history[seq.request_id] = (known, seq.block_table.copy())
+            self._history.move_to_end(seq.request_id)
+            pos = np.arange(seq.start_pos, seq.end_pos)
+            toks.append(seq.token_ids)
+            poss.append(pos)
+            blocks.append(seq.block_table[pos // bs])
+            slots.append(pos % bs)
+            if seq.sample:
+                sampled[seq.request_id] = next_token(int(seq.token_ids[-1]), seq.end_pos - 1, self.vocab)
+        while len(self._history) > self.max_tracked_requests:
+            self._history.popitem(last=False)
+        self._last_step_ids = {s.request_id for s in plan.seqs}
+        if plan.seqs:
+            rows = kv_rows(self.layout, self.rank, np.concatenate(toks), np.concatenate(poss))
+            blk, slot = np.concatenate(blocks), np.concatenate(slots)
+            for layer in range(L):
+                # rows[layer, kv] is [H, n, D]; the fancy-indexed target is [n, H, D].
+                self.k_views[layer][blk, :, slot, :] = rows[layer, 0].transpose(1, 0, 2)
+                self.v_views[layer][blk, :, slot, :] = rows[layer, 1].transpose(1, 0, 2)
+        n_tokens = sum(len(t) for t in toks)
+        self._busy(t0 + (self.step_us + self.compute_us_per_token * n_tokens) * 1e-6)
+        return StepOutput(plan.step_id, sampled, time.perf_counter() - t0)
+
+    def _check_history(self, seq) -> np.ndarray:
+        """Verify the cached prefix and the fed tokens against what this runner knows; return the new history."""
+        rid, start = seq.request_id, seq.start_pos
+        known, last_table = self._history.get(rid, (np.empty(0, np.int64), None))
+        n_prev = -(-start // self.layout.block_size)
+        resumed = (
+            rid not in self._last_step_ids
+            or last_table is None
+            or len(last_table) < n_prev
+            or not np.array_equal(last_table[:n_prev], seq.block_table[:n_prev])
+        )
+        if self.verify == "all" or (self.verify == "resumed" and (resumed or start > len(known))):
+            cached = verify_seq(
+                self.layout, self.rank, self.k_views, self.v_views, rid, seq.block_table, start, known
+            )
+            if len(cached) > len(known):
+                known = cached
+        elif start > len(known):  # a prefix this runner never saw; -1 marks its tokens unknown
+            known = np.concatenate([known, np.full(start - len(known), -1, np.int64)])
+        # A recomputed chunk must replay exactly the tokens this request had at those positions.
+        overlap = known[start : seq.end_pos]
+        fed = seq.token_ids[: len(overlap)]
+        if np.any((overlap >= 0) & (overlap != fed)):
+            i = int(np.flatnonzero((overlap >= 0) & (overlap != fed))[0])
+            raise KVMismatch(
+                f"request {rid}: position {start + i} is fed token {int(seq.token_ids[i])}, "
+                f"but the request's token there was {int(overlap[i])}"
+            )
+        return np.concatenate([known[:start], seq.token_ids.astype(np.int64)])
+
+    def _busy(self, deadline: float) -> None:
+        """Burn CPU until ``deadline`` (perf_counter seconds) with small matmuls: simulated model compute."""
+        x = self._burn
+        while time.perf_counter() < deadline:
+            x = np.tanh(x @ self._burn)
+
+    def release(self, request_ids: Iterable[int]) -> None:
+        for rid in request_ids:
+            self._history.pop(rid, None)
