@@ -87,8 +87,9 @@ class ShmSegment:
             except posix_ipc.ExistentialError:
                 raise FileNotFoundError(f"shm segment {name!r} does not exist (not created yet?)") from None
             if size is not None and shm.size != size:
+                actual = shm.size
                 shm.close_fd()
-                raise ValueError(f"shm segment {name!r} has {shm.size} bytes, expected {size}")
+                raise ValueError(f"shm segment {name!r} has {actual} bytes, expected {size}")
         try:
             self.size = shm.size
             self.buf = mmap.mmap(shm.fd, self.size, flags=flags)
