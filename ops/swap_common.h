@@ -19,6 +19,11 @@
 #include <thread>
 #include <vector>
 
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(__CUDACC__)
+#include <immintrin.h>
+#define FKV_STREAM_STORES 1
+#endif
+
 namespace fkv {
 
 struct SwapGeometry {
@@ -83,10 +88,53 @@ inline std::vector<Run> coalesce(const int32_t* src, const int32_t* dst, int64_t
   return runs;
 }
 
+#ifdef FKV_STREAM_STORES
+// Non-temporal copies: the transfer process never reads what it writes, so the destination
+// need not pass through the cache, which saves the read-for-ownership of every line. Measured
+// here on 128 KiB pages: ~20-40% faster than memcpy, which keeps such sizes in the cache.
+__attribute__((target("avx2"))) inline void stream_copy_avx2(char* d, const char* s, size_t n) {
+  const size_t head = std::min(n, (32 - (reinterpret_cast<uintptr_t>(d) & 31)) & 31);
+  std::memcpy(d, s, head);
+  d += head, s += head, n -= head;
+  size_t i = 0;
+  for (; i + 128 <= n; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 64));
+    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 96), e);
+  }
+  std::memcpy(d + i, s + i, n - i);
+}
+
+// Every x86-64 server CPU since 2013 has AVX2; older ones get memcpy.
+inline void stream_copy(char* d, const char* s, size_t n) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) {
+    stream_copy_avx2(d, s, n);
+  } else {
+    std::memcpy(d, s, n);
+  }
+}
+
+// Streaming stores are weakly ordered: fence them before the copy is reported done.
+inline void store_fence() { _mm_sfence(); }
+#else
+inline void stream_copy(char* d, const char* s, size_t n) { std::memcpy(d, s, n); }
+inline void store_fence() {}
+#endif
+
+// Swaps smaller than this use plain memcpy: their bytes may well be read again while cached.
+constexpr int64_t kStreamMinBytes = 1 << 20;
+
 // Copies pages [begin, end) of the flattened (pair, layer, kv) space. Pages of one pair are
 // consecutive, so a thread streams through whole host blocks (each one contiguous span).
 inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const SwapGeometry& g,
-                       const int32_t* src, const int32_t* dst, bool to_host, int64_t begin, int64_t end) {
+                       const int32_t* src, const int32_t* dst, bool to_host, bool streaming, int64_t begin,
+                       int64_t end) {
   const int64_t pages_per_pair = 2 * g.num_layers;
   const int64_t page = g.page_bytes;
   const int64_t block = g.block_bytes();
@@ -99,18 +147,21 @@ inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const
     const int64_t host_id = to_host ? dst[pair] : src[pair];
     char* dev_page = dev_base + dev_id * page;
     char* host_page = host + host_id * block + slot * page;
-    if (to_host) {
-      std::memcpy(host_page, dev_page, static_cast<size_t>(page));
+    char* to = to_host ? host_page : dev_page;
+    const char* from = to_host ? dev_page : host_page;
+    if (streaming) {
+      stream_copy(to, from, static_cast<size_t>(page));
     } else {
-      std::memcpy(dev_page, host_page, static_cast<size_t>(page));
+      std::memcpy(to, from, static_cast<size_t>(page));
     }
   }
+  if (streaming) store_fence();
 }
 
 // Below this many bytes per thread, starting a thread costs more than it saves.
 constexpr int64_t kMinBytesPerThread = 2 << 20;
 
-// The CPU swap: pages split into num_threads equal chunks, one memcpy per page. Per layer the
+// The CPU swap: pages split into num_threads equal chunks, one copy per page. Per layer the
 // host pages of consecutive blocks are block_bytes apart, so coalescing a run cannot merge
 // memcpys on the CPU (it does on the GPU, as one 2D copy per layer).
 inline void swap_cpu(char* const* dev_k, char* const* dev_v, char* host, const SwapGeometry& g, const int32_t* src,
@@ -119,8 +170,9 @@ inline void swap_cpu(char* const* dev_k, char* const* dev_v, char* host, const S
   if (total_pages == 0) return;
   const int64_t by_size = std::max<int64_t>(1, total_pages * g.page_bytes / kMinBytesPerThread);
   const int64_t threads = std::min<int64_t>({static_cast<int64_t>(std::max(num_threads, 1)), by_size, total_pages});
+  const bool streaming = total_pages * g.page_bytes >= kStreamMinBytes;
   if (threads == 1) {
-    copy_pages(dev_k, dev_v, host, g, src, dst, to_host, 0, total_pages);
+    copy_pages(dev_k, dev_v, host, g, src, dst, to_host, streaming, 0, total_pages);
     return;
   }
   std::vector<std::thread> workers;
@@ -129,9 +181,25 @@ inline void swap_cpu(char* const* dev_k, char* const* dev_v, char* host, const S
   for (int64_t t = 1; t < threads; ++t) {
     const int64_t begin = std::min(total_pages, t * chunk);
     const int64_t end = std::min(total_pages, begin + chunk);
-    workers.emplace_back(copy_pages, dev_k, dev_v, host, std::cref(g), src, dst, to_host, begin, end);
+    workers.emplace_back(copy_pages, dev_k, dev_v, host, std::cref(g), src, dst, to_host, streaming, begin, end);
   }
-  copy_pages(dev_k, dev_v, host, g, src, dst, to_host, 0, std::min(total_pages, chunk));
+  copy_pages(dev_k, dev_v, host, g, src, dst, to_host, streaming, 0, std::min(total_pages, chunk));
+  for (auto& w : workers) w.join();
+}
+
+// One contiguous span copied with the same routine and thread split as a swap: the ceiling the
+// benchmark holds a swap to (scripts/bench_swap.py).
+inline void copy_contiguous(char* dst, const char* src, int64_t n, int num_threads) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, n / kMinBytesPerThread));
+  const int64_t chunk = (n + threads - 1) / threads;
+  auto part = [=](int64_t t) {
+    const int64_t begin = std::min(n, t * chunk);
+    stream_copy(dst + begin, src + begin, static_cast<size_t>(std::min(n, begin + chunk) - begin));
+    store_fence();
+  };
+  std::vector<std::thread> workers;
+  for (int64_t t = 1; t < threads; ++t) workers.emplace_back(part, t);
+  part(0);
   for (auto& w : workers) w.join();
 }
 

@@ -154,6 +154,14 @@ PD_BUILD_OP(fastkv_swap_blocks)
     .SetInplaceMap({{paddle::Vec("K"), paddle::Vec("KOut")}, {paddle::Vec("V"), paddle::Vec("VOut")}, {"Host", "HostOut"}})
     .SetKernelFn(PD_KERNEL(SwapBlocks));
 
+// For the benchmark's ceiling (through ctypes on this library): the swap's copy routine over one
+// contiguous span.
+extern "C" int fkv_cpu_copy_contiguous(void* dst, const void* src, int64_t n, int32_t num_threads) {
+  if (dst == nullptr || src == nullptr || n < 0 || num_threads < 1) return -1;
+  fkv::copy_contiguous(static_cast<char*>(dst), static_cast<const char*>(src), n, num_threads);
+  return 0;
+}
+
 #ifdef FASTKV_WITH_CUDA
 namespace {
 

@@ -64,6 +64,22 @@ def test_threads_split_large_swaps(paddle_ops, threads, to_host):
     tiers.assert_bytes_equal(expected)
 
 
+@pytest.mark.parametrize("to_host", [True, False])
+def test_streaming_copies_of_unaligned_pages(paddle_ops, to_host):
+    # 11211-byte pages: past 1 MiB per call the kernel uses streaming stores, whose aligned body
+    # needs a head and a tail copy on every page that does not start on 32 bytes.
+    layout = KVLayout(num_layers=3, kv_heads=3, block_size=37, head_dim=101, dtype="uint8")
+    rng = np.random.default_rng(11)
+    tiers = Tiers(layout, 40, 30, rng)
+    num_src, num_dst = (40, 30) if to_host else (30, 40)
+    dst = rng.permutation(num_dst)[:20]
+    src = rng.integers(0, num_src, 20)
+    expected = tiers.snapshot()
+    ops.swap_blocks_ref(expected[:3], expected[3:6], expected[6], src, dst, to_host=to_host)
+    ops.swap_blocks(tiers.k_t, tiers.v_t, tiers.host_t, src, dst, to_host=to_host, num_threads=1)
+    tiers.assert_bytes_equal(expected)
+
+
 def test_swap_out_then_in_round_trips(paddle_ops):
     layout = KVLayout(num_layers=2, kv_heads=2, block_size=16, head_dim=32, dtype="bfloat16")
     tiers = Tiers(layout, 8, 8, np.random.default_rng(7))
