@@ -189,67 +189,80 @@ int fkv_cuda_swap(void* const* dev_k, void* const* dev_v, int64_t num_layers, vo
     }
   }
 
-  if (after_stream != nullptr) {
-    FKV_CUDA(cudaEventRecord(s->upstream, static_cast<cudaStream_t>(after_stream)));
-    FKV_CUDA(cudaStreamWaitEvent(s->stream, s->upstream, 0));
+  if (static_cast<int64_t>(k_src.size()) * 2 * num_layers > INT32_MAX) {
+    return fail("too many scattered pages for one kernel launch: split the swap");
   }
 
-  const int64_t pages_per_pair = 2 * num_layers;
-  const int64_t kernel_pairs = static_cast<int64_t>(k_src.size());
-  if (kernel_pairs > 0) {
-    const size_t table_bytes = static_cast<size_t>(pages_per_pair) * sizeof(char*);
-    const size_t ids_bytes = static_cast<size_t>(kernel_pairs) * sizeof(int32_t);
-    if (reserve(*s, table_bytes + 2 * ids_bytes)) return -1;
-    char** table = reinterpret_cast<char**>(s->staging);
-    for (int64_t l = 0; l < num_layers; ++l) {
-      table[2 * l] = static_cast<char*>(dev_k[l]);
-      table[2 * l + 1] = static_cast<char*>(dev_v[l]);
+  // Everything below queues work; on a failure part of it may be queued already.
+  auto enqueue = [&]() -> int {
+    if (after_stream != nullptr) {
+      FKV_CUDA(cudaEventRecord(s->upstream, static_cast<cudaStream_t>(after_stream)));
+      FKV_CUDA(cudaStreamWaitEvent(s->stream, s->upstream, 0));
     }
-    std::memcpy(s->staging + table_bytes, k_src.data(), ids_bytes);
-    std::memcpy(s->staging + table_bytes + ids_bytes, k_dst.data(), ids_bytes);
-    FKV_CUDA(cudaMemcpyAsync(s->scratch, s->staging, table_bytes + 2 * ids_bytes, cudaMemcpyHostToDevice, s->stream));
-    auto* d_table = reinterpret_cast<char* const*>(s->scratch);
-    auto* d_src = reinterpret_cast<const int32_t*>(s->scratch + table_bytes);
-    auto* d_dst = reinterpret_cast<const int32_t*>(s->scratch + table_bytes + ids_bytes);
-    const int64_t pages = kernel_pairs * pages_per_pair;
-    if (pages > INT32_MAX) return fail("too many pages for one kernel launch");
-    if (aligned) {
-      gather_pages<uint4><<<static_cast<unsigned>(pages), 256, 0, s->stream>>>(d_table, host_mapped, d_src, d_dst,
-                                                                                pages_per_pair, page_bytes, to_host);
-    } else {
-      gather_pages<unsigned char><<<static_cast<unsigned>(pages), 256, 0, s->stream>>>(
-          d_table, host_mapped, d_src, d_dst, pages_per_pair, page_bytes, to_host);
-    }
-    FKV_CUDA(cudaGetLastError());
-  }
 
-  const int64_t block = g.block_bytes();
-  for (const fkv::Run& r : dma) {
-    const int64_t dev_id = to_host ? r.src : r.dst;
-    const int64_t host_id = to_host ? r.dst : r.src;
-    for (int64_t slot = 0; slot < pages_per_pair; ++slot) {
-      char* dev_span = static_cast<char*>(slot % 2 == 0 ? dev_k[slot / 2] : dev_v[slot / 2]) + dev_id * page_bytes;
-      char* host_span = host_bytes + host_id * block + slot * page_bytes;
-      if (block <= s->max_pitch) {
-        if (to_host) {
-          FKV_CUDA(cudaMemcpy2DAsync(host_span, block, dev_span, page_bytes, page_bytes, r.len,
-                                     cudaMemcpyDeviceToHost, s->stream));
-        } else {
-          FKV_CUDA(cudaMemcpy2DAsync(dev_span, page_bytes, host_span, block, page_bytes, r.len,
-                                     cudaMemcpyHostToDevice, s->stream));
-        }
-      } else {  // host rows too far apart for a 2D copy: one copy per page
-        for (int32_t j = 0; j < r.len; ++j) {
-          char* d = dev_span + j * page_bytes;
-          char* h = host_span + j * block;
-          FKV_CUDA(cudaMemcpyAsync(to_host ? h : d, to_host ? d : h, page_bytes,
-                                   to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, s->stream));
+    const int64_t pages_per_pair = 2 * num_layers;
+    const int64_t kernel_pairs = static_cast<int64_t>(k_src.size());
+    if (kernel_pairs > 0) {
+      const size_t table_bytes = static_cast<size_t>(pages_per_pair) * sizeof(char*);
+      const size_t ids_bytes = static_cast<size_t>(kernel_pairs) * sizeof(int32_t);
+      if (reserve(*s, table_bytes + 2 * ids_bytes)) return -1;
+      char** table = reinterpret_cast<char**>(s->staging);
+      for (int64_t l = 0; l < num_layers; ++l) {
+        table[2 * l] = static_cast<char*>(dev_k[l]);
+        table[2 * l + 1] = static_cast<char*>(dev_v[l]);
+      }
+      std::memcpy(s->staging + table_bytes, k_src.data(), ids_bytes);
+      std::memcpy(s->staging + table_bytes + ids_bytes, k_dst.data(), ids_bytes);
+      FKV_CUDA(cudaMemcpyAsync(s->scratch, s->staging, table_bytes + 2 * ids_bytes, cudaMemcpyHostToDevice, s->stream));
+      auto* d_table = reinterpret_cast<char* const*>(s->scratch);
+      auto* d_src = reinterpret_cast<const int32_t*>(s->scratch + table_bytes);
+      auto* d_dst = reinterpret_cast<const int32_t*>(s->scratch + table_bytes + ids_bytes);
+      const int64_t pages = kernel_pairs * pages_per_pair;
+      if (aligned) {
+        gather_pages<uint4><<<static_cast<unsigned>(pages), 256, 0, s->stream>>>(d_table, host_mapped, d_src, d_dst,
+                                                                                  pages_per_pair, page_bytes, to_host);
+      } else {
+        gather_pages<unsigned char><<<static_cast<unsigned>(pages), 256, 0, s->stream>>>(
+            d_table, host_mapped, d_src, d_dst, pages_per_pair, page_bytes, to_host);
+      }
+      FKV_CUDA(cudaGetLastError());
+    }
+
+    const int64_t block = g.block_bytes();
+    for (const fkv::Run& r : dma) {
+      const int64_t dev_id = to_host ? r.src : r.dst;
+      const int64_t host_id = to_host ? r.dst : r.src;
+      for (int64_t slot = 0; slot < pages_per_pair; ++slot) {
+        char* dev_span = static_cast<char*>(slot % 2 == 0 ? dev_k[slot / 2] : dev_v[slot / 2]) + dev_id * page_bytes;
+        char* host_span = host_bytes + host_id * block + slot * page_bytes;
+        if (block <= s->max_pitch) {
+          if (to_host) {
+            FKV_CUDA(cudaMemcpy2DAsync(host_span, block, dev_span, page_bytes, page_bytes, r.len,
+                                       cudaMemcpyDeviceToHost, s->stream));
+          } else {
+            FKV_CUDA(cudaMemcpy2DAsync(dev_span, page_bytes, host_span, block, page_bytes, r.len,
+                                       cudaMemcpyHostToDevice, s->stream));
+          }
+        } else {  // host rows too far apart for a 2D copy: one copy per page
+          for (int32_t j = 0; j < r.len; ++j) {
+            char* d = dev_span + j * page_bytes;
+            char* h = host_span + j * block;
+            FKV_CUDA(cudaMemcpyAsync(to_host ? h : d, to_host ? d : h, page_bytes,
+                                     to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, s->stream));
+          }
         }
       }
     }
-  }
 
-  FKV_CUDA(cudaEventRecord(s->done, s->stream));
+    FKV_CUDA(cudaEventRecord(s->done, s->stream));
+    return 0;
+  };
+  if (enqueue() != 0) {
+    // Drain what was queued before the error so no copy outlives the call; the error reported
+    // is the first one (a sticky CUDA error would only repeat it here).
+    (void)cudaStreamSynchronize(s->stream);
+    return -1;
+  }
   s->pending = true;
   return sync ? wait_pending(*s) : 0;
 }
