@@ -4,7 +4,35 @@ Paddle is deliberately not a hard dependency: a GPU deployment already has
 ``paddlepaddle-gpu`` and installing fastkv must not pull the CPU wheel over it.
 CPU machines install the ``cpu`` extra (``pip install -e '.[cpu]'``).
 """
+import os
+import sys
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithOps(build_py):
+    """Also pre-builds fastkv's Paddle ops into the package (fastkv/_prebuilt) when Paddle is
+    importable at build time; otherwise fastkv.ops builds them just in time on first use."""
+
+    def run(self):
+        super().run()
+        if os.environ.get("FASTKV_SKIP_OPS_BUILD"):
+            return
+        try:
+            import paddle  # noqa: F401
+        except ImportError:
+            print("fastkv: Paddle is not importable while building; the ops will build just in time on first use")
+            return
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from fastkv import ops
+
+        try:
+            print(f"fastkv: pre-built ops at {ops.build(Path(self.build_lib) / 'fastkv' / '_prebuilt')}")
+        except Exception as exc:  # a deployment without a compiler still installs; first use retries
+            print(f"fastkv: pre-building the ops failed ({exc}); they will build just in time on first use")
+
 
 setup(
     name="fastkv",
@@ -27,6 +55,7 @@ setup(
         "cpu": ["paddlepaddle>=3.0"],
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.5"],
     },
+    cmdclass={"build_py": BuildPyWithOps},
     entry_points={
         "console_scripts": [
             "fastkv-supervisor=fastkv.cli:main",

@@ -1,0 +1,377 @@
+"""The KV tensors of one rank, shared between the processes that use them.
+
+Device tier: allocated by the rank's worker (``DeviceTier.create``), attached by the rank's
+transfer process (``DeviceTier.attach``). Host tier: created by the supervisor
+(``HostTier.create``) so that it outlives a transfer-process restart, attached by the
+transfer process (``HostTier.attach``). Names come from the run's prefix (``fkv...``), so
+the IPC layer's manifest and ``--cleanup`` find them: ``{prefix}kvdev{rank}`` and
+``{prefix}kvhost{rank}``; both are POSIX shm objects, mode 0600.
+
+Byte layout of both segments::
+
+    [0, 4096)  header, little-endian
+        0    8  magic b"FKVTIER1", written last by the creator
+        8    4  u32 kind: 1 device tier in shm, 2 device tier by CUDA IPC, 3 host tier
+        12   4  u32 num_blocks
+        16   8  u64 payload bytes
+        24 256  KVLayout.describe(), utf-8, NUL padded: attach refuses another layout
+    [4096, 4096 + payload)
+        kind 1: per layer l, K[l] then V[l], each [num_blocks, kv_heads, block_size, head_dim]
+        kind 2: JSON list of Paddle's CUDA IPC metadata (``_share_cuda``), K[0], V[0], K[1], ...
+        kind 3: [num_blocks, layers, 2, kv_heads, block_size, head_dim]
+
+The creator writes everything, then the magic; an attacher runs after the creator has said
+so over a semaphore-ordered channel, so it sees a complete segment. On a CPU build the
+tensors are shm mapped into Paddle zero-copy through DLPack; on a GPU build the device tier
+is CUDA memory opened from IPC handles, and the host tier is pinned with cudaHostRegister.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import re
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+import posix_ipc
+
+from fastkv.config import KVLayout
+
+HEADER_BYTES = 4096
+_MAGIC = b"FKVTIER1"
+_HEADER = struct.Struct("<8sIIQ256s")
+_PREFIX_RE = re.compile(r"fkv[A-Za-z0-9_.-]*")
+
+
+class TierKind(IntEnum):
+    DEVICE_SHM = 1
+    DEVICE_CUDA_IPC = 2
+    HOST = 3
+
+
+def _check_prefix(prefix: str) -> str:
+    if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
+        raise ValueError(f"name prefix must start with 'fkv' and use only [A-Za-z0-9_.-], got {prefix!r}")
+    return prefix
+
+
+def device_tier_name(prefix: str, rank: int) -> str:
+    return f"{_check_prefix(prefix)}kvdev{int(rank)}"
+
+
+def host_tier_name(prefix: str, rank: int) -> str:
+    return f"{_check_prefix(prefix)}kvhost{int(rank)}"
+
+
+class ShmSegment:
+    """One POSIX shared-memory object mapped into this process (``buf``: a shared mmap)."""
+
+    def __init__(self, name: str, size: int | None = None, *, create: bool, populate: bool = False) -> None:
+        self.name = name
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        if create:
+            if size is None or size <= 0:
+                raise ValueError(f"shm segment {name!r} needs a positive size, got {size!r}")
+            try:
+                shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=size)
+            except posix_ipc.ExistentialError:
+                raise FileExistsError(
+                    f"shm segment {name!r} exists already (left by a crashed run? fastkv-supervisor --cleanup)"
+                ) from None
+        else:
+            try:
+                shm = posix_ipc.SharedMemory("/" + name)
+            except posix_ipc.ExistentialError:
+                raise FileNotFoundError(f"shm segment {name!r} does not exist (not created yet?)") from None
+            if size is not None and shm.size != size:
+                actual = shm.size
+                shm.close_fd()
+                raise ValueError(f"shm segment {name!r} has {actual} bytes, expected {size}")
+        try:
+            self.size = shm.size
+            self.buf = mmap.mmap(shm.fd, self.size, flags=flags)
+        finally:
+            shm.close_fd()
+
+    def unlink(self) -> None:
+        """Removes the name; mappings (here and in other processes) stay valid until dropped."""
+        unlink_segment(self.name)
+
+
+def unlink_segment(name: str) -> bool:
+    """Unlinks a segment by name; False when it was not there."""
+    try:
+        posix_ipc.unlink_shared_memory("/" + name)
+    except posix_ipc.ExistentialError:
+        return False
+    return True
+
+
+def _write_header(buf: mmap.mmap, kind: TierKind, num_blocks: int, payload: int, layout: KVLayout) -> None:
+    describe = layout.describe().encode()
+    assert len(describe) < 256, f"layout description too long for the tier header: {describe!r}"
+    buf[8 : _HEADER.size] = _HEADER.pack(b"\0" * 8, kind, num_blocks, payload, describe)[8:]
+    buf[0:8] = _MAGIC
+
+
+def _read_header(buf: mmap.mmap, name: str, kinds: tuple[TierKind, ...], num_blocks: int, layout: KVLayout) -> tuple:
+    magic, kind, blocks, payload, describe = _HEADER.unpack_from(buf, 0)
+    if magic != _MAGIC:
+        raise ValueError(f"shm segment {name!r} is not a complete fastkv tier (bad magic {magic!r})")
+    if kind not in kinds:
+        raise ValueError(f"shm segment {name!r} holds a tier of kind {kind}, expected one of {[int(k) for k in kinds]}")
+    describe = describe.rstrip(b"\0").decode()
+    if describe != layout.describe() or blocks != num_blocks:
+        raise ValueError(
+            f"shm segment {name!r} holds {blocks} blocks of layout {describe!r}; "
+            f"attaching with {num_blocks} blocks of {layout.describe()!r}"
+        )
+    return TierKind(kind), payload
+
+
+def numpy_to_paddle(array: np.ndarray, dtype: str) -> Any:
+    """A Paddle CPU tensor over ``array``'s memory (zero-copy, checked). bfloat16 bytes come as uint16."""
+    import paddle
+    from paddle.utils.dlpack import from_dlpack
+
+    if dtype == "bfloat16":
+        if array.dtype != np.uint16:
+            raise TypeError(f"bfloat16 bytes travel as uint16 arrays, got {array.dtype}")
+        # Paddle reads DLPack uint16 as its own uint16 (few kernels); int16 reinterprets cleanly.
+        tensor = from_dlpack(array.view(np.int16)).view(paddle.bfloat16)
+    else:
+        if array.dtype != np.dtype(dtype):
+            raise TypeError(f"expected a {dtype} array, got {array.dtype}")
+        tensor = from_dlpack(array)
+    assert tensor.data_ptr() == array.ctypes.data, "DLPack made a copy of a shared tier array"
+    return tensor
+
+
+def paddle_to_numpy(tensor: Any) -> np.ndarray:
+    """A numpy view of a Paddle CPU tensor (zero-copy; bfloat16 as uint16)."""
+    import paddle
+
+    if tensor.dtype == paddle.bfloat16:
+        return np.from_dlpack(tensor.view(paddle.int16)).view(np.uint16)
+    return np.from_dlpack(tensor)
+
+
+@dataclass(slots=True)
+class DeviceTier:
+    """One rank's device tier: per layer, a K and a V tensor ``layout.device_shape(num_blocks)``.
+
+    ``k_arrays``/``v_arrays`` are numpy views of the same bytes on the shm backend (empty on CUDA).
+    """
+
+    layout: KVLayout
+    num_blocks: int
+    name: str
+    kind: TierKind
+    k: list[Any] = field(default_factory=list)
+    v: list[Any] = field(default_factory=list)
+    k_arrays: list[np.ndarray] = field(default_factory=list)
+    v_arrays: list[np.ndarray] = field(default_factory=list)
+    _segment: ShmSegment | None = None
+
+    @classmethod
+    def create(
+        cls, prefix: str, rank: int, layout: KVLayout, num_blocks: int, *, backend: str | None = None,
+        populate: bool = False,
+    ) -> DeviceTier:
+        """Allocates the tier (the worker of ``rank``). backend: "shm", "cuda" or None (CUDA if Paddle has it)."""
+        _check_blocks(num_blocks)
+        name = device_tier_name(prefix, rank)
+        if backend is None:
+            backend = "cuda" if _cuda_available() else "shm"
+        if backend == "shm":
+            layer_bytes = num_blocks * layout.page_bytes
+            segment = ShmSegment(name, HEADER_BYTES + 2 * layout.num_layers * layer_bytes, create=True,
+                                 populate=populate)
+            try:
+                tier = cls(layout, num_blocks, name, TierKind.DEVICE_SHM, _segment=segment)
+                tier._map_shm()
+            except BaseException:
+                segment.unlink()
+                raise
+            _write_header(segment.buf, TierKind.DEVICE_SHM, num_blocks, 2 * layout.num_layers * layer_bytes, layout)
+            return tier
+        if backend == "cuda":
+            return cls._create_cuda(name, layout, num_blocks)
+        raise ValueError(f"backend must be 'shm', 'cuda' or None, got {backend!r}")
+
+    @classmethod
+    def attach(cls, prefix: str, rank: int, layout: KVLayout, num_blocks: int, *, populate: bool = False) -> DeviceTier:
+        """Maps the tier that rank's worker created (the transfer process)."""
+        _check_blocks(num_blocks)
+        name = device_tier_name(prefix, rank)
+        segment = ShmSegment(name, create=False, populate=populate)
+        kind, payload = _read_header(
+            segment.buf, name, (TierKind.DEVICE_SHM, TierKind.DEVICE_CUDA_IPC), num_blocks, layout
+        )
+        tier = cls(layout, num_blocks, name, kind, _segment=segment)
+        if kind is TierKind.DEVICE_SHM:
+            expected = HEADER_BYTES + 2 * layout.num_layers * num_blocks * layout.page_bytes
+            if segment.size != expected:
+                raise ValueError(f"shm segment {name!r} has {segment.size} bytes, expected {expected}")
+            tier._map_shm()
+        else:
+            tier._open_cuda(json.loads(segment.buf[HEADER_BYTES : HEADER_BYTES + payload]))
+        return tier
+
+    def _map_shm(self) -> None:
+        assert self._segment is not None, "shm device tier without a segment"
+        layer_bytes = self.num_blocks * self.layout.page_bytes
+        shape = self.layout.device_shape(self.num_blocks)
+        views = []
+        for i in range(2 * self.layout.num_layers):
+            offset = HEADER_BYTES + i * layer_bytes
+            views.append(np.frombuffer(self._segment.buf, self.layout.numpy_dtype, layer_bytes // self.layout.itemsize,
+                                       offset).reshape(shape))
+        self.k_arrays, self.v_arrays = views[0::2], views[1::2]
+        self.k = [numpy_to_paddle(a, self.layout.dtype) for a in self.k_arrays]
+        self.v = [numpy_to_paddle(a, self.layout.dtype) for a in self.v_arrays]
+
+    @classmethod
+    def _create_cuda(cls, name: str, layout: KVLayout, num_blocks: int) -> DeviceTier:
+        import paddle
+
+        shape = list(layout.device_shape(num_blocks))
+        tensors = [paddle.zeros(shape, dtype=layout.dtype) for _ in range(2 * layout.num_layers)]
+        metas = [t.value().get_tensor()._share_cuda() for t in tensors]
+        if any(len(m) != 7 for m in metas):
+            raise RuntimeError(
+                "Paddle shares these tensors by virtual-memory handles, which cannot cross processes through "
+                "shm: set FLAGS_use_virtual_memory_auto_growth=0 in the worker"
+            )
+        payload = json.dumps([_encode_meta(m) for m in metas]).encode()
+        segment = ShmSegment(name, HEADER_BYTES + len(payload), create=True)
+        segment.buf[HEADER_BYTES : HEADER_BYTES + len(payload)] = payload
+        _write_header(segment.buf, TierKind.DEVICE_CUDA_IPC, num_blocks, len(payload), layout)
+        return cls(layout, num_blocks, name, TierKind.DEVICE_CUDA_IPC, k=tensors[0::2], v=tensors[1::2],
+                   _segment=segment)
+
+    def _open_cuda(self, metas: list) -> None:
+        import paddle
+
+        if len(metas) != 2 * self.layout.num_layers:
+            raise ValueError(f"{self.name!r} shares {len(metas)} tensors, expected {2 * self.layout.num_layers}")
+        tensors = [paddle.to_tensor(paddle.base.core.DenseTensor._new_shared_cuda(_decode_meta(m))) for m in metas]
+        self.k, self.v = tensors[0::2], tensors[1::2]
+
+    def unlink(self) -> None:
+        """Removes the name (the creator, at shutdown); attached processes keep their mappings."""
+        unlink_segment(self.name)
+
+    def close(self) -> None:
+        """Drops this process's tensors and views; the memory goes when the last reference does."""
+        self.k, self.v, self.k_arrays, self.v_arrays = [], [], [], []
+        self._segment = None
+
+
+@dataclass(slots=True)
+class HostTier:
+    """One rank's host tier: ``array`` is ``layout.host_shape(num_blocks)`` over the shm segment."""
+
+    layout: KVLayout
+    num_blocks: int
+    name: str
+    array: np.ndarray
+    _segment: ShmSegment | None = None
+    _tensor: Any = None
+    pinned: bool = False
+
+    @classmethod
+    def create(cls, prefix: str, rank: int, layout: KVLayout, num_blocks: int, *, populate: bool = False) -> HostTier:
+        """Creates the segment (the supervisor; needs no Paddle)."""
+        _check_blocks(num_blocks)
+        name = host_tier_name(prefix, rank)
+        data = num_blocks * layout.block_bytes
+        segment = ShmSegment(name, HEADER_BYTES + data, create=True, populate=populate)
+        tier = cls(layout, num_blocks, name, cls._view(segment, layout, num_blocks), segment)
+        _write_header(segment.buf, TierKind.HOST, num_blocks, data, layout)
+        return tier
+
+    @classmethod
+    def attach(
+        cls, prefix: str, rank: int, layout: KVLayout, num_blocks: int, *, pin: bool | None = None,
+        populate: bool = False,
+    ) -> HostTier:
+        """Maps the rank's host tier (the transfer process). pin: cudaHostRegister it (default: on CUDA builds)."""
+        _check_blocks(num_blocks)
+        name = host_tier_name(prefix, rank)
+        segment = ShmSegment(name, HEADER_BYTES + num_blocks * layout.block_bytes, create=False, populate=populate)
+        _read_header(segment.buf, name, (TierKind.HOST,), num_blocks, layout)
+        tier = cls(layout, num_blocks, name, cls._view(segment, layout, num_blocks), segment)
+        if pin is None:
+            pin = _cuda_available()
+        if pin:
+            from fastkv import ops
+
+            ops.pin_host(tier.tensor)  # the CUDA path DMAs from it and maps it into the gather kernel
+            tier.pinned = True
+        return tier
+
+    @staticmethod
+    def _view(segment: ShmSegment, layout: KVLayout, num_blocks: int) -> np.ndarray:
+        count = num_blocks * layout.block_bytes // layout.itemsize
+        array = np.frombuffer(segment.buf, layout.numpy_dtype, count, HEADER_BYTES)
+        return array.reshape(layout.host_shape(num_blocks))
+
+    @property
+    def tensor(self) -> Any:
+        """The tier as a Paddle CPU tensor over the same memory (created on first use)."""
+        if self._tensor is None:
+            self._tensor = numpy_to_paddle(self.array, self.layout.dtype)
+        return self._tensor
+
+    def block_bytes(self, block: int) -> memoryview:
+        """The bytes of one host block (one contiguous span: what the storage tier writes)."""
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"host block {block} out of range [0, {self.num_blocks})")
+        return memoryview(self.array[block]).cast("B")
+
+    def unlink(self) -> None:
+        unlink_segment(self.name)
+
+    def close(self) -> None:
+        """Unpins (if pinned here) and drops this process's views."""
+        if self.pinned:
+            from fastkv import ops
+
+            ops.pin_host(self.tensor, pin=False)
+            self.pinned = False
+        self._tensor = None
+        self.array = np.empty(0, self.layout.numpy_dtype)
+        self._segment = None
+
+
+def _check_blocks(num_blocks: int) -> None:
+    if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+        raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+
+
+def _cuda_available() -> bool:
+    try:
+        import paddle
+    except ImportError:
+        return False
+    return bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0
+
+
+def _encode_meta(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return {"bytes": value.hex()}
+    if isinstance(value, list | tuple):
+        return [_encode_meta(v) for v in value]
+    return value
+
+
+def _decode_meta(value: Any) -> Any:
+    if isinstance(value, dict):
+        return bytes.fromhex(value["bytes"])
+    if isinstance(value, list):
+        return tuple(_decode_meta(v) for v in value)
+    return value
