@@ -70,6 +70,7 @@ class _Env:
 
 
 _ENVS: dict[tuple[int, str], _Env] = {}
+_last_tick = 0
 
 
 def _acquire_env(path: str, map_size: int, writemap: bool) -> _Env:
@@ -124,7 +125,6 @@ class LMDBStore(StorageBackend):
         self.max_bytes = max_bytes
         self._shared: _Env | None = _acquire_env(path, map_size, writemap)
         self._touches: dict[bytes, int] = {}
-        self._last_tick = 0
         self._scratch = bytearray()
 
     # --- the interface -------------------------------------------------------------------
@@ -230,6 +230,24 @@ class LMDBStore(StorageBackend):
         with sh.env.begin(db=sh.lru) as txn:
             return [k[8:] for k in txn.cursor().iternext(keys=True, values=False)]
 
+    def get_raw(self, key: bytes) -> bytes | None:
+        """This rank's stored value for ``key``, unverified (tests, debugging)."""
+        sh = self._env()
+        with sh.env.begin(db=sh.blocks) as txn:
+            return txn.get(self.shard_key(key))
+
+    def put_raw(self, key: bytes, value: bytes) -> None:
+        """Stores ``value`` as-is under this rank's shard of ``key``, with accounting (tests)."""
+        tick = self._tick()
+
+        def body(txn, used: int) -> int:
+            used = self._delete_shards(txn, used, [key])
+            txn.put(self.shard_key(key), value, db=self._shared.blocks)
+            self._set_family(txn, key, tick, len(value))
+            return used + len(value)
+
+        self._write(body, "put raw")
+
     def check_integrity(self) -> None:
         """Asserts the accounting: shards, family records, LRU entries and ``used`` agree."""
         sh = self._env()
@@ -260,9 +278,10 @@ class LMDBStore(StorageBackend):
         return self._shared
 
     def _tick(self) -> int:
-        # Wall-clock ns, so ticks of different processes compare; forced strictly increasing here.
-        self._last_tick = max(time.time_ns(), self._last_tick + 1)
-        return self._last_tick
+        # Wall-clock ns, so ticks of different processes compare; strictly increasing in a process.
+        global _last_tick
+        _last_tick = max(time.time_ns(), _last_tick + 1)
+        return _last_tick
 
     def _failed(self, op: str, err: Exception) -> None:
         self.stats.errors += 1

@@ -149,6 +149,14 @@ class RedisStore(StorageBackend):
     def close(self) -> None:
         self._pool.disconnect()
 
+    def get_raw(self, key: bytes) -> bytes | None:
+        """This rank's stored value for ``key``, unverified (tests, debugging). May raise."""
+        return self._client.get(self._rkey(key))
+
+    def put_raw(self, key: bytes, value: bytes) -> None:
+        """Stores ``value`` as-is under this rank's shard of ``key`` (tests). May raise."""
+        self._client.set(self._rkey(key), value)
+
     # --- internals ---------------------------------------------------------------------
 
     def _rkey(self, key: bytes) -> bytes:
