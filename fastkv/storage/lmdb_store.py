@@ -238,9 +238,9 @@ class LMDBStore(StorageBackend):
 
     def put_raw(self, key: bytes, value: bytes) -> None:
         """Stores ``value`` as-is under this rank's shard of ``key``, with accounting (tests)."""
-        tick = self._tick()
 
         def body(txn, used: int) -> int:
+            tick = self._tick()
             used = self._delete_shards(txn, used, [key])
             txn.put(self.shard_key(key), value, db=self._shared.blocks)
             self._set_family(txn, key, tick, len(value))
@@ -334,9 +334,12 @@ class LMDBStore(StorageBackend):
 
     def _put_txn(self, keys, headers, payloads) -> set[bytes] | None:
         scratch = self._scratch
-        tick = self._tick()
 
         def body(txn, used: int) -> int:
+            # The tick is taken under the write lock: taken before it, a process that waited
+            # for the lock would stamp its blocks older than what others wrote meanwhile, and
+            # could evict them in the same transaction.
+            tick = self._tick()
             sh = self._shared
             for k, header, payload in zip(keys, headers, payloads, strict=True):
                 scratch[:HEADER_BYTES] = header

@@ -2,7 +2,8 @@
 
 Keys are ``<prefix>:<block key hex>:<rank>``; values are header + payload (base.py), so a
 value from another namespace, rank or key is a miss even if two engines' keys collide.
-Batches go out as pipelines, split so that one pipeline carries at most ``max_batch_bytes``.
+Batches go out as pipelines, split so that one pipeline carries at most ``max_batch_bytes``;
+the block-sized SET and GET pipelines bypass redis-py's copies (redis_wire.py).
 Capacity and eviction are the server's: run it with ``maxmemory`` and
 ``maxmemory-policy allkeys-lru`` (an evicted shard is a miss for its whole family).
 
@@ -25,6 +26,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from fastkv.storage.base import HEADER_BYTES, StorageBackend, Verdict, check_batch, check_keys, host_blocks
+from fastkv.storage.redis_wire import Wire
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +83,10 @@ class RedisStore(StorageBackend):
             retry=Retry(NoBackoff(), 0),
             socket_read_size=1 << 20,  # 2 MiB values: fewer recv calls than the 64 KiB default
             health_check_interval=0,
+            protocol=2,  # RESP2: no push messages interleaved with the raw replies of redis_wire
         )
         self._client = redis.Redis(connection_pool=self._pool)
+        self._wire = Wire(self._pool)
         self._delete_if_same = self._client.register_script(_DELETE_IF_SAME)
         self._failures = 0
         self._down_until = 0.0
@@ -163,18 +167,17 @@ class RedisStore(StorageBackend):
         return self._prefix + key.hex().encode() + self._suffix
 
     def _put_chunk(self, keys, blocks, ids, lo: int, hi: int, results: list[bool]) -> bool:
-        pipe = self._client.pipeline(transaction=False)
+        items = []
         for k, b in zip(keys[lo:hi], ids[lo:hi], strict=True):
             payload = memoryview(blocks[b])
-            # One copy: SET needs the value contiguous (redis-py sends it without copying again).
-            pipe.set(self._rkey(k), b"".join((self.codec.header(k, payload), payload)), ex=self.ttl)
+            items.append((self._rkey(k), self.codec.header(k, payload), payload))
         try:
-            replies = pipe.execute(raise_on_error=False)
+            replies = self._wire.set_many(items, self.ttl)
         except _FAILURES as e:
             self._failed("put", e)
             return False
         self._ok()
-        rejected = [r for r in replies if isinstance(r, Exception)]  # e.g. OOM under maxmemory noeviction
+        rejected = [r for r in replies if r is not True]  # e.g. OOM under maxmemory noeviction
         if rejected:
             self.stats.errors += 1
             log.warning("redis put: %d of %d values refused: %s", len(rejected), len(replies), rejected[0])
@@ -183,30 +186,29 @@ class RedisStore(StorageBackend):
         return True
 
     def _get_chunk(self, keys, blocks, ids, lo: int, hi: int, results: list[bool]) -> bool:
-        pipe = self._client.pipeline(transaction=False)
-        for k in keys[lo:hi]:
-            pipe.get(self._rkey(k))
-        try:
-            values = pipe.execute(raise_on_error=False)
-        except _FAILURES as e:
-            self._failed("get", e)
-            return False
-        self._ok()
         payload_bytes = blocks.shape[1]
         corrupt = []
-        for i, value in enumerate(values, lo):
-            if value is None:
-                continue
-            if isinstance(value, Exception):  # e.g. WRONGTYPE: someone else's data under our key
+
+        def consume(j: int, value) -> None:
+            i = lo + j
+            if isinstance(value, str):  # an error reply, e.g. WRONGTYPE: not a block of ours
+                log.warning("redis: GET of key %s rank %d answered %s", keys[i].hex(), self.rank, value)
                 corrupt.append((keys[i], b"", -1))
-                continue
+                return
             verdict = self.codec.verify(keys[i], value, payload_bytes)
             if verdict is not Verdict.OK:
                 log.warning("redis: corrupt value for key %s rank %d: %s", keys[i].hex(), self.rank, verdict.name)
-                corrupt.append((keys[i], value[:HEADER_BYTES], len(value)))
-                continue
+                corrupt.append((keys[i], bytes(value[:HEADER_BYTES]), len(value)))
+                return
             blocks[ids[i]] = np.frombuffer(value, np.uint8, payload_bytes, HEADER_BYTES)
             results[i] = True
+
+        try:
+            self._wire.get_many([self._rkey(k) for k in keys[lo:hi]], HEADER_BYTES + payload_bytes, consume)
+        except _FAILURES as e:
+            self._failed("get", e)
+            return False  # blocks verified and copied before the failure stay loaded and True
+        self._ok()
         if corrupt:
             self.stats.corrupt += len(corrupt)
             self._drop_corrupt(corrupt)

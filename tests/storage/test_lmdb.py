@@ -126,6 +126,16 @@ def test_eviction_matches_an_lru_reference_model(tmp_path_factory, ops):
 
 
 def _rank_worker(path: str, rank: int, keys: list[bytes], rounds: int, conn) -> None:
+    try:
+        conn.send(_rank_work(path, rank, keys, rounds))
+    except BaseException as e:
+        conn.send(repr(e))
+        raise
+    finally:
+        conn.close()
+
+
+def _rank_work(path: str, rank: int, keys: list[bytes], rounds: int):
     """One transfer process: stores and loads its shards; checks every hit's bytes."""
     store = LMDBStore(path, NS, rank, 2, max_bytes=24 * 2 * VALUE)
     rng = np.random.default_rng(rank)
@@ -137,7 +147,7 @@ def _rank_worker(path: str, rank: int, keys: list[bytes], rounds: int, conn) -> 
             for slot, i in enumerate(idx):
                 host[slot] = expected_block(keys[i], rank)
             ok = store.put([keys[i] for i in idx], host, range(8))
-            assert all(ok), "put failed under contention"
+            assert all(ok), f"put failed under contention: {ok} {store.stats}"
         else:
             host[:] = 0
             got = store.get([keys[i] for i in idx], host, range(8))
@@ -146,8 +156,7 @@ def _rank_worker(path: str, rank: int, keys: list[bytes], rounds: int, conn) -> 
                     hits += 1
                     bad += not np.array_equal(host[slot], expected_block(keys[i], rank))
     store.close()
-    conn.send((hits, bad, store.stats.corrupt, store.stats.errors))
-    conn.close()
+    return hits, bad, store.stats.corrupt, store.stats.errors
 
 
 def expected_block(key: bytes, rank: int) -> np.ndarray:
@@ -171,7 +180,9 @@ def test_two_rank_processes_share_one_environment(tmp_path):
         results.append(conn.recv())
         p.join(10)
         assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
-    for hits, bad, corrupt, errors in results:
+    for result in results:
+        assert isinstance(result, tuple), f"a rank process failed: {result}"
+        hits, bad, corrupt, errors = result
         assert bad == 0 and corrupt == 0 and errors == 0, results
         assert hits > 0, results
     with LMDBStore(str(tmp_path), NS, 0, 2, max_bytes=24 * 2 * VALUE) as store:
