@@ -2,8 +2,10 @@
 
 Keys are ``<prefix>:<block key hex>:<rank>``; values are header + payload (base.py), so a
 value from another namespace, rank or key is a miss even if two engines' keys collide.
-Batches go out as pipelines, split so that one pipeline carries at most ``max_batch_bytes``;
-the block-sized SET and GET pipelines bypass redis-py's copies (redis_wire.py).
+Batches go out as pipelines of at most ``max_batch_bytes`` (default 8 MiB: a few block
+values in flight hide the round trip; deeper pipelines only grow the server's reply buffers
+and measured slower here); the block-sized SET and GET pipelines bypass redis-py's copies
+(redis_wire.py).
 Capacity and eviction are the server's: run it with ``maxmemory`` and
 ``maxmemory-policy allkeys-lru`` (an evicted shard is a miss for its whole family).
 
@@ -58,7 +60,7 @@ class RedisStore(StorageBackend):
         max_backoff: float = 5.0,
         ttl: int | None = None,
         prefix: str = "fkv",
-        max_batch_bytes: int = 64 << 20,
+        max_batch_bytes: int = 8 << 20,
     ) -> None:
         super().__init__(namespace, rank, tp_size)
         for name, value in (("timeout", timeout), ("backoff", backoff), ("max_backoff", max_backoff)):

@@ -18,7 +18,7 @@ NUM_BLOCKS = 8
 fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(params=["lmdb", "redis"])
+@pytest.fixture(params=["lmdb", pytest.param("redis", marks=pytest.mark.redis)])
 def make_store(request, tmp_path):
     """``make_store(namespace=NS, rank=0, tp_size=1)``: backends of one pool (one LMDB dir / one server)."""
     opened = []

@@ -13,6 +13,8 @@ from fastkv.storage.redis_store import RedisStore
 
 from .conftest import NS, RedisServer, rand_keys, random_host
 
+pytestmark = pytest.mark.redis
+
 TIMEOUT = 0.5
 BACKOFF = 0.2
 MAX_BACKOFF = 0.4
