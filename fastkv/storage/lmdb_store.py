@@ -19,6 +19,8 @@ reader never sees a half-written value. Eviction, accounting and LRU records cha
 inside write transactions, hence stay consistent. Reads do not take the write lock: the
 access ticks of hits are remembered in this process and applied at its next write
 transaction (put, delete, or ``flush()``), which is the only point where they matter.
+Ticks are wall-clock nanoseconds (comparable across the processes of one machine), taken
+under the write lock for writes.
 
 Durability: opened with sync=False, metasync=False: no fsync per block. A machine crash
 may lose the last transactions; a value that comes back torn fails its checksum and is a

@@ -13,7 +13,8 @@ selects the db and sets the socket timeouts; the pool must speak RESP2):
   host block before the next reply overwrites the buffer.
 
 Any socket or protocol error disconnects the connection before it returns to the pool, so
-a half-read pipeline never leaks into the next command.
+a half-read pipeline never leaks into the next command. Uses redis-py's ``Connection._sock``
+(the connected socket; present under that name throughout redis-py 3-8).
 """
 from __future__ import annotations
 
