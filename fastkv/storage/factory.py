@@ -1,0 +1,92 @@
+"""Builds a storage backend from a URL (the deployment's one storage setting).
+
+    lmdb:///var/cache/fastkv/engine0?max_bytes=64G[&map_size=160G][&writemap=1]
+    redis://[:password@]host:port/db?timeout=1.0[&backoff=0.5][&max_backoff=5][&ttl=3600][&prefix=fkv]
+    rediss://...   unix:///run/redis.sock?db=0&...          (same options)
+    mooncake://master-host:50051?metadata_server=http://h:8080/metadata&local_hostname=h[&protocol=tcp]
+        [&device_name=mlx5_0][&global_segment_size=4G][&local_buffer_size=1G]
+
+Sizes take binary suffixes (K, M, G, T; "64G" = 64 GiB). Unknown options are an error, so
+a typo never silently falls back to a default.
+"""
+from __future__ import annotations
+
+import re
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from fastkv.storage.base import StorageBackend
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
+_SHIFT = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
+
+
+def parse_size(text: str) -> int:
+    """``"64G"`` -> 64 GiB in bytes."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise ValueError(f"not a size: {text!r} (expected e.g. 1048576, 512M, 64G)")
+    return int(m.group(1)) << _SHIFT[m.group(2).upper()]
+
+
+def _flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _options(query: str, kinds: dict[str, type], url: str) -> dict:
+    """Parses ``query`` by ``kinds`` (option -> int/float/str/bool/"size")."""
+    out = {}
+    for name, raw in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
+        if name not in kinds:
+            raise ValueError(f"unknown option {name!r} in storage URL {url!r}; known: {sorted(kinds)}")
+        kind = kinds[name]
+        try:
+            out[name] = (parse_size(raw) if kind == "size" else _flag(raw) if kind is bool else kind(raw))
+        except ValueError as e:
+            raise ValueError(f"bad value for {name!r} in storage URL {url!r}: {e}") from None
+    return out
+
+
+_REDIS_OPTIONS = {"timeout": float, "backoff": float, "max_backoff": float, "ttl": int, "prefix": str,
+                  "max_batch_bytes": "size"}
+_REDIS_PASSTHROUGH = {"db"}  # left in the URL for redis-py
+
+
+def open_store(url: str, namespace: bytes, rank: int = 0, tp_size: int = 1) -> StorageBackend:
+    """The backend ``url`` names, serving ``rank`` of ``tp_size`` in ``namespace``."""
+    if not isinstance(url, str):
+        raise TypeError(f"storage URL must be a str, got {type(url).__name__}")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "lmdb":
+        from fastkv.storage.lmdb_store import LMDBStore
+
+        path = parts.netloc + parts.path
+        if not path:
+            raise ValueError(f"lmdb URL needs a directory: {url!r} (e.g. lmdb:///var/cache/fastkv)")
+        opts = _options(parts.query, {"max_bytes": "size", "map_size": "size", "writemap": bool}, url)
+        return LMDBStore(path, namespace, rank, tp_size, **opts)
+    if scheme in ("redis", "rediss", "unix"):
+        from fastkv.storage.redis_store import RedisStore
+
+        ours = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k not in _REDIS_PASSTHROUGH]
+        theirs = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k in _REDIS_PASSTHROUGH]
+        opts = _options(urlencode(ours), _REDIS_OPTIONS, url)
+        clean = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(theirs), ""))
+        return RedisStore(clean, namespace, rank, tp_size, **opts)
+    if scheme == "mooncake":
+        from fastkv.storage.mooncake_store import MooncakeStore
+
+        kinds = {"metadata_server": str, "local_hostname": str, "protocol": str, "device_name": str,
+                 "global_segment_size": "size", "local_buffer_size": "size", "prefix": str}
+        opts = _options(parts.query, kinds, url)
+        for required in ("metadata_server", "local_hostname"):
+            if required not in opts:
+                raise ValueError(f"mooncake URL needs ?{required}=...: {url!r}")
+        if not parts.netloc:
+            raise ValueError(f"mooncake URL needs the master address as host:port: {url!r}")
+        return MooncakeStore(namespace, rank, tp_size, master_server_address=parts.netloc, **opts)
+    raise ValueError(f"unknown storage URL scheme {parts.scheme!r} in {url!r}; use lmdb://, redis:// or mooncake://")

@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Storage-tier throughput: store (put) and load (get) MB/s of whole host blocks, per
+backend, at batch sizes 1 and 64, through the same API the transfer processes call.
+
+Each round stores ``--blocks`` fresh keys from a host array, loads them back into another
+one (checked byte-identical once), then deletes them outside the timed part. The median
+round is reported. LMDB runs in a temporary directory (removed afterwards; its reads come
+from the page cache, as they would for a recently stored block); Redis is the server at
+``--redis-url`` or a redis-server started here on 127.0.0.1 without persistence.
+
+The last line is the issue's JSON: {"bench": "storage", "mbps": {...}} at batch 64.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fastkv.config import KVLayout  # noqa: E402
+from fastkv.storage import StorageBackend, namespace_fingerprint, open_store  # noqa: E402
+
+LAYOUTS = {
+    # 64-token blocks across 8 layers: 2 MiB per block (the issue's reference block).
+    "default": KVLayout(num_layers=8, kv_heads=8, block_size=64, head_dim=128, dtype="bfloat16"),
+    # 64-token blocks of a smaller model: 256 KiB per block.
+    "small": KVLayout(num_layers=2, kv_heads=4, block_size=64, head_dim=128, dtype="bfloat16"),
+}
+BATCHES = (1, 64)
+
+
+def start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server not found: install it or pass --redis-url")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    import redis
+
+    client = redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.RedisError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit(f"redis-server did not start on port {port}") from None
+            time.sleep(0.05)
+    client.close()
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def measure(store: StorageBackend, host: np.ndarray, out: np.ndarray, batch: int, rounds: int) -> tuple[float, float]:
+    """Median put and get MB/s over ``rounds`` rounds of ``len(host)`` fresh blocks."""
+    n = host.shape[0]
+    total_mb = host.nbytes / 1e6
+    puts, gets = [], []
+    for r in range(rounds):
+        keys = [os.urandom(32) for _ in range(n)]
+        t0 = time.perf_counter()
+        for lo in range(0, n, batch):
+            ok = store.put(keys[lo:lo + batch], host, range(lo, min(lo + batch, n)))
+            assert all(ok), f"put failed: {store.stats}"
+        t1 = time.perf_counter()
+        for lo in range(0, n, batch):
+            ok = store.get(keys[lo:lo + batch], out, range(lo, min(lo + batch, n)))
+            assert all(ok), f"get failed: {store.stats}"
+        t2 = time.perf_counter()
+        if r == 0:
+            assert np.array_equal(out, host), "loaded blocks differ from the stored ones"
+        store.delete(keys)
+        puts.append(total_mb / (t1 - t0))
+        gets.append(total_mb / (t2 - t1))
+    return statistics.median(puts), statistics.median(gets)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer blocks and rounds (under a minute)")
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="default")
+    ap.add_argument("--blocks", type=int, help="blocks per round (default 128, quick 64)")
+    ap.add_argument("--rounds", type=int, help="rounds per measurement (default 5, quick 3)")
+    ap.add_argument("--redis-url", help="use this server instead of starting one")
+    ap.add_argument("--backends", default="lmdb,redis", help="comma-separated: lmdb,redis")
+    ap.add_argument("--tmpdir", help="where the LMDB environment goes (default: the system temp dir)")
+    args = ap.parse_args()
+    layout = LAYOUTS[args.layout]
+    blocks = args.blocks or (64 if args.quick else 128)
+    rounds = args.rounds or (3 if args.quick else 5)
+    backends = [b for b in args.backends.split(",") if b]
+    for b in backends:
+        if b not in ("lmdb", "redis"):
+            raise SystemExit(f"unknown backend {b!r}")
+    if blocks < max(BATCHES):
+        raise SystemExit(f"--blocks must be at least {max(BATCHES)}")
+
+    rng = np.random.default_rng(0)
+    host = rng.integers(0, 1 << 16, size=layout.host_shape(blocks), dtype=np.uint16)
+    out = np.zeros_like(host)
+    namespace = namespace_fingerprint("bench", layout.describe())
+    workdir = tempfile.mkdtemp(prefix="fkv-bench-storage-", dir=args.tmpdir)
+    redis_proc = None
+    results: dict[tuple[str, int], tuple[float, float]] = {}
+    try:
+        for backend in backends:
+            if backend == "lmdb":
+                # Room for one round plus what the freed pages of earlier rounds pin.
+                url = f"lmdb://{workdir}/lmdb?max_bytes={4 * host.nbytes}"
+            else:
+                if args.redis_url is None and redis_proc is None:
+                    redis_proc, args.redis_url = start_redis(workdir)
+                url = f"{args.redis_url}{'&' if '?' in args.redis_url else '?'}timeout=10"
+            with open_store(url, namespace) as store:
+                for batch in BATCHES:
+                    results[backend, batch] = measure(store, host, out, batch, rounds)
+    finally:
+        if redis_proc is not None:
+            redis_proc.kill()
+            redis_proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    print(f"storage tier, {layout.block_bytes / (1 << 20):g} MiB blocks ({layout.describe()}), "
+          f"{blocks} blocks x {rounds} rounds, median MB/s")
+    print(f"{'backend':<8}" + "".join(f"{f'put b={b}':>12}{f'get b={b}':>12}" for b in BATCHES))
+    for backend in backends:
+        print(f"{backend:<8}" + "".join(f"{results[backend, b][0]:>12.0f}{results[backend, b][1]:>12.0f}"
+                                         for b in BATCHES))
+    mbps = {}
+    for backend in backends:
+        put, get = results[backend, 64]
+        mbps[f"{backend}_put"] = round(put, 1)
+        mbps[f"{backend}_get"] = round(get, 1)
+    print(json.dumps({"bench": "storage", "mbps": mbps}))
+
+
+if __name__ == "__main__":
+    main()
