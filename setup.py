@@ -4,7 +4,7 @@ Paddle is deliberately not a hard dependency: a GPU deployment already has
 ``paddlepaddle-gpu`` and installing fastkv must not pull the CPU wheel over it.
 CPU machines install the ``cpu`` extra (``pip install -e '.[cpu]'``).
 """
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 setup(
     name="fastkv",
@@ -27,6 +27,8 @@ setup(
         "cpu": ["paddlepaddle>=3.0"],
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.5"],
     },
+    # Atomics, fences and the ring fast path on shared memory (see fastkv/ipc/ring.py).
+    ext_modules=[Extension("fastkv._atomics", ["ops/shm_atomics.c"], extra_compile_args=["-O2", "-std=c11"])],
     entry_points={
         "console_scripts": [
             "fastkv-supervisor=fastkv.cli:main",
