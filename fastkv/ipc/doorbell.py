@@ -104,7 +104,9 @@ class Doorbell:
                     return False
             try:
                 self._sem.acquire(slice_s)
-            except posix_ipc.BusyError:
+            except (posix_ipc.BusyError, posix_ipc.SignalError):
+                # a timed-out slice, or EINTR after a signal whose Python handler returned
+                # normally (a raising handler propagates instead): look again
                 A.store(flag, 0)
                 if check is not None:
                     check()

@@ -216,6 +216,8 @@ class Ring:
             n, post = A.push_many(self.hdr, bufs, self.data_bell.flag_addr)
         except ValueError as exc:
             raise MessageTooLarge(f"ring {self.local!r}: {exc}") from None
+        except TypeError as exc:
+            raise TypeError(f"ring {self.local!r} takes bytes-like buffers: {exc}") from None
         if post:
             self.data_bell.post()
         return n
@@ -230,6 +232,9 @@ class Ring:
         deadline = None if timeout is None else time.monotonic() + timeout
         while done < len(bufs):
             need = self.slots_for(len(bufs[done]))
+            if need > self.nslots:
+                self.try_push_many(bufs[done:done + 1])  # raises MessageTooLarge
+                raise AssertionError("push_many: C accepted a message larger than the ring")
             ready = lambda need=need: self.nslots - A.used(self.hdr) >= need or A.load(self.hdr + OFF_CLOSED) & 2
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self.space_bell.wait(ready, remaining, lambda: self._check_peer(Side.CONSUMER)):
