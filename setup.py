@@ -27,8 +27,12 @@ setup(
         "cpu": ["paddlepaddle>=3.0"],
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.5"],
     },
-    # Atomics, fences and the ring fast path on shared memory (see fastkv/ipc/ring.py).
-    ext_modules=[Extension("fastkv._atomics", ["ops/shm_atomics.c"], extra_compile_args=["-O2", "-std=c11"])],
+    # Atomics, fences and the ring fast path on shared memory (fastkv/ipc/ring.py), and the
+    # message codec's fast path (fastkv/ipc/codec.py). Plain CPython C API, no numpy headers.
+    ext_modules=[
+        Extension("fastkv._atomics", ["ops/shm_atomics.c"], extra_compile_args=["-O2", "-std=c11"]),
+        Extension("fastkv._codec", ["ops/ipc_codec.c"], extra_compile_args=["-O2", "-std=c11"]),
+    ],
     entry_points={
         "console_scripts": [
             "fastkv-supervisor=fastkv.cli:main",

@@ -14,12 +14,12 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from fastkv.ipc.atomics import A
 from fastkv.ipc.codec import decode, encode
 from fastkv.ipc.doorbell import Doorbell
 from fastkv.ipc.errors import BadMessage, PeerDied, PeerTimeout
 from fastkv.ipc.messages import DoneMsg
 from fastkv.ipc.namespace import Namespace
+from fastkv.ipc.native import A
 from fastkv.ipc.ring import Ring, Side
 
 

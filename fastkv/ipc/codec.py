@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from fastkv.ipc.errors import BadMessage
+from fastkv.ipc.native import C
 
 _SCALARS = {"i64": "q", "i32": "i", "f64": "d", "bool": "?"}
 _VARIABLE = ("i32[]", "i64[]", "bytes", "str", "bytes[]", "str[]", "i32[][]")
@@ -69,6 +70,12 @@ class Schema:
         self.var_idx = [i for i, (_, k) in enumerate(fields) if k in _VARIABLE]
         self.var = [(fields[i][0], *_CODERS[fields[i][1]], f"{cls.__name__}.{fields[i][0]}") for i in self.var_idx]
         self.in_order = self.scalar_idx == list(range(len(self.scalar_idx)))
+        self.kind_codes = bytes(_KIND_CODES[fields[i][1]] for i in self.var_idx)
+        self.var_where = tuple(where for *_, where in self.var)
+        var_names = [fields[i][0] for i in self.var_idx]
+        self.get_var = lambda m: tuple(getattr(m, n) for n in var_names)
+        if len(var_names) > 1:
+            self.get_var = operator.attrgetter(*var_names)
         fmt = "<" + "".join(_SCALARS[fields[i][1]] for i in self.scalar_idx)
         size = struct.calcsize(fmt)
         self.scalars = struct.Struct(fmt + "x" * (-size % 8))
@@ -253,6 +260,7 @@ def _dec_ragged(buf: bytes, off: int, count: int, nbytes: int, where: str) -> An
     return [values[bounds[j]:bounds[j + 1]] for j in range(count)]
 
 
+_KIND_CODES = {"i32[]": 1, "i64[]": 2, "bytes": 3, "str": 4, "bytes[]": 5, "str[]": 6, "i32[][]": 7}  # ops/ipc_codec.c
 _CODERS = {
     "i32[]": (_enc_i32, _dec_i32),
     "i64[]": (_enc_i64, _dec_i64),
@@ -265,7 +273,9 @@ _CODERS = {
 
 
 def encode(msg: Any) -> bytes:
-    """The wire bytes of a registered message (TypeError for anything else)."""
+    """The wire bytes of a registered message (TypeError for anything else). The C fast
+    path takes canonical values (int32 numpy arrays, bytes, str, lists/tuples of them);
+    anything else goes through ``encode_py``, which converts or raises a clear error."""
     schema = _BY_CLASS.get(type(msg))
     if schema is None:
         raise TypeError(f"cannot encode {type(msg).__name__}: not a registered fastkv message type")
@@ -273,6 +283,26 @@ def encode(msg: Any) -> bytes:
         scalars = schema.scalars.pack(*schema.get_scalars(msg))
     except struct.error as exc:
         raise ValueError(f"{type(msg).__name__}: bad scalar field ({exc})") from None
+    if schema.var:
+        buf = C.encode(schema.type_id, schema.tag, scalars, schema.kind_codes, schema.get_var(msg))
+        if buf is not None:
+            return buf
+    return _encode_py(msg, schema, scalars)
+
+
+def encode_py(msg: Any) -> bytes:
+    """The pure-Python encoder: the reference the C fast path is tested against."""
+    schema = _BY_CLASS.get(type(msg))
+    if schema is None:
+        raise TypeError(f"cannot encode {type(msg).__name__}: not a registered fastkv message type")
+    try:
+        scalars = schema.scalars.pack(*schema.get_scalars(msg))
+    except struct.error as exc:
+        raise ValueError(f"{type(msg).__name__}: bad scalar field ({exc})") from None
+    return _encode_py(msg, schema, scalars)
+
+
+def _encode_py(msg: Any, schema: Schema, scalars: bytes) -> bytes:
     parts = [b"", scalars]
     total = 8 + len(scalars)
     for name, enc, _, where in schema.var:
@@ -287,9 +317,7 @@ def _bad(buf: bytes, why: str) -> BadMessage:
     return BadMessage(f"bad message ({len(buf)} bytes): {why}")
 
 
-def decode(buf: bytes) -> Any:
-    """Parse wire bytes back into the registered message; BadMessage for anything
-    malformed (unknown type, schema mismatch, truncated, trailing bytes, bad UTF-8)."""
+def _header(buf: bytes) -> Schema:
     n = len(buf)
     if n < 8:
         raise _bad(buf, "shorter than the 8-byte header")
@@ -301,18 +329,44 @@ def decode(buf: bytes) -> Any:
         raise _bad(buf, f"{schema.cls.__name__} schema tag {tag:#x} != ours {schema.tag:#x} (peer runs other code)")
     if total != n:
         raise _bad(buf, f"{schema.cls.__name__} header says {total} bytes (truncated or trailing data)")
-    off = 8 + schema.scalars.size
-    if off > n:
+    if 8 + schema.scalars.size > n:
         raise _bad(buf, f"{schema.cls.__name__} truncated in its scalars")
-    values = schema.scalars.unpack_from(buf, 8)
-    if schema.in_order:  # scalars first, then variable fields: no reordering needed
-        values = list(values)
-    else:
-        ordered: list[Any] = [None] * len(schema.names)
-        for i, v in zip(schema.scalar_idx, values, strict=True):
-            ordered[i] = v
-        values = ordered
-    for i, (_, _, dec, where) in zip(schema.var_idx, schema.var, strict=True):
+    return schema
+
+
+def _build(schema: Schema, scalars: tuple, var: list) -> Any:
+    if schema.in_order:
+        return schema.cls(*scalars, *var)
+    values: list[Any] = [None] * len(schema.names)
+    for i, v in zip(schema.scalar_idx, scalars, strict=True):
+        values[i] = v
+    for i, v in zip(schema.var_idx, var, strict=True):
+        values[i] = v
+    return schema.cls(*values)
+
+
+def decode(buf: bytes) -> Any:
+    """Parse wire bytes back into the registered message; BadMessage for anything
+    malformed (unknown type, schema mismatch, truncated, trailing bytes, bad UTF-8)."""
+    if type(buf) is not bytes:
+        buf = bytes(buf)
+    schema = _header(buf)
+    scalars = schema.scalars.unpack_from(buf, 8)
+    try:
+        var = C.decode(buf, schema.kind_codes, 8 + schema.scalars.size, schema.var_where, np.frombuffer, _I32N, _I64)
+    except ValueError as exc:
+        raise _bad(buf, str(exc) if schema.var else "") from None
+    return _build(schema, scalars, var)
+
+
+def decode_py(buf: bytes) -> Any:
+    """The pure-Python decoder: the reference the C fast path is tested against."""
+    buf = bytes(buf)
+    schema = _header(buf)
+    n, off = len(buf), 8 + schema.scalars.size
+    scalars = schema.scalars.unpack_from(buf, 8)
+    var = []
+    for _, _, dec, where in schema.var:
         if off + 8 > n:
             raise _bad(buf, f"{where}: truncated field header")
         count, nbytes = _VAR.unpack_from(buf, off)
@@ -320,15 +374,11 @@ def decode(buf: bytes) -> Any:
         end = off + nbytes
         if end > n:
             raise _bad(buf, f"{where}: {nbytes} bytes run past the end")
-        v = dec(buf, off, count, nbytes, where)
-        if schema.in_order:
-            values.append(v)
-        else:
-            values[i] = v
+        var.append(dec(buf, off, count, nbytes, where))
         off = end + (-nbytes % 8)
     if off != n:
         raise _bad(buf, f"{schema.cls.__name__}: {n - off} bytes of trailing data")
-    return schema.cls(*values)
+    return _build(schema, scalars, var)
 
 
 def type_of(buf: bytes) -> type | None:

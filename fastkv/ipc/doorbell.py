@@ -36,8 +36,8 @@ from collections.abc import Callable
 
 import posix_ipc
 
-from fastkv.ipc.atomics import A
 from fastkv.ipc.namespace import Namespace
+from fastkv.ipc.native import A
 
 MAGIC = int.from_bytes(b"FKVBELL1", "little")
 SIZE = 64

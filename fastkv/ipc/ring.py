@@ -10,10 +10,10 @@ import time
 from collections.abc import Sequence
 from enum import IntEnum
 
-from fastkv.ipc.atomics import A
 from fastkv.ipc.doorbell import Doorbell
 from fastkv.ipc.errors import BadMessage, ChannelClosed, MessageTooLarge, PeerDied, PeerTimeout
 from fastkv.ipc.namespace import Namespace
+from fastkv.ipc.native import A
 from fastkv.ipc.peers import Peer, me
 
 HEADER = 512

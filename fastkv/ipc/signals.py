@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fastkv.ipc.atomics import A
 from fastkv.ipc.errors import ChannelClosed
 from fastkv.ipc.namespace import Namespace
+from fastkv.ipc.native import A
 
 MAGIC = int.from_bytes(b"FKVSIGS1", "little")
 HEADER = 64

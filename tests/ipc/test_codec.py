@@ -125,3 +125,44 @@ def test_new_message_types_register_and_collide():
     assert got.seq == 3 and got.ids.tolist() == [2**40] and got.note == "hi"
     with pytest.raises(ValueError, match="already taken"):
         message(900)(PingMsg)
+
+
+messages = st.one_of(
+    st.builds(lambda t, k, s, d, keys: TaskMsg(t, k, s, d, tuple(keys)), st.integers(0, 2**40),
+              st.sampled_from(list(CopyKind)), i32s, i32s, st.lists(st.binary(max_size=12), max_size=5)),
+    st.builds(lambda t, s, d: TaskMsg(t, 1, s.tolist(), list(d)), st.integers(0, 9), i32s, i32s),  # slow path
+    st.builds(DoneMsg, st.integers(0, 2**40), st.integers(0, 7), st.booleans(), st.integers(0, 2**40),
+              st.floats(allow_nan=False), texts),
+    st.builds(lambda r, t, b: PlanMsg(1, r, [t] * len(r), [b] * len(r), np.arange(len(r), dtype=np.int32)),
+              st.lists(texts, max_size=4), i32s, i32s),
+)
+
+
+@given(messages, st.data())
+def test_c_fast_path_matches_python_reference(msg, data):
+    from fastkv.ipc.codec import decode_py, encode_py
+
+    buf = encode(msg)
+    assert buf == encode_py(msg)
+    same_or_equal(decode(buf), decode_py(buf))
+    # corrupt one byte or cut the message: both decoders agree (same message or both BadMessage)
+    i = data.draw(st.integers(0, len(buf) - 1))
+    bad = bytearray(buf)
+    bad[i] ^= data.draw(st.integers(1, 255))
+    for variant in (bytes(bad), buf[:i]):
+        outcomes = []
+        for dec in (decode, decode_py):
+            try:
+                outcomes.append(dec(variant))
+            except BadMessage:
+                outcomes.append(None)
+        assert (outcomes[0] is None) == (outcomes[1] is None), f"decoders disagree on byte {i}"
+        if outcomes[0] is not None:
+            same_or_equal(*outcomes)
+
+
+def same_or_equal(a, b) -> None:
+    if isinstance(a, DoneMsg):
+        assert a == b or (a.seconds != a.seconds and b.seconds != b.seconds)
+    else:
+        same(a, b)
