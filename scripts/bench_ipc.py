@@ -22,11 +22,11 @@ server process that answers it). The last output line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
 import queue
-import statistics
 import sys
 import threading
 import time
@@ -35,7 +35,7 @@ from multiprocessing.managers import AcquirerProxy, BaseManager, ListProxy
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fastkv.ipc import Channel, Namespace, TaskMsg  # noqa: E402
+from fastkv.ipc import Channel, Namespace, TaskMsg, encode  # noqa: E402
 
 CTX = mp.get_context("fork")
 BACKENDS = ("fastdeploy", "bm_queue", "mp_queue", "fastkv")
@@ -181,7 +181,7 @@ class Backend:
             self.a, self.b = MPQueueEP(CTX.Queue()), MPQueueEP(CTX.Queue())
         else:
             self.ns = Namespace.create()
-            self.chans = [Channel.create(self.ns, n, slot_size=256, nslots=4096) for n in ("a", "b")]
+            self.chans = [Channel.create(self.ns, n, slot_size=256, nslots=16384) for n in ("a", "b")]
             self.a, self.b = FastKVEP(self.ns.run_id, "a"), FastKVEP(self.ns.run_id, "b")
 
     def close(self) -> None:
@@ -195,43 +195,78 @@ class Backend:
 
 # ---- measurements -------------------------------------------------------------------
 
-def _echo(be: Backend, n: int) -> None:
-    for _ in range(n):
-        msgs = be.a.recv_many(30)
-        be.b.send_many(msgs)
+def _echo(be: Backend, turn) -> None:
+    """Echo messages back; a negative stamp ends a turn (-1) or the process (-2). Between
+    turns the process blocks on ``turn``, so a polling backend loads no one else's turn."""
+    while True:
+        turn.acquire()
+        while True:
+            msgs = be.a.recv_many(60)
+            stamp = be.stamp(msgs[-1])
+            if stamp < 0:
+                break
+            be.b.send_many(msgs)
+        if stamp == -2:
+            return
 
 
-def round_trip(be: Backend, n: int) -> tuple[float, float]:
-    child = CTX.Process(target=_echo, args=(be, n + 20))
-    child.start()
-    rtts = []
-    for i in range(n + 20):
-        t0 = time.perf_counter()
-        be.a.send(be.make(i))
-        got = be.b.recv_many(30)
-        rtts.append(time.perf_counter() - t0)
-        assert got and be.stamp(got[0]) == i, f"{be.name}: echo mismatch"
-    child.join(30)
-    rtts = sorted(rtts[20:])
-    return rtts[len(rtts) // 2] * 1e6, rtts[int(len(rtts) * 0.99)] * 1e6
+def round_trips(backends: dict[str, Backend], counts: dict[str, int], rounds: int) -> dict[str, tuple[float, float]]:
+    """Round trips (send; an echo process sends it back; receive). The backends take turns
+    over several rounds, so each sees the same (shared) machine."""
+    turns = {name: CTX.Semaphore(0) for name in backends}
+    kids = {name: CTX.Process(target=_echo, args=(be, turns[name])) for name, be in backends.items()}
+    for kid in kids.values():
+        kid.start()
+    rtts: dict[str, list[float]] = {name: [] for name in backends}
+    for rnd in range(rounds):
+        for name, be in backends.items():
+            turns[name].release()
+            for i in range(counts[name] + 3):
+                t0 = time.perf_counter()
+                be.a.send(be.make(i))
+                got = be.b.recv_many(30)
+                if i >= 3:  # the first ones of a turn wake the echo process up
+                    rtts[name].append(time.perf_counter() - t0)
+                assert got and be.stamp(got[0]) == i, f"{name}: echo mismatch"
+            be.a.send(be.make(-2 if rnd == rounds - 1 else -1))
+    for kid in kids.values():
+        kid.join(30)
+    out = {}
+    for name, r in rtts.items():
+        r.sort()
+        out[name] = (r[len(r) // 2] * 1e6, r[int(len(r) * 0.99)] * 1e6)
+    return out
 
 
-def _flood(be: Backend, n: int, batch: int) -> None:
+def _flood(be: Backend, n: int, raw: bool, ready, go) -> None:
     msg = be.make(0)
-    for i in range(0, n, batch):
-        be.a.send_many([msg] * min(batch, n - i))  # every message encoded/pickled on its own
+    if raw:
+        buf, ch = encode(msg), be.a._ch()
+    ready.release()
+    go.acquire()
+    for i in range(0, n, 64):
+        if raw:
+            ch.send_encoded([buf] * min(64, n - i))
+        else:
+            be.a.send_many([msg] * min(64, n - i))  # every message encoded/pickled on its own
 
 
-def one_way(be: Backend, n: int) -> float:
-    child = CTX.Process(target=_flood, args=(be, n, 64))
+def one_way(be: Backend, n: int, raw: bool = False) -> float:
+    """Messages/s from a flooding process to this one. ``raw``: the fastkv ring alone
+    (pre-encoded messages, no decode), for reference."""
+    ready, go = CTX.Semaphore(0), CTX.Semaphore(0)
+    child = CTX.Process(target=_flood, args=(be, n, raw, ready, go))
     child.start()
-    got = len(be.a.recv_many(30))
+    ready.acquire()  # the child is set up (forked, attached): time the messages only
+    recv = be.a._ch().ring.pop_many if raw else (lambda: be.a.recv_many(30))
     t0 = time.perf_counter()
+    go.release()
+    got = 0
     while got < n:
-        got += len(be.a.recv_many(30))
+        got += len(recv(256, 30) if raw else recv())
     dt = time.perf_counter() - t0
     child.join(30)
-    return (n - 1) / dt
+    return n / dt
 
 
 def _feed(be: Backend, rate: float, seconds: float, conn) -> None:
@@ -255,19 +290,10 @@ def _compute(stop: threading.Event, out: list) -> None:
     out.append(n)
 
 
-def compute_rate(seconds: float) -> float:
-    stop, out = threading.Event(), []
-    t = threading.Thread(target=_compute, args=(stop, out))
-    t0 = time.perf_counter()
-    t.start()
-    time.sleep(seconds)
-    stop.set()
-    t.join()
-    return out[0] / (time.perf_counter() - t0)
-
-
-def busy_receiver(be: Backend, seconds: float, rate: float = 2000.0) -> tuple[float, float, float]:
-    """Returns (fraction delivered, p99 delay ms, compute iterations/s)."""
+def busy_window(be: Backend, seconds: float, receive: bool, rate: float = 2000.0) -> tuple[int, list, float]:
+    """A feeder process sends ``rate`` msgs/s for ``seconds`` while a pure-Python compute
+    thread runs; with ``receive`` a receiver thread in the same process takes them.
+    Returns (messages sent, delays in ns of those delivered in time, compute iterations/s)."""
     delays: list[float] = []
     stop_rx, stop_cpu, out = threading.Event(), threading.Event(), []
 
@@ -278,7 +304,8 @@ def busy_receiver(be: Backend, seconds: float, rate: float = 2000.0) -> tuple[fl
 
     parent, conn = CTX.Pipe()
     receiver = threading.Thread(target=rx)
-    receiver.start()
+    if receive:
+        receiver.start()
     cpu = threading.Thread(target=_compute, args=(stop_cpu, out))
     feeder = CTX.Process(target=_feed, args=(be, rate, seconds, conn))
     t0 = time.perf_counter()
@@ -291,14 +318,33 @@ def busy_receiver(be: Backend, seconds: float, rate: float = 2000.0) -> tuple[fl
     cpu.join()
     elapsed = time.perf_counter() - t0
     stop_rx.set()
-    receiver.join(30)
-    feeder.join(30)
+    if receive:
+        receiver.join(30)
+    while feeder.is_alive():  # an mp.Queue feeder cannot exit before its pipe is read
+        be_drain(be)
+        feeder.join(0.1)
     be_drain(be)
+    return sent, delays[:delivered], out[0] / elapsed
+
+
+def busy_receiver(be: Backend, seconds: float, pairs: int) -> tuple[float, float, float]:
+    """(delivered, p99 ms, compute slowdown). The slowdown compares the compute thread with
+    and without the receiver thread, the feeder running both times, in alternating windows
+    (medians), so that the load of the feeder and of the rest of a shared machine cancels."""
+    base, busy, sent, delays = [], [], 0, []
+    for _ in range(pairs):
+        base.append(busy_window(be, seconds, receive=False)[2])
+        n, d, r = busy_window(be, seconds, receive=True)
+        sent, delays, busy = sent + n, delays + d, busy + [r]
     p99 = float(np.percentile(delays, 99)) / 1e6 if delays else float("inf")
-    return min(1.0, delivered / sent), p99, out[0] / elapsed
+    return min(1.0, len(delays) / sent), p99, max(0.0, 1.0 - float(np.median(busy)) / float(np.median(base)))
 
 
 def be_drain(be: Backend) -> None:
+    if isinstance(be.b, FastDeployEP):  # one RPC instead of three per message
+        be.b.lock.acquire()
+        del be.b.lst[:]
+        be.b.lock.release()
     while be.b.recv_many(0.05):
         pass
 
@@ -338,41 +384,40 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer iterations; finishes in under a minute")
     args = ap.parse_args()
     q = args.quick
-    rtt_n = {"fastdeploy": 150 if q else 1000, "bm_queue": 500 if q else 3000}
+    rtt_n = {"fastdeploy": 15 if q else 100, "bm_queue": 50 if q else 300, "mp_queue": 200 if q else 2000,
+             "fastkv": 200 if q else 2000}  # per round, 10 rounds
     flow_n = {"fastdeploy": 600 if q else 3000, "bm_queue": 2000 if q else 10000, "mp_queue": 20000 if q else 100000,
               "fastkv": 200000 if q else 1000000}
-    busy_s = 2.0 if q else 5.0
+    busy_s, pairs = (1.0, 2) if q else (3.0, 3)
     res: dict[str, dict[str, float]] = {k: {} for k in ("rtt_p50_us", "rtt_p99_us", "msgs_per_s", "busy_delivered",
                                                          "busy_p99_ms", "busy_slowdown", "idle_cpu")}
     # fresh backends for the idle test: a killed BaseManager client leaves its blocked get
     # pending in the server, which would swallow a later message
+    t_start = time.perf_counter()
     idle_backends = {name: Backend(name) for name in BACKENDS}
     try:
         res["idle_cpu"].update(idle_cpu(idle_backends, 5.0))
     finally:
         for be in idle_backends.values():
             be.close()
+        del idle_backends, be  # forked children would re-register their manager proxies
+        gc.collect()
     backends = {name: Backend(name) for name in BACKENDS}
     try:
-        alone = [compute_rate(busy_s)]
-        for name, be in backends.items():
-            p50, p99 = round_trip(be, rtt_n.get(name, 3000 if q else 20000))
+        for name, (p50, p99) in round_trips(backends, rtt_n, 10).items():
             res["rtt_p50_us"][name], res["rtt_p99_us"][name] = p50, p99
+        print(f"  round trips done at {time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
+        for name, be in backends.items():
             res["msgs_per_s"][name] = one_way(be, flow_n[name])
-            delivered, p99_ms, rate = busy_receiver(be, busy_s)
-            res["busy_delivered"][name], res["busy_p99_ms"][name] = delivered, p99_ms
-            res["busy_slowdown"][name] = rate
-            print(f"  {name}: done", file=sys.stderr, flush=True)
-        alone.append(compute_rate(busy_s))
+            res["busy_delivered"][name], res["busy_p99_ms"][name], res["busy_slowdown"][name] = \
+                busy_receiver(be, busy_s, pairs)
+            print(f"  {name}: done at {time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
+        raw_rate = one_way(backends["fastkv"], 10 * flow_n["fastkv"], raw=True)
     finally:
         for be in backends.values():
             be.close()
-    base = statistics.mean(alone)
-    for name in BACKENDS:
-        res["busy_slowdown"][name] = max(0.0, 1.0 - res["busy_slowdown"][name] / base)
-
     print(f"IPC benchmark ({'quick' if q else 'full'}; {os.cpu_count()} cores; ~200-byte task message; "
-          f"compute thread alone {base:,.0f} it/s, runs {alone[0]:,.0f} / {alone[1]:,.0f})")
+          f"load average {os.getloadavg()[0]:.1f})")
     cols = [("rtt_p50_us", "RTT p50 us", "{:.1f}"), ("rtt_p99_us", "RTT p99 us", "{:.1f}"),
             ("msgs_per_s", "one-way msg/s", "{:,.0f}"), ("busy_delivered", "busy deliv.", "{:.1%}"),
             ("busy_p99_ms", "busy p99 ms", "{:.2f}"), ("busy_slowdown", "cpu slowdown", "{:.1%}"),
@@ -383,6 +428,7 @@ def main() -> None:
     fk = res["rtt_p50_us"]["fastkv"]
     print(f"fastkv RTT p50 = 1/{res['rtt_p50_us']['fastdeploy'] / fk:.0f} of fastdeploy, "
           f"1/{res['rtt_p50_us']['mp_queue'] / fk:.1f} of mp_queue")
+    print(f"fastkv ring alone (pre-encoded 208-byte messages, no decode): {raw_rate:,.0f} msg/s")
     out = {"bench": "ipc"}
     out.update({k: {n: round(v, 6) for n, v in d.items()} for k, d in res.items()})
     print(json.dumps(out))

@@ -75,7 +75,10 @@ class Channel:
 
     def send_many(self, msgs: Iterable[Any], timeout: float | None = None) -> None:
         """Send in order; one head publish (and at most one wake-up) per ring-full."""
-        self.ring.push_many([self.encode(m) for m in msgs], timeout)
+        if self.accept is None:
+            self.ring.push_many([encode(m) for m in msgs], timeout)
+        else:
+            self.ring.push_many([self.encode(m) for m in msgs], timeout)
 
     def send_encoded(self, bufs: Sequence[bytes], timeout: float | None = None) -> None:
         """Send already-encoded messages (``Broadcast`` encodes once for N ranks)."""
@@ -101,6 +104,14 @@ class Channel:
     def decode_many(self, raws: list[bytes]) -> list[Any]:
         """Decode in order. A bad message is raised on its own: messages before it are
         returned first, messages after it are kept for the next call; none is lost."""
+        if self.accept is None:
+            try:
+                return [decode(raw) for raw in raws]  # the common case, without per-message bookkeeping
+            except BadMessage:
+                return self._decode_carefully(raws)  # find, raise and keep around the bad one
+        return self._decode_carefully(raws)
+
+    def _decode_carefully(self, raws: list[bytes]) -> list[Any]:
         out = []
         accept = self.accept
         for i, raw in enumerate(raws):

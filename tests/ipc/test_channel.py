@@ -61,6 +61,16 @@ def test_wrong_type_and_bad_bytes_leave_the_channel_usable(ns):
     ch.close()
 
 
+def test_untyped_channel_keeps_order_around_a_bad_message(ns):
+    ch = Channel.create(ns, "c")
+    ch.send_encoded([encode(task(1)), encode(task(2)), b"\0" * 8, encode(DoneMsg(3, 0, True))])
+    assert [m.task_id for m in ch.recv_many(10, timeout=0)] == [1, 2]
+    with pytest.raises(BadMessage, match="unknown message type id 0"):
+        ch.recv_many(10, timeout=0)
+    assert ch.recv_many(10, timeout=0) == [DoneMsg(3, 0, True)]
+    ch.close()
+
+
 def test_inbox_requires_its_bell_and_round_robins(ns):
     bell = Doorbell.create(ns, "bell")
     chans = [Channel.create(ns, f"done.{r}", bell=bell) for r in range(3)]
