@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_py import build_py
 
 
@@ -56,6 +56,12 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "ruff>=0.5"],
     },
     cmdclass={"build_py": BuildPyWithOps},
+    # Atomics, fences and the ring fast path on shared memory (fastkv/ipc/ring.py), and the
+    # message codec's fast path (fastkv/ipc/codec.py). Plain CPython C API, no numpy headers.
+    ext_modules=[
+        Extension("fastkv._atomics", ["ops/shm_atomics.c"], extra_compile_args=["-O2", "-std=c11"]),
+        Extension("fastkv._codec", ["ops/ipc_codec.c"], extra_compile_args=["-O2", "-std=c11"]),
+    ],
     entry_points={
         "console_scripts": [
             "fastkv-supervisor=fastkv.cli:main",

@@ -1,0 +1,124 @@
+"""A doorbell: one semaphore on which one consumer sleeps for any number of rings.
+
+Layout of the doorbell's shm segment (64 bytes, all fields little-endian int64):
+
+    off  field     written by
+    0    magic     creator: b"FKVBELL1"
+    8    waiting   waiter: 1 just before it may sleep, 0 after it woke up;
+                   ringer: 1 -> 0 (CAS) right before it posts the semaphore
+    16   posts     ringer: +1 per post (statistics and tests)
+    24   reserved
+
+Protocol (no lost wake-up; spurious wake-ups are allowed and harmless):
+
+    ringer (producer)                       waiter (the single consumer)
+    1. publish (release store of head)       1. look at the rings: anything? -> return it
+    2. full fence                            2. waiting = 1; full fence        (``arm``)
+    3. if CAS(waiting, 1 -> 0): post         3. look again: anything? -> waiting = 0; return
+                                             4. sem wait (timeout slice; GIL released)
+                                             5. waiting = 0; back to 1
+
+Steps 1-2 on each side form Dekker's pattern: with a full fence between each side's
+store and its load of the other's word, at least one side sees the other's store. Either
+the waiter's look in step 3 sees the message, or the ringer sees waiting == 1 and posts,
+so the semaphore count is > 0 when the waiter blocks. The CAS means one post per sleep;
+a post that races with a waiter which found data anyway leaves a count of 1: the next
+wait returns at once, finds nothing, and sleeps again (a spurious wake-up).
+
+The waiter sleeps in slices (``SLICE_S``): between slices it calls ``check()``, which
+raises if a peer died, so a blocked wait notices a dead peer within one slice. That is
+a blocked kernel wait with a periodic liveness check, not sleep-polling of the rings.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import posix_ipc
+
+from fastkv.ipc.namespace import Namespace
+from fastkv.ipc.native import A
+
+MAGIC = int.from_bytes(b"FKVBELL1", "little")
+SIZE = 64
+OFF_WAITING = 8
+OFF_POSTS = 16
+SLICE_S = 0.05
+
+
+class Doorbell:
+    def __init__(self, ns: Namespace, local: str, mm, sem: posix_ipc.Semaphore) -> None:
+        self.ns, self.local, self._mm, self._sem = ns, local, mm, sem
+        self._pin = memoryview(mm)  # keeps the mapping open while we hold raw addresses
+        self._base = A.address(self._pin)
+        self.flag_addr = self._base + OFF_WAITING
+        if A.load(self._base) != MAGIC:
+            raise ValueError(f"{ns.name(local)} is not a fastkv doorbell (bad magic)")
+
+    @classmethod
+    def create(cls, ns: Namespace, local: str) -> Doorbell:
+        mm = ns.create_shm(local, SIZE)
+        mm[0:8] = MAGIC.to_bytes(8, "little")
+        return cls(ns, local, mm, ns.create_sem(local))
+
+    @classmethod
+    def attach(cls, ns: Namespace, local: str) -> Doorbell:
+        return cls(ns, local, ns.open_shm(local), ns.open_sem(local))
+
+    @property
+    def posts(self) -> int:
+        return A.load(self._base + OFF_POSTS)
+
+    def post(self) -> None:
+        """Post after the caller took the flag (a C push/pop returned must_post)."""
+        A.add(self._base + OFF_POSTS, 1)
+        self._sem.release()
+
+    def ring(self) -> None:
+        """Ringer steps 2-3, for callers that published by other means."""
+        A.fence()
+        if A.cas(self.flag_addr, 1, 0):
+            self.post()
+
+    def wait(self, ready: Callable[[], bool], timeout: float | None, check: Callable[[], None] | None = None) -> bool:
+        """Block until ``ready()`` is true (True) or ``timeout`` seconds pass (False; None
+        waits forever, 0 never blocks). ``check()`` runs between slices and when the
+        wait times out; it raises to abort (peer death)."""
+        if ready():
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        flag = self.flag_addr
+        while True:
+            A.arm(flag)
+            if ready():
+                A.store(flag, 0)
+                return True
+            if deadline is None:
+                slice_s = SLICE_S
+            else:
+                slice_s = min(SLICE_S, deadline - time.monotonic())
+                if slice_s <= 0:
+                    A.store(flag, 0)
+                    if check is not None and timeout:
+                        check()
+                    return False
+            try:
+                self._sem.acquire(slice_s)
+            except (posix_ipc.BusyError, posix_ipc.SignalError):
+                # a timed-out slice, or EINTR after a signal whose Python handler returned
+                # normally (a raising handler propagates instead): look again
+                A.store(flag, 0)
+                if check is not None:
+                    check()
+                continue
+            A.store(flag, 0)
+            if ready():
+                return True
+
+    def close(self) -> None:
+        if self._pin is None:
+            return
+        self._pin.release()
+        self._pin = None
+        self._mm.close()
+        self._sem.close()

@@ -1,0 +1,101 @@
+"""The typed messages of fastkv's channels (wire format: ``fastkv.ipc.codec``).
+
+| message   | channel                                  | type id |
+|-----------|------------------------------------------|---------|
+| TaskMsg   | task: engine -> transfer[r] (broadcast)   | 1       |
+| DoneMsg   | done: transfer[r] -> engine               | 2       |
+| PlanMsg   | plan: engine -> worker[r] (broadcast)     | 3       |
+| OutputMsg | output: worker[0] -> engine               | 4       |
+
+To add a field: append ``name:kind`` to ``WIRE`` and the dataclass field (same order).
+To add a message: a new dataclass with ``WIRE`` and ``@message(<unused id>)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.ipc.codec import message
+
+_EMPTY = np.empty(0, np.int32)
+_EMPTY.setflags(write=False)
+
+
+def _empty() -> np.ndarray:
+    return _EMPTY  # shared and read-only, like decoded arrays
+
+
+@message(1)
+@dataclass(slots=True)
+class TaskMsg:
+    """One copy task; every rank receives the same message and copies its own shard."""
+
+    WIRE: ClassVar[str] = "task_id:i64 kind:i32 src:i32[] dst:i32[] keys:bytes[]"
+    task_id: int
+    kind: int  # fastkv.cache.plan.CopyKind
+    src: np.ndarray = field(default_factory=_empty)
+    dst: np.ndarray = field(default_factory=_empty)
+    keys: tuple[bytes, ...] = ()
+
+    @classmethod
+    def from_plan(cls, plan: CopyPlan) -> TaskMsg:
+        return cls(plan.plan_id, int(plan.kind), plan.src, plan.dst, tuple(plan.keys))
+
+    def to_plan(self) -> CopyPlan:
+        """The CopyPlan (validated by CopyPlan itself: ValueError on inconsistent ids)."""
+        return CopyPlan(self.task_id, CopyKind(self.kind), self.src, self.dst, tuple(self.keys))
+
+
+@message(2)
+@dataclass(slots=True)
+class DoneMsg:
+    """One rank's acknowledgement of a task."""
+
+    WIRE: ClassVar[str] = "task_id:i64 rank:i32 ok:bool nbytes:i64 seconds:f64 error:str"
+    task_id: int
+    rank: int
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+@message(3)
+@dataclass(slots=True)
+class PlanMsg:
+    """One scheduler step for the workers; per request (same order in every list): its
+    id, the token ids to compute this step, its full block table, and how many of its
+    tokens already have KV (computed or loaded from cache)."""
+
+    WIRE: ClassVar[str] = "step_id:i64 request_ids:str[] token_ids:i32[][] block_tables:i32[][] num_computed:i32[]"
+    step_id: int
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[np.ndarray] = field(default_factory=list)
+    block_tables: list[np.ndarray] = field(default_factory=list)
+    num_computed: np.ndarray = field(default_factory=_empty)
+
+    def __post_init__(self) -> None:
+        n = len(self.request_ids)
+        if not (len(self.token_ids) == len(self.block_tables) == len(self.num_computed) == n):
+            raise ValueError(
+                f"PlanMsg step {self.step_id}: per-request lists differ in length: request_ids {n}, token_ids "
+                f"{len(self.token_ids)}, block_tables {len(self.block_tables)}, num_computed {len(self.num_computed)}"
+            )
+
+
+@message(4)
+@dataclass(slots=True)
+class OutputMsg:
+    """Worker 0's result of one step: one sampled token per request (same order as the
+    step's PlanMsg), and step statistics."""
+
+    WIRE: ClassVar[str] = "step_id:i64 num_batched_tokens:i64 seconds:f64 request_ids:str[] tokens:i32[] error:str"
+    step_id: int
+    num_batched_tokens: int = 0
+    seconds: float = 0.0
+    request_ids: list[str] = field(default_factory=list)
+    tokens: np.ndarray = field(default_factory=_empty)
+    error: str = ""

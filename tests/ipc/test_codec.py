@@ -1,0 +1,168 @@
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.ipc import BadMessage, DoneMsg, OutputMsg, PlanMsg, TaskMsg, decode, encode, message
+
+i32s = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40).map(lambda v: np.array(v, np.int32))
+texts = st.text(max_size=20)
+
+
+def same(a, b) -> None:
+    assert type(a) is type(b)
+    for name in a.__slots__:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, list) and x and isinstance(x[0], np.ndarray):
+            assert len(x) == len(y) and all(np.array_equal(p, q) for p, q in zip(x, y, strict=True)), name
+        elif isinstance(x, np.ndarray):
+            assert np.array_equal(x, y) and y.dtype == np.int32, name
+        else:
+            assert list(x) == list(y) if isinstance(x, tuple | list) else x == y, name
+
+
+@given(st.integers(-(2**63), 2**63 - 1), st.sampled_from(list(CopyKind)), i32s, i32s,
+       st.lists(st.binary(max_size=40), max_size=10))
+def test_task_roundtrip(task_id, kind, src, dst, keys):
+    msg = TaskMsg(task_id, kind, src, dst, tuple(keys))
+    buf = encode(msg)
+    assert len(buf) % 8 == 0
+    same(msg, decode(buf))
+
+
+@given(st.integers(0, 2**62), st.integers(0, 64), st.booleans(), st.integers(0, 2**62), st.floats(allow_nan=False),
+       texts)
+def test_done_roundtrip(task_id, rank, ok, nbytes, seconds, error):
+    msg = DoneMsg(task_id, rank, ok, nbytes, seconds, error)
+    assert decode(encode(msg)) == msg
+
+
+@given(st.lists(st.tuples(texts, i32s, i32s, st.integers(0, 10_000)), max_size=8), st.integers(0, 2**40))
+def test_plan_and_output_roundtrip(reqs, step):
+    plan = PlanMsg(step, [r[0] for r in reqs], [r[1] for r in reqs], [r[2] for r in reqs],
+                   np.array([r[3] for r in reqs], np.int32))
+    same(plan, decode(encode(plan)))
+    out = OutputMsg(step, 5, 0.25, [r[0] for r in reqs], np.arange(len(reqs), dtype=np.int32), "")
+    same(out, decode(encode(out)))
+
+
+def test_copy_plan_conversion():
+    plan = CopyPlan(7, CopyKind.STORE, np.array([3, 4], np.int32), keys=(b"a" * 32, b"b" * 32))
+    msg = TaskMsg.from_plan(plan)
+    back = decode(encode(msg)).to_plan()
+    assert back.plan_id == 7 and back.kind is CopyKind.STORE and back.keys == plan.keys
+    assert np.array_equal(back.src, plan.src) and len(back.dst) == 0
+    bad = TaskMsg(8, CopyKind.SWAP_OUT, np.array([1, 2], np.int32), np.array([1], np.int32))
+    with pytest.raises(ValueError, match="as many src as dst"):
+        decode(encode(bad)).to_plan()
+
+
+def test_decoded_arrays_are_read_only_views():
+    msg = decode(encode(TaskMsg(1, 1, np.array([1, 2], np.int32), np.array([3, 4], np.int32))))
+    with pytest.raises(ValueError):
+        msg.src[0] = 9
+
+
+def test_encode_rejects_bad_fields():
+    with pytest.raises(TypeError, match="not a registered"):
+        encode(("task", 1))
+    with pytest.raises(ValueError, match="outside int32"):
+        encode(TaskMsg(1, 1, np.array([2**40]), np.array([1])))
+    with pytest.raises(TypeError, match="integers"):
+        encode(TaskMsg(1, 1, np.array([1.5]), np.array([1])))
+    with pytest.raises(TypeError, match="TaskMsg.keys must hold bytes"):
+        encode(TaskMsg(1, 1, keys=("text",)))
+    with pytest.raises(TypeError, match="DoneMsg.error must be str"):
+        encode(DoneMsg(1, 0, False, error=b"x"))
+    with pytest.raises(ValueError, match="bad scalar"):
+        encode(DoneMsg(1, 2**40, True))
+    with pytest.raises(ValueError, match="per-request lists differ"):
+        PlanMsg(1, ["a"], [], [], np.array([], np.int32))
+
+
+def test_decode_rejects_malformed_bytes():
+    buf = encode(TaskMsg(5, 2, np.arange(4, dtype=np.int32), np.arange(4, dtype=np.int32), (b"k1", b"k2")))
+    for cut in (0, 3, 8, 20, len(buf) - 8, len(buf) - 1):
+        with pytest.raises(BadMessage):
+            decode(buf[:cut])
+    with pytest.raises(BadMessage, match="trailing|header says"):
+        decode(buf + b"\0" * 8)
+    with pytest.raises(BadMessage, match="unknown message type"):
+        decode(struct.pack("<HHI", 999, 0, 8))
+    wrong_tag = bytearray(buf)
+    wrong_tag[2] ^= 0xFF
+    with pytest.raises(BadMessage, match="schema tag"):
+        decode(bytes(wrong_tag))
+    # a count that disagrees with the byte size of the src array
+    off = 8 + 16
+    corrupt = bytearray(buf)
+    struct.pack_into("<I", corrupt, off, 5)
+    with pytest.raises(BadMessage, match="TaskMsg.src"):
+        decode(bytes(corrupt))
+    with pytest.raises(BadMessage, match="UTF-8"):
+        done = bytearray(encode(DoneMsg(1, 0, False, error="ab")))
+        done[-8:-6] = b"\xff\xfe"
+        decode(bytes(done))
+
+
+def test_new_message_types_register_and_collide():
+    @message(900)
+    @dataclass(slots=True)
+    class PingMsg:
+        WIRE: ClassVar[str] = "seq:i64 ids:i64[] note:str"
+        seq: int
+        ids: np.ndarray
+        note: str = ""
+
+    got = decode(encode(PingMsg(3, np.array([2**40], np.int64), "hi")))
+    assert got.seq == 3 and got.ids.tolist() == [2**40] and got.note == "hi"
+    with pytest.raises(ValueError, match="already taken"):
+        message(900)(PingMsg)
+
+
+messages = st.one_of(
+    st.builds(lambda t, k, s, d, keys: TaskMsg(t, k, s, d, tuple(keys)), st.integers(0, 2**40),
+              st.sampled_from(list(CopyKind)), i32s, i32s, st.lists(st.binary(max_size=12), max_size=5)),
+    st.builds(lambda t, s, d: TaskMsg(t, 1, s.tolist(), list(d)), st.integers(0, 9), i32s, i32s),  # slow path
+    st.builds(DoneMsg, st.integers(0, 2**40), st.integers(0, 7), st.booleans(), st.integers(0, 2**40),
+              st.floats(allow_nan=False), texts),
+    st.builds(lambda r, t, b: PlanMsg(1, r, [t] * len(r), [b] * len(r), np.arange(len(r), dtype=np.int32)),
+              st.lists(texts, max_size=4), i32s, i32s),
+)
+
+
+@given(messages, st.data())
+def test_c_fast_path_matches_python_reference(msg, data):
+    from fastkv.ipc.codec import decode_py, encode_py
+
+    buf = encode(msg)
+    assert buf == encode_py(msg)
+    same_or_equal(decode(buf), decode_py(buf))
+    # corrupt one byte or cut the message: both decoders agree (same message or both BadMessage)
+    i = data.draw(st.integers(0, len(buf) - 1))
+    bad = bytearray(buf)
+    bad[i] ^= data.draw(st.integers(1, 255))
+    for variant in (bytes(bad), buf[:i]):
+        outcomes = []
+        for dec in (decode, decode_py):
+            try:
+                outcomes.append(dec(variant))
+            except BadMessage:
+                outcomes.append(None)
+        assert (outcomes[0] is None) == (outcomes[1] is None), f"decoders disagree on byte {i}"
+        if outcomes[0] is not None:
+            same_or_equal(*outcomes)
+
+
+def same_or_equal(a, b) -> None:
+    if isinstance(a, DoneMsg):
+        assert a == b or (a.seconds != a.seconds and b.seconds != b.seconds)
+    else:
+        same(a, b)
