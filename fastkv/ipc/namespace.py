@@ -119,6 +119,13 @@ class Namespace:
     def open_sem(self, local: str) -> posix_ipc.Semaphore:
         return posix_ipc.Semaphore(self.name(local))
 
+    def record(self, kind: str, local: str) -> str:
+        """List an object that another module creates under this run (the KV tier segments)
+        in the manifest *before* it is created; returns its full name (``/fkv.<run>.<local>``)."""
+        if kind not in ("shm", "sem"):
+            raise ValueError(f"object kind must be 'shm' or 'sem', got {kind!r}")
+        return self._record(kind, local)
+
     def _record(self, kind: str, local: str) -> str:
         if not self.owner:
             raise ValueError(f"namespace {self.run_id!r} is attached, not owned: only its owner creates objects")

@@ -1,0 +1,192 @@
+"""One run of fastkv: its spec and its channel topology.
+
+The supervisor writes a ``RunSpec`` (JSON) and creates every shared object of the run
+with ``create_run``; each process reads the spec and attaches only the ends it uses:
+
+| object                 | creator    | producer -> consumer            |
+|------------------------|------------|---------------------------------|
+| ``task.{r}``           | supervisor | engine -> transfer[r]           |
+| ``done.{r}``           | supervisor | transfer[r] -> engine (doorbell ``engine.in``) |
+| ``plan.{r}``           | supervisor | engine -> worker[r]             |
+| ``output``             | supervisor | worker[0] -> engine (doorbell ``engine.in``)   |
+| ``signals``            | supervisor | heartbeats, pids, ready flags (``SIGNALS`` below) |
+| ``kvdev{r}``/``kvhost{r}`` | supervisor | KV tiers of rank r (``fastkv.transfer.tiers``) |
+
+The KV tiers are created by the supervisor on a CPU build so that they outlive any child
+(a restarted transfer process re-attaches); on a GPU build the worker allocates the device
+tier and shares it by CUDA IPC. Every name is under the run's namespace and manifest, so
+``fastkv-supervisor --cleanup`` removes a crashed run completely.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from fastkv.config import KVLayout
+from fastkv.ipc import Channel, Doorbell, DoneMsg, Inbox, Namespace, OutputMsg, PlanMsg, SignalArray, TaskMsg
+
+ROLES = ("engine", "worker", "transfer")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a process of the run needs to know; JSON round-trips exactly."""
+
+    run_id: str
+    layout: KVLayout
+    num_device_blocks: int
+    num_host_blocks: int
+    storage_url: str = ""  # "" = no storage tier; e.g. lmdb:///path or redis://host:port
+    runner: str = "synthetic"  # fastkv.engine.runners.runner_class name
+    runner_options: dict[str, Any] = field(default_factory=dict)
+    model_id: str = "fastkv-demo"
+    weights_version: str = "0"
+    cache_policy: str = "write_back"  # fastkv.cache.policy.Policy value
+    scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig keyword arguments
+    ops_threads: int = 1  # CPU swap-op threads per transfer process
+    heartbeat_s: float = 0.5  # each process beats at least this often
+    dead_after_s: float = 5.0  # a silent heartbeat for this long counts as a dead process
+    task_timeout_s: float = 60.0  # a copy task unfinished after this fails (its request recomputes)
+    slot_size: int = 512  # ring slot bytes; larger messages span slots
+    nslots: int = 4096
+    out_dir: str = "fastkv-out"
+
+    def __post_init__(self) -> None:
+        if self.num_device_blocks <= 0 or self.num_host_blocks < 0:
+            raise ValueError("RunSpec: num_device_blocks must be > 0 and num_host_blocks >= 0")
+        if self.heartbeat_s <= 0 or self.dead_after_s <= self.heartbeat_s or self.task_timeout_s <= 0:
+            raise ValueError("RunSpec: need heartbeat_s > 0, dead_after_s > heartbeat_s, task_timeout_s > 0")
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp_size
+
+    @property
+    def tier_prefix(self) -> str:
+        """Name prefix for ``fastkv.transfer.tiers`` (``fkv.<run_id>.``)."""
+        return f"fkv.{self.run_id}."
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        doc = json.loads(text)
+        if not isinstance(doc, dict):
+            raise ValueError("RunSpec JSON must be an object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(doc) - known
+        if unknown:
+            raise ValueError(f"RunSpec: unknown fields {sorted(unknown)}")
+        doc["layout"] = KVLayout(**doc["layout"])
+        return cls(**doc)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunSpec:
+        return cls.from_json(Path(path).read_text())
+
+
+def signal_names(tp_size: int) -> list[str]:
+    """Slots of the run's signal array: per process a heartbeat (monotonic ns), its pid and
+    a ready flag; ``stop`` asks every process to exit; ``transfer{r}.gen`` counts restarts."""
+    names = ["stop"]
+    procs = ["engine"] + [f"worker{r}" for r in range(tp_size)] + [f"transfer{r}" for r in range(tp_size)]
+    for p in procs:
+        names += [f"{p}.beat", f"{p}.pid", f"{p}.ready"]
+    names += [f"transfer{r}.gen" for r in range(tp_size)]
+    return names
+
+
+def create_run(ns: Namespace, spec: RunSpec) -> None:
+    """Owner side: create every channel, the engine's doorbell and the signal array.
+    The creator keeps no ends open: each process attaches what it uses."""
+    if spec.run_id != ns.run_id:
+        raise ValueError(f"spec.run_id {spec.run_id!r} != namespace {ns.run_id!r}")
+    bell = Doorbell.create(ns, "engine.in")
+    opened = [bell, SignalArray.create(ns, "signals", signal_names(spec.tp_size))]
+    kw = dict(slot_size=spec.slot_size, nslots=spec.nslots)
+    for r in range(spec.tp_size):
+        opened += [Channel.create(ns, f"task.{r}", **kw), Channel.create(ns, f"done.{r}", bell=bell, **kw),
+                   Channel.create(ns, f"plan.{r}", **kw)]
+    opened.append(Channel.create(ns, "output", bell=bell, **kw))
+    for obj in opened:
+        obj.close()
+
+
+class EngineEnds(NamedTuple):
+    tasks: list[Channel]  # send TaskMsg to transfer[r]
+    plans: list[Channel]  # send PlanMsg to worker[r]
+    inbox: Inbox  # DoneMsg from every transfer[r] and OutputMsg from worker[0], one doorbell
+    dones: list[Channel]
+    output: Channel
+    bell: Doorbell
+    signals: SignalArray
+
+    def close(self) -> None:
+        for ch in (*self.tasks, *self.plans, *self.dones, self.output):
+            ch.close()
+        self.bell.close()
+        self.signals.close()
+
+
+def attach_engine(ns: Namespace, spec: RunSpec) -> EngineEnds:
+    bell = Doorbell.attach(ns, "engine.in")
+    tp = spec.tp_size
+    tasks = [Channel.attach(ns, f"task.{r}", accept=[TaskMsg]).bind("send", "engine") for r in range(tp)]
+    plans = [Channel.attach(ns, f"plan.{r}", accept=[PlanMsg]).bind("send", "engine") for r in range(tp)]
+    dones = [Channel.attach(ns, f"done.{r}", bell=bell, accept=[DoneMsg]).bind("recv", "engine") for r in range(tp)]
+    output = Channel.attach(ns, "output", bell=bell, accept=[OutputMsg]).bind("recv", "engine")
+    return EngineEnds(tasks, plans, Inbox([*dones, output], bell), dones, output, bell,
+                      SignalArray.attach(ns, "signals"))
+
+
+class TransferEnds(NamedTuple):
+    task: Channel  # receive TaskMsg
+    done: Channel  # send DoneMsg
+    signals: SignalArray
+
+    def close(self) -> None:
+        self.task.close()
+        self.done.close()
+        self.signals.close()
+
+
+def attach_transfer(ns: Namespace, spec: RunSpec, rank: int) -> TransferEnds:
+    _check_rank(spec, rank)
+    return TransferEnds(
+        Channel.attach(ns, f"task.{rank}", accept=[TaskMsg]).bind("recv", "transfer", rank),
+        Channel.attach(ns, f"done.{rank}", accept=[DoneMsg]).bind("send", "transfer", rank),
+        SignalArray.attach(ns, "signals"),
+    )
+
+
+class WorkerEnds(NamedTuple):
+    plan: Channel  # receive PlanMsg
+    output: Channel | None  # send OutputMsg (rank 0 only)
+    signals: SignalArray
+
+    def close(self) -> None:
+        self.plan.close()
+        if self.output is not None:
+            self.output.close()
+        self.signals.close()
+
+
+def attach_worker(ns: Namespace, spec: RunSpec, rank: int) -> WorkerEnds:
+    _check_rank(spec, rank)
+    output = Channel.attach(ns, "output", accept=[OutputMsg]).bind("send", "worker", 0) if rank == 0 else None
+    return WorkerEnds(Channel.attach(ns, f"plan.{rank}", accept=[PlanMsg]).bind("recv", "worker", rank), output,
+                      SignalArray.attach(ns, "signals"))
+
+
+def _check_rank(spec: RunSpec, rank: int) -> None:
+    if not isinstance(rank, int) or not 0 <= rank < spec.tp_size:
+        raise ValueError(f"rank must be an int in [0, {spec.tp_size}), got {rank!r}")
