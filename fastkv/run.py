@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastkv.config import KVLayout
-from fastkv.ipc import Channel, Doorbell, DoneMsg, Inbox, Namespace, OutputMsg, PlanMsg, SignalArray, TaskMsg
+from fastkv.ipc import Channel, DoneMsg, Doorbell, Inbox, Namespace, OutputMsg, PlanMsg, SignalArray, TaskMsg
 
 ROLES = ("engine", "worker", "transfer")
 
