@@ -236,7 +236,8 @@ class CacheManager:
         plans: list[CopyPlan] = []
         if ns:
             staged = self._take_host(ns, pinned=True)
-            plans.append(self.copies.open(CopyKind.LOAD, Purpose.PREFIX_LOAD, dst=staged, keys=sto_keys, req=req))
+            plans.append(self.copies.open(CopyKind.LOAD, Purpose.PREFIX_LOAD, dst=staged, keys=sto_keys, req=req,
+                                          positions=list(range(nd + nh, nd + nh + ns))))
         fresh, wb = self._take_device(n_blocks - nd, req)
         if wb is not None:
             plans.append(wb)
