@@ -156,8 +156,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def complete(self, data, ok):
         plan = self.outstanding.pop(data.draw(st.integers(0, len(self.outstanding) - 1)))
         m = self.m
-        src_pool, dst_pool = {CopyKind.SWAP_OUT: (m.device, m.host), CopyKind.SWAP_IN: (m.host, m.device),
-                              CopyKind.STORE: (m.host, None), CopyKind.LOAD: (None, m.host)}.get(plan.kind, (None, None))
+        pools = {CopyKind.SWAP_OUT: (m.device, m.host), CopyKind.SWAP_IN: (m.host, m.device),
+                 CopyKind.STORE: (m.host, None), CopyKind.LOAD: (None, m.host)}
+        src_pool, dst_pool = pools.get(plan.kind, (None, None))
         for pool, ids in ((src_pool, plan.src), (dst_pool, plan.dst)):
             for b in ids.tolist():
                 assert pool.state[b] == BlockState.IN_FLIGHT, f"plan {plan.plan_id} touches {pool.tier} block {b}"
