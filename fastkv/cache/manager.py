@@ -500,10 +500,7 @@ class CacheManager:
         hlookup, stored = self.host.lookup, self.index.stored
         if not hlookup and not stored and not self._wb:  # device-only: every victim's key is gone
             self.stats.dropped_keys += len(victims)
-            if self.index.history_size:
-                gone = self.index.gone
-                for _, k in victims:
-                    gone(k, Tier.DEVICE, Cause.EVICTED)
+            self.index.gone_many([k for _, k in victims], Tier.DEVICE, Cause.EVICTED)
             if self.policy.copies_on_hit:
                 for _, k in victims:
                     self._hits.pop(k, None)
