@@ -10,6 +10,7 @@ with ``create_run``; each process reads the spec and attaches only the ends it u
 | ``plan.{r}``           | supervisor | engine -> worker[r]             |
 | ``output``             | supervisor | worker[0] -> engine (doorbell ``engine.in``)   |
 | ``signals``            | supervisor | heartbeats, pids, ready flags (``SIGNALS`` below) |
+| ``coll`` (tp > 1)      | supervisor | worker[r] <-> worker[s]: ``ShmCollective`` of the tp group |
 | ``kvdev{r}``/``kvhost{r}`` | supervisor | KV tiers of rank r (``fastkv.transfer.tiers``) |
 
 The KV tiers are created by the supervisor on a CPU build so that they outlive any child
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastkv.config import KVLayout
+from fastkv.engine.collective import ShmCollective
 from fastkv.ipc import Channel, DoneMsg, Doorbell, Inbox, Namespace, OutputMsg, PlanMsg, SignalArray, TaskMsg
 
 ROLES = ("engine", "worker", "transfer")
@@ -53,12 +55,15 @@ class RunSpec:
     slot_size: int = 512  # ring slot bytes; larger messages span slots
     nslots: int = 4096
     out_dir: str = "fastkv-out"
+    metrics_port: int = 0  # the engine's Prometheus endpoint; 0 = off
 
     def __post_init__(self) -> None:
         if self.num_device_blocks <= 0 or self.num_host_blocks < 0:
             raise ValueError("RunSpec: num_device_blocks must be > 0 and num_host_blocks >= 0")
         if self.heartbeat_s <= 0 or self.dead_after_s <= self.heartbeat_s or self.task_timeout_s <= 0:
             raise ValueError("RunSpec: need heartbeat_s > 0, dead_after_s > heartbeat_s, task_timeout_s > 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"RunSpec: metrics_port must be in [0, 65536), got {self.metrics_port}")
 
     @property
     def tp_size(self) -> int:
@@ -96,13 +101,21 @@ class RunSpec:
 
 def signal_names(tp_size: int) -> list[str]:
     """Slots of the run's signal array: per process a heartbeat (monotonic ns), its pid and
-    a ready flag; ``stop`` asks every process to exit; ``transfer{r}.gen`` counts restarts."""
+    a ready flag; ``stop`` asks every process to exit; ``transfer{r}.gen`` counts restarts
+    (the supervisor bumps it before starting a replacement); ``engine.total`` (requests in
+    the workload) and ``engine.finished`` (requests done) drive the supervisor's progress bar."""
     names = ["stop"]
     procs = ["engine"] + [f"worker{r}" for r in range(tp_size)] + [f"transfer{r}" for r in range(tp_size)]
     for p in procs:
         names += [f"{p}.beat", f"{p}.pid", f"{p}.ready"]
     names += [f"transfer{r}.gen" for r in range(tp_size)]
+    names += ["engine.total", "engine.finished"]
     return names
+
+
+def collective_prefix(spec: RunSpec) -> str:
+    """Name prefix of the workers' ``ShmCollective`` (exists only when tp_size > 1)."""
+    return f"fkv.{spec.run_id}.coll"
 
 
 def create_run(ns: Namespace, spec: RunSpec) -> None:
@@ -117,6 +130,13 @@ def create_run(ns: Namespace, spec: RunSpec) -> None:
         opened += [Channel.create(ns, f"task.{r}", **kw), Channel.create(ns, f"done.{r}", bell=bell, **kw),
                    Channel.create(ns, f"plan.{r}", **kw)]
     opened.append(Channel.create(ns, "output", bell=bell, **kw))
+    if spec.tp_size > 1:  # the tensor-parallel workers' all-gather; listed first, so cleanup finds it
+        ns.record("shm", "coll")
+        for name in ShmCollective.names(collective_prefix(spec), spec.tp_size)[1:]:
+            ns.record("sem", name.removeprefix(f"/{ns.prefix}."))
+        coll = ShmCollective.create(collective_prefix(spec), spec.tp_size, slot_bytes=1 << 20)
+        coll.disown()  # the namespace unlinks it
+        opened.append(coll)
     for obj in opened:
         obj.close()
 
