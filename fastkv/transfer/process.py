@@ -79,7 +79,12 @@ class TransferLoop:
 
     def handle(self, msg: TaskMsg) -> None:
         if msg.kind == FENCE:
-            self.fenced = self.fenced or fence_names(msg) == (self.me.pid, self.me.started)
+            try:
+                mine = fence_names(msg) == (self.me.pid, self.me.started)
+            except ValueError as exc:  # not from a TransferClient: nobody waits for an ack
+                log.error("transfer[%d]: ignoring %s", self.rank, exc)
+                return
+            self.fenced = self.fenced or mine
             return
         if not self.fenced:
             self.dropped += 1
