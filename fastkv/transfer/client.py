@@ -116,6 +116,10 @@ class TransferClient:
         if task_id in self._plans:
             raise ValueError(f"task {task_id} is already pending")
         buf = self.ends.tasks[0].encode(TaskMsg.from_plan(plan))
+        ring = self.ends.tasks[0].ring
+        if ring.slots_for(len(buf)) > ring.nslots:
+            raise ValueError(f"task {task_id} ({plan.num_blocks} blocks, {len(buf)} bytes) can never fit a task "
+                             f"ring of {ring.capacity_bytes} bytes: split the plan or raise spec.nslots")
         for r in range(self.tp):
             self._ready += self._refresh(r)
         self._plans[task_id] = (plan, time.monotonic())
@@ -131,7 +135,7 @@ class TransferClient:
             except PeerTimeout as exc:
                 self._ack_failed(task_id, r, f"task ring full: {exc}")
             except (PeerDied, ChannelClosed) as exc:
-                self._down(r, f"transfer[{r}] is gone: {exc}")
+                self._ready += self._down(r, f"transfer[{r}] is gone: {exc}")
 
     def on_done(self, msg: DoneMsg) -> list[CopyResult]:
         """Records one rank's ack; returns the tasks it completed."""

@@ -223,3 +223,23 @@ def test_submit_on_a_full_task_ring_fails_that_ranks_share(run):
     finally:
         for f in fake:
             f.close()
+
+
+def test_consumer_gone_at_submit_and_oversized_plans(run):
+    ns, spec, ends = run
+    fake = [attach_transfer(ns, spec, r) for r in range(2)]
+    try:
+        client = TransferClient(ends, spec, kill_late=False)
+        assert client.ready()
+        with pytest.raises(ValueError, match="can never fit a task ring"):
+            client.submit(plan(CopyKind.SWAP_OUT, np.arange(20000), np.arange(20000)))
+        assert client.pending == 0 and ends.tasks[0].ring.used() == 1  # only the fence
+        fake[1].task.close()  # transfer[1] closed its end (a clean exit)
+        p = plan(CopyKind.SWAP_IN, [1], [1])
+        client.submit(p)
+        assert not client.rank_up(1)
+        res, = client.on_done(DoneMsg(p.plan_id, 0, True, 4, 0.0))
+        assert res.plan is p and "rank 1: transfer[1] is gone" in res.error and "consumer closed" in res.error
+    finally:
+        for f in fake:
+            f.close()
