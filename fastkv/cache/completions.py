@@ -1,0 +1,149 @@
+"""What the cache manager does when a copy finishes, per purpose.
+
+Common rules: destination blocks get their keys only if the copy succeeded (a failed copy
+never leaves a key on bad bytes) and before they are unpinned (so they enter the LRU queue as
+CACHED); every pin the plan took is dropped exactly once; a request freed while its copy was
+in flight is not touched (its blocks were released then and settle here as their pins drop).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fastkv.cache.copies import CopyRecord, Purpose
+from fastkv.cache.index import Cause
+from fastkv.cache.plan import CopyPlan
+from fastkv.cache.policy import Tier
+from fastkv.cache.requests import ReqState
+
+if TYPE_CHECKING:
+    from fastkv.cache.manager import CacheManager, Completion, Ready
+
+
+def finish(mgr: CacheManager, rec: CopyRecord, ok: bool) -> Completion:
+    from fastkv.cache.manager import Completion
+
+    plans: list[CopyPlan] = []
+    ready: list[Ready] = []
+    offloaded: list[object] = []
+    failed: list[object] = []
+    p = rec.purpose
+    if p is Purpose.WRITE_BACK or p is Purpose.WRITE_THROUGH:
+        plans += _landed_on_host(mgr, rec, ok)
+        if p is Purpose.WRITE_BACK:
+            _progress(mgr, rec, plans, ready)
+    elif p is Purpose.PREFIX_LOAD:
+        _loaded(mgr, rec, ok)
+        _progress(mgr, rec, plans, ready)
+    elif p is Purpose.SWAP_IN:
+        for b in rec.src:
+            mgr.host.unpin(b)
+        for b in rec.dst:
+            mgr.device.unpin(b)
+        if not ok and rec.req.alive:
+            rec.req.fail_block = min(rec.req.fail_block, rec.positions[0])
+        _progress(mgr, rec, plans, ready)
+    elif p is Purpose.OFFLOAD:
+        plans += _offloaded(mgr, rec, ok, offloaded, failed)
+    elif p is Purpose.STORE:
+        for b in rec.src:
+            mgr.host.unpin(b)
+        mgr.stats.store_blocks += len(rec.src) if ok else 0
+        if ok:
+            for k in rec.keys:
+                mgr.index.remember_stored(k)
+    else:
+        assert p is Purpose.CONTROL, f"completion of unknown purpose {p!r}"
+    return Completion(tuple(plans), tuple(ready), tuple(offloaded), tuple(failed))
+
+
+def _progress(mgr: CacheManager, rec: CopyRecord, plans: list[CopyPlan], ready: list[Ready]) -> None:
+    """One fewer copy for the request to wait for; the last one issues its swap-in or readies it."""
+    req = rec.req
+    if req is None or not req.alive:
+        return
+    req.pending -= 1
+    assert req.pending >= 0, f"request {req.rid!r}: more completions than plans"
+    if req.pending:
+        return
+    if req.swap_src and req.state is ReqState.RUNNING:
+        plans.append(mgr._swap_in(req))
+    else:
+        req.swap_pos = []
+        ready.append(mgr._make_ready(req))
+
+
+def _set_host_keys(mgr: CacheManager, rec: CopyRecord) -> list[tuple[int, bytes]]:
+    host = mgr.host
+    keyed = []
+    for hb, k in zip(rec.dst, rec.keys, strict=True):
+        if host.set_key(hb, k):
+            keyed.append((hb, k))
+    return keyed
+
+
+def _landed_on_host(mgr: CacheManager, rec: CopyRecord, ok: bool) -> list[CopyPlan]:
+    """A write-back or write-through SWAP_OUT finished."""
+    dev, host, st = mgr.device, mgr.host, mgr.stats
+    for b in rec.src:
+        dev.unpin(b)
+    keyed = _set_host_keys(mgr, rec) if ok else []
+    # children first: a batch enters the host LRU queue leaves before parents
+    order = rec.dst if rec.purpose is Purpose.WRITE_BACK else rec.dst[::-1]
+    for hb in order:
+        host.unpin(hb)
+    if ok:
+        st.swap_out_blocks += len(rec.src)
+    elif rec.purpose is Purpose.WRITE_BACK:
+        for k in rec.keys:
+            mgr._gone_if_last(k, Tier.DEVICE, Cause.COPY_FAILED, skip=Tier.STORAGE)
+    if mgr.index.storage and keyed:
+        return mgr._store([hb for hb, _ in keyed], [k for _, k in keyed])
+    return []
+
+
+def _loaded(mgr: CacheManager, rec: CopyRecord, ok: bool) -> None:
+    host, req = mgr.host, rec.req
+    keep = ok and req.alive
+    if ok:
+        mgr.stats.load_blocks += len(rec.dst)
+        _set_host_keys(mgr, rec)
+    for hb in rec.dst:
+        if keep:  # the request holds the staged block until its swap-in is done
+            host.incref(hb)
+            req.host_refs.append(hb)
+            req.swap_src.append(hb)
+        host.unpin(hb)
+    if not ok:
+        mgr.stats.load_misses += len(rec.dst)
+        for k in rec.keys:
+            mgr.index.stored.pop(k, None)
+            mgr._gone_if_last(k, Tier.STORAGE, Cause.STORAGE_MISS, skip=Tier.STORAGE)
+        if req.alive:
+            req.fail_block = min(req.fail_block, rec.positions[0])
+
+
+def _offloaded(mgr: CacheManager, rec: CopyRecord, ok: bool, offloaded: list, failed: list) -> list[CopyPlan]:
+    dev, host, req = mgr.device, mgr.host, rec.req
+    keyed: list[tuple[int, bytes]] = []
+    if ok:
+        mgr.stats.swap_out_blocks += len(rec.src)
+        for hb, k in zip(rec.dst, rec.keys, strict=True):
+            private = k == req.private_key
+            if (req.alive or not private) and host.set_key(hb, k) and not private:
+                keyed.append((hb, k))
+    for b in rec.src:
+        dev.unpin(b)
+    for hb in rec.dst:
+        host.unpin(hb)
+    if req.alive:
+        req.pending = 0
+        if ok:
+            mgr._finish_offload(req)
+            offloaded.append(req.rid)
+        else:
+            mgr._release_host_refs(req)
+            req.state = ReqState.RUNNING
+            failed.append(req.rid)
+    if mgr.index.storage and keyed:
+        return mgr._store([hb for hb, _ in keyed], [k for _, k in keyed])
+    return []

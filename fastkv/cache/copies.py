@@ -1,0 +1,62 @@
+"""The book of copies in flight: which plan moves what, for whom, and which keys it brings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.requests import Request
+
+
+class Purpose(IntEnum):
+    WRITE_BACK = 1  # SWAP_OUT of device victims to the host (their owner waits)
+    WRITE_THROUGH = 2  # SWAP_OUT of full device blocks to the host (nobody waits)
+    PREFIX_LOAD = 3  # LOAD of a prefix hit from storage into host staging blocks
+    SWAP_IN = 4  # SWAP_IN of a prefix hit or of a restored request
+    OFFLOAD = 5  # SWAP_OUT of a preempted request's blocks
+    STORE = 6  # STORE of host blocks to storage
+    CONTROL = 7  # CLEAR / RESTORE around a weight update
+
+
+@dataclass(slots=True, eq=False)
+class CopyRecord:
+    plan: CopyPlan
+    purpose: Purpose
+    src: list[int]
+    dst: list[int]
+    keys: list[bytes]  # keys the destination blocks get on success (or the STORE / LOAD keys)
+    req: Request | None
+    positions: list[int] | None  # table positions a request's copy fills
+
+
+class CopyBook:
+    def __init__(self) -> None:
+        self.records: dict[int, CopyRecord] = {}
+        self.inflight: dict[bytes, int] = {}  # key -> plan id, for keys a SWAP_OUT brings to the host
+        self._next_id = 1
+
+    def open(self, kind: CopyKind, purpose: Purpose, src: list[int] = (), dst: list[int] = (),
+             keys: list[bytes] = (), req: Request | None = None, positions: list[int] | None = None) -> CopyPlan:
+        pid = self._next_id
+        self._next_id += 1
+        storage_keys = tuple(keys) if kind in (CopyKind.STORE, CopyKind.LOAD) else ()
+        plan = CopyPlan(pid, kind, src, dst, storage_keys)
+        self.records[pid] = CopyRecord(plan, purpose, list(src), list(dst), list(keys), req, positions)
+        if purpose is Purpose.WRITE_BACK or purpose is Purpose.WRITE_THROUGH:
+            for k in keys:
+                self.inflight[k] = pid
+        return plan
+
+    def close(self, plan: CopyPlan) -> CopyRecord:
+        if not isinstance(plan, CopyPlan):
+            raise TypeError(f"complete() takes a CopyPlan, got {type(plan).__name__}")
+        rec = self.records.get(plan.plan_id)
+        if rec is None or rec.plan is not plan:
+            raise ValueError(f"plan {plan.plan_id} is not in flight (completed twice, or not from this manager)")
+        del self.records[plan.plan_id]
+        if rec.purpose is Purpose.WRITE_BACK or rec.purpose is Purpose.WRITE_THROUGH:
+            inflight = self.inflight
+            for k in rec.keys:
+                if inflight.get(k) == plan.plan_id:
+                    del inflight[k]
+        return rec

@@ -1,0 +1,170 @@
+"""The prefix index across tiers, and the memory of why keys left it.
+
+One flat map per tier (the pools' ``lookup``: key -> block id), plus the keys this engine has
+stored to the storage tier (an insertion-ordered dict, bounded: the storage tier evicts on its
+own, so a remembered key can still miss on LOAD, and the request then recomputes).
+
+``match(keys)`` walks a request's chain of full-block keys from the root and returns the
+longest hit as three consecutive runs: blocks on the device, then on the host, then keys the
+storage tier may hold. A block is looked for in the fastest tier first; the run stops at the
+first block no tier has.
+
+Strands. With chained keys and a flat map, a key whose parent is in no tier can never be
+matched: match walks from the root. fastkv keeps every tier's LRU queue "parents no older
+than their children", so that LRU eviction takes leaves first:
+
+* a request releases its blocks last to first (children enter the LRU queue before parents);
+* releasing a block whose key another block holds (a duplicate computed concurrently)
+  refreshes that other block too;
+* a prefix hit takes the whole matched run, parents included, out of the LRU queue;
+* under write-back, device victims (LRU, hence children first) go to the host in that order,
+  and a parent leaves the device only by moving to the host;
+* under write-through, host copies land parent first, so a request's release refreshes its
+  host copies last to first as well.
+
+What remains, accepted and documented: a copy that fails or finds no free host block drops
+its key, and children already on the host are stranded. A stranded entry is never returned
+(no wrong answer), holds no reference, and ages out through the LRU queue like any other.
+``strand_free`` in the tests checks that without failures there are none.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from enum import IntEnum
+from itertools import islice
+from typing import NamedTuple
+
+from fastkv.cache.policy import Policy, Tier
+from fastkv.cache.pool import BlockPool
+
+
+class Cause(IntEnum):
+    """Why a key left its last tier."""
+
+    EVICTED = 1  # LRU eviction (under the tier policy)
+    COPY_FAILED = 2  # its write-back failed
+    NO_HOST_ROOM = 3  # write-back found no free host block
+    DROPPED = 4  # its request was freed with cache=False
+    STORAGE_MISS = 5  # a LOAD found it gone from storage
+    WEIGHT_UPDATE = 6  # cleared by a weight update (the namespace changed)
+
+
+class MissReason(IntEnum):
+    HIT = 0  # every full block was found
+    NEVER_STORED = 1
+    EVICTED = 2  # see tier, cause, policy
+    OTHER_NAMESPACE = 3  # known under another namespace (older weights)
+    IN_FLIGHT = 4  # a copy is bringing it into a tier
+
+
+class MissExplanation(NamedTuple):
+    reason: MissReason
+    block_index: int  # first block not found (== number of leading blocks found)
+    num_blocks: int  # full blocks of the queried tokens
+    tier: Tier | None = None  # tier it was evicted from
+    cause: Cause | None = None
+    policy: Policy | None = None
+    detail: str = ""
+
+
+class MatchResult(NamedTuple):
+    """The longest cached prefix: device run, then host run, then storage run."""
+
+    device_blocks: tuple[int, ...]
+    host_blocks: tuple[int, ...]
+    storage_keys: tuple[bytes, ...]
+    block_size: int
+    num_tokens: int  # tokens queried
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device_blocks) + len(self.host_blocks) + len(self.storage_keys)
+
+    @property
+    def num_device_tokens(self) -> int:
+        return len(self.device_blocks) * self.block_size
+
+    @property
+    def num_host_tokens(self) -> int:
+        return len(self.host_blocks) * self.block_size
+
+    @property
+    def num_storage_tokens(self) -> int:
+        return len(self.storage_keys) * self.block_size
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class PrefixIndex:
+    def __init__(self, device: BlockPool, host: BlockPool, storage: bool, storage_keys: int, history: int) -> None:
+        self.device = device
+        self.host = host
+        self.storage = storage
+        self.stored: OrderedDict[bytes, None] = OrderedDict()  # popitem(last=False) is O(1)
+        self.storage_keys = storage_keys
+        self.history: dict[bytes, tuple[Tier, Cause]] = {}  # insertion ordered, trimmed by gone_many
+        self.history_size = history
+        # one shared tuple per (tier, cause): recording a departure allocates nothing
+        self._records = {(t, c): (t, c) for t in Tier for c in Cause}
+
+    def match(self, keys: list[bytes], limit: int) -> tuple[list[int], list[int], list[bytes]]:
+        """Longest run of ``keys[:limit]`` found: (device blocks, host blocks, storage keys)."""
+        dget = self.device.lookup.get
+        dev: list[int] = []
+        i = 0
+        n = min(limit, len(keys))
+        while i < n:
+            b = dget(keys[i])
+            if b is None:
+                break
+            dev.append(b)
+            i += 1
+        host: list[int] = []
+        if i < n and self.host.capacity:
+            hget = self.host.lookup.get
+            while i < n:
+                b = hget(keys[i])
+                if b is None:
+                    break
+                host.append(b)
+                i += 1
+        stored: list[bytes] = []
+        if i < n and self.stored:
+            s = self.stored
+            while i < n and keys[i] in s:
+                stored.append(keys[i])
+                i += 1
+        return dev, host, stored
+
+    def present(self, key: bytes) -> bool:
+        return key in self.device.lookup or key in self.host.lookup or key in self.stored
+
+    def remember_stored(self, key: bytes) -> None:
+        self.stored[key] = None
+        if len(self.stored) > self.storage_keys:
+            self.stored.popitem(last=False)
+
+    def gone(self, key: bytes, tier: Tier, cause: Cause) -> None:
+        """``key`` left its last tier: remember why, for ``explain_miss`` (bounded history)."""
+        if self.history_size:
+            self.gone_many((key,), tier, cause)
+
+    def gone_many(self, keys, tier: Tier, cause: Cause) -> None:
+        """One plain dict store per key; the oldest half is cut in one pass once the history
+        doubles its size (amortized O(1), and much cheaper than an LRU dict per eviction)."""
+        if not self.history_size:
+            return
+        h = self.history
+        rec = self._records[tier, cause]  # shared: nothing allocated per key
+        for k in keys:
+            h[k] = rec
+        if len(h) > 2 * self.history_size:
+            self.history = dict(islice(h.items(), len(h) - self.history_size, None))
+
+    def clear(self) -> list[bytes]:
+        """Forget every key (weight update); returns them."""
+        dropped = self.device.clear() + self.host.clear() + list(self.stored)
+        self.stored.clear()
+        return dropped

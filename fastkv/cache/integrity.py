@@ -1,0 +1,90 @@
+"""check_integrity() of a CacheManager: every invariant, recomputed from scratch.
+
+Slow (linear in blocks, requests and copies) and meant for tests and debugging."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from fastkv.cache.copies import Purpose
+from fastkv.cache.pool import BlockState
+from fastkv.cache.requests import ReqState
+
+if TYPE_CHECKING:
+    from fastkv.cache.manager import CacheManager
+
+# Which side of a plan pins which tier, per purpose: (device pins, host pins) as "src"/"dst".
+_PINS = {
+    Purpose.WRITE_BACK: ("src", "dst"),
+    Purpose.WRITE_THROUGH: ("src", "dst"),
+    Purpose.OFFLOAD: ("src", "dst"),
+    Purpose.SWAP_IN: ("dst", "src"),
+    Purpose.PREFIX_LOAD: (None, "dst"),
+    Purpose.STORE: (None, "src"),
+    Purpose.CONTROL: (None, None),
+}
+
+
+def check(mgr: CacheManager) -> None:
+    dev, host, bs = mgr.device, mgr.host, mgr.block_size
+    dev.check_integrity()
+    host.check_integrity()
+
+    dev_refs: Counter[int] = Counter()
+    host_refs: Counter[int] = Counter()
+    reserved = 0
+    for rid, req in mgr._reqs.items():
+        assert req.alive and req.rid == rid, f"request {rid!r}: record mismatch"
+        assert 0 <= req.num_computed <= req.num_tokens, f"request {rid!r}: computed {req.num_computed} > tokens"
+        assert len(req.keys) == req.num_tokens // bs, f"request {rid!r}: {len(req.keys)} keys, {req.num_tokens} tokens"
+        assert len(req.tail) == req.num_tokens - len(req.keys) * bs, f"request {rid!r}: tail length"
+        assert req.num_keyed <= len(req.keys), f"request {rid!r}: keyed beyond its full blocks"
+        assert req.pending >= 0 and req.reserved >= 0
+        reserved += req.reserved
+        if req.state is ReqState.OFFLOADED:
+            assert not req.table and req.pending == 0, f"request {rid!r}: OFFLOADED but holds device blocks"
+            assert len(req.host_refs) == -(-req.num_computed // bs), f"request {rid!r}: host table length"
+        else:
+            assert len(req.table) == -(-req.num_tokens // bs), \
+                f"request {rid!r}: {len(req.table)} blocks for {req.num_tokens} tokens"
+        if req.state is ReqState.OFFLOADING:
+            assert req.pending == 1, f"request {rid!r}: OFFLOADING with {req.pending} pending copies"
+        for i, b in enumerate(req.table):
+            dev_refs[b] += 1
+            k = dev.key[b]
+            if k is not None and i < len(req.keys):
+                assert k == req.keys[i], f"request {rid!r}: block {b} at {i} carries another key"
+            if i < req.num_keyed and not req.loading:
+                assert k is None or k == req.keys[i], f"request {rid!r}: keyed block {i} lost its key"
+        for b in req.host_refs:
+            host_refs[b] += 1
+        assert len(set(req.table)) == len(req.table), f"request {rid!r}: a block twice in its table"
+    assert reserved == mgr._reserved, f"reserved {mgr._reserved} != sum over requests {reserved}"
+    for pool, refs in ((dev, dev_refs), (host, host_refs)):
+        for b in range(pool.capacity):
+            assert pool.ref[b] == refs[b], f"{pool.tier} block {b}: refcount {pool.ref[b]} but {refs[b]} holders"
+            if refs[b]:
+                assert pool.state[b] in (BlockState.ALLOCATED, BlockState.IN_FLIGHT), \
+                    f"{pool.tier} block {b} held by a request but {BlockState(pool.state[b]).name}"
+
+    dev_pins: Counter[int] = Counter()
+    host_pins: Counter[int] = Counter()
+    inflight = {}
+    for pid, rec in mgr.copies.records.items():
+        assert rec.plan.plan_id == pid
+        d_side, h_side = _PINS[rec.purpose]
+        if d_side:
+            dev_pins.update(getattr(rec, d_side))
+        if h_side:
+            host_pins.update(getattr(rec, h_side))
+        if rec.purpose in (Purpose.WRITE_BACK, Purpose.WRITE_THROUGH):
+            for k in rec.keys:
+                inflight[k] = pid
+        if rec.req is not None and rec.req.alive:
+            assert rec.req.pending > 0, f"plan {pid} for request {rec.req.rid!r}, which waits for nothing"
+    assert inflight == mgr.copies.inflight, "in-flight keys do not match the open write-back/through plans"
+    for pool, pins in ((dev, dev_pins), (host, host_pins)):
+        for b in range(pool.capacity):
+            assert pool.pins[b] == pins[b], f"{pool.tier} block {b}: {pool.pins[b]} pins but {pins[b]} copies"
+    assert len(mgr.index.stored) <= mgr.index.storage_keys
+    assert len(mgr.index.history) <= 2 * mgr.index.history_size

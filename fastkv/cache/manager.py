@@ -1,0 +1,727 @@
+"""CacheManager: the one type the scheduler talks to about KV blocks.
+
+The manager owns the device and host block pools, the prefix index across tiers and every
+request's block table. It performs no copies: calls that need bytes moved return
+``CopyPlan``s (their blocks already IN_FLIGHT); the transfer layer executes them and the
+scheduler reports each outcome with ``complete(plan, ok)``, which may return follow-up plans
+and tells which requests became ready.
+
+Life of a request, as the scheduler sees it::
+
+    allocate(rid, prompt)        -> Allocation | None   (None: not enough blocks now)
+        .ready False: wait for Completion.ready (prefix copies, write-back of evicted blocks)
+    mark_computed(rid, n)        -> plans              (after a step: full blocks become cached)
+    append_slots(rid, tokens)    -> Growth | None      (decode: one more token, maybe a block)
+    offload(rid) / restore(rid)                        (preemption without recompute)
+    free(rid, cache=True)                              (finished: full blocks stay cached)
+
+A request may run a step only while it is ready (no copies of its own pending). Three error
+tiers: "not now" is None, a broken contract is ValueError, an internal bug is an assert.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from fastkv.cache.completions import finish
+from fastkv.cache.copies import CopyBook, Purpose
+from fastkv.cache.index import Cause, MatchResult, MissExplanation, MissReason, PrefixIndex
+from fastkv.cache.integrity import check
+from fastkv.cache.keys import ExtraKeys, Namespace, as_tokens, block_keys, private_key, root_key
+from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.policy import Policy, Tier
+from fastkv.cache.pool import BlockPool, BlockState
+from fastkv.cache.requests import ReqState, Request
+from fastkv.cache.stats import CacheStats
+from fastkv.config import KVLayout
+
+_CACHED = int(BlockState.CACHED)
+_NEVER = 1 << 62  # "no block failed"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    num_device_blocks: int
+    num_host_blocks: int = 0
+    block_size: int = 64
+    policy: Policy = Policy.WRITE_BACK
+    selective_hits: int = 2  # WRITE_THROUGH_SELECTIVE: copy to host on this many hits
+    storage: bool = False  # a storage tier exists: host blocks are STOREd, prefixes LOADed
+    storage_keys: int = 1 << 22  # how many stored keys to remember
+    history: int = 1 << 16  # departed keys remembered for explain_miss
+    model_id: str = "model"
+    weights_version: str = "0"
+    layout: KVLayout | None = None  # its block_size must equal block_size
+
+    def __post_init__(self) -> None:
+        for name in ("num_device_blocks", "num_host_blocks", "block_size", "selective_hits", "storage_keys",
+                     "history"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"CacheConfig.{name} must be an int >= 0, got {value!r}")
+        if self.block_size <= 0 or self.num_device_blocks <= 0:
+            raise ValueError("CacheConfig: block_size and num_device_blocks must be positive")
+        object.__setattr__(self, "policy", Policy(self.policy))
+        if self.layout is not None and self.layout.block_size != self.block_size:
+            raise ValueError(f"CacheConfig.block_size {self.block_size} != layout.block_size {self.layout.block_size}")
+
+    def namespace(self, weights_version: str | None = None) -> Namespace:
+        version = self.weights_version if weights_version is None else str(weights_version)
+        if self.layout is not None:
+            return Namespace.for_layout(self.model_id, version, self.layout)
+        return Namespace(self.model_id, version, f"block={self.block_size}", "unspecified", self.block_size, 1)
+
+
+class Allocation(NamedTuple):
+    block_table: tuple[int, ...]
+    num_cached_tokens: int  # valid on the device now (device prefix hit)
+    num_pending_tokens: int  # arriving by copies (host / storage hit); valid once ready
+    plans: tuple[CopyPlan, ...]
+    ready: bool  # False: wait for Completion.ready before running a step
+
+
+class Growth(NamedTuple):
+    new_blocks: tuple[int, ...]
+    plans: tuple[CopyPlan, ...]  # write-back of evicted blocks
+    ready: bool
+
+
+class Ready(NamedTuple):
+    request_id: object
+    num_computed_tokens: int  # tokens whose KV is valid: compute from here (a failed copy lowers it)
+
+
+class Completion(NamedTuple):
+    plans: tuple[CopyPlan, ...] = ()  # follow-ups to dispatch now
+    ready: tuple[Ready, ...] = ()
+    offloaded: tuple[object, ...] = ()  # offload finished: device blocks released
+    offload_failed: tuple[object, ...] = ()  # offload failed: still RUNNING on its device blocks
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class CacheManager:
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.policy = config.policy
+        self.device = BlockPool("device", config.num_device_blocks)
+        self.host = BlockPool("host", config.num_host_blocks)
+        self.index = PrefixIndex(self.device, self.host, config.storage, config.storage_keys, config.history)
+        self.copies = CopyBook()
+        self.stats = CacheStats()
+        self.namespace = config.namespace()
+        self._root = root_key(self.namespace)
+        self._retired: list[Namespace] = []
+        self._reqs: dict[object, Request] = {}
+        self._reserved = 0  # device blocks promised to requests for decode growth
+        self._hits: dict[bytes, int] = {}  # WRITE_THROUGH_SELECTIVE hit counts of device keys
+        self._epoch = 0
+        self._paused = False
+        self._wb = config.policy.copies_on_evict and config.num_host_blocks > 0
+        self._touch_host = config.policy.host_inclusive and config.num_host_blocks > 0
+
+    # ================================================================== queries
+    def _chain(self, extra: ExtraKeys | None) -> tuple[bytes, dict[int, bytes] | None]:
+        if extra is None:
+            return self._root, None
+        if not isinstance(extra, ExtraKeys):
+            raise TypeError(f"extra must be an ExtraKeys, got {type(extra).__name__}")
+        return root_key(self.namespace, extra), (extra.block_extras(self.block_size) or None)
+
+    def keys_for(self, tokens: object, extra: ExtraKeys | None = None) -> list[bytes]:
+        """Chained keys of the full blocks of ``tokens`` under the current namespace."""
+        root, extras = self._chain(extra)
+        return block_keys(as_tokens(tokens), self.block_size, root, 0, extras)
+
+    def match(self, tokens: object, extra: ExtraKeys | None = None) -> MatchResult:
+        """The longest cached prefix of ``tokens`` (read-only: touches nothing, counts nothing).
+
+        At least the last token is left out of a hit: a step needs one token to compute."""
+        toks = as_tokens(tokens)
+        root, extras = self._chain(extra)
+        keys = block_keys(toks, self.block_size, root, 0, extras)
+        dev, host, sto = self.index.match(keys, (len(toks) - 1) // self.block_size)
+        return MatchResult(tuple(dev), tuple(host), tuple(sto), self.block_size, len(toks))
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` new device blocks can be handed out now (no prefix hit assumed)."""
+        return self.device.num_available - self._reserved >= num_blocks
+
+    @property
+    def num_free_device_blocks(self) -> int:
+        """Device blocks allocatable now: free + evictable, minus reservations."""
+        return self.device.num_available - self._reserved
+
+    def _get(self, request_id: object, *states: ReqState) -> Request:
+        req = self._reqs.get(request_id)
+        if req is None:
+            raise ValueError(f"unknown request {request_id!r}")
+        if states and req.state not in states:
+            raise ValueError(f"request {request_id!r} is {req.state.name}, expected one of "
+                             f"{[s.name for s in states]}")
+        return req
+
+    def block_table(self, request_id: object) -> np.ndarray:
+        return np.asarray(self._get(request_id).table, dtype=np.int32)
+
+    def request_state(self, request_id: object) -> ReqState:
+        return self._get(request_id).state
+
+    def is_ready(self, request_id: object) -> bool:
+        req = self._get(request_id)
+        return req.state is ReqState.RUNNING and req.pending == 0
+
+    def num_computed_tokens(self, request_id: object) -> int:
+        return self._get(request_id).num_computed
+
+    # ================================================================== admission
+    def allocate(self, request_id: object, tokens: object, extra: ExtraKeys | None = None,
+                 reserve_tokens: int = 0) -> Allocation | None:
+        """Blocks for a prompt, reusing its longest cached prefix. None when the device lacks room.
+
+        ``reserve_tokens`` also reserves blocks for that many generated tokens, so that
+        ``append_slots`` within the reservation never finds the device full."""
+        if self._paused:
+            raise ValueError("allocate during a weight update: call finish_weight_update first")
+        if request_id in self._reqs:
+            raise ValueError(f"request {request_id!r} is already allocated")
+        if not isinstance(reserve_tokens, int) or reserve_tokens < 0:
+            raise ValueError(f"reserve_tokens must be an int >= 0, got {reserve_tokens!r}")
+        toks = as_tokens(tokens)
+        n = len(toks)
+        if n == 0:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        bs = self.block_size
+        root, extras = self._chain(extra)
+        keys = block_keys(toks, bs, root, 0, extras)
+        dev_hits, host_hits, sto_keys = self.index.match(keys, (n - 1) // bs)
+        dev, host = self.device, self.host
+        nd, nh = len(dev_hits), len(host_hits)
+        n_blocks = _cdiv(n, bs)
+        n_res = _cdiv(n + reserve_tokens, bs) - n_blocks
+        dstate = dev.state
+        cached_hits = 0
+        for b in dev_hits:
+            if dstate[b] == _CACHED:
+                cached_hits += 1
+        if dev.num_available - cached_hits - self._reserved < n_blocks - nd + n_res:
+            return None
+        if sto_keys:  # stage loads in host blocks; what finds no room is recomputed instead
+            hstate = host.state
+            room = host.num_available - sum(1 for b in host_hits if hstate[b] == _CACHED)
+            del sto_keys[max(room, 0):]
+        ns = len(sto_keys)
+
+        st = self.stats
+        st.requests += 1
+        st.prompt_tokens += n
+        st.prompt_blocks += len(keys)
+        st.device_hit_tokens += nd * bs
+        st.host_hit_tokens += nh * bs
+        st.storage_hit_tokens += ns * bs
+
+        req = Request(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n)
+        self._reqs[request_id] = req
+        # Hits leave the LRU queues first, so the fresh blocks taken below cannot evict them.
+        for b in dev_hits:
+            dev.incref(b)
+        for b in host_hits:
+            host.incref(b)
+        req.host_refs = host_hits
+        plans: list[CopyPlan] = []
+        if ns:
+            staged = self._take_host(ns, pinned=True)
+            plans.append(self.copies.open(CopyKind.LOAD, Purpose.PREFIX_LOAD, dst=staged, keys=sto_keys, req=req,
+                                          positions=list(range(nd + nh, nd + nh + ns))))
+        fresh, wb = self._take_device(n_blocks - nd, req)
+        if wb is not None:
+            plans.append(wb)
+        req.table = dev_hits + fresh
+        req.num_keyed = nd
+        req.num_computed = nd * bs
+        req.target_computed = (nd + nh + ns) * bs
+        req.swap_src = host_hits[:]  # staged blocks join once loaded
+        req.swap_pos = list(range(nd, nd + nh + ns))
+        req.reserved = n_res
+        self._reserved += n_res
+        req.pending = len(plans)
+        req.loading = True
+        if req.pending == 0:
+            if req.swap_pos:
+                plans.append(self._swap_in(req))
+            else:
+                req.loading = False
+        if self.policy.copies_on_hit and nd and self.host.capacity:
+            plans += self._count_hits(req, nd)
+        return Allocation(tuple(req.table), nd * bs, (nh + ns) * bs, tuple(plans), req.pending == 0)
+
+    def reserve(self, request_id: object, num_tokens: int) -> bool:
+        """Reserve device blocks so the request can grow by ``num_tokens``; False: not now."""
+        req = self._get(request_id, ReqState.RUNNING)
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        need = _cdiv(req.num_tokens + num_tokens, self.block_size) - len(req.table) - req.reserved
+        if need <= 0:
+            return True
+        if self.device.num_available - self._reserved < need:
+            return False
+        req.reserved += need
+        self._reserved += need
+        return True
+
+    def append_slots(self, request_id: object, tokens: object) -> Growth | None:
+        """Slots for tokens fed to the next step (decode): the sequence grows by ``tokens``.
+        None (and nothing changed) when a new block is needed and none can be had."""
+        req = self._get(request_id, ReqState.RUNNING)
+        toks = as_tokens(tokens)
+        bs = self.block_size
+        need = _cdiv(req.num_tokens + len(toks), bs) - len(req.table)
+        plans: tuple[CopyPlan, ...] = ()
+        new: list[int] = []
+        if need > 0:
+            own = min(need, req.reserved)
+            if self.device.num_available - self._reserved + own < need:
+                return None
+            req.reserved -= own
+            self._reserved -= own
+            new, wb = self._take_device(need, req)
+            req.table += new
+            if wb is not None:
+                req.pending += 1
+                plans = (wb,)
+        req.num_tokens += len(toks)
+        tail = req.tail
+        tail += toks.tolist()
+        if len(tail) >= bs:  # blocks just filled get their chained keys (inserted once computed)
+            full = len(tail) // bs
+            parent = req.keys[-1] if req.keys else req.root
+            chunk = np.asarray(tail[:full * bs], dtype=np.int32)
+            extras = req.extras
+            if extras:
+                extras = {i - len(req.keys): e for i, e in extras.items() if i >= len(req.keys)}
+            req.keys += block_keys(chunk, bs, parent, 0, extras)
+            del tail[:full * bs]
+        return Growth(tuple(new), plans, req.pending == 0)
+
+    def mark_computed(self, request_id: object, num_computed_tokens: int) -> list[CopyPlan]:
+        """The KV of the first ``num_computed_tokens`` tokens is on the device: their full blocks
+        become cached (prompt and generated tokens alike). Returns write-through copies."""
+        req = self._get(request_id, ReqState.RUNNING)
+        n = num_computed_tokens
+        if not isinstance(n, int) or not req.num_computed <= n <= req.num_tokens:
+            raise ValueError(f"request {request_id!r}: num_computed_tokens {n!r} outside "
+                             f"[{req.num_computed}, {req.num_tokens}]")
+        req.num_computed = n
+        full = min(n // self.block_size, len(req.keys))
+        first = req.num_keyed
+        if full <= first:
+            return []
+        if req.dup_pos:
+            self._repair_dups(req)
+        blocks = req.table[first:full]
+        keys = req.keys[first:full]
+        dups = self.device.insert_many(blocks, keys)
+        req.num_keyed = full
+        if dups:
+            req.dup_pos += [first + i for i in dups]
+            self.stats.duplicate_blocks += len(dups)
+        self.stats.inserted_blocks += full - first - len(dups)
+        if self.policy.copies_on_insert and self.host.capacity:
+            dkey = self.device.key
+            mine = [(b, k) for b, k in zip(blocks, keys, strict=True) if dkey[b] is k]
+            return self._host_copies(mine)
+        return []
+
+    def _repair_dups(self, req: Request) -> None:
+        """Key the request's duplicate blocks whose original holder has been evicted or is only
+        cached, so that the children it inserts next hang under a present parent."""
+        dev = self.device
+        pos = [i for i in req.dup_pos if dev.key[req.table[i]] is None]
+        left = dev.insert_many([req.table[i] for i in pos], [req.keys[i] for i in pos])
+        req.dup_pos = [pos[j] for j in left]
+
+    # ================================================================== release
+    def free(self, request_id: object, cache: bool = True) -> None:
+        """The request is done (or aborted, or preempted for recompute). Its full computed
+        blocks stay cached unless ``cache`` is False; copies still in flight finish first."""
+        req = self._reqs.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"free of unknown request {request_id!r} (double free?)")
+        req.alive = False
+        self._reserved -= req.reserved
+        req.reserved = 0
+        self._release_table(req, cache)
+        self._release_host_refs(req, cache)
+
+    def _release_table(self, req: Request, cache: bool) -> None:
+        """Release device blocks last to first, so children enter the LRU queue before parents."""
+        dev = self.device
+        if cache and not req.dup_pos and not self._touch_host:
+            dev.release_many(req.table[::-1])
+            req.table = []
+            return
+        dkey, lookup, release, touch = dev.key, dev.lookup, dev.release, dev.touch
+        keys, table, nk = req.keys, req.table, req.num_keyed
+        hlookup = self.host.lookup if self._touch_host else None
+        for i in range(len(table) - 1, -1, -1):
+            b = table[i]
+            if i < nk and cache:
+                k = keys[i]
+                if dkey[b] is None:  # a duplicate: refresh the block that holds the key
+                    c = lookup.get(k)
+                    if c is None:  # that block is gone: this copy keeps the key alive
+                        dev.set_key(b, k)
+                    release(b)
+                    if c is not None:
+                        touch(c)
+                else:
+                    release(b)
+                if hlookup is not None:
+                    hb = hlookup.get(k)
+                    if hb is not None:
+                        self.host.touch(hb)
+            else:
+                if not cache and dkey[b] is not None and dev.ref[b] == 1:
+                    self._gone_if_last(dkey[b], Tier.DEVICE, Cause.DROPPED, skip=Tier.DEVICE)
+                release(b, cache)
+        req.table = []
+
+    def _release_host_refs(self, req: Request, cache: bool = True) -> None:
+        host = self.host
+        for b in reversed(req.host_refs):
+            host.release(b, cache and b != req.private_block)
+        req.host_refs = []
+        req.private_block = -1
+
+    # ================================================================== preemption
+    def offload(self, request_id: object) -> tuple[CopyPlan, ...] | None:
+        """Copy every block holding computed KV (the partial last one too, under a private key)
+        to the host. The device blocks are released when the copy completes
+        (Completion.offloaded). () : nothing needed copying and the request is OFFLOADED now.
+        None: not enough host blocks now."""
+        req = self._get(request_id, ReqState.RUNNING)
+        if req.pending:
+            raise ValueError(f"request {request_id!r} has copies in flight: offload it once ready")
+        host = self.host
+        if not host.capacity:
+            raise ValueError("offload needs a host tier (num_host_blocks > 0)")
+        bs = self.block_size
+        n_blocks = _cdiv(req.num_computed, bs)
+        n_full = min(req.num_computed // bs, len(req.keys))
+        hget, hstate = host.lookup.get, host.state
+        host_table = [-1] * n_blocks
+        for i in range(n_full):
+            hb = hget(req.keys[i])
+            if hb is not None:
+                host_table[i] = hb
+        copy = [i for i in range(n_blocks) if host_table[i] < 0]
+        cached = sum(1 for hb in host_table if hb >= 0 and hstate[hb] == _CACHED)
+        if host.num_available - cached < len(copy):
+            return None
+        for hb in host_table:
+            if hb >= 0:
+                host.incref(hb)
+        fresh = self._take_host(len(copy), pinned=False)
+        keys: list[bytes] = []
+        self._epoch += 1
+        req.private_key = None
+        for i, hb in zip(copy, fresh, strict=True):
+            host_table[i] = hb
+            host.pin(hb)
+            self.device.pin(req.table[i])
+            if i < n_full:
+                keys.append(req.keys[i])
+            else:
+                parent = req.keys[i - 1] if i else req.root
+                req.private_key = private_key(self.namespace, parent, req.rid, self._epoch, [i])
+                req.private_block = hb
+                keys.append(req.private_key)
+        req.host_refs = host_table
+        req.state = ReqState.OFFLOADING
+        self.stats.offloads += 1
+        if not copy:
+            self._finish_offload(req)
+            return ()
+        req.pending = 1
+        src = [req.table[i] for i in copy]
+        return (self.copies.open(CopyKind.SWAP_OUT, Purpose.OFFLOAD, src=src, dst=fresh, keys=keys, req=req),)
+
+    def _finish_offload(self, req: Request) -> None:
+        self._release_table(req, True)
+        self._reserved -= req.reserved
+        req.reserved = 0
+        req.state = ReqState.OFFLOADED
+
+    def restore(self, request_id: object, reserve_tokens: int = 0) -> Allocation | None:
+        """Bring an OFFLOADED request back: device blocks for all its tokens, swapped in from
+        its host copies (blocks still cached on the device are reused). None: not now."""
+        req = self._get(request_id, ReqState.OFFLOADED)
+        if self._paused:
+            raise ValueError("restore during a weight update")
+        bs = self.block_size
+        n_blocks = _cdiv(req.num_tokens, bs)
+        n_res = _cdiv(req.num_tokens + reserve_tokens, bs) - n_blocks
+        n_full = min(req.num_computed // bs, len(req.keys))
+        dev = self.device
+        table = [-1] * n_blocks
+        dget = dev.lookup.get
+        for i in range(n_full):
+            b = dget(req.keys[i])
+            if b is not None:
+                table[i] = b
+        reused = [b for b in table if b >= 0]
+        cached = sum(1 for b in reused if dev.state[b] == _CACHED)
+        if dev.num_available - cached - self._reserved < n_blocks - len(reused) + n_res:
+            return None
+        for b in reused:
+            dev.incref(b)
+        fresh, wb = self._take_device(n_blocks - len(reused), req)
+        it = iter(fresh)
+        req.table = [b if b >= 0 else next(it) for b in table]
+        req.swap_pos = [i for i in range(len(req.host_refs)) if table[i] < 0]
+        req.swap_src = [req.host_refs[i] for i in req.swap_pos]
+        req.target_computed = req.num_computed
+        req.num_keyed = 0
+        req.loading = True
+        req.state = ReqState.RUNNING
+        req.reserved = n_res
+        self._reserved += n_res
+        self.stats.restores += 1
+        plans = [wb] if wb is not None else []
+        req.pending = len(plans)
+        if not plans:
+            if req.swap_pos:
+                plans.append(self._swap_in(req))
+            else:
+                self._make_ready(req)
+        return Allocation(tuple(req.table), len(reused) * bs, (n_blocks - len(reused)) * bs, tuple(plans),
+                          req.pending == 0)
+
+    # ================================================================== copies
+    def _take_device(self, n: int, owner: Request) -> tuple[list[int], CopyPlan | None]:
+        """Fresh device blocks for ``owner``; evicted blocks without another copy are written back
+        (WRITE_BACK) in a plan ``owner`` waits for, since it will overwrite them."""
+        victims: list[tuple[int, bytes]] = []
+        blocks = self.device.take_many(n, victims)
+        if not victims:
+            return blocks, None
+        self.stats.device_evictions += len(victims)
+        hlookup, stored = self.host.lookup, self.index.stored
+        if not hlookup and not stored and not self._wb:  # device-only: every victim's key is gone
+            self.stats.dropped_keys += len(victims)
+            self.index.gone_many([k for _, k in victims], Tier.DEVICE, Cause.EVICTED)
+            if self.policy.copies_on_hit:
+                for _, k in victims:
+                    self._hits.pop(k, None)
+            return blocks, None
+        src: list[int] = []
+        keys: list[bytes] = []
+        selective = self._hits if self.policy.copies_on_hit else None
+        for b, k in victims:
+            if selective is not None:
+                selective.pop(k, None)
+            if k in hlookup:
+                continue
+            if self._wb:
+                src.append(b)
+                keys.append(k)
+            elif k not in stored:
+                self._gone(k, Tier.DEVICE, Cause.EVICTED)
+        if not src:
+            return blocks, None
+        dst = self._take_host(len(src), pinned=True, partial=True)
+        for k in keys[len(dst):]:
+            self.stats.skipped_copies += 1
+            if k not in stored:
+                self._gone(k, Tier.DEVICE, Cause.NO_HOST_ROOM)
+        if not dst:
+            return blocks, None
+        src, keys = src[:len(dst)], keys[:len(dst)]
+        for b in src:
+            self.device.pin(b)
+        return blocks, self.copies.open(CopyKind.SWAP_OUT, Purpose.WRITE_BACK, src=src, dst=dst, keys=keys, req=owner)
+
+    def _take_host(self, n: int, pinned: bool, partial: bool = False) -> list[int]:
+        """``n`` host blocks (fewer if ``partial`` and the host is short), evicting LRU ones."""
+        host = self.host
+        if partial:
+            n = min(n, host.num_available)
+        victims: list[tuple[int, bytes]] = []
+        take = host.take_pinned if pinned else host.take
+        blocks = [take(victims) for _ in range(n)]
+        assert all(b >= 0 for b in blocks), "host take ran out after the availability check"
+        if victims:
+            self.stats.host_evictions += len(victims)
+            dlookup, stored = self.device.lookup, self.index.stored
+            for _, k in victims:
+                if k not in dlookup and k not in stored:
+                    self._gone(k, Tier.HOST, Cause.EVICTED)
+        return blocks
+
+    def _host_copies(self, pairs: list[tuple[int, bytes]]) -> list[CopyPlan]:
+        """Write-through: copy keyed device blocks to the host (skipping keys it has or gets)."""
+        hlookup, inflight = self.host.lookup, self.copies.inflight
+        pairs = [(b, k) for b, k in pairs if k not in hlookup and k not in inflight]
+        if not pairs:
+            return []
+        dst = self._take_host(len(pairs), pinned=True, partial=True)
+        self.stats.skipped_copies += len(pairs) - len(dst)
+        if not dst:
+            return []
+        src = [b for b, _ in pairs[:len(dst)]]
+        for b in src:
+            self.device.pin(b)
+        keys = [k for _, k in pairs[:len(dst)]]
+        return [self.copies.open(CopyKind.SWAP_OUT, Purpose.WRITE_THROUGH, src=src, dst=dst, keys=keys)]
+
+    def _count_hits(self, req: Request, nd: int) -> list[CopyPlan]:
+        hits, threshold, hot = self._hits, self.config.selective_hits, []
+        for i in range(nd):
+            k = req.keys[i]
+            c = hits.get(k, 0) + 1
+            hits[k] = c
+            if c == threshold:
+                hot.append((req.table[i], k))
+        return self._host_copies(hot) if hot else []
+
+    def _swap_in(self, req: Request) -> CopyPlan:
+        """Phase two of a prefix hit or a restore: host -> device, once loads and write-backs
+        of this request are done (its SWAP_IN may overwrite a block a write-back was reading)."""
+        dst = [req.table[i] for i in req.swap_pos[:len(req.swap_src)]]
+        for b in req.swap_src:
+            self.host.pin(b)
+        for b in dst:
+            self.device.pin(b)
+        req.pending += 1
+        plan = self.copies.open(CopyKind.SWAP_IN, Purpose.SWAP_IN, src=req.swap_src, dst=dst, req=req,
+                                positions=req.swap_pos[:len(dst)])
+        req.swap_src = []
+        req.swap_pos = []
+        return plan
+
+    def _store(self, blocks: list[int], keys: list[bytes]) -> list[CopyPlan]:
+        stored = self.index.stored
+        pairs = [(b, k) for b, k in zip(blocks, keys, strict=True) if k not in stored]
+        if not pairs:
+            return []
+        for b, _ in pairs:
+            self.host.pin(b)
+        return [self.copies.open(CopyKind.STORE, Purpose.STORE, src=[b for b, _ in pairs],
+                                 keys=[k for _, k in pairs])]
+
+    def complete(self, plan: CopyPlan, ok: bool) -> Completion:
+        """A copy finished on every rank (``ok``) or failed on one. Returns what follows."""
+        rec = self.copies.close(plan)
+        if not ok:
+            self.stats.failed_copies += 1
+        return finish(self, rec, bool(ok))
+
+    def _make_ready(self, req: Request) -> Ready:
+        """All copies ``req`` waited for are done. After a load or restore, key the blocks that
+        arrived, up to the first failed one, and let go of the host copies."""
+        if not req.loading:
+            return Ready(req.rid, req.num_computed)
+        req.loading = False
+        bs = self.block_size
+        valid = min(req.target_computed, req.fail_block * bs)
+        req.fail_block = _NEVER
+        n_full = min(valid // bs, len(req.keys))
+        dev = self.device
+        todo = [i for i in range(req.num_keyed, n_full) if dev.key[req.table[i]] is None]
+        dups = dev.insert_many([req.table[i] for i in todo], [req.keys[i] for i in todo])
+        req.dup_pos += [todo[j] for j in dups]
+        self.stats.duplicate_blocks += len(dups)
+        req.num_keyed = max(req.num_keyed, n_full)
+        req.num_computed = valid
+        refs = req.host_refs
+        self._release_host_refs(req)
+        if not self.policy.host_inclusive:  # write-back keeps the host exclusive
+            host, dlookup = self.host, dev.lookup
+            for hb in refs:
+                k = host.key[hb]
+                if k is not None and k in dlookup and host.state[hb] == _CACHED:
+                    host.evict(hb)
+        return Ready(req.rid, valid)
+
+    # ================================================================== bookkeeping
+    def _gone(self, key: bytes, tier: Tier, cause: Cause) -> None:
+        self.stats.dropped_keys += 1
+        self.index.gone(key, tier, cause)
+
+    def _gone_if_last(self, key: bytes, tier: Tier, cause: Cause, skip: Tier) -> None:
+        if skip is not Tier.HOST and key in self.host.lookup:
+            return
+        if skip is not Tier.DEVICE and key in self.device.lookup:
+            return
+        if key not in self.index.stored:
+            self._gone(key, tier, cause)
+
+    # ================================================================== weight updates
+    def begin_weight_update(self) -> CopyPlan:
+        """Drop every cached block (its KV belongs to the old weights) and pause admission.
+        Needs no request and no copy in flight."""
+        if self._reqs:
+            raise ValueError(f"weight update with requests still allocated: {list(self._reqs)[:8]}")
+        if self.copies.records:
+            raise ValueError(f"weight update with copies in flight: plans {sorted(self.copies.records)[:8]}")
+        if self._paused:
+            raise ValueError("weight update already in progress")
+        for k in self.index.clear():
+            self.index.gone(k, Tier.DEVICE, Cause.WEIGHT_UPDATE)
+        self._hits.clear()
+        self._retired.append(self.namespace)
+        del self._retired[:-4]
+        self._paused = True
+        return self.copies.open(CopyKind.CLEAR, Purpose.CONTROL)
+
+    def finish_weight_update(self, weights_version: str) -> CopyPlan:
+        """New weights are loaded: switch to their namespace and accept requests again."""
+        if not self._paused:
+            raise ValueError("finish_weight_update without begin_weight_update")
+        version = str(weights_version)
+        if any(ns.weights_version == version for ns in self._retired[-1:]):
+            raise ValueError(f"weights version {version!r} is the one being replaced")
+        self.namespace = self.namespace.with_weights(version)
+        self._root = root_key(self.namespace)
+        self._paused = False
+        return self.copies.open(CopyKind.RESTORE, Purpose.CONTROL)
+
+    # ================================================================== diagnostics
+    def explain_miss(self, tokens: object, extra: ExtraKeys | None = None) -> MissExplanation:
+        """Why the first block of ``tokens`` that no tier holds is missing."""
+        toks = as_tokens(tokens)
+        root, extras = self._chain(extra)
+        keys = block_keys(toks, self.block_size, root, 0, extras)
+        present = self.index.present
+        i = 0
+        while i < len(keys) and present(keys[i]):
+            i += 1
+        n = len(keys)
+        if i == n:
+            return MissExplanation(MissReason.HIT, i, n)
+        k = keys[i]
+        pid = self.copies.inflight.get(k)
+        if pid is not None:
+            return MissExplanation(MissReason.IN_FLIGHT, i, n, detail=f"plan {pid} is copying it")
+        rec = self.index.history.get(k)
+        if rec is not None:
+            tier, cause = rec
+            if cause is not Cause.WEIGHT_UPDATE:
+                return MissExplanation(MissReason.EVICTED, i, n, tier, cause, self.policy,
+                                       f"left the {tier.name.lower()} tier ({cause.name}) under {self.policy.name}")
+        for ns in reversed(self._retired):
+            old_root = root_key(ns, extra)
+            old = block_keys(toks[:(i + 1) * self.block_size], self.block_size, old_root, 0, extras)
+            if old[i] in self.index.history:
+                return MissExplanation(MissReason.OTHER_NAMESPACE, i, n, detail=f"cached under weights "
+                                       f"{ns.weights_version!r}, now {self.namespace.weights_version!r}")
+        return MissExplanation(MissReason.NEVER_STORED, i, n)
+
+    def check_integrity(self) -> None:
+        """Assert every invariant of the pools, the index, the requests and the copies."""
+        check(self)

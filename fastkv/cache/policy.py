@@ -1,0 +1,50 @@
+"""Tier policies: when a device block gets a copy in the host tier.
+
+=========================  ===============================  ======================================
+policy                     host copy made                   host tier is
+=========================  ===============================  ======================================
+WRITE_THROUGH              when the block is full and        inclusive: most device blocks also
+                           inserted (after compute)          have a host copy; device eviction
+                                                             drops the device copy
+WRITE_THROUGH_SELECTIVE    once the block has been hit       inclusive for hot blocks only: saves
+                           ``selective_hits`` times          copy bandwidth on one-off prompts
+WRITE_BACK                 when the device evicts it         exclusive: a victim cache; a block
+                                                             swapped back in leaves the host, so
+                                                             device D + host H hold D + H blocks
+=========================  ===============================  ======================================
+
+Copies never run synchronously: a write-back victim's block is handed to the request that
+evicted it only once its SWAP_OUT completes (that request waits, like one loading a prefix).
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Policy(IntEnum):
+    WRITE_THROUGH = 1
+    WRITE_THROUGH_SELECTIVE = 2
+    WRITE_BACK = 3
+
+    @property
+    def copies_on_insert(self) -> bool:
+        return self is Policy.WRITE_THROUGH
+
+    @property
+    def copies_on_hit(self) -> bool:
+        return self is Policy.WRITE_THROUGH_SELECTIVE
+
+    @property
+    def copies_on_evict(self) -> bool:
+        return self is Policy.WRITE_BACK
+
+    @property
+    def host_inclusive(self) -> bool:
+        """Host copies stay when their block is swapped in (else the host is exclusive)."""
+        return self is not Policy.WRITE_BACK
+
+
+class Tier(IntEnum):
+    DEVICE = 0
+    HOST = 1
+    STORAGE = 2

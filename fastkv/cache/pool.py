@@ -1,0 +1,342 @@
+"""A hashed block pool for one tier (device or host).
+
+Every block is in exactly one state::
+
+    FREE       refcount 0, no key, on the free stack
+    ALLOCATED  refcount > 0, held by requests; may carry a key (its bytes are valid for it)
+    CACHED     refcount 0, keyed, on the LRU queue: evictable, and reusable by a prefix hit
+    IN_FLIGHT  pinned by one or more copies (refcount may be > 0): never handed out, evicted
+               or freed until the last copy completes
+
+``lookup`` maps a key to the one block of this tier holding valid bytes for it; a block's key
+is set only once its bytes are valid (after compute, or after a copy succeeded), so a failed
+copy never leaves a key pointing at bad bytes. A freed block keeps its key (CACHED) until it
+is reused: then it is evicted, least recently used first.
+
+Releasing the last reference of an IN_FLIGHT block does not free it: the block stays
+IN_FLIGHT and turns CACHED or FREE when its last copy completes (``unpin``). That is how the
+pool refuses to free a block a copy still reads or writes, without making callers track it.
+
+Hot paths (``take``, ``incref``, ``release``) work on preallocated Python lists indexed by
+block id and allocate no objects, except the tuple reporting an eviction.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+
+from fastkv.cache.free_queue import LRUQueue
+
+
+class BlockState(IntEnum):
+    FREE = 0
+    ALLOCATED = 1
+    CACHED = 2
+    IN_FLIGHT = 3
+
+
+_FREE, _ALLOCATED, _CACHED, _IN_FLIGHT = 0, 1, 2, 3
+
+
+class BlockPool:
+    __slots__ = ("tier", "capacity", "state", "ref", "pins", "key", "lookup", "free", "lru", "num_allocated",
+                 "num_in_flight")
+
+    def __init__(self, tier: str, capacity: int) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+            raise ValueError(f"{tier} pool capacity must be an int >= 0, got {capacity!r}")
+        self.tier = tier
+        self.capacity = capacity
+        self.lru = LRUQueue(capacity)
+        ids = self.lru.ids[:capacity]
+        self.state = [_FREE] * capacity
+        self.ref = [0] * capacity
+        self.pins = [0] * capacity
+        self.key: list[bytes | None] = [None] * capacity
+        self.lookup: dict[bytes, int] = {}
+        self.free = ids[::-1]  # a stack: block 0 is handed out first
+        self.num_allocated = 0
+        self.num_in_flight = 0
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.lru)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks ``take`` can hand out now: FREE plus CACHED (evicted on the way)."""
+        return len(self.free) + len(self.lru)
+
+    def _check_id(self, block: int) -> None:
+        if not (type(block) is int and 0 <= block < self.capacity):
+            raise ValueError(f"{self.tier} block id {block!r} out of range [0, {self.capacity})")
+
+    def block_state(self, block: int) -> BlockState:
+        self._check_id(block)
+        return BlockState(self.state[block])
+
+    # ------------------------------------------------------------------ handing out
+    def take(self, evicted: list[tuple[int, bytes]] | None = None) -> int:
+        """Hand out a block with refcount 1: a FREE one, else evict the LRU CACHED one.
+
+        An evicted block's ``(block, key)`` is appended to ``evicted``. Returns -1 when every
+        block is ALLOCATED or IN_FLIGHT.
+        """
+        if self.free:
+            block = self.free.pop()
+        else:
+            block = self.lru.popleft()
+            if block < 0:
+                return -1
+            k = self.key[block]
+            del self.lookup[k]
+            self.key[block] = None
+            if evicted is not None:
+                evicted.append((block, k))
+        self.state[block] = _ALLOCATED
+        self.ref[block] = 1
+        self.num_allocated += 1
+        return block
+
+    def take_many(self, n: int, evicted: list[tuple[int, bytes]] | None = None) -> list[int]:
+        """``n`` blocks as by ``take``, in one pass (the hot path of allocation)."""
+        free = self.free
+        nf = len(free)
+        if n > nf + len(self.lru):
+            raise ValueError(f"{self.tier} pool: {n} blocks asked, {self.num_available} available")
+        if n <= nf:
+            blocks = free[nf - n:]
+            del free[nf - n:]
+            blocks.reverse()
+        else:
+            blocks = free[::-1]
+            free.clear()
+            lookup, key = self.lookup, self.key
+            for b in self.lru.popleft_many(n - nf):
+                k = key[b]
+                del lookup[k]
+                key[b] = None
+                blocks.append(b)
+                if evicted is not None:
+                    evicted.append((b, k))
+        state, ref = self.state, self.ref
+        for b in blocks:
+            state[b] = _ALLOCATED
+            ref[b] = 1
+        self.num_allocated += n
+        return blocks
+
+    def take_pinned(self, evicted: list[tuple[int, bytes]] | None = None) -> int:
+        """A block for a copy to write into: IN_FLIGHT with refcount 0. -1 when none."""
+        block = self.take(evicted)
+        if block >= 0:
+            self.ref[block] = 0
+            self.num_allocated -= 1
+            self.num_in_flight += 1
+            self.state[block] = _IN_FLIGHT
+            self.pins[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        """One more holder of a keyed block (a prefix hit) or of an ALLOCATED one."""
+        st = self.state[block]
+        if st == _CACHED:
+            self.lru.remove(block)
+            self.state[block] = _ALLOCATED
+            self.num_allocated += 1
+        elif st == _FREE:
+            raise ValueError(f"{self.tier} block {block} is FREE: take() it, do not incref it")
+        self.ref[block] += 1
+
+    def release(self, block: int, keep: bool = True) -> None:
+        """Drop one reference. At zero: CACHED if keyed (and ``keep``), else FREE; an IN_FLIGHT
+        block waits for its copies (``unpin``)."""
+        r = self.ref[block]
+        if r <= 0:
+            raise ValueError(f"{self.tier} block {block} released with refcount {r} (double free?)")
+        r -= 1
+        self.ref[block] = r
+        if r == 0 and self.state[block] == _ALLOCATED:
+            self.num_allocated -= 1
+            k = self.key[block]
+            if k is not None and keep:
+                self.state[block] = _CACHED
+                self.lru.append(block)
+            else:
+                if k is not None:
+                    del self.lookup[k]
+                    self.key[block] = None
+                self.state[block] = _FREE
+                self.free.append(block)
+        elif r == 0 and not keep and self.key[block] is not None:
+            self.drop_key(block)
+
+    # ------------------------------------------------------------------ copies
+    def pin(self, block: int) -> None:
+        """A copy starts reading or writing ``block``."""
+        self._check_id(block)
+        st = self.state[block]
+        if st == _FREE:
+            raise ValueError(f"{self.tier} block {block} is FREE: nothing to copy")
+        if st == _CACHED:
+            self.lru.remove(block)
+        if st != _IN_FLIGHT:
+            if st == _ALLOCATED:
+                self.num_allocated -= 1
+            self.num_in_flight += 1
+            self.state[block] = _IN_FLIGHT
+        self.pins[block] += 1
+
+    def unpin(self, block: int) -> None:
+        """A copy of ``block`` finished (either way)."""
+        self._check_id(block)
+        p = self.pins[block]
+        if p <= 0 or self.state[block] != _IN_FLIGHT:
+            raise ValueError(f"{self.tier} block {block} is not in flight")
+        self.pins[block] = p - 1
+        if p > 1:
+            return
+        self.num_in_flight -= 1
+        if self.ref[block] > 0:
+            self.state[block] = _ALLOCATED
+            self.num_allocated += 1
+        elif self.key[block] is not None:
+            self.state[block] = _CACHED
+            self.lru.append(block)
+        else:
+            self.state[block] = _FREE
+            self.free.append(block)
+
+    # ------------------------------------------------------------------ keys
+    def set_key(self, block: int, key: bytes) -> bool:
+        """Declare ``block``'s bytes valid for ``key``. False (and no change) when another block
+        of this tier already holds ``key``: the caller's block stays unkeyed (a duplicate)."""
+        self._check_id(block)
+        st = self.state[block]
+        if st == _FREE or st == _CACHED:
+            raise ValueError(f"{self.tier} block {block} is {BlockState(st).name}: only a held block gets a key")
+        if self.key[block] is not None:
+            raise ValueError(f"{self.tier} block {block} already has a key")
+        if key in self.lookup:
+            return False
+        self.key[block] = key
+        self.lookup[key] = block
+        return True
+
+    def insert_many(self, blocks: list[int], keys: list[bytes]) -> list[int]:
+        """``set_key`` for held, unkeyed blocks (after compute). A key another block already has
+        moves to the held block when that other one is only CACHED (same bytes, and the held
+        copy is the one its request's children will follow); when it is held too, the new block
+        stays an unkeyed duplicate. Returns the indices (into ``blocks``) of the duplicates."""
+        setdefault, key, state = self.lookup.setdefault, self.key, self.state
+        dups = []
+        for i, (b, k) in enumerate(zip(blocks, keys, strict=True)):
+            holder = setdefault(k, b)  # one dict probe: inserted, or another block has k
+            if holder is not b:
+                if state[holder] != _CACHED:
+                    dups.append(i)
+                    continue
+                self.drop_key(holder)  # it becomes FREE
+                self.lookup[k] = b
+            key[b] = k
+        return dups
+
+    def release_many(self, blocks: list[int], keep: bool = True) -> None:
+        """``release`` each block in order (callers pass a table last to first). The common case,
+        a keyed block going CACHED, appends to the LRU queue inline (no call per block)."""
+        ref, state, key = self.ref, self.state, self.key
+        lru = self.lru
+        nxt, prv, s = lru.next, lru.prev, lru.ids[self.capacity]
+        cached = 0
+        for b in blocks:
+            r = ref[b] - 1
+            if r > 0:
+                ref[b] = r
+            elif r == 0 and keep and state[b] == _ALLOCATED and key[b] is not None:
+                ref[b] = 0
+                state[b] = _CACHED
+                last = prv[s]
+                nxt[last] = b
+                prv[b] = last
+                nxt[b] = s
+                prv[s] = b
+                cached += 1
+            else:
+                self.release(b, keep)
+        lru._len += cached
+        self.num_allocated -= cached
+
+    def drop_key(self, block: int) -> bytes | None:
+        """Forget ``block``'s key (its bytes are stale or unwanted). A CACHED block becomes FREE."""
+        self._check_id(block)
+        k = self.key[block]
+        if k is None:
+            return None
+        del self.lookup[k]
+        self.key[block] = None
+        if self.state[block] == _CACHED:
+            self.lru.remove(block)
+            self.state[block] = _FREE
+            self.free.append(block)
+        return k
+
+    def evict(self, block: int) -> bytes:
+        """Evict a CACHED block now (it becomes FREE). Refuses IN_FLIGHT and held blocks."""
+        self._check_id(block)
+        st = self.state[block]
+        if st != _CACHED:
+            raise ValueError(f"{self.tier} block {block} is {BlockState(st).name}: only a CACHED block can be evicted")
+        k = self.drop_key(block)
+        assert k is not None, f"{self.tier} block {block}: CACHED without a key"
+        return k
+
+    def touch(self, block: int) -> None:
+        """Mark a CACHED block most recently used (no-op for held or in-flight blocks)."""
+        if self.state[block] == _CACHED:
+            self.lru.move_to_end(block)
+
+    def clear(self) -> list[bytes]:
+        """Forget every key (weight update). Every block must be FREE or CACHED."""
+        if self.num_allocated or self.num_in_flight:
+            raise ValueError(f"{self.tier} pool clear with {self.num_allocated} allocated and "
+                             f"{self.num_in_flight} in-flight blocks")
+        dropped = list(self.lookup)
+        while (block := self.lru.popleft()) >= 0:
+            self.key[block] = None
+            self.state[block] = _FREE
+            self.free.append(block)
+        self.lookup.clear()
+        return dropped
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        self.lru.check_integrity()
+        counts = [0, 0, 0, 0]
+        for b in range(self.capacity):
+            st, r, p, k = self.state[b], self.ref[b], self.pins[b], self.key[b]
+            counts[st] += 1
+            assert r >= 0 and p >= 0, f"{self.tier} block {b}: negative refcount {r} or pins {p}"
+            in_lru = b in self.lru
+            assert in_lru == (st == _CACHED), f"{self.tier} block {b}: state {st} but in LRU = {in_lru}"
+            assert (p > 0) == (st == _IN_FLIGHT), f"{self.tier} block {b}: state {st} with {p} pins"
+            if st == _FREE:
+                assert r == 0 and k is None, f"{self.tier} block {b}: FREE with refcount {r} or key"
+            elif st == _ALLOCATED:
+                assert r > 0, f"{self.tier} block {b}: ALLOCATED with refcount 0"
+            elif st == _CACHED:
+                assert r == 0 and k is not None, f"{self.tier} block {b}: CACHED needs refcount 0 and a key"
+            if k is not None:
+                assert self.lookup.get(k) == b, f"{self.tier} block {b}: key not in lookup"
+        free_set = set(self.free)
+        assert len(free_set) == len(self.free), f"{self.tier}: a block is twice on the free stack"
+        assert all(self.state[b] == _FREE for b in free_set), f"{self.tier}: non-FREE block on the free stack"
+        assert counts[_FREE] == len(self.free), f"{self.tier}: {counts[_FREE]} FREE blocks, free stack {len(self.free)}"
+        assert counts[_CACHED] == len(self.lru)
+        assert counts[_ALLOCATED] == self.num_allocated, f"{self.tier}: allocated {self.num_allocated} != {counts}"
+        assert counts[_IN_FLIGHT] == self.num_in_flight, f"{self.tier}: in flight {self.num_in_flight} != {counts}"
+        assert sum(counts) == self.capacity
+        assert len(self.lookup) == sum(1 for k in self.key if k is not None), f"{self.tier}: stale lookup entries"

@@ -1,0 +1,43 @@
+"""Hit and copy counters of a cache manager. Plain integers bumped on the hot path."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class CacheStats:
+    requests: int = 0  # allocations (prefix lookups that count toward hit ratios)
+    prompt_tokens: int = 0
+    prompt_blocks: int = 0  # full blocks looked up
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0  # storage hits attempted (a LOAD can still miss)
+    device_evictions: int = 0  # device blocks evicted (moved to host or dropped)
+    host_evictions: int = 0
+    dropped_keys: int = 0  # keys that left every tier
+    inserted_blocks: int = 0
+    duplicate_blocks: int = 0  # computed blocks whose key another block already held
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    store_blocks: int = 0
+    load_blocks: int = 0
+    failed_copies: int = 0  # plans completed with ok=False
+    load_misses: int = 0  # blocks of failed LOADs
+    skipped_copies: int = 0  # host copies not made: no host block free
+    offloads: int = 0
+    restores: int = 0
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
+
+    def hit_ratio(self, tier: str | None = None) -> float:
+        """Prompt-token hit ratio, overall or of one tier ("device", "host", "storage")."""
+        hits = self.hit_tokens if tier is None else getattr(self, f"{tier}_hit_tokens")
+        return hits / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        out: dict[str, float] = asdict(self)
+        out.update(hit_ratio=self.hit_ratio(), device_hit_ratio=self.hit_ratio("device"),
+                   host_hit_ratio=self.hit_ratio("host"), storage_hit_ratio=self.hit_ratio("storage"))
+        return out
