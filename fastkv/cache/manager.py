@@ -689,7 +689,8 @@ class CacheManager:
         self.namespace = self.namespace.with_weights(version)
         self._root = root_key(self.namespace)
         self._paused = False
-        return self.copies.open(CopyKind.RESTORE, Purpose.CONTROL)
+        # the transfer processes reopen storage under this version's namespace (keys[0])
+        return self.copies.open(CopyKind.RESTORE, Purpose.CONTROL, keys=[version.encode()])
 
     # ================================================================== diagnostics
     def explain_miss(self, tokens: object, extra: ExtraKeys | None = None) -> MissExplanation:
