@@ -30,7 +30,7 @@ STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
 # Per-token prefill cost of the synthetic runner (CPU busy work): recomputing a preempted
 # request then costs time the way it does on a real model.
 DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 20.0}, "tiny": {}}
-QUICK_DEMO = {"conversations": 6, "turns": 3}
+QUICK_DEMO = {"conversations": 8, "turns": 3}
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class JobConfig:
     kv_heads: int = 2  # per rank
     head_dim: int = 64
     dtype: str = "float32"
-    device_blocks: int = 160
+    device_blocks: int = 128
     host_blocks: int = 1024  # 0 = no host tier
     storage: str = "default"  # "default": lmdb://<out>/store (fresh every run); "none": no storage tier
     preemption: str = "offload"
@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-heads", type=int, help="KV heads per rank (default 2)")
     a("--head-dim", type=int, help="head dimension (default 64)")
     a("--dtype", help="KV dtype (default float32)")
-    a("--device-blocks", type=int, help="device tier capacity in blocks per rank (default 160)")
+    a("--device-blocks", type=int, help="device tier capacity in blocks per rank (default 128)")
     a("--host-blocks", type=int, help="host tier capacity in blocks per rank, 0 = none (default 1024)")
     a("--storage", help="storage URL (lmdb://DIR, redis://HOST:PORT), 'none', or 'default' = lmdb://<out>/store")
     a("--preemption", choices=PREEMPTION_MODES, help="what preempting a request does (default offload)")

@@ -73,8 +73,8 @@ def conversations(cfg: ConversationConfig = ConversationConfig()) -> list[dict[s
             history[c] += rng.integers(0, cfg.vocab, user).tolist()
             requests.append({
                 "id": f"c{c:03d}t{turn}",
-                # The small per-conversation offset pins the FCFS order inside a wave.
-                "arrival_s": round(turn * cfg.turn_gap_s + c * 1e-4, 6),
+                # A 0.1 ms step per request pins the file order as the arrival (FCFS) order.
+                "arrival_s": round(turn * cfg.turn_gap_s + len(requests) * 1e-4, 6),
                 "prompt": list(history[c]),
                 "max_new_tokens": cfg.max_new_tokens,
                 "preemption": None,

@@ -175,6 +175,7 @@ class Supervisor:
         try:
             try:
                 self._setup()
+                self._install_handlers()  # again: importing Paddle (the device tier) installs its own SIGTERM handler
                 for rank in range(self.spec.tp_size):
                     self._start("transfer", rank)
                     self._start("worker", rank)
