@@ -45,7 +45,8 @@ class JobConfig:
     dtype: str = "float32"
     device_blocks: int = 128
     host_blocks: int = 1024  # 0 = no host tier
-    storage: str = "default"  # "default": lmdb://<out>/store (fresh every run); "none": no storage tier
+    # "default": lmdb://<out>/store, fresh every run (none without a host tier); "none": no storage tier
+    storage: str = "default"
     preemption: str = "offload"
     runner: str = "synthetic"
     workload: str = "demo"  # demo | trace | trace:N | path to a workload.jsonl
@@ -79,6 +80,13 @@ class JobConfig:
             raise ValueError(f"setting 'runner' must be one of {RUNNERS}, got {self.runner!r}")
         if self.preemption == "storage" and self.storage == "none":
             raise ValueError("preemption 'storage' needs a storage tier: set 'storage' to a URL (or leave the default)")
+        # Swaps and storage copies both go through the host tier (the transfer process stages there).
+        if self.host_blocks == 0 and self.preemption != "recompute":
+            raise ValueError(f"preemption {self.preemption!r} needs a host tier (host_blocks > 0); "
+                             "without one only 'recompute' works")
+        if self.host_blocks == 0 and self.storage not in ("default", "none"):
+            raise ValueError("a storage tier needs a host tier (blocks are stored from and loaded into host "
+                             "memory): set host_blocks > 0 or storage 'none'")
         if self.storage not in ("default", "none") and self.storage.split("://")[0] not in STORAGE_SCHEMES:
             raise ValueError(f"setting 'storage' must be 'default', 'none' or a URL with scheme in {STORAGE_SCHEMES}, "
                              f"got {self.storage!r}")
@@ -123,7 +131,7 @@ class JobConfig:
         return ConversationConfig(**values)
 
     def storage_url(self, out_dir: Path) -> str:
-        if self.storage == "none":
+        if self.storage == "none" or self.host_blocks == 0:  # "default" without a host tier: no storage tier
             return ""
         if self.storage == "default":
             return f"lmdb://{out_dir / 'store'}?max_bytes=1G"

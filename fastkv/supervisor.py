@@ -278,42 +278,51 @@ class Supervisor:
               file=sys.stderr)
 
     def _watch(self) -> tuple[bool, str]:
+        """Until the engine exits 0 (True), a stop request or a fatal death (False, why)."""
         assert self.signals is not None, "watch before setup"
-        dead_after_ns = int(self.spec.dead_after_s * 1e9)
-        startup_ns = int(self.startup_timeout_s * 1e9)
+        finished: set[str] = set()  # ranks that exited 0: the engine closed their channels, it is finishing
         while True:
-            sentinels = {c.process.sentinel: c for c in self.children.values()}
-            woken = wait([*sentinels, self._wake_r], timeout=self.spec.heartbeat_s)
+            # The engine first: once it exited 0, ranks exiting with it are no failure.
+            live = [c for c in self.children.values() if c.name not in finished]
+            live.sort(key=lambda c: c.role != "engine")
+            woken = wait([*(c.process.sentinel for c in live), self._wake_r], timeout=self.spec.heartbeat_s)
             if self._wake_r in woken:
                 os.read(self._wake_r, 4096)
             if self._stop_reason is not None:
                 return False, self._stop_reason
             self._report_progress()
             now = time.monotonic_ns()
-            for child in list(self.children.values()):
-                why = None
-                if child.process.exitcode is not None:
-                    why = describe_exit(child.process.exitcode)
-                elif self.signals[f"{child.name}.ready"]:
-                    silent = now - max(self.signals[f"{child.name}.beat"], child.started_ns)
-                    if silent > dead_after_ns:
-                        why = f"heartbeat silent for {silent / 1e9:.1f} s"
-                elif now - child.started_ns > startup_ns:
-                    why = f"not ready after {self.startup_timeout_s:.0f} s"
+            for child in live:
+                why = self._why_dead(child, now)
                 if why is None:
                     continue
                 if child.process.exitcode is None:  # hung: make it dead before replacing it
                     child.process.kill()
                     child.process.join()
-                if child.role == "engine" and child.process.exitcode == 0:
-                    self._report_progress()
-                    return True, "workload done"
-                if child.role == "transfer" and child.restarts < self.max_restarts:
+                if child.process.exitcode == 0:
+                    if child.role == "engine":
+                        self._report_progress()
+                        return True, "workload done"
+                    finished.add(child.name)
+                elif child.role == "transfer" and child.restarts < self.max_restarts:
                     self._restart_transfer(child, why)
-                    continue
-                log = self.log_dir / f"{child.name}.log"
-                extra = f" after {child.restarts} restarts" if child.restarts else ""
-                return False, f"{child.name} (pid {child.process.pid}) {why}{extra}; {log}:\n{log_tail(log)}"
+                else:
+                    log = self.log_dir / f"{child.name}.log"
+                    extra = f" after {child.restarts} restarts" if child.restarts else ""
+                    return False, f"{child.name} (pid {child.process.pid}) {why}{extra}; {log}:\n{log_tail(log)}"
+
+    def _why_dead(self, child: Child, now_ns: int) -> str | None:
+        """None while ``child`` lives; else how it died (exited, or a silent heartbeat, or never ready)."""
+        assert self.signals is not None, "watch before setup"
+        if child.process.exitcode is not None:
+            return describe_exit(child.process.exitcode)
+        if self.signals[f"{child.name}.ready"]:
+            silent = now_ns - max(self.signals[f"{child.name}.beat"], child.started_ns)
+            if silent > self.spec.dead_after_s * 1e9:
+                return f"heartbeat silent for {silent / 1e9:.1f} s"
+        elif now_ns - child.started_ns > self.startup_timeout_s * 1e9:
+            return f"not ready after {self.startup_timeout_s:.0f} s"
+        return None
 
     def _report_progress(self) -> None:
         if self.progress is not None and self.signals is not None:

@@ -2,13 +2,16 @@
 
 Each attaches what its role attaches, writes its pid, ready flag and heartbeat, and exits 0
 when ``stop`` is set. The engine reads workload.jsonl and writes results.jsonl and
-summary.json in the engine's format. Behaviour knobs come from ``spec.runner_options``:
+summary.json in the engine's format; like the real one it binds its channel ends and closes
+them when the workload is done, so the workers and transfer processes exit 0 (on
+ChannelClosed) a little before the engine itself does. Knobs from ``spec.runner_options``:
 
 - ``standin_request_s``: seconds the engine spends per request (default 0.01);
 - ``standin_wait_restart``: the engine finishes only after transfer0 was restarted
   (``transfer0.gen`` >= 1) and the replacement is ready, so a test proves the restart;
 - ``standin_worker_exit``: worker0 exits with this code right after it is ready;
-- ``standin_transfer_hang``: transfer0 of generation 0 stops beating (a hung process).
+- ``standin_transfer_hang``: transfer0 of generation 0 stops beating (a hung process);
+- ``standin_linger_s``: the engine's time between closing its channels and exiting (default 0.3).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import time
 
 from fastkv.demo import read_workload
 from fastkv.ipc import ChannelClosed, Namespace, SignalArray
-from fastkv.run import RunSpec, attach_transfer, attach_worker
+from fastkv.run import RunSpec, attach_engine, attach_transfer, attach_worker
 from fastkv.transfer.tiers import HostTier
 
 _idle = threading.Event()  # never set: Event.wait(t) is the stand-ins' interruptible pause
@@ -38,7 +41,8 @@ def _serve(spec: RunSpec, sig: SignalArray, proc: str, channel, hang: bool = Fal
         try:
             channel.recv(timeout=spec.heartbeat_s / 2)
         except ChannelClosed:
-            _idle.wait(spec.heartbeat_s / 2)
+            print(f"stand-in {proc}: the engine closed its channel; exiting", flush=True)
+            return 0
     return 0
 
 
@@ -79,7 +83,8 @@ def worker_main(spec_json: str, rank: int) -> int:
 def engine_main(spec_json: str, workload_path: str) -> int:
     spec = RunSpec.from_json(spec_json)
     ns = Namespace.attach(spec.run_id)
-    sig = SignalArray.attach(ns, "signals")
+    ends = attach_engine(ns, spec)
+    sig = ends.signals
     _announce(sig, "engine")
     opts = spec.runner_options
     per_request = float(opts.get("standin_request_s", 0.01))
@@ -108,6 +113,8 @@ def engine_main(spec_json: str, workload_path: str) -> int:
         sig["engine.beat"] = time.monotonic_ns()
         _idle.wait(spec.heartbeat_s / 2)
     seconds = time.monotonic() - t0
+    ends.close()
+    _idle.wait(float(opts.get("standin_linger_s", 0.3)))
     summary = {
         "requests": len(requests), "prompt_tokens": sum(len(r["prompt"]) for r in requests),
         "generated_tokens": generated, "seconds": seconds, "tokens_per_s": generated / max(seconds, 1e-9),
@@ -117,7 +124,6 @@ def engine_main(spec_json: str, workload_path: str) -> int:
     }
     with open(os.path.join(spec.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f)
-    sig.close()
     return 0
 
 

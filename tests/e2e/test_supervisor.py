@@ -2,6 +2,7 @@
 clean runs, signals, restarts, crashes, and that nothing is ever left in /dev/shm."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -40,9 +41,9 @@ def write_config(tmp_path: Path, **runner_options) -> Path:
     return path
 
 
-def start_cli(tmp_path: Path, rid: str, *extra: str, **runner_options) -> subprocess.Popen:
+def start_cli(tmp_path: Path, rid: str, *extra: str, entries=ENTRIES, **runner_options) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "fastkv.cli", "--out", str(tmp_path / "out"), "--run-id", rid,
-           "--config", str(write_config(tmp_path, **runner_options)), *SMALL, *ENTRIES, *extra]
+           "--config", str(write_config(tmp_path, **runner_options)), *SMALL, *entries, *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -98,6 +99,10 @@ def test_run_completes_writes_report_and_leaves_nothing(tmp_path):
     assert len((o / "results.jsonl").read_text().splitlines()) == len(requests)
     assert json.loads(requests[0])["preemption"] == "offload"  # the CLI's default mode, written per request
     assert "throughput" in out and "report.png" in out
+    # The ranks exit 0 when the engine closes its channels, before the engine exits: no failure, no restart.
+    assert "restarted" not in err
+    for rank_log in ("worker0.log", "transfer0.log"):
+        assert "the engine closed its channel; exiting" in (o / "logs" / rank_log).read_text()
     assert json.loads((o / "spec.json").read_text())["storage_url"].startswith(f"lmdb://{o}/store")
     assert leftovers(rid) == []
 
@@ -117,9 +122,15 @@ def test_sigterm_stops_cleanly(tmp_path):
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
-def test_sigkilled_transfer_is_restarted_and_run_completes(tmp_path):
+@pytest.mark.parametrize("transfer", [
+    "standin",
+    pytest.param("real", marks=pytest.mark.skipif(importlib.util.find_spec("fastkv.transfer.process") is None,
+                                                  reason="fastkv.transfer.process not merged yet")),
+])
+def test_sigkilled_transfer_is_restarted_and_run_completes(tmp_path, transfer):
     rid = run_id()
-    proc = start_cli(tmp_path, rid, standin_wait_restart=True)
+    entries = ENTRIES if transfer == "standin" else [e for e in ENTRIES if "=transfer=" not in e]
+    proc = start_cli(tmp_path, rid, entries=entries, standin_wait_restart=True)
     sig = attach_signals(rid, proc)
     victim = sig["transfer0.pid"]
     assert sig["transfer0.gen"] == 0
@@ -171,6 +182,7 @@ def test_sigkilled_supervisor_takes_children_along_and_cleanup_removes_the_rest(
 
 def test_api_request_stop_and_bad_entry_point(tmp_path):
     cfg = JobConfig(layers=1, kv_heads=1, head_dim=16, block_size=4, device_blocks=16, host_blocks=0, quick=True,
+                    preemption="recompute",
                     out=str(tmp_path / "out"), heartbeat_s=0.1, dead_after_s=1.0,
                     runner_options={"standin_request_s": 1.0})
     spec, workload = prepare(cfg, run_id())

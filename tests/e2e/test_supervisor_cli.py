@@ -49,6 +49,11 @@ def test_toml_then_flags(tmp_path):
     assert demo.conversations == 3 and demo.user_tokens == (4, 8)
 
 
+def test_no_host_tier_means_no_default_storage(tmp_path):
+    spec = JobConfig(host_blocks=0, preemption="recompute").to_spec("r2", tmp_path)
+    assert spec.num_host_blocks == 0 and spec.storage_url == ""
+
+
 def test_json_config_and_quick(tmp_path):
     path = tmp_path / "job.json"
     path.write_text(json.dumps({"runner": "tiny", "quick": True, "workload": "trace:5"}))
@@ -66,6 +71,9 @@ def test_json_config_and_quick(tmp_path):
     ({"runner": "llama"}, "'runner' must be one of"),
     ({"storage": "s3://bucket"}, "'storage' must be 'default', 'none' or a URL"),
     ({"storage": "none", "preemption": "storage"}, "needs a storage tier"),
+    ({"host_blocks": 0}, "preemption 'offload' needs a host tier"),
+    ({"host_blocks": 0, "preemption": "storage"}, "preemption 'storage' needs a host tier"),
+    ({"host_blocks": 0, "preemption": "recompute", "storage": "lmdb:///tmp/x"}, "storage tier needs a host tier"),
     ({"runner": "tiny", "dtype": "bfloat16"}, "tiny runner needs dtype 'float32'"),
     ({"head_dim": 8}, "synthetic runner needs head_dim > 8"),
     ({"dtype": "float64"}, "KVLayout.dtype must be one of"),
