@@ -193,10 +193,10 @@ class Supervisor:
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Ends the run cleanly (signal-handler safe: records the reason, wakes the watcher)."""
-        if self._stop_reason is None:
+        if self._stopping:
+            self._kill_now = True  # asked again while shutting down: do not wait for the children
+        elif self._stop_reason is None:
             self._stop_reason = reason
-        elif self._stopping:
-            self._kill_now = True  # asked twice: do not wait for the children
         if self._wake_w >= 0:
             try:
                 os.write(self._wake_w, b"x")
@@ -238,16 +238,17 @@ class Supervisor:
         if self.ns is not None:  # also unlinks a worker-made (CUDA) device tier: its name is in the manifest
             self.ns.close()
             self.ns = None
-        for fd in (self._wake_r, self._wake_w):
+        fds, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)  # first: a late signal skips it
+        for fd in fds:
             if fd >= 0:
                 os.close(fd)
-        self._wake_r = self._wake_w = -1
 
     def _install_handlers(self) -> dict[int, Any]:
         import threading
 
         if threading.current_thread() is not threading.main_thread():
             return {}  # only the main thread may set handlers; the caller uses request_stop()
+
         def handler(signum: int, _frame: Any) -> None:
             self.request_stop(f"interrupted by {signal.Signals(signum).name}")
 
