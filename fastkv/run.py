@@ -53,12 +53,15 @@ class RunSpec:
     slot_size: int = 512  # ring slot bytes; larger messages span slots
     nslots: int = 4096
     out_dir: str = "fastkv-out"
+    metrics_port: int = 0  # the engine's Prometheus endpoint; 0 = off
 
     def __post_init__(self) -> None:
         if self.num_device_blocks <= 0 or self.num_host_blocks < 0:
             raise ValueError("RunSpec: num_device_blocks must be > 0 and num_host_blocks >= 0")
         if self.heartbeat_s <= 0 or self.dead_after_s <= self.heartbeat_s or self.task_timeout_s <= 0:
             raise ValueError("RunSpec: need heartbeat_s > 0, dead_after_s > heartbeat_s, task_timeout_s > 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"RunSpec: metrics_port must be in [0, 65536), got {self.metrics_port}")
 
     @property
     def tp_size(self) -> int:
@@ -96,12 +99,15 @@ class RunSpec:
 
 def signal_names(tp_size: int) -> list[str]:
     """Slots of the run's signal array: per process a heartbeat (monotonic ns), its pid and
-    a ready flag; ``stop`` asks every process to exit; ``transfer{r}.gen`` counts restarts."""
+    a ready flag; ``stop`` asks every process to exit; ``transfer{r}.gen`` counts restarts
+    (the supervisor bumps it before starting a replacement); ``engine.total`` (requests in
+    the workload) and ``engine.finished`` (requests done) drive the supervisor's progress bar."""
     names = ["stop"]
     procs = ["engine"] + [f"worker{r}" for r in range(tp_size)] + [f"transfer{r}" for r in range(tp_size)]
     for p in procs:
         names += [f"{p}.beat", f"{p}.pid", f"{p}.ready"]
     names += [f"transfer{r}.gen" for r in range(tp_size)]
+    names += ["engine.total", "engine.finished"]
     return names
 
 
