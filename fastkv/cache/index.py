@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from enum import IntEnum
+from itertools import islice
 from typing import NamedTuple
 
 from fastkv.cache.policy import Policy, Tier
@@ -103,7 +104,7 @@ class PrefixIndex:
         self.storage = storage
         self.stored: OrderedDict[bytes, None] = OrderedDict()  # popitem(last=False) is O(1)
         self.storage_keys = storage_keys
-        self.history: OrderedDict[bytes, tuple[Tier, Cause]] = OrderedDict()
+        self.history: dict[bytes, tuple[Tier, Cause]] = {}  # insertion ordered, trimmed by gone_many
         self.history_size = history
         # one shared tuple per (tier, cause): recording a departure allocates nothing
         self._records = {(t, c): (t, c) for t in Tier for c in Cause}
@@ -148,10 +149,19 @@ class PrefixIndex:
     def gone(self, key: bytes, tier: Tier, cause: Cause) -> None:
         """``key`` left its last tier: remember why, for ``explain_miss`` (bounded history)."""
         if self.history_size:
-            h = self.history
-            h[key] = self._records[tier, cause]
-            if len(h) > self.history_size:
-                h.popitem(last=False)
+            self.gone_many((key,), tier, cause)
+
+    def gone_many(self, keys, tier: Tier, cause: Cause) -> None:
+        """One plain dict store per key; the oldest half is cut in one pass once the history
+        doubles its size (amortized O(1), and much cheaper than an LRU dict per eviction)."""
+        if not self.history_size:
+            return
+        h = self.history
+        rec = self._records[tier, cause]  # shared: nothing allocated per key
+        for k in keys:
+            h[k] = rec
+        if len(h) > 2 * self.history_size:
+            self.history = dict(islice(h.items(), len(h) - self.history_size, None))
 
     def clear(self) -> list[bytes]:
         """Forget every key (weight update); returns them."""

@@ -502,6 +502,13 @@ class CacheManager:
             return blocks, None
         self.stats.device_evictions += len(victims)
         hlookup, stored = self.host.lookup, self.index.stored
+        if not hlookup and not stored and not self._wb:  # device-only: every victim's key is gone
+            self.stats.dropped_keys += len(victims)
+            self.index.gone_many([k for _, k in victims], Tier.DEVICE, Cause.EVICTED)
+            if self.policy.copies_on_hit:
+                for _, k in victims:
+                    self._hits.pop(k, None)
+            return blocks, None
         src: list[int] = []
         keys: list[bytes] = []
         selective = self._hits if self.policy.copies_on_hit else None

@@ -239,20 +239,29 @@ class BlockPool:
         return done
 
     def release_many(self, blocks: list[int], keep: bool = True) -> None:
-        """``release`` each block in order (callers pass a table last to first)."""
+        """``release`` each block in order (callers pass a table last to first). The common case,
+        a keyed block going CACHED, appends to the LRU queue inline (no call per block)."""
         ref, state, key = self.ref, self.state, self.key
-        append = self.lru.append
+        lru = self.lru
+        nxt, prv, s = lru.next, lru.prev, lru.ids[self.capacity]
+        cached = 0
         for b in blocks:
             r = ref[b] - 1
             if r > 0:
                 ref[b] = r
-            elif r == 0 and state[b] == _ALLOCATED and keep and key[b] is not None:
+            elif r == 0 and keep and state[b] == _ALLOCATED and key[b] is not None:
                 ref[b] = 0
                 state[b] = _CACHED
-                self.num_allocated -= 1
-                append(b)
+                last = prv[s]
+                nxt[last] = b
+                prv[b] = last
+                nxt[b] = s
+                prv[s] = b
+                cached += 1
             else:
                 self.release(b, keep)
+        lru._len += cached
+        self.num_allocated -= cached
 
     def drop_key(self, block: int) -> bytes | None:
         """Forget ``block``'s key (its bytes are stale or unwanted). A CACHED block becomes FREE."""

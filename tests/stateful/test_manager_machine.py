@@ -1,0 +1,257 @@
+"""The whole cache manager against a reference model of block *contents*.
+
+The test plays the worker and the transfer processes: a compute step writes, into each block
+it covers, a token standing for the KV it would hold (a full block's chained key, or the
+tokens of a partial block); a copy moves those tokens when the test completes its plan, in
+random order, sometimes failing (and then writes garbage into its destination, as a half-done
+copy would). After every step:
+
+* ``check_integrity()``;
+* every keyed device or host block holds exactly the content of its key (a key never points
+  at bad bytes), every stored key's storage value is its content;
+* every ready request's blocks hold its tokens' content up to ``num_computed``;
+* a compute step only writes blocks its request alone holds and no copy touches;
+* without failures, skipped copies or dropped keys, no cached key is stranded behind a
+  missing parent.
+"""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from fastkv.cache.manager import CacheConfig, CacheManager
+from fastkv.cache.plan import CopyKind
+from fastkv.cache.policy import Policy
+from fastkv.cache.pool import BlockState
+from fastkv.cache.requests import ReqState
+
+BS = 2
+# prompts are prefixes of a few conversations, so that they share prefixes often
+CONVERSATIONS = ((0, 1, 2, 3), (0, 1, 4, 5), (6, 7, 2, 3), (0, 6, 8), (9, 10, 11), (0, 1, 2, 12))
+LABELS = st.builds(lambda c, n: CONVERSATIONS[c][:n], st.integers(0, len(CONVERSATIONS) - 1), st.integers(0, 4))
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    @initialize(policy=st.sampled_from(Policy), dev=st.integers(4, 9), host=st.integers(0, 10),
+                storage=st.booleans())
+    def setup(self, policy, dev, host, storage):
+        self.m = CacheManager(CacheConfig(num_device_blocks=dev, num_host_blocks=host, block_size=BS,
+                                          policy=policy, storage=storage, selective_hits=1))
+        self.dev_data = [None] * dev
+        self.host_data = [None] * max(host, 1)
+        self.storage: dict[bytes, object] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.private: dict[bytes, object] = {}  # private key -> expected content
+        self.parent: dict[bytes, bytes] = {}
+        self.outstanding = []
+        self.next_rid = 0
+        self.lossy = False  # a failure, a skipped copy or a dropped key may strand children
+
+    # ------------------------------------------------------------------ model helpers
+    def content(self, rid, i, upto):
+        toks = self.tokens[rid]
+        keys = self.m.keys_for(toks[: (i + 1) * BS])
+        if (i + 1) * BS <= upto:
+            return keys[i]
+        parent = keys[i - 1] if i else b"root"
+        return ("partial", parent, tuple(toks[i * BS: upto]))
+
+    def learn_parents(self, toks):
+        keys = self.m.keys_for(toks)
+        for i in range(1, len(keys)):
+            self.parent[keys[i]] = keys[i - 1]
+
+    def running(self, ready=True):
+        return [r for r, req in self.m._reqs.items()
+                if req.state is ReqState.RUNNING and (not ready or req.pending == 0)]
+
+    def add(self, plans):
+        self.outstanding += list(plans)
+
+    # ------------------------------------------------------------------ rules
+    @rule(labels=LABELS, tail=st.integers(0, BS - 1), reserve=st.sampled_from([0, 0, 1, BS + 1]))
+    def allocate(self, labels, tail, reserve):
+        toks = [t for lab in labels for t in range(lab * 10, lab * 10 + BS)] + [90 + i for i in range(tail)]
+        if not toks:
+            return
+        rid = self.next_rid
+        self.next_rid += 1
+        self.tokens[rid] = toks
+        self.learn_parents(toks)
+        a = self.m.allocate(rid, np.array(toks, np.int32), reserve_tokens=reserve)
+        if a is None:
+            del self.tokens[rid]
+            return
+        for i in range(a.num_cached_tokens // BS):  # device hits hold the right bytes now
+            assert self.dev_data[a.block_table[i]] == self.content(rid, i, len(toks))
+        self.add(a.plans)
+
+    @precondition(lambda self: self.running())
+    @rule(data=st.data(), finish=st.booleans())
+    def compute(self, data, finish):
+        """A step; with ``finish`` the request computes everything and is freed (cached)."""
+        rid = data.draw(st.sampled_from(self.running()))
+        req = self.m._reqs[rid]
+        if req.num_computed == req.num_tokens:
+            if finish:
+                self.m.free(rid)
+            return
+        n = req.num_tokens if finish else data.draw(st.integers(req.num_computed + 1, req.num_tokens))
+        for i in range(req.num_computed // BS, -(-n // BS)):
+            b = req.table[i]
+            assert self.m.device.state[b] == BlockState.ALLOCATED, f"step writes block {b} that a copy touches"
+            assert self.m.device.ref[b] == 1 and self.m.device.key[b] is None, f"step writes shared block {b}"
+            self.dev_data[b] = self.content(rid, i, n)
+        self.add(self.m.mark_computed(rid, n))
+        if finish:
+            self.m.free(rid)
+
+    @precondition(lambda self: self.running())
+    @rule(data=st.data(), n=st.integers(1, 3))
+    def append(self, data, n):
+        rid = data.draw(st.sampled_from(self.running()))
+        req = self.m._reqs[rid]
+        if req.num_computed != req.num_tokens:
+            return
+        new = [50 + len(self.tokens[rid]) + i for i in range(n)]
+        g = self.m.append_slots(rid, np.array(new, np.int32))
+        if g is None:
+            return
+        self.tokens[rid] += new
+        self.learn_parents(self.tokens[rid])
+        self.add(g.plans)
+
+    @precondition(lambda self: self.m._reqs)
+    @rule(data=st.data(), cache=st.booleans() | st.just(True))
+    def free(self, data, cache):
+        rid = data.draw(st.sampled_from(sorted(self.m._reqs)))
+        self.lossy |= not cache
+        self.m.free(rid, cache)
+
+    @precondition(lambda self: self.m.host.capacity and self.running())
+    @rule(data=st.data())
+    def offload(self, data):
+        rid = data.draw(st.sampled_from(self.running()))
+        plans = self.m.offload(rid)
+        if plans is None:
+            return
+        req = self.m._reqs[rid]
+        if req.private_key is not None:
+            last = -(-req.num_computed // BS) - 1
+            self.private[req.private_key] = self.content(rid, last, req.num_computed)
+        self.add(plans)
+
+    @precondition(lambda self: any(r.state is ReqState.OFFLOADED for r in self.m._reqs.values()))
+    @rule(data=st.data(), reserve=st.integers(0, BS))
+    def restore(self, data, reserve):
+        rid = data.draw(st.sampled_from([r for r, q in self.m._reqs.items() if q.state is ReqState.OFFLOADED]))
+        a = self.m.restore(rid, reserve)
+        if a is not None:
+            self.add(a.plans)
+
+    @precondition(lambda self: self.outstanding)
+    @rule(data=st.data(), ok=st.booleans() | st.just(True) | st.just(True))
+    def complete(self, data, ok):
+        plan = self.outstanding.pop(data.draw(st.integers(0, len(self.outstanding) - 1)))
+        m = self.m
+        pools = {CopyKind.SWAP_OUT: (m.device, m.host), CopyKind.SWAP_IN: (m.host, m.device),
+                 CopyKind.STORE: (m.host, None), CopyKind.LOAD: (None, m.host)}
+        src_pool, dst_pool = pools.get(plan.kind, (None, None))
+        for pool, ids in ((src_pool, plan.src), (dst_pool, plan.dst)):
+            for b in ids.tolist():
+                assert pool.state[b] == BlockState.IN_FLIGHT, f"plan {plan.plan_id} touches {pool.tier} block {b}"
+        if plan.kind is CopyKind.LOAD:
+            ok = ok and all(k in self.storage for k in plan.keys)
+        data_of = {id(m.device): self.dev_data, id(m.host): self.host_data}
+        if ok and plan.kind is CopyKind.STORE:
+            for b, k in zip(plan.src.tolist(), plan.keys, strict=True):
+                self.storage[k] = self.host_data[b]
+        elif ok and plan.kind is CopyKind.LOAD:
+            for b, k in zip(plan.dst.tolist(), plan.keys, strict=True):
+                self.host_data[b] = self.storage[k]
+        elif ok and src_pool is not None and dst_pool is not None:
+            src, dst = data_of[id(src_pool)], data_of[id(dst_pool)]
+            for s, d in zip(plan.src.tolist(), plan.dst.tolist(), strict=True):
+                dst[d] = src[s]
+        elif not ok and dst_pool is not None:
+            self.lossy = True
+            for d in plan.dst.tolist():
+                data_of[id(dst_pool)][d] = ("garbage", plan.plan_id)
+        elif not ok:
+            self.lossy = True
+        c = m.complete(plan, ok)
+        self.add(c.plans)
+        for r in c.ready:
+            assert r.num_computed_tokens == m.num_computed_tokens(r.request_id)
+
+    @precondition(lambda self: self.storage)
+    @rule(data=st.data())
+    def storage_loses_a_key(self, data):
+        del self.storage[data.draw(st.sampled_from(sorted(self.storage)))]
+        self.lossy = True
+
+    @precondition(lambda self: not self.m._reqs and not self.outstanding)
+    @rule(go=st.integers(0, 9))
+    def weight_update(self, go):
+        if go:  # rare: it wipes the state the other rules build up
+            return
+        self.updates = getattr(self, "updates", 0) + 1
+        clear = self.m.begin_weight_update()
+        self.m.complete(clear, True)
+        restore = self.m.finish_weight_update(f"v{self.updates}")
+        self.m.complete(restore, True)
+        self.storage.clear()
+        assert not self.m.device.lookup and not self.m.host.lookup and not self.m.index.stored
+
+    @rule(labels=LABELS)
+    def match(self, labels):
+        toks = [t for lab in labels for t in range(lab * 10, lab * 10 + BS)] + [99]
+        r = self.m.match(np.array(toks, np.int32))
+        keys = self.m.keys_for(toks)
+        for i, b in enumerate(r.device_blocks):
+            assert self.m.device.key[b] == keys[i] and self.dev_data[b] == keys[i]
+        e = self.m.explain_miss(np.array(toks, np.int32))
+        assert e.block_index >= r.num_blocks
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def integrity(self):
+        self.m.check_integrity()
+
+    @invariant()
+    def keys_point_at_their_bytes(self):
+        m = self.m
+        for b, k in enumerate(m.device.key):
+            if k is not None:
+                assert self.dev_data[b] == k, f"device block {b} keyed but holds {self.dev_data[b]!r}"
+        for b, k in enumerate(m.host.key):
+            if k is not None:
+                assert self.host_data[b] == self.private.get(k, k), f"host block {b} keyed but holds wrong bytes"
+        for k in m.index.stored:
+            assert self.storage.get(k, k) == k, "a stored key's bytes are wrong"
+
+    @invariant()
+    def ready_requests_hold_their_tokens(self):
+        for rid in self.running():
+            req = self.m._reqs[rid]
+            for i in range(-(-req.num_computed // BS)):
+                assert self.dev_data[req.table[i]] == self.content(rid, i, req.num_computed), \
+                    f"request {rid} block {i} holds the wrong KV"
+
+    @invariant()
+    def no_strands_without_losses(self):
+        m = self.m
+        self.lossy |= m.stats.skipped_copies > 0
+        if self.lossy or self.outstanding:
+            return
+        present = set(m.device.lookup) | set(m.host.lookup) | set(m.index.stored)
+        for k in present:
+            p = self.parent.get(k)
+            if p is not None and k not in self.private:
+                assert p in present, "a cached key is stranded behind an evicted parent"
+
+
+ManagerMachine.TestCase.settings = settings(settings.default, stateful_step_count=80)
+test_manager_machine = ManagerMachine.TestCase
