@@ -166,6 +166,10 @@ class CacheManager:
                              f"{[s.name for s in states]}")
         return req
 
+    def request_ids(self) -> list[object]:
+        """Ids of every request the manager holds blocks for, on any tier."""
+        return list(self._reqs)
+
     def block_table(self, request_id: object) -> np.ndarray:
         return np.asarray(self._get(request_id).table, dtype=np.int32)
 

@@ -332,3 +332,15 @@ def test_contract_violations():
     m2.allocate("c", toks(3))
     with pytest.raises(ValueError, match="needs a host tier"):
         m2.offload("c")
+
+
+def test_request_ids_lists_requests_on_every_tier():
+    m = mk(dev=4, host=4)
+    assert m.request_ids() == []
+    m.allocate("a", toks(1, extra=1))
+    m.allocate("b", toks(2))
+    drain(m, m.mark_computed("a", BS + 1))
+    drain(m, m.offload("a"))
+    assert m.request_state("a") is ReqState.OFFLOADED and sorted(m.request_ids()) == ["a", "b"]
+    m.free("a")
+    assert m.request_ids() == ["b"]
