@@ -39,7 +39,9 @@ class CopyBook:
              keys: list[bytes] = (), req: Request | None = None, positions: list[int] | None = None) -> CopyPlan:
         pid = self._next_id
         self._next_id += 1
-        storage_keys = tuple(keys) if kind in (CopyKind.STORE, CopyKind.LOAD) else ()
+        # STORE / LOAD name their storage keys; RESTORE names the new weights version
+        carried = kind in (CopyKind.STORE, CopyKind.LOAD, CopyKind.RESTORE)
+        storage_keys = tuple(keys) if carried else ()
         plan = CopyPlan(pid, kind, src, dst, storage_keys)
         self.records[pid] = CopyRecord(plan, purpose, list(src), list(dst), list(keys), req, positions)
         if purpose is Purpose.WRITE_BACK or purpose is Purpose.WRITE_THROUGH:

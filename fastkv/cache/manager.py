@@ -325,18 +325,29 @@ class CacheManager:
         first = req.num_keyed
         if full <= first:
             return []
+        if req.dup_pos:
+            self._repair_dups(req)
         blocks = req.table[first:full]
         keys = req.keys[first:full]
-        done = self.device.insert_many(blocks, keys)
+        dups = self.device.insert_many(blocks, keys)
         req.num_keyed = full
-        req.dups += full - first - done
-        self.stats.inserted_blocks += done
-        self.stats.duplicate_blocks += full - first - done
+        if dups:
+            req.dup_pos += [first + i for i in dups]
+            self.stats.duplicate_blocks += len(dups)
+        self.stats.inserted_blocks += full - first - len(dups)
         if self.policy.copies_on_insert and self.host.capacity:
             dkey = self.device.key
             mine = [(b, k) for b, k in zip(blocks, keys, strict=True) if dkey[b] is k]
             return self._host_copies(mine)
         return []
+
+    def _repair_dups(self, req: Request) -> None:
+        """Key the request's duplicate blocks whose original holder has been evicted or is only
+        cached, so that the children it inserts next hang under a present parent."""
+        dev = self.device
+        pos = [i for i in req.dup_pos if dev.key[req.table[i]] is None]
+        left = dev.insert_many([req.table[i] for i in pos], [req.keys[i] for i in pos])
+        req.dup_pos = [pos[j] for j in left]
 
     # ================================================================== release
     def free(self, request_id: object, cache: bool = True) -> None:
@@ -354,7 +365,7 @@ class CacheManager:
     def _release_table(self, req: Request, cache: bool) -> None:
         """Release device blocks last to first, so children enter the LRU queue before parents."""
         dev = self.device
-        if cache and not req.dups and not self._touch_host:
+        if cache and not req.dup_pos and not self._touch_host:
             dev.release_many(req.table[::-1])
             req.table = []
             return
@@ -366,8 +377,10 @@ class CacheManager:
             if i < nk and cache:
                 k = keys[i]
                 if dkey[b] is None:  # a duplicate: refresh the block that holds the key
-                    release(b)
                     c = lookup.get(k)
+                    if c is None:  # that block is gone: this copy keeps the key alive
+                        dev.set_key(b, k)
+                    release(b)
                     if c is not None:
                         touch(c)
                 else:
@@ -420,6 +433,7 @@ class CacheManager:
         fresh = self._take_host(len(copy), pinned=False)
         keys: list[bytes] = []
         self._epoch += 1
+        req.private_key = None
         for i, hb in zip(copy, fresh, strict=True):
             host_table[i] = hb
             host.pin(hb)
@@ -623,9 +637,9 @@ class CacheManager:
         n_full = min(valid // bs, len(req.keys))
         dev = self.device
         todo = [i for i in range(req.num_keyed, n_full) if dev.key[req.table[i]] is None]
-        done = dev.insert_many([req.table[i] for i in todo], [req.keys[i] for i in todo])
-        req.dups += len(todo) - done
-        self.stats.duplicate_blocks += len(todo) - done
+        dups = dev.insert_many([req.table[i] for i in todo], [req.keys[i] for i in todo])
+        req.dup_pos += [todo[j] for j in dups]
+        self.stats.duplicate_blocks += len(dups)
         req.num_keyed = max(req.num_keyed, n_full)
         req.num_computed = valid
         refs = req.host_refs
@@ -679,7 +693,8 @@ class CacheManager:
         self.namespace = self.namespace.with_weights(version)
         self._root = root_key(self.namespace)
         self._paused = False
-        return self.copies.open(CopyKind.RESTORE, Purpose.CONTROL)
+        # the transfer processes reopen storage under this version's namespace (keys[0])
+        return self.copies.open(CopyKind.RESTORE, Purpose.CONTROL, keys=[version.encode()])
 
     # ================================================================== diagnostics
     def explain_miss(self, tokens: object, extra: ExtraKeys | None = None) -> MissExplanation:

@@ -227,16 +227,23 @@ class BlockPool:
         self.lookup[key] = block
         return True
 
-    def insert_many(self, blocks: list[int], keys: list[bytes]) -> int:
-        """``set_key`` for held, unkeyed blocks (after compute); returns how many were keyed (the
-        rest are duplicates of a block this tier already holds and stay unkeyed)."""
-        setdefault, key = self.lookup.setdefault, self.key
-        done = 0
-        for b, k in zip(blocks, keys, strict=True):
-            if setdefault(k, b) is b:  # one dict probe: inserted, or another block has k
-                key[b] = k
-                done += 1
-        return done
+    def insert_many(self, blocks: list[int], keys: list[bytes]) -> list[int]:
+        """``set_key`` for held, unkeyed blocks (after compute). A key another block already has
+        moves to the held block when that other one is only CACHED (same bytes, and the held
+        copy is the one its request's children will follow); when it is held too, the new block
+        stays an unkeyed duplicate. Returns the indices (into ``blocks``) of the duplicates."""
+        setdefault, key, state = self.lookup.setdefault, self.key, self.state
+        dups = []
+        for i, (b, k) in enumerate(zip(blocks, keys, strict=True)):
+            holder = setdefault(k, b)  # one dict probe: inserted, or another block has k
+            if holder is not b:
+                if state[holder] != _CACHED:
+                    dups.append(i)
+                    continue
+                self.drop_key(holder)  # it becomes FREE
+                self.lookup[k] = b
+            key[b] = k
+        return dups
 
     def release_many(self, blocks: list[int], keep: bool = True) -> None:
         """``release`` each block in order (callers pass a table last to first). The common case,

@@ -29,7 +29,7 @@ class Request:
     host_refs: list[int] = field(default_factory=list)  # host blocks this request holds a reference on
     num_computed: int = 0  # tokens whose KV is valid on the device
     num_keyed: int = 0  # leading blocks whose keys were inserted (a duplicate stays unkeyed)
-    dups: int = 0  # of those, blocks left unkeyed because another block held their key
+    dup_pos: list[int] = field(default_factory=list)  # keyed positions left unkeyed: another block held the key
     loading: bool = False  # copies will bring tokens up to target_computed
     target_computed: int = 0
     swap_src: list[int] = field(default_factory=list)  # host blocks waiting to be swapped in

@@ -140,16 +140,27 @@ class Inbox:
 
     def __init__(self, channels: Sequence[Channel], bell: Doorbell) -> None:
         for ch in channels:
-            if ch.ring.data_bell.local != bell.local:
-                raise ValueError(f"channel {ch.name!r} rings {ch.ring.data_bell.local!r}, not this inbox's "
-                                 f"doorbell {bell.local!r}: create it with bell=")
+            self._check_bell(ch, bell)
         self.channels = list(channels)
         self.bell = bell
         self._next = 0
 
+    @staticmethod
+    def _check_bell(ch: Channel, bell: Doorbell) -> None:
+        if ch.ring.data_bell.local != bell.local:
+            raise ValueError(f"channel {ch.name!r} rings {ch.ring.data_bell.local!r}, not this inbox's "
+                             f"doorbell {bell.local!r}: create it with bell=")
+
     def remove(self, channel: Channel) -> None:
         """Stop listening to a channel (e.g. after its producer died)."""
         self.channels.remove(channel)
+
+    def add(self, channel: Channel) -> None:
+        """Listen to a channel again (its producer was restarted and re-bound it)."""
+        self._check_bell(channel, self.bell)
+        if channel in self.channels:
+            raise ValueError(f"inbox already listens to channel {channel.name!r}")
+        self.channels.append(channel)
 
     def _ready(self) -> bool:
         return any(ch.has_pending() for ch in self.channels) or A.any_used([ch.ring.hdr for ch in self.channels])
@@ -213,10 +224,13 @@ class Gather:
         self._acks: dict[int, dict[int, tuple[bool, str, int, float]]] = {}
         self._dead: dict[int, str] = {}
 
-    def expect(self, task_id: int) -> None:
+    def expect(self, task_id: int) -> TaskResult | None:
+        """Start waiting for ``task_id``'s acks. Returns its (failed) result at once when
+        every rank is dead, else None."""
         if task_id in self._acks:
             raise ValueError(f"task {task_id} is already pending")
         self._acks[task_id] = {}
+        return self._complete(task_id) if self._dead else None
 
     @property
     def pending(self) -> list[int]:
@@ -240,6 +254,18 @@ class Gather:
         """A rank died: it acks every pending and future task as failed with ``reason``."""
         self._dead[rank] = reason
         return [r for t in list(self._acks) if (r := self._complete(t)) is not None]
+
+    def revive(self, rank: int) -> None:
+        """A dead rank was replaced: tasks expected from now on wait for its ack again
+        (tasks pending at its death keep the failure it was given)."""
+        if rank not in self._dead:
+            raise ValueError(f"rank {rank} is not dead")
+        del self._dead[rank]
+
+    @property
+    def dead(self) -> dict[int, str]:
+        """Dead ranks and why."""
+        return dict(self._dead)
 
     def _complete(self, task_id: int) -> TaskResult | None:
         acks = self._acks[task_id]

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from enum import IntEnum
 
 from fastkv.ipc.doorbell import Doorbell
-from fastkv.ipc.errors import BadMessage, ChannelClosed, MessageTooLarge, PeerDied, PeerTimeout
+from fastkv.ipc.errors import BadMessage, ChannelClosed, MessageTooLarge, PeerDied, PeerError, PeerTimeout
 from fastkv.ipc.namespace import Namespace
 from fastkv.ipc.native import A
 from fastkv.ipc.peers import Peer, me
@@ -127,17 +127,29 @@ class Ring:
 
     def bind(self, side: Side, role: str, rank: int = 0) -> Ring:
         """Register this process as the ring's producer or consumer (for peer-death
-        detection and error messages)."""
+        detection and error messages).
+
+        Re-binding a side after its previous owner died is how a restarted process takes
+        over its ends: the new owner replaces the recorded peer and clears that side's
+        closed bit (a predecessor that exited cleanly closed it). Messages the predecessor
+        left in the ring stay there; the protocol above the ring decides what they mean
+        (``fastkv.transfer`` fences them). Binding a side that another live process holds
+        raises ``PeerError`` naming it: two owners of one side would corrupt the ring."""
         side = Side(side)
         self._check_open()
         role_b = role.encode()
         if len(role_b) > 16:
             raise ValueError(f"role name must be at most 16 bytes, got {role!r}")
         p, off = me(role, rank), OFF_PEER[side]
+        held = self.peer(side)
+        if held.pid and held.pid != p.pid and held.alive():
+            raise PeerError(f"ring {self.local!r}: {side.name.lower()} side is held by {held.describe()}, "
+                            f"which is alive", *held[:3])
         self._mm[off + 24:off + 40] = role_b.ljust(16, b"\0")
         A.store(self.hdr + off + 16, rank)
         A.store(self.hdr + off + 8, p.started)
         A.store(self.hdr + off, p.pid)
+        self._clear_closed(CLOSED_BY[side])
         self.side = side
         return self
 
@@ -165,6 +177,13 @@ class Ring:
         while True:
             old = A.load(addr)
             if A.cas(addr, old, old | bit):
+                return
+
+    def _clear_closed(self, bit: int) -> None:
+        addr = self.hdr + OFF_CLOSED
+        while True:
+            old = A.load(addr)
+            if not old & bit or A.cas(addr, old, old & ~bit):
                 return
 
     def _check_open(self) -> None:

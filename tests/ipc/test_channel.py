@@ -135,3 +135,41 @@ def test_output_channel_roundtrip(ns):
     got = ch.recv(timeout=1)
     assert got.step_id == 3 and got.tokens.tolist() == [5, 6] and got.request_ids == ["r1", "r2"]
     ch.close()
+
+
+def test_gather_revive_and_expect_with_dead_ranks():
+    g = Gather(2)
+    assert g.fail_rank(0, "down") == [] and g.fail_rank(1, "down too") == []
+    res = g.expect(1)  # every rank dead: complete at once
+    assert res is not None and not res.ok and res.error == "rank 0: down; rank 1: down too"
+    g.revive(0)
+    assert g.dead == {1: "down too"}
+    assert g.expect(2) is None and g.missing(2) == [0]
+    res = g.add(DoneMsg(2, 0, True, 5, 0.1))
+    assert res is not None and res.error == "rank 1: down too" and res.nbytes == 5
+    g.revive(1)
+    assert g.expect(3) is None and g.missing(3) == [0, 1]
+    with pytest.raises(ValueError, match="not dead"):
+        g.revive(1)
+
+
+def test_inbox_add_and_remove(ns):
+    bell = Doorbell.create(ns, "bell")
+    a = Channel.create(ns, "a", bell=bell).bind("recv", "engine")
+    b = Channel.create(ns, "b", bell=bell).bind("recv", "engine")
+    lonely = Channel.create(ns, "lonely")
+    inbox = Inbox([a], bell)
+    with pytest.raises(ValueError, match="already listens"):
+        inbox.add(a)
+    with pytest.raises(ValueError, match="not this inbox's doorbell"):
+        inbox.add(lonely)
+    b_send = Channel.attach(ns, "b", bell=bell)
+    b_send.send(DoneMsg(7, 1, True))
+    assert inbox.recv_many(8, timeout=0.05) == []  # not listening to b yet
+    inbox.add(b)
+    assert [m.task_id for m in inbox.recv_many(8, timeout=1)] == [7]
+    inbox.remove(b)
+    assert inbox.channels == [a]
+    for ch in (a, b, lonely, b_send):
+        ch.close()
+    bell.close()

@@ -20,7 +20,9 @@ from fastkv.ipc import (
     Inbox,
     Namespace,
     PeerDied,
+    PeerError,
     PeerTimeout,
+    Side,
     TaskMsg,
     cleanup,
     doorbell,
@@ -218,3 +220,34 @@ def test_cleanup_of_crashed_run_leaves_nothing_even_while_objects_are_mapped():
     assert ch.recv(timeout=0).task_id == 1  # the mapping outlives the unlink
     ch.close()
     ns.close()
+
+
+def _bind_and_close(run_id: str, conn) -> None:
+    ns = Namespace.attach(run_id)
+    ch = Channel.attach(ns, "task.0").bind("recv", "transfer", 1)
+    conn.send("bound")
+    if conn.recv() == "close":
+        ch.close()  # a clean exit marks the consumer side closed
+
+
+def test_rebind_refused_while_holder_lives_then_allowed_and_reopens(ns):
+    from tests.ipc.helpers import CTX
+
+    ch = Channel.create(ns, "task.0", nslots=8).bind("send", "engine")
+    parent, conn = CTX.Pipe()
+    child = start(_bind_and_close, ns.run_id, conn)
+    assert parent.recv() == "bound"
+    ch.send(TaskMsg(1, 1))  # left unread by the first consumer
+    other = Channel.attach(ns, "task.0")
+    with pytest.raises(PeerError, match=rf"consumer side is held by transfer\[1\] pid {child.pid}"):
+        other.bind("recv", "transfer", 1)
+    parent.send("close")
+    assert reap(child) == [0]
+    with pytest.raises(ChannelClosed, match="consumer closed"):
+        ch.send(TaskMsg(2, 1))
+    other.bind("recv", "transfer", 1)  # the successor takes over and reopens the side
+    assert other.ring.peer(Side.CONSUMER).pid == os.getpid()
+    ch.send(TaskMsg(3, 1))
+    assert [m.task_id for m in other.recv_many(8, timeout=1)] == [1, 3]  # what the predecessor left stays
+    ch.close()
+    other.close()

@@ -78,7 +78,7 @@ def test_duplicate_keys_and_bad_ids():
     p = BlockPool("device", 3)
     a, b = p.take_many(2)
     assert p.set_key(a, b"k") and not p.set_key(b, b"k")
-    assert p.insert_many([b], [b"k"]) == 0 and p.key[b] is None
+    assert p.insert_many([b], [b"k"]) == [0] and p.key[b] is None
     with pytest.raises(ValueError, match="out of range"):
         p.pin(3)
     with pytest.raises(ValueError, match="out of range"):

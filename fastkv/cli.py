@@ -1,0 +1,302 @@
+"""``fastkv-supervisor``: run a workload through fastkv and write its report.
+
+    fastkv-supervisor                                  # the demo, CPU, LMDB, under memory pressure
+    fastkv-supervisor --config job.toml --tp 2 --preemption recompute --workload trace:64
+    fastkv-supervisor --cleanup                        # remove what crashed runs left in /dev/shm
+
+Settings come from, last wins: the defaults (``JobConfig``), a config file (``--config``,
+TOML or JSON, keys = ``JobConfig`` field names; tables ``runner_options``, ``scheduler``,
+``demo``), then flags. Bad values are rejected up front, naming the setting.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import secrets
+import shutil
+import sys
+import tomllib
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastkv.config import KVLayout
+from fastkv.demo import PREEMPTION_MODES, ConversationConfig
+
+RUNNERS = ("synthetic", "tiny")
+STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
+# Per-token prefill cost of the synthetic runner (CPU busy work): recomputing a preempted
+# request then costs time the way it does on a real model.
+DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 20.0}, "tiny": {}}
+QUICK_DEMO = {"conversations": 8, "turns": 3}
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """One supervisor job. Capacities are in blocks of ``block_size`` tokens, per rank."""
+
+    tp: int = 1
+    block_size: int = 16
+    layers: int = 4
+    kv_heads: int = 2  # per rank
+    head_dim: int = 64
+    dtype: str = "float32"
+    device_blocks: int = 128
+    host_blocks: int = 1024  # 0 = no host tier
+    # "default": lmdb://<out>/store, fresh every run (none without a host tier); "none": no storage tier
+    storage: str = "default"
+    preemption: str = "offload"
+    runner: str = "synthetic"
+    workload: str = "demo"  # demo | trace | trace:N | path to a workload.jsonl
+    seed: int = 0
+    out: str = "fastkv-out"
+    metrics_port: int = 0
+    heartbeat_s: float = 0.5
+    dead_after_s: float = 5.0
+    task_timeout_s: float = 60.0
+    quick: bool = False
+    runner_options: dict[str, Any] = field(default_factory=dict)
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    demo: dict[str, Any] = field(default_factory=dict)  # ConversationConfig fields
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type).split("[")[0], dict)
+            ok = (isinstance(value, kind) and not (kind is int and isinstance(value, bool))) or (
+                kind is float and isinstance(value, int) and not isinstance(value, bool))
+            if not ok:
+                raise ValueError(f"setting {f.name!r} must be of type {kind.__name__}, got {value!r}")
+        for name in ("tp", "block_size", "layers", "kv_heads", "head_dim", "device_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"setting {name!r} must be >= 1, got {getattr(self, name)}")
+        if self.host_blocks < 0:
+            raise ValueError(f"setting 'host_blocks' must be >= 0, got {self.host_blocks}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"setting 'preemption' must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"setting 'runner' must be one of {RUNNERS}, got {self.runner!r}")
+        if self.preemption == "storage" and self.storage == "none":
+            raise ValueError("preemption 'storage' needs a storage tier: set 'storage' to a URL (or leave the default)")
+        # Swaps and storage copies both go through the host tier (the transfer process stages there).
+        if self.host_blocks == 0 and self.preemption != "recompute":
+            raise ValueError(f"preemption {self.preemption!r} needs a host tier (host_blocks > 0); "
+                             "without one only 'recompute' works")
+        if self.host_blocks == 0 and self.storage not in ("default", "none"):
+            raise ValueError("a storage tier needs a host tier (blocks are stored from and loaded into host "
+                             "memory): set host_blocks > 0 or storage 'none'")
+        if self.storage not in ("default", "none") and self.storage.split("://")[0] not in STORAGE_SCHEMES:
+            raise ValueError(f"setting 'storage' must be 'default', 'none' or a URL with scheme in {STORAGE_SCHEMES}, "
+                             f"got {self.storage!r}")
+        if self.runner == "tiny" and self.dtype != "float32":
+            raise ValueError(f"the tiny runner needs dtype 'float32', got {self.dtype!r}")
+        if self.runner == "synthetic" and self.head_dim <= 8:
+            raise ValueError(f"the synthetic runner needs head_dim > 8, got {self.head_dim}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"setting 'metrics_port' must be in [0, 65536), got {self.metrics_port}")
+        if self.heartbeat_s <= 0 or self.dead_after_s <= self.heartbeat_s:
+            raise ValueError("need heartbeat_s > 0 and dead_after_s > heartbeat_s")
+        self.layout()  # dtype
+        self.demo_config()  # demo table
+        if not self.workload:
+            raise ValueError("setting 'workload' must be 'demo', 'trace', 'trace:N' or a workload.jsonl path")
+        if self.workload.startswith("trace:"):
+            count = self.workload[len("trace:"):]
+            if not count.isdigit() or int(count) < 1:
+                raise ValueError(f"workload 'trace:N' needs a positive request count, got {self.workload!r}")
+
+    @classmethod
+    def from_sources(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
+        """Defaults, then the config file at ``path``, then ``overrides`` (flags that were given)."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            values.update(read_config_file(path))
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls(**values)
+
+    def layout(self) -> KVLayout:
+        return KVLayout(num_layers=self.layers, kv_heads=self.kv_heads, block_size=self.block_size,
+                        head_dim=self.head_dim, dtype=self.dtype, tp_size=self.tp)
+
+    def demo_config(self) -> ConversationConfig:
+        known = {f.name for f in dataclasses.fields(ConversationConfig)}
+        unknown = set(self.demo) - known
+        if unknown:
+            raise ValueError(f"unknown demo settings {sorted(unknown)}; known: {sorted(known)}")
+        values = {**(QUICK_DEMO if self.quick else {}), "seed": self.seed, **self.demo}
+        if isinstance(values.get("user_tokens"), list):
+            values["user_tokens"] = tuple(values["user_tokens"])
+        return ConversationConfig(**values)
+
+    def storage_url(self, out_dir: Path) -> str:
+        if self.storage == "none" or self.host_blocks == 0:  # "default" without a host tier: no storage tier
+            return ""
+        if self.storage == "default":
+            return f"lmdb://{out_dir / 'store'}?max_bytes=1G"
+        return self.storage
+
+    def requests(self) -> list[dict[str, Any]]:
+        from fastkv import demo
+
+        if self.workload == "demo":
+            return demo.conversations(self.demo_config())
+        if self.workload == "trace" or self.workload.startswith("trace:"):
+            n = int(self.workload[6:]) if ":" in self.workload else (16 if self.quick else 48)
+            return demo.trace(n, seed=self.seed, vocab=self.demo_config().vocab)
+        return demo.read_workload(self.workload)
+
+    def to_spec(self, run_id: str, out_dir: Path):
+        from fastkv.run import RunSpec
+
+        return RunSpec(
+            run_id=run_id, layout=self.layout(), num_device_blocks=self.device_blocks,
+            num_host_blocks=self.host_blocks, storage_url=self.storage_url(out_dir), runner=self.runner,
+            runner_options={**DEFAULT_RUNNER_OPTIONS[self.runner], **self.runner_options},
+            scheduler=dict(self.scheduler), heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s,
+            task_timeout_s=self.task_timeout_s, out_dir=str(out_dir), metrics_port=self.metrics_port,
+        )
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} not found")
+    try:
+        doc = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"config file {path}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"config file {path} must hold a table/object of settings")
+    known = {f.name for f in dataclasses.fields(JobConfig)}
+    unknown = set(doc) - known
+    if unknown:
+        raise ValueError(f"config file {path}: unknown settings {sorted(unknown)}; known: {sorted(known)}")
+    return doc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fastkv-supervisor", description=__doc__.split("\n\n")[0],
+        epilog="Writes <out>/summary.json, results.jsonl, report.json, report.png and logs/.")
+    a = p.add_argument
+    a("--config", metavar="FILE", help="TOML or JSON file of settings (flags override it)")
+    a("--tp", type=int, help="tensor-parallel size (default 1)")
+    a("--block-size", type=int, help="tokens per KV block (default 16)")
+    a("--layers", type=int, help="model layers (default 4)")
+    a("--kv-heads", type=int, help="KV heads per rank (default 2)")
+    a("--head-dim", type=int, help="head dimension (default 64)")
+    a("--dtype", help="KV dtype (default float32)")
+    a("--device-blocks", type=int, help="device tier capacity in blocks per rank (default 128)")
+    a("--host-blocks", type=int, help="host tier capacity in blocks per rank, 0 = none (default 1024)")
+    a("--storage", help="storage URL (lmdb://DIR, redis://HOST:PORT), 'none', or 'default' = lmdb://<out>/store")
+    a("--preemption", choices=PREEMPTION_MODES, help="what preempting a request does (default offload)")
+    a("--runner", choices=RUNNERS, help="reference model runner (default synthetic)")
+    a("--workload", help="demo | trace | trace:N | path to a workload.jsonl (default demo)")
+    a("--seed", type=int, help="workload seed (default 0)")
+    a("--out", help="output directory (default ./fastkv-out)")
+    a("--metrics-port", type=int, help="engine Prometheus port, 0 = off (default 0)")
+    a("--quick", action="store_true", default=None, help="a smaller demo workload")
+    a("--run-id", help="name of the run's shared-memory namespace (default: random)")
+    a("--entry", action="append", default=[], metavar="ROLE=MODULE:FUNC",
+      help="replace a process's entry point (roles: engine, worker, transfer), e.g. your own worker")
+    a("--no-progress", action="store_true", help="no progress bar")
+    a("--cleanup", action="store_true",
+      help="remove the shared memory of crashed runs (all dead runs, or only --run-id) and exit")
+    return p
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(JobConfig)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def _entries(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        role, sep, target = item.partition("=")
+        if not sep or role not in ("engine", "worker", "transfer") or ":" not in target:
+            raise ValueError(f"--entry must be ROLE=MODULE:FUNC with ROLE engine, worker or transfer; got {item!r}")
+        out[role] = target
+    return out
+
+
+def cleanup(run_id: str | None) -> int:
+    from fastkv.ipc import cleanup as cleanup_run
+    from fastkv.ipc import cleanup_stale
+
+    removed = cleanup_run(run_id) if run_id else cleanup_stale()
+    print(f"fastkv-supervisor: removed {len(removed)} shared-memory objects" + (f" of run {run_id}" if run_id else ""))
+    for name in removed:
+        print(f"  {name}")
+    return 0
+
+
+def prepare(cfg: JobConfig, run_id: str | None = None):
+    """Output directory, workload.jsonl and spec.json of a job; returns (spec, workload path)."""
+    from fastkv.demo import write_workload
+
+    out = Path(cfg.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("results.jsonl", "summary.json", "report.json", "report.png"):
+        (out / stale).unlink(missing_ok=True)
+    if cfg.storage == "default":  # the demo's own store: start empty so runs are comparable
+        shutil.rmtree(out / "store", ignore_errors=True)
+    workload = write_workload(cfg.requests(), out / "workload.jsonl", cfg.preemption)
+    spec = cfg.to_spec(run_id or secrets.token_hex(4), out)
+    spec.save(out / "spec.json")
+    return spec, workload
+
+
+class _Progress:
+    def __init__(self, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=None, unit="req", desc="fastkv", disable=not enabled, dynamic_ncols=True)
+
+    def __call__(self, finished: int, total: int) -> None:
+        if (total or None) != self.bar.total or finished != self.bar.n:
+            self.bar.total = total or None
+            self.bar.n = finished
+            self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.cleanup:
+            return cleanup(args.run_id)
+        entries = _entries(args.entry)
+        cfg = JobConfig.from_sources(args.config, _flags(args))
+        spec, workload = prepare(cfg, args.run_id)
+    except ValueError as exc:
+        parser.error(str(exc))
+    from fastkv import report
+    from fastkv.supervisor import Supervisor
+
+    warnings.filterwarnings("ignore", message="No ccache found")  # Paddle's import chatter, not ours
+
+    print(f"fastkv-supervisor: run {spec.run_id}: {spec.tp_size} rank(s), {cfg.runner} runner, "
+          f"preemption {cfg.preemption}, {spec.num_device_blocks} device / {spec.num_host_blocks} host blocks, "
+          f"storage {spec.storage_url or 'none'}; output in {spec.out_dir}", file=sys.stderr)
+    progress = _Progress(not args.no_progress)
+    try:
+        result = Supervisor(spec, workload, entry_points=entries, progress=progress).run()
+    finally:
+        progress.close()
+    if not result.ok:
+        print(f"fastkv-supervisor: run failed: {result.message}", file=sys.stderr)
+        return 130 if "SIGINT" in result.message else 143 if "SIGTERM" in result.message else 1
+    rep = report.write(spec.out_dir, title=f"fastkv {cfg.workload}, preemption {cfg.preemption}")
+    print(rep.table)
+    print(f"report: {rep.json_path}\nplot:   {rep.png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""A run's report: summary table, report.json and report.png, from the engine's files.
+
+Reads ``<out_dir>/summary.json`` (required) and ``<out_dir>/results.jsonl`` (optional: per
+request TTFT and latency percentiles, finish reasons). Both formats are the engine's, as
+fixed in SEAMS: summary keys ``SUMMARY_KEYS``; a results line ``{"id", "output", "finish",
+"ttft_s", "latency_s", "preemptions", "recomputed_tokens"}``.
+
+report.json = the summary plus ``ttft_s`` / ``latency_s`` percentiles, ``finish`` counts and
+``requests_preempted``. report.png: throughput over time, hit ratio per tier, preemptions by mode.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+SUMMARY_KEYS = ("requests", "prompt_tokens", "generated_tokens", "seconds", "tokens_per_s", "recomputed_tokens",
+                "preemptions", "hit_ratio", "copy_gbps", "step_ms_p50", "step_ms_p99", "task_ms_p50", "timeline")
+TIERS = ("device", "host", "storage")
+MODES = ("recompute", "offload", "storage")
+
+
+class Report(NamedTuple):
+    data: dict[str, Any]
+    table: str
+    json_path: Path
+    png_path: Path
+
+
+def load_summary(out_dir: str | Path) -> dict[str, Any]:
+    path = Path(out_dir) / "summary.json"
+    if not path.is_file():
+        raise ValueError(f"{path} not found: the engine writes it at the end of a finished run")
+    summary = json.loads(path.read_text())
+    missing = [k for k in SUMMARY_KEYS if k not in summary]
+    if missing:
+        raise ValueError(f"{path} lacks {missing}")
+    for key, names in (("preemptions", MODES), ("hit_ratio", TIERS)):
+        if not isinstance(summary[key], dict) or set(names) - set(summary[key]):
+            raise ValueError(f"{path}: {key!r} must map each of {list(names)} to a number, got {summary[key]!r}")
+    return summary
+
+
+def load_results(out_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(out_dir) / "results.jsonl"
+    if not path.is_file():
+        return []
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+
+
+def build(summary: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
+    data = dict(summary)
+    data["ttft_s"] = _percentiles([r["ttft_s"] for r in results if r.get("ttft_s") is not None])
+    data["latency_s"] = _percentiles([r["latency_s"] for r in results if r.get("latency_s") is not None])
+    finish: dict[str, int] = {}
+    for r in results:
+        finish[r["finish"]] = finish.get(r["finish"], 0) + 1
+    data["finish"] = finish
+    data["requests_preempted"] = sum(1 for r in results if r.get("preemptions"))
+    return data
+
+
+def table(data: dict[str, Any]) -> str:
+    def ms(d: dict, k: str) -> str:
+        return f"{1e3 * d[k]:.1f} ms" if k in d else "-"
+
+    rows = [
+        ("requests", f"{data['requests']}" + (f"  ({_fmt_counts(data['finish'])})" if data.get("finish") else "")),
+        ("prompt / generated tokens", f"{data['prompt_tokens']} / {data['generated_tokens']}"),
+        ("wall time", f"{data['seconds']:.2f} s"),
+        ("throughput", f"{data['tokens_per_s']:.1f} generated tokens/s"),
+        ("time to first token", f"p50 {ms(data['ttft_s'], 'p50')}, p99 {ms(data['ttft_s'], 'p99')}"),
+        ("latency", f"p50 {ms(data['latency_s'], 'p50')}, p99 {ms(data['latency_s'], 'p99')}"),
+        ("preemptions", _fmt_counts(data["preemptions"]) + f"  ({data.get('requests_preempted', 0)} requests)"),
+        ("recomputed tokens", f"{data['recomputed_tokens']}"),
+        ("hit ratio", ", ".join(f"{t} {100 * data['hit_ratio'][t]:.1f}%" for t in TIERS)),
+        ("copy bandwidth", f"{data['copy_gbps']:.2f} GB/s"),
+        ("step time", f"p50 {data['step_ms_p50']:.2f} ms, p99 {data['step_ms_p99']:.2f} ms"),
+        ("copy task time", f"p50 {data['task_ms_p50']:.2f} ms"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _fmt_counts(counts: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items())
+
+
+def plot(data: dict[str, Any], path: str | Path, title: str = "fastkv run") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_h, ax_p) = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [2.2, 1, 1]})
+    fig.suptitle(f"{title}: {data['requests']} requests, {data['tokens_per_s']:.0f} tokens/s, "
+                 f"{data['recomputed_tokens']} recomputed tokens", fontsize=12)
+
+    tl = np.asarray(data["timeline"], dtype=np.float64).reshape(-1, 4)
+    if len(tl) >= 2 and tl[-1, 0] > tl[0, 0]:
+        t = tl[:, 0]
+        # The engine may record a point per step: rate over at most 60 equal time bins reads better.
+        edges = np.linspace(t[0], t[-1], min(61, len(t)))
+        rate = np.diff(np.interp(edges, t, tl[:, 2])) / np.diff(edges)
+        ax_t.step(edges[1:], rate, where="pre", color="tab:blue", label="generated tokens/s")
+        ax_t.set_ylim(bottom=0)
+        ax_r = ax_t.twinx()
+        ax_r.plot(t, tl[:, 1], color="tab:green", label="finished requests")
+        ax_r.plot(t, tl[:, 3], color="tab:red", linestyle="--", label="preemptions (total)")
+        ax_r.set_ylim(bottom=0)
+        ax_r.set_ylabel("requests / preemptions")
+        lines = ax_t.get_legend_handles_labels()[0] + ax_r.get_legend_handles_labels()[0]
+        ax_t.legend(lines, [ln.get_label() for ln in lines], loc="upper left", fontsize=8)
+    else:
+        ax_t.text(0.5, 0.5, "no timeline", ha="center", va="center", transform=ax_t.transAxes)
+    ax_t.set_xlabel("time (s)")
+    ax_t.set_ylabel("generated tokens/s")
+    ax_t.set_title("throughput over time")
+
+    hits = [100 * float(data["hit_ratio"][k]) for k in TIERS]
+    bars = ax_h.bar(TIERS, hits, color=["tab:blue", "tab:orange", "tab:purple"])
+    ax_h.bar_label(bars, fmt="%.1f%%")
+    ax_h.set_ylim(0, max(100.0, *hits) * 1.1)
+    ax_h.set_ylabel("hit ratio (%)")
+    ax_h.set_title("prefix hit ratio per tier")
+
+    counts = [int(data["preemptions"][k]) for k in MODES]
+    bars = ax_p.bar(MODES, counts, color=["tab:red", "tab:green", "tab:purple"])
+    ax_p.bar_label(bars)
+    ax_p.set_ylim(0, max(1, *counts) * 1.15)
+    ax_p.set_ylabel("preemptions")
+    ax_p.set_title("preemptions by mode")
+
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write(out_dir: str | Path, *, title: str = "fastkv run") -> Report:
+    """Builds the report of the run in ``out_dir``; writes report.json and report.png there."""
+    out_dir = Path(out_dir)
+    data = build(load_summary(out_dir), load_results(out_dir))
+    json_path = out_dir / "report.json"
+    json_path.write_text(json.dumps(data, indent=1) + "\n")
+    png_path = plot(data, out_dir / "report.png", title)
+    return Report(data, table(data), json_path, png_path)

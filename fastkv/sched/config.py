@@ -1,0 +1,53 @@
+"""Scheduler knobs, with the reasons for their defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastkv.sched.queues import Policy
+from fastkv.sched.request import PreemptionMode
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128  # sequences per step (and admitted at once, LOADING included)
+    max_num_batched_tokens: int = 2048  # tokens computed per step
+    chunked_prefill: bool = True  # split prompts across steps to fit the token budget
+    max_model_len: int | None = None  # prompt + output cap; None: what the whole device holds
+    preemption: PreemptionMode = PreemptionMode.RECOMPUTE  # deployment default (requests may override)
+    policy: Policy = Policy.FCFS  # queue order and victim choice
+    # Liveness: device blocks held by LOADING requests with host/storage prefix hits are capped,
+    # so copies that are slow (or never complete) cannot take the device from admission.
+    max_loading_blocks: int | None = None  # None: half the device
+    # A request that cannot grow waits this many steps for in-flight offloads to free blocks,
+    # then preempts more victims by recompute (a transfer layer that stalls cannot stall it).
+    copy_patience_steps: int = 16
+    # Disaggregated decode: each running request reserves blocks for its growth, starting at
+    # reserve_init_blocks and decaying by reserve_decay per step down to reserve_min_blocks
+    # (FastDeploy's watermark); a preemption resets every watermark (the estimate was low).
+    reserve_init_blocks: float = 4.0
+    reserve_decay: float = 0.9
+    reserve_min_blocks: float = 1.0
+    watermark_admission: bool = False  # also apply the watermark to local admission
+    # Auto preemption: priors for the cost model, replaced by measurements.
+    block_bytes: int | None = None  # None: the cache layout's block_bytes
+    copy_bandwidth: float = 16e9  # bytes / s
+    prefill_rate: float = 8000.0  # tokens / s
+    cost_alpha: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "copy_patience_steps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {v!r}")
+        for name in ("max_model_len", "max_loading_blocks", "block_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"SchedulerConfig.{name} must be None or an int >= 1, got {v!r}")
+        object.__setattr__(self, "preemption", PreemptionMode(self.preemption))
+        object.__setattr__(self, "policy", Policy(self.policy))
+        if not 0 <= self.reserve_min_blocks <= self.reserve_init_blocks:
+            raise ValueError("SchedulerConfig: need 0 <= reserve_min_blocks <= reserve_init_blocks")
+        if not 0 < self.reserve_decay <= 1:
+            raise ValueError(f"SchedulerConfig.reserve_decay must be in (0, 1], got {self.reserve_decay}")
+        if self.copy_bandwidth <= 0 or self.prefill_rate <= 0 or not 0 < self.cost_alpha <= 1:
+            raise ValueError("SchedulerConfig: copy_bandwidth and prefill_rate must be > 0, cost_alpha in (0, 1]")

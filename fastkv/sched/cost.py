@@ -1,0 +1,53 @@
+"""Online estimates that decide ``auto`` preemption: copy bandwidth and prefill rate.
+
+Offloading a victim costs two copies of its blocks (out now, in at resume); recomputing it
+costs a prefill of its computed tokens. Both rates are exponentially weighted moving
+averages of what the engine measured (``observe_copy`` from transfer completions,
+``observe_prefill`` from steps), starting from configured priors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class CostModel:
+    block_bytes: int  # bytes of one block on one rank (all layers, K and V); 0: unknown
+    copy_bandwidth: float  # bytes / second, host <-> device, per rank
+    prefill_rate: float  # tokens / second of prefill compute
+    alpha: float = 0.2  # weight of a new measurement
+    copy_samples: int = 0
+    prefill_samples: int = 0
+
+    def __post_init__(self) -> None:
+        if self.copy_bandwidth <= 0 or self.prefill_rate <= 0 or not 0 < self.alpha <= 1:
+            raise ValueError(f"CostModel: bandwidth {self.copy_bandwidth} and prefill rate {self.prefill_rate} "
+                             f"must be > 0 and alpha {self.alpha} in (0, 1]")
+
+    def observe_copy(self, nbytes: int, seconds: float) -> None:
+        if nbytes < 0 or seconds < 0:
+            raise ValueError(f"observe_copy: negative bytes {nbytes} or seconds {seconds}")
+        if nbytes == 0 or seconds == 0:
+            return  # nothing measurable (a control task, or a clock too coarse)
+        a = self.alpha if self.copy_samples else 1.0  # the first measurement replaces the prior
+        self.copy_bandwidth += a * (nbytes / seconds - self.copy_bandwidth)
+        self.copy_samples += 1
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens < 0 or seconds < 0:
+            raise ValueError(f"observe_prefill: negative tokens {tokens} or seconds {seconds}")
+        if tokens == 0 or seconds == 0:
+            return
+        a = self.alpha if self.prefill_samples else 1.0
+        self.prefill_rate += a * (tokens / seconds - self.prefill_rate)
+        self.prefill_samples += 1
+
+    def offload_seconds(self, num_blocks: int) -> float:
+        return 2.0 * num_blocks * self.block_bytes / self.copy_bandwidth
+
+    def recompute_seconds(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_rate
+
+    def prefer_offload(self, num_tokens: int, num_blocks: int) -> bool:
+        """Whether copying ``num_blocks`` out and back beats recomputing ``num_tokens``."""
+        return self.offload_seconds(num_blocks) < self.recompute_seconds(num_tokens)

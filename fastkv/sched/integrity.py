@@ -1,0 +1,89 @@
+"""check_integrity() across the scheduler and its cache manager, recomputed from scratch.
+
+Slow (linear in requests, blocks and copies): for tests and debugging, after every step."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from fastkv.cache.pool import BlockState
+from fastkv.cache.requests import ReqState
+from fastkv.sched.request import RequestState
+from fastkv.sched.weights import WeightUpdate
+
+if TYPE_CHECKING:
+    from fastkv.sched.scheduler import Scheduler
+
+S = RequestState
+_CACHE_STATE = {S.LOADING: ReqState.RUNNING, S.RUNNING: ReqState.RUNNING, S.OFFLOADING: ReqState.OFFLOADING,
+                S.OFFLOADED: ReqState.OFFLOADED}
+_HELD = (BlockState.ALLOCATED, BlockState.IN_FLIGHT)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check(s: Scheduler) -> None:
+    cache, bs = s.cache, s.block_size
+    cache.check_integrity()
+    dev = cache.device
+    groups = {S.LOADING: s.loading, S.RUNNING: s.running, S.OFFLOADING: s.offloading}
+    waiting = {r.request_id for r in s.waiting}
+    holders: Counter[int] = Counter()
+    for rid, req in s.requests.items():
+        st = req.state
+        assert req.request_id == rid, f"request {rid}: filed under another id"
+        assert not st.is_finished and st is not S.PREEMPTED, f"request {rid}: {st.name} outside a scheduler call"
+        for gst, group in groups.items():
+            assert (rid in group) == (st is gst), f"request {rid} is {st.name} but {'not ' * (st is gst)}in " \
+                                                  f"the {gst.name} set"
+        assert (rid in waiting) == (st in (S.WAITING, S.OFFLOADED)), f"request {rid}: {st.name}, queued: " \
+                                                                     f"{rid in waiting}"
+        assert 0 <= req.num_computed_tokens <= req.num_tokens, f"request {rid}: computed {req.num_computed_tokens} " \
+                                                               f"of {req.num_tokens} tokens"
+        assert req.num_tokens == req.num_prompt_tokens + len(req.output_token_ids)
+        assert req.remote_pending <= (st is S.LOADING and req.prefilled), f"request {rid}: remote KV while {st.name}"
+        if st is S.WAITING:
+            assert req.num_computed_tokens == 0 and req.num_slotted == 0, f"request {rid}: WAITING with KV"
+            continue
+        cst = cache.request_state(rid)
+        assert cst is _CACHE_STATE[st], f"request {rid} is {st.name}, the cache says {cst.name}"
+        assert req.num_slotted <= req.num_tokens <= req.num_slotted + 1, \
+            f"request {rid}: {req.num_slotted} slotted of {req.num_tokens} tokens"
+        if st is S.OFFLOADED:
+            assert cache.num_computed_tokens(rid) == req.num_computed_tokens, f"request {rid}: offloaded tokens"
+            continue
+        table = cache.block_table(rid).tolist()
+        assert len(table) == _cdiv(req.num_slotted, bs), f"request {rid}: {len(table)} blocks for " \
+                                                         f"{req.num_slotted} slotted tokens"
+        for b in table:
+            assert dev.ref[b] > 0 and dev.state[b] in _HELD, \
+                f"request {rid}: block {b} in its table is {BlockState(dev.state[b]).name} with refcount {dev.ref[b]}"
+            holders[b] += 1
+        if st is S.RUNNING:
+            assert cache.is_ready(rid), f"request {rid}: RUNNING but its copies are pending"
+            assert cache.num_computed_tokens(rid) == req.num_computed_tokens, \
+                f"request {rid}: computed {req.num_computed_tokens}, the cache says {cache.num_computed_tokens(rid)}"
+            assert req.num_computed_tokens < req.num_tokens, f"request {rid}: RUNNING with nothing to compute"
+            assert req.relief_blocks == 0
+        elif st is S.LOADING:
+            assert req.prefilled or not cache.is_ready(rid), f"request {rid}: LOADING but its copies are done"
+        else:
+            assert req.relief_blocks > 0, f"request {rid}: OFFLOADING releases no blocks"
+    for b, n in holders.items():  # a block written by two requests would corrupt one of them
+        assert n == 1 or dev.key[b] is not None, f"device block {b} shared by {n} requests but holds no prefix key"
+    assert len(s.requests) == len(waiting) + sum(len(g) for g in groups.values()), "a request in two places"
+    in_cache = {rid for rid, r in s.requests.items() if r.state.in_cache}
+    assert set(cache.request_ids()) == in_cache, f"cache requests {sorted(cache.request_ids())} != " \
+                                                 f"scheduler's {sorted(in_cache)}"
+    plans = [p.plan_id for p in s._outbox] + list(s._dispatched)
+    assert len(plans) == len(set(plans)), "a copy plan both queued and dispatched"
+    assert set(plans) == set(cache.copies.records), \
+        f"plans in flight {sorted(plans)} != the cache's open copies {sorted(cache.copies.records)}"
+    if s._inflight is not None:
+        for seq in s._inflight.seqs:
+            req = s.requests.get(seq.request_id)
+            assert req is not None and req.state is S.RUNNING, f"request {seq.request_id} left its in-flight step"
+    if s.weight_update_state in (WeightUpdate.CLEARING, WeightUpdate.READY):
+        assert not in_cache, f"weight update {s.weight_update_state.name} with requests in the cache: {in_cache}"

@@ -1,0 +1,112 @@
+"""Disaggregated serving, decode side: reserve blocks for a request prefilled elsewhere.
+
+The prefill instance asks before it sends KV. The decode instance says yes only if its free
+device blocks, minus a reservation for the growth of the requests it is already running,
+cover the newcomer; otherwise it refuses with a reason, and the prefill instance keeps the
+request (or asks another decode instance) instead of both overcommitting and preempting.
+
+The growth reservation is FastDeploy's decaying watermark, kept per running request: a
+request starts at ``reserve_init_blocks``, each step multiplies it by ``reserve_decay`` down
+to ``reserve_min_blocks`` (a batch that has been decoding a while has shown its growth rate),
+capped by the blocks the request can still need, and any preemption resets all of them.
+
+Accepted: the request is allocated (device prefix hits reused; host or storage hits are
+loaded locally) and waits in LOADING. The remote KV fills positions
+``[first_position, last_position)``; the last known token is computed by its first decode
+step. Its blocks may be written once ``Reservation.writable``, or once the request id shows
+up in ``SchedulerOutput.kv_writable`` (a fresh block may still be read by the write-back of
+the cached block it replaced; until then, and until local prefix copies are done, the remote
+side waits). ``on_prefilled(request_id, ok)`` reports the arrival; a failed transfer falls
+back to recomputing the prompt here. Until then its blocks are written from outside the
+cache's knowledge, so the request is not a preemption victim, and abort takes effect on
+arrival.
+"""
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from fastkv.sched.request import Request, RequestState
+
+if TYPE_CHECKING:
+    from fastkv.sched.scheduler import Scheduler
+
+S = RequestState
+
+
+class RefusalReason(IntEnum):
+    NO_ROOM = 1  # free blocks minus the growth reservation do not cover it
+    WEIGHT_UPDATE = 2  # admission is paused
+    TOO_MANY_SEQS = 3  # max_num_seqs requests already hold blocks
+
+
+class Reservation(NamedTuple):
+    request_id: int
+    block_table: np.ndarray  # int32 device block ids for every known token
+    first_position: int  # the remote KV fills [first_position, last_position); below is here already
+    last_position: int  # num_tokens - 1
+    writable: bool  # False: a block is still being written back; wait for SchedulerOutput.kv_writable
+
+
+class Refusal(NamedTuple):
+    request_id: int
+    reason: RefusalReason
+    needed_blocks: int
+    free_blocks: int
+    reserved_blocks: int  # for the growth of running requests
+
+    @property
+    def detail(self) -> str:
+        return (f"request {self.request_id} refused ({self.reason.name}): needs {self.needed_blocks} blocks, "
+                f"{self.free_blocks} free, {self.reserved_blocks} reserved for running requests")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def growth_reservation(s: Scheduler) -> int:
+    """Device blocks held back for the growth of requests that hold blocks."""
+    bs, cap = s.block_size, s.max_model_len
+    total = 0
+    for group in (s.running, s.loading):
+        for r in group.values():
+            final = min(r.num_prompt_tokens + r.max_new_tokens, cap)
+            still = _cdiv(final, bs) - _cdiv(max(r.num_slotted, r.num_tokens), bs)
+            total += max(0, min(int(np.ceil(r.watermark)), still))
+    return total
+
+
+def decay_watermarks(s: Scheduler) -> None:
+    cfg = s.config
+    for r in s.running.values():
+        r.watermark = max(cfg.reserve_min_blocks, r.watermark * cfg.reserve_decay)
+
+
+def reserve(s: Scheduler, req: Request) -> Reservation | Refusal:
+    cache, bs, rid = s.cache, s.block_size, req.request_id
+    need = _cdiv(req.num_tokens, bs)
+    free = cache.num_free_device_blocks
+    if s.weight_update_state:
+        return s._refuse(Refusal(rid, RefusalReason.WEIGHT_UPDATE, need, free, 0))
+    if len(s.running) + len(s.loading) >= s.config.max_num_seqs:
+        return s._refuse(Refusal(rid, RefusalReason.TOO_MANY_SEQS, need, free, 0))
+    need -= len(cache.match(req.token_ids, req.extra).device_blocks)
+    held = growth_reservation(s)
+    if free - held < need:
+        return s._refuse(Refusal(rid, RefusalReason.NO_ROOM, need, free, held))
+    a = cache.allocate(rid, req.token_ids, req.extra)
+    if a is None:  # a cached device hit counted as free above, and it is not
+        return s._refuse(Refusal(rid, RefusalReason.NO_ROOM, need, free, held))
+    s._emit(a.plans)
+    s._admitted(req)
+    req.prefilled = True
+    req.remote_pending = True
+    req.num_slotted = req.num_tokens
+    req.remote_start = a.num_cached_tokens + a.num_pending_tokens
+    req.local_computed = a.num_cached_tokens if a.ready else -1
+    s._start_loading(req, req.remote_start, S.WAITING)
+    s.stats.reserved_prefilled += 1
+    return Reservation(rid, np.asarray(a.block_table, np.int32), req.remote_start, req.num_tokens - 1, a.ready)

@@ -1,0 +1,437 @@
+"""The scheduler: continuous batching over a CacheManager, with preemption that offloads.
+
+It does no I/O and never waits. The engine drives it::
+
+    sched.add_request(Request(...))              # any time
+    out = sched.step()                           # -> SchedulerOutput
+    transfer.dispatch(out.copies)                # copy plans to run now, asynchronously
+    if out.plan.seqs: sched.on_step_output(workers.run(out.plan))
+    for done in transfer.completions():          # any time, any order
+        sched.on_copy_complete(done.plan_id, done.ok, done.nbytes, done.seconds)
+    respond(out.finished)
+
+One step plan is in flight at a time: ``step()`` refuses to run before the previous plan's
+``on_step_output``. Copy completions may arrive whenever; a request waits for its own copies
+in LOADING or OFFLOADING while the others keep running. A transfer layer that never answers
+stalls only the requests whose copies it holds (those can still be aborted, and LOADING ones
+preempted).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from fastkv.cache.manager import CacheManager, Ready
+from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.engine.step import SeqWork, StepOutput, StepPlan
+from fastkv.sched import admission, preemption, reservation, weights
+from fastkv.sched.config import SchedulerConfig
+from fastkv.sched.cost import CostModel
+from fastkv.sched.integrity import check
+from fastkv.sched.queues import WaitingQueue
+from fastkv.sched.request import PreemptionMode, Request, RequestState, move
+from fastkv.sched.reservation import Refusal, Reservation
+from fastkv.sched.stats import SchedulerStats
+from fastkv.sched.weights import WeightUpdate
+
+S = RequestState
+
+
+class SchedulerOutput(NamedTuple):
+    plan: StepPlan  # for every worker rank; may have no seqs (then send nothing)
+    copies: list[CopyPlan]  # dispatch to the transfer layer now; report each with on_copy_complete
+    finished: list[Request]  # finished (or aborted) since the previous step()
+    kv_writable: list[int]  # prefilled requests whose reserved blocks may now receive their remote KV
+
+
+class Scheduler:
+    def __init__(self, cache: CacheManager, config: SchedulerConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not isinstance(cache, CacheManager):
+            raise TypeError(f"cache must be a CacheManager, got {type(cache).__name__}")
+        cfg = config if config is not None else SchedulerConfig()
+        if not isinstance(cfg, SchedulerConfig):
+            raise TypeError(f"config must be a SchedulerConfig, got {type(cfg).__name__}")
+        self.cache = cache
+        self.config = cfg
+        self.clock = clock
+        self.block_size = cache.block_size
+        capacity = cache.config.num_device_blocks * self.block_size
+        self.max_model_len = min(cfg.max_model_len or capacity, capacity)
+        self.max_loading_blocks = cfg.max_loading_blocks or max(1, cache.config.num_device_blocks // 2)
+        layout = cache.config.layout
+        block_bytes = cfg.block_bytes or (layout.block_bytes if layout is not None else 0)
+        if cfg.preemption is PreemptionMode.AUTO and not block_bytes:
+            raise ValueError("auto preemption needs block_bytes (SchedulerConfig.block_bytes or a cache layout)")
+        self.cost = CostModel(block_bytes, cfg.copy_bandwidth, cfg.prefill_rate, cfg.cost_alpha)
+        self.stats = SchedulerStats()
+        self.requests: dict[int, Request] = {}  # every unfinished request
+        self.waiting = WaitingQueue(cfg.policy)  # WAITING and OFFLOADED
+        self.loading: dict[int, Request] = {}
+        self.running: dict[int, Request] = {}
+        self.offloading: dict[int, Request] = {}
+        self.weight_update_state = WeightUpdate.NONE
+        self._drain = True
+        self._outbox: list[CopyPlan] = []
+        self._dispatched: dict[int, CopyPlan] = {}
+        self._finished: list[Request] = []
+        self._kv_writable: list[int] = []
+        self._inflight: StepPlan | None = None
+        self._inflight_ids: set[int] = set()
+        self._seqs: dict[int, SeqWork] = {}
+        self._budget = 0
+        self._step_id = 0
+        self._arrivals = 0
+        self._admissions = 0
+
+    # ================================================================== engine API
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. ValueError if its id is in use or it can never fit."""
+        req = self._validate(request)
+        req.arrival_seq = self._arrivals
+        self._arrivals += 1
+        if req.arrival_time is None:
+            req.arrival_time = self.clock()
+        self.requests[req.request_id] = req
+        self.waiting.push(req)
+
+    def _validate(self, req: Request) -> Request:
+        if not isinstance(req, Request):
+            raise TypeError(f"expected a Request, got {type(req).__name__}")
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id} is already in use")
+        if req.state is not S.WAITING or req.arrival_seq >= 0:
+            raise ValueError(f"request {req.request_id} was already submitted (state {req.state.name})")
+        if req.num_tokens >= self.max_model_len:
+            raise ValueError(f"request {req.request_id}: {req.num_tokens} tokens leave no room to generate "
+                             f"within max_model_len {self.max_model_len}")
+        mode = req.preemption if req.preemption is not None else self.config.preemption
+        if mode is PreemptionMode.AUTO and not self.cost.block_bytes:
+            raise ValueError(f"request {req.request_id}: auto preemption needs SchedulerConfig.block_bytes")
+        return req
+
+    def abort(self, request_id: int) -> bool:
+        """Abort a request in any state; False if it is unknown or already finished. A request
+        in the step now in flight, or receiving prefilled KV, is aborted once that is done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if request_id in self._inflight_ids or req.remote_pending:
+            req.abort_requested = True
+            return True
+        self._finish(req, S.FINISHED_ABORTED)
+        return True
+
+    def step(self) -> SchedulerOutput:
+        """Plan the next step: grow running requests (preempting when blocks run out), admit
+        waiting ones, and hand out every copy plan produced since the last call."""
+        if self._inflight is not None:
+            raise ValueError(f"step() while step {self._inflight.step_id} is in flight: call on_step_output first")
+        self._step_id += 1
+        if self.weight_update_state is WeightUpdate.DRAINING:
+            weights.progress(self, self._drain)
+        self._budget = self.config.max_num_batched_tokens
+        self._seqs = {}
+        max_seqs = self.config.max_num_seqs
+        for req in list(self.running.values()):
+            if self._budget <= 0 or len(self._seqs) >= max_seqs:
+                break
+            if req.state is S.RUNNING and preemption.ensure_slots(self, req):
+                self._schedule(req)
+        if self.weight_update_state is WeightUpdate.NONE:
+            admission.admit(self)
+        seqs = list(self._seqs.values())
+        self._seqs = {}
+        plan = StepPlan(self._step_id, seqs)
+        if seqs:
+            self._inflight = plan
+            self._inflight_ids = {s.request_id for s in seqs}
+            self.stats.steps += 1
+            reservation.decay_watermarks(self)
+        copies, self._outbox = self._outbox, []
+        for p in copies:
+            self._dispatched[p.plan_id] = p
+        self.stats.copies += len(copies)
+        finished, self._finished = self._finished, []
+        writable, self._kv_writable = self._kv_writable, []
+        return SchedulerOutput(plan, copies, finished, writable)
+
+    def on_step_output(self, output: StepOutput) -> None:
+        """The workers computed the plan: KV of the scheduled tokens is on the device; append
+        sampled tokens and finish requests that stop."""
+        plan = self._inflight
+        if plan is None:
+            raise ValueError("on_step_output without a step in flight")
+        if not isinstance(output, StepOutput):
+            raise TypeError(f"expected a StepOutput, got {type(output).__name__}")
+        if output.step_id != plan.step_id:
+            raise ValueError(f"output of step {output.step_id}, but step {plan.step_id} is in flight")
+        missing = [s.request_id for s in plan.seqs if s.sample and s.request_id not in output.sampled]
+        if missing:
+            raise ValueError(f"step {plan.step_id}: no sampled token for requests {missing[:8]}")
+        self._inflight = None
+        self._inflight_ids = set()
+        now = self.clock()
+        prefill = decode = 0
+        for seq in plan.seqs:
+            req = self.requests[seq.request_id]
+            assert req.state is S.RUNNING and req.num_computed_tokens == seq.start_pos, \
+                f"request {req.request_id} changed ({req.state.name}) while its step was in flight"
+            end = seq.end_pos
+            if seq.start_pos < req.max_computed:
+                again = min(end, req.max_computed) - seq.start_pos
+                req.num_recomputed_tokens += again
+                self.stats.recomputed_tokens += again
+            req.max_computed = max(req.max_computed, end)
+            req.num_computed_tokens = end
+            self._emit(self.cache.mark_computed(req.request_id, end))
+            if len(seq.token_ids) > 1:
+                prefill += len(seq.token_ids)
+            else:
+                decode += 1
+            if seq.sample:
+                tok = output.sampled[req.request_id]
+                if not isinstance(tok, int) or tok < 0:
+                    raise ValueError(f"request {req.request_id}: sampled token {tok!r} is not an int >= 0")
+                req.append_output(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                if tok == req.eos_token_id or tok in req.stop_token_ids:
+                    self._finish(req, S.FINISHED_STOPPED)
+                    continue
+                if len(req.output_token_ids) >= req.max_new_tokens or req.num_tokens >= self.max_model_len:
+                    self._finish(req, S.FINISHED_LENGTH)
+                    continue
+            if req.abort_requested:
+                self._finish(req, S.FINISHED_ABORTED)
+        self.stats.prefill_tokens += prefill
+        self.stats.decode_tokens += decode
+        if prefill and prefill >= decode and output.seconds > 0:
+            self.cost.observe_prefill(prefill + decode, output.seconds)
+
+    def on_copy_complete(self, plan: CopyPlan | int, ok: bool, nbytes: int = 0, seconds: float = 0.0) -> None:
+        """A copy plan finished on every rank (``ok``) or failed. ``nbytes``/``seconds`` (per
+        rank) feed the bandwidth estimate."""
+        pid = plan if isinstance(plan, int) else getattr(plan, "plan_id", None)
+        p = self._dispatched.pop(pid, None) if isinstance(pid, int) else None
+        if p is None:
+            raise ValueError(f"plan {plan!r} is not in flight from this scheduler (never dispatched, or completed)")
+        if not ok:
+            self.stats.copies_failed += 1
+        elif nbytes:
+            self.cost.observe_copy(nbytes, seconds)
+        c = self.cache.complete(p, bool(ok))
+        if p.kind is CopyKind.CLEAR:
+            assert self.weight_update_state is WeightUpdate.CLEARING, "CLEAR completed outside a weight update"
+            self.weight_update_state = WeightUpdate.READY
+        self._emit(c.plans)
+        for r in c.ready:
+            self._loaded(r)
+        for rid in c.offloaded:
+            req = self.requests[rid]
+            del self.offloading[rid]
+            req.relief_blocks = 0
+            move(req, S.OFFLOADED, S.OFFLOADING)
+            self._offload_done(req)
+        for rid in c.offload_failed:  # still on its device blocks; the pressure remains: recompute
+            req = self.requests[rid]
+            del self.offloading[rid]
+            req.relief_blocks = 0
+            self.stats.offload_failed += 1
+            self.cache.free(rid, cache=True)
+            self._to_waiting(req, S.OFFLOADING)
+
+    def observe_copy(self, nbytes: int, seconds: float) -> None:
+        self.cost.observe_copy(nbytes, seconds)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.cost.observe_prefill(tokens, seconds)
+
+    def has_work(self) -> bool:
+        """Requests unfinished, copies to hand out or in flight, or a step to report."""
+        return bool(self.requests or self._outbox or self._dispatched or self._finished or self._kv_writable
+                    or self._inflight is not None)
+
+    def check_integrity(self) -> None:
+        check(self)
+
+    # ================================================================== disaggregated decode
+    def reserve_for_prefilled(self, request: Request) -> Reservation | Refusal:
+        """Blocks for a request prefilled on another instance, or a refusal with its reason."""
+        req = self._validate(request)
+        if self._inflight is not None:
+            raise ValueError("reserve_for_prefilled while a step is in flight: call it between steps")
+        req.arrival_seq = self._arrivals
+        if req.arrival_time is None:
+            req.arrival_time = self.clock()
+        got = reservation.reserve(self, req)
+        if isinstance(got, Reservation):
+            self._arrivals += 1
+            self.requests[req.request_id] = req
+        else:
+            req.arrival_seq = -1  # untouched: the engine may ask again, here or elsewhere
+        return got
+
+    def on_prefilled(self, request_id: int, ok: bool) -> None:
+        """The remote KV of a reserved request arrived (``ok``) or its transfer failed."""
+        req = self.requests.get(request_id)
+        if req is None or not req.remote_pending or req.local_computed < 0:
+            raise ValueError(f"request {request_id} is not waiting for prefilled KV (or its blocks were not "
+                             f"writable yet)")
+        req.remote_pending = False
+        if req.abort_requested:
+            self._finish(req, S.FINISHED_ABORTED)
+        elif not ok:
+            self.stats.load_shortfalls += 1
+            del self.loading[request_id]
+            move(req, S.PREEMPTED, S.LOADING)
+            self.cache.free(request_id, cache=True)
+            self._to_waiting(req, S.PREEMPTED)
+        else:
+            self._prefilled_ready(req, req.local_computed)
+
+    # ================================================================== weight update
+    def begin_weight_update(self, drain: bool = True) -> None:
+        """Pause admission. ``drain``: let requests on the device finish; else preempt them all
+        (recompute). Offloaded KV belongs to the old weights: those requests recompute. Once
+        nothing holds blocks and no copy is in flight, a CLEAR plan goes out; when it completes
+        ``weight_update_state`` is READY."""
+        if self.weight_update_state is not WeightUpdate.NONE:
+            raise ValueError(f"weight update already in progress ({self.weight_update_state.name})")
+        self.weight_update_state = WeightUpdate.DRAINING
+        self._drain = bool(drain)
+
+    def finish_weight_update(self, weights_version: str) -> None:
+        """New weights are loaded: new cache namespace, admission resumes (a RESTORE plan goes out)."""
+        if self.weight_update_state is not WeightUpdate.READY:
+            raise ValueError(f"finish_weight_update in state {self.weight_update_state.name}, expected READY")
+        self._emit([self.cache.finish_weight_update(weights_version)])
+        self.weight_update_state = WeightUpdate.NONE
+
+    # ================================================================== internals (for sched modules)
+    def _emit(self, plans) -> None:
+        self._outbox.extend(plans)
+
+    def _refuse(self, refusal: Refusal) -> Refusal:
+        self.stats.refused_prefilled += 1
+        return refusal
+
+    def _admitted(self, req: Request) -> None:
+        req.admit_seq = self._admissions
+        self._admissions += 1
+        req.watermark = self.config.reserve_init_blocks
+        self.stats.admitted += 1
+
+    def _start_loading(self, req: Request, target: int, src: RequestState) -> None:
+        move(req, S.LOADING, src)
+        req.load_target = target
+        self.loading[req.request_id] = req
+
+    def _start_running(self, req: Request, computed: int, src: RequestState) -> None:
+        move(req, S.RUNNING, src)
+        req.num_computed_tokens = computed
+        self.running[req.request_id] = req
+
+    def _to_waiting(self, req: Request, src: RequestState) -> None:
+        """Back to the queue with no KV: it will be recomputed (reusing cached prefixes)."""
+        move(req, S.WAITING, src)
+        req.num_computed_tokens = 0
+        req.num_slotted = 0
+        req.prefilled = False
+        req.local_computed = -1
+        self.waiting.push(req)
+
+    def _offload_done(self, req: Request) -> None:
+        """OFFLOADED: wait for restore; in storage mode (or during a weight update) let go of
+        the host copies and resume by prefix hits."""
+        if req.mode_used is PreemptionMode.STORAGE or self.weight_update_state is not WeightUpdate.NONE:
+            self.cache.free(req.request_id, cache=self.weight_update_state is WeightUpdate.NONE)
+            self._to_waiting(req, S.OFFLOADED)
+        else:
+            self.waiting.push(req)
+
+    def _loaded(self, ready: Ready) -> None:
+        req = self.requests[ready.request_id]
+        n = ready.num_computed_tokens
+        if req.prefilled:
+            req.local_computed = n
+            if req.remote_pending:
+                self._kv_writable.append(req.request_id)
+            else:
+                self._prefilled_ready(req, n)
+            return
+        if n < req.load_target:
+            self.stats.load_shortfalls += 1
+        del self.loading[req.request_id]
+        self._start_running(req, n, S.LOADING)
+
+    def _prefilled_ready(self, req: Request, local: int) -> None:
+        """Local copies and remote KV are both in: decode from the last known token."""
+        computed = local
+        if local >= req.remote_start:
+            computed = req.num_tokens - 1
+            self._emit(self.cache.mark_computed(req.request_id, computed))
+        else:
+            self.stats.load_shortfalls += 1  # a local load failed: recompute from there
+        req.prefilled = False
+        req.max_computed = max(req.max_computed, computed)
+        del self.loading[req.request_id]
+        self._start_running(req, computed, S.LOADING)
+
+    def _schedule(self, req: Request) -> None:
+        """Put RUNNING ``req``'s next chunk in this step, as far as the budget allows."""
+        n = req.num_new_tokens
+        assert n > 0, f"request {req.request_id} is RUNNING with nothing to compute"
+        if n > self._budget and not self.config.chunked_prefill and n <= self.config.max_num_batched_tokens:
+            return  # a whole prompt in a later step (one longer than the budget is chunked anyway)
+        n = min(n, self._budget)
+        start = req.num_computed_tokens
+        self._seqs[req.request_id] = SeqWork(
+            req.request_id, req._tokens[start:start + n], start, self.cache.block_table(req.request_id),
+            start + n == req.num_tokens)
+        self._budget -= n
+
+    def _unschedule(self, req: Request) -> None:
+        seq = self._seqs.pop(req.request_id, None)
+        if seq is not None:
+            self._budget += len(seq.token_ids)
+
+    def _finish(self, req: Request, state: RequestState) -> None:
+        rid = req.request_id
+        src = req.state
+        if src is S.WAITING or src is S.OFFLOADED:
+            self.waiting.remove(req)
+        elif src is S.RUNNING:
+            del self.running[rid]
+        elif src is S.LOADING:
+            del self.loading[rid]
+        elif src is S.OFFLOADING:
+            del self.offloading[rid]
+        if src.in_cache:
+            self.cache.free(rid, cache=True)
+        move(req, state, src)
+        req.finish_time = self.clock()
+        del self.requests[rid]
+        self._finished.append(req)
+        self.stats.finished += 1
+        if state is S.FINISHED_ABORTED:
+            self.stats.aborted += 1
+
+    def reset_watermarks(self) -> None:
+        init = self.config.reserve_init_blocks
+        for group in (self.running, self.loading):
+            for r in group.values():
+                r.watermark = init
+
+    def growth_reservation(self) -> int:
+        return reservation.growth_reservation(self)
+
+    # ================================================================== introspection
+    def get_request(self, request_id: int) -> Request | None:
+        return self.requests.get(request_id)
+
+    def counts(self) -> dict[str, int]:
+        offloaded = sum(1 for r in self.waiting if r.state is S.OFFLOADED)
+        return {"waiting": len(self.waiting) - offloaded, "loading": len(self.loading), "running": len(self.running),
+                "offloading": len(self.offloading), "offloaded": offloaded, "copies_in_flight": len(self._dispatched)}

@@ -1,0 +1,352 @@
+"""The supervisor: creates a run's shared memory, starts its processes, watches them, cleans up.
+
+One ``Supervisor`` is one run::
+
+    result = Supervisor(spec, "fastkv-out/workload.jsonl").run()   # blocks until done
+
+``run()`` removes what dead runs left behind (``cleanup_stale``), creates the namespace, the
+channels (``fastkv.run.create_run``) and the KV tiers of every rank, starts the engine, one
+worker and one transfer process per rank (``multiprocessing`` spawn; entry points in
+``ENTRY_POINTS``), and waits. It never sleep-polls: it blocks on the children's process
+sentinels and a self-pipe that the SIGINT/SIGTERM handler writes, with timeout
+``spec.heartbeat_s``, and after each wake-up checks heartbeats in the signal array.
+
+- The engine exiting 0 means the workload is done: the run succeeded.
+- A transfer process that dies (exit, signal, or a heartbeat silent for ``spec.dead_after_s``)
+  is replaced: ``transfer{r}.gen`` is bumped first, so the engine's TransferClient fails the
+  tasks in flight on that rank (their requests recompute), then a new process attaches to
+  the same channels and tiers (the tiers belong to the supervisor and outlive it).
+- A dead worker or engine fails the run, naming the process, how it died and its last log lines.
+- SIGINT/SIGTERM set ``stop``; the children get ``join_timeout_s`` to exit, then SIGKILL (at once
+  on a second signal).
+
+Whatever happens, everything is unlinked at the end (tiers, channels, signals, manifest).
+Children get PR_SET_PDEATHSIG(SIGKILL), so a SIGKILLed supervisor takes its children with it;
+its shared memory is then removed by the next supervisor start or ``fastkv-supervisor --cleanup``.
+Each child's stdout/stderr goes to ``<out_dir>/logs/<name>.log``.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from fastkv.ipc import Namespace, SignalArray, cleanup_stale
+from fastkv.ipc.namespace import SHM_DIR
+from fastkv.run import RunSpec, create_run
+
+ENTRY_POINTS = {
+    "engine": "fastkv.engine.engine:main",  # main(spec_json, workload_path) -> int
+    "worker": "fastkv.engine.worker:main",  # main(spec_json, rank) -> int
+    "transfer": "fastkv.transfer.process:main",  # main(spec_json, rank) -> int
+}
+_PR_SET_PDEATHSIG = 1
+
+
+class RunResult(NamedTuple):
+    ok: bool
+    message: str  # "workload done", or what failed / who stopped the run
+    exit_codes: dict[str, int | None]  # per process name, after shutdown
+    restarts: dict[str, int]  # transfer process name -> times restarted
+    seconds: float
+
+
+@dataclass(slots=True)
+class Child:
+    name: str  # engine, worker{r}, transfer{r}
+    role: str
+    rank: int
+    process: Any  # multiprocessing SpawnProcess
+    started_ns: int
+    restarts: int = 0
+
+
+def resolve(target: str) -> Callable[..., int]:
+    """``"package.module:function"`` -> the function."""
+    module, _, func = target.partition(":")
+    if not module or not func:
+        raise ValueError(f"entry point must be 'module:function', got {target!r}")
+    return getattr(importlib.import_module(module), func)
+
+
+def _child_main(target: str, args: tuple, parent_pid: int, log_path: str) -> None:
+    """Runs in the spawned child: die with the supervisor, log to a file, call the entry point."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
+        os._exit(1)
+    # Ctrl-C reaches the whole process group; only the supervisor decides how to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    sys.exit(resolve(target)(*args))
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def log_tail(path: Path, lines: int = 12) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    tail = text.rstrip().splitlines()[-lines:]
+    return "\n".join("    " + line for line in tail) if tail else "(empty log)"
+
+
+class Supervisor:
+    """One run: ``Supervisor(spec, workload_path).run()``.
+
+    entry_points: role -> "module:function", overriding ``ENTRY_POINTS`` (tests, a deployment's
+    own worker). progress: a callable ``(finished, total)`` called after every wake-up (the CLI's
+    progress bar), or None. max_restarts: per transfer rank, before the run fails.
+    startup_timeout_s: how long a process may take to set its ready flag (Paddle imports are slow).
+    """
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        workload_path: str | Path,
+        *,
+        entry_points: dict[str, str] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        max_restarts: int = 3,
+        startup_timeout_s: float = 180.0,
+        join_timeout_s: float = 15.0,
+        manifest_dir: str | Path = SHM_DIR,
+    ) -> None:
+        if not isinstance(spec, RunSpec):
+            raise TypeError(f"spec must be a RunSpec, got {type(spec).__name__}")
+        unknown = set(entry_points or {}) - set(ENTRY_POINTS)
+        if unknown:
+            raise ValueError(f"unknown roles in entry_points: {sorted(unknown)}; roles are {sorted(ENTRY_POINTS)}")
+        self.workload_path = Path(workload_path).resolve()
+        if not self.workload_path.is_file():
+            raise ValueError(f"workload file {str(self.workload_path)!r} does not exist")
+        if max_restarts < 0 or startup_timeout_s <= 0 or join_timeout_s <= 0:
+            raise ValueError("need max_restarts >= 0, startup_timeout_s > 0 and join_timeout_s > 0")
+        self.spec = spec
+        self.out_dir = Path(spec.out_dir).resolve()
+        self.log_dir = self.out_dir / "logs"
+        self.entry_points = {**ENTRY_POINTS, **(entry_points or {})}
+        self.progress = progress
+        self.max_restarts = max_restarts
+        self.startup_timeout_s = startup_timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.manifest_dir = Path(manifest_dir)
+        self.children: dict[str, Child] = {}
+        self.ns: Namespace | None = None
+        self.signals: SignalArray | None = None
+        self._tiers: list[Any] = []
+        self._ctx = mp.get_context("spawn")
+        self._stop_reason: str | None = None
+        self._stopping = False
+        self._kill_now = False
+        self._wake_r, self._wake_w = -1, -1
+
+    # -- the run -----------------------------------------------------------------------
+    def run(self) -> RunResult:
+        t0 = time.monotonic()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        old_handlers = self._install_handlers()
+        try:
+            try:
+                self._setup()
+                self._install_handlers()  # again: importing Paddle (the device tier) installs its own SIGTERM handler
+                for rank in range(self.spec.tp_size):
+                    self._start("transfer", rank)
+                    self._start("worker", rank)
+                self._start("engine", 0)
+                ok, message = self._watch()
+            finally:  # also on an exception (the caller sees it): stop everything, unlink everything
+                self._shutdown()
+                codes = {c.name: c.process.exitcode for c in self.children.values()}
+                restarts = {c.name: c.restarts for c in self.children.values() if c.role == "transfer"}
+                self._teardown()
+        finally:
+            for signum, handler in old_handlers.items():
+                signal.signal(signum, handler)
+        return RunResult(ok, message, codes, restarts, time.monotonic() - t0)
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Ends the run cleanly (signal-handler safe: records the reason, wakes the watcher)."""
+        if self._stopping:
+            self._kill_now = True  # asked again while shutting down: do not wait for the children
+        elif self._stop_reason is None:
+            self._stop_reason = reason
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                return  # the pipe is full: the watcher has wake-ups queued already
+
+    # -- setup and teardown ------------------------------------------------------------
+    def _setup(self) -> None:
+        from fastkv.transfer.tiers import DeviceTier, HostTier, _cuda_available
+
+        removed = cleanup_stale(self.manifest_dir)
+        if removed:
+            print(f"fastkv-supervisor: removed {len(removed)} objects left by dead runs", file=sys.stderr)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(exist_ok=True)
+        spec = self.spec
+        self.ns = Namespace.create(spec.run_id, self.manifest_dir)
+        create_run(self.ns, spec)
+        cuda = _cuda_available()
+        for r in range(spec.tp_size):
+            # Recorded first: a crash between record and create leaves nothing unlisted.
+            self.ns.record("shm", f"kvdev{r}")
+            if not cuda:  # on a GPU build the worker allocates it and shares it by CUDA IPC
+                tier = DeviceTier.create(spec.tier_prefix, r, spec.layout, spec.num_device_blocks, backend="shm")
+                self._tiers.append(tier)
+            if spec.num_host_blocks:
+                self.ns.record("shm", f"kvhost{r}")
+                self._tiers.append(HostTier.create(spec.tier_prefix, r, spec.layout, spec.num_host_blocks))
+        self.signals = SignalArray.attach(self.ns, "signals")
+
+    def _teardown(self) -> None:
+        if self.signals is not None:
+            self.signals.close()
+            self.signals = None
+        for tier in self._tiers:
+            tier.close()
+            tier.unlink()
+        self._tiers = []
+        if self.ns is not None:  # also unlinks a worker-made (CUDA) device tier: its name is in the manifest
+            self.ns.close()
+            self.ns = None
+        fds, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)  # first: a late signal skips it
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+    def _install_handlers(self) -> dict[int, Any]:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return {}  # only the main thread may set handlers; the caller uses request_stop()
+
+        def handler(signum: int, _frame: Any) -> None:
+            self.request_stop(f"interrupted by {signal.Signals(signum).name}")
+
+        return {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    # -- children ----------------------------------------------------------------------
+    def _start(self, role: str, rank: int) -> Child:
+        name = "engine" if role == "engine" else f"{role}{rank}"
+        args = (self.spec.to_json(), str(self.workload_path)) if role == "engine" else (self.spec.to_json(), rank)
+        proc = self._ctx.Process(
+            target=_child_main, name=f"fastkv-{name}",
+            args=(self.entry_points[role], args, os.getpid(), str(self.log_dir / f"{name}.log")),
+        )
+        old = self.children.get(name)
+        child = Child(name, role, rank, proc, time.monotonic_ns(), old.restarts if old else 0)
+        self.children[name] = child
+        proc.start()
+        return child
+
+    def _restart_transfer(self, child: Child, why: str) -> None:
+        assert self.signals is not None, "restart before setup"
+        child.process.join()
+        self.signals[f"{child.name}.ready"] = 0
+        # The gen bump is what tells the engine's TransferClient to fail this rank's tasks in flight.
+        self.signals.add(f"{child.name}.gen", 1)
+        self._start("transfer", child.rank).restarts = child.restarts + 1
+        print(f"fastkv-supervisor: {child.name} {why}; restarted (gen {self.signals[f'{child.name}.gen']})",
+              file=sys.stderr)
+
+    def _watch(self) -> tuple[bool, str]:
+        """Until the engine exits 0 (True), a stop request or a fatal death (False, why)."""
+        assert self.signals is not None, "watch before setup"
+        finished: set[str] = set()  # ranks that exited 0: the engine closed their channels, it is finishing
+        while True:
+            # The engine first: once it exited 0, ranks exiting with it are no failure.
+            live = [c for c in self.children.values() if c.name not in finished]
+            live.sort(key=lambda c: c.role != "engine")
+            woken = wait([*(c.process.sentinel for c in live), self._wake_r], timeout=self.spec.heartbeat_s)
+            if self._wake_r in woken:
+                os.read(self._wake_r, 4096)
+            if self._stop_reason is not None:
+                return False, self._stop_reason
+            self._report_progress()
+            now = time.monotonic_ns()
+            for child in live:
+                why = self._why_dead(child, now)
+                if why is None:
+                    continue
+                if child.process.exitcode is None:  # hung: make it dead before replacing it
+                    child.process.kill()
+                    child.process.join()
+                if child.process.exitcode == 0:
+                    if child.role == "engine":
+                        self._report_progress()
+                        return True, "workload done"
+                    finished.add(child.name)
+                elif child.role == "transfer" and child.restarts < self.max_restarts:
+                    self._restart_transfer(child, why)
+                else:
+                    log = self.log_dir / f"{child.name}.log"
+                    extra = f" after {child.restarts} restarts" if child.restarts else ""
+                    return False, f"{child.name} (pid {child.process.pid}) {why}{extra}; {log}:\n{log_tail(log)}"
+
+    def _why_dead(self, child: Child, now_ns: int) -> str | None:
+        """None while ``child`` lives; else how it died (exited, or a silent heartbeat, or never ready)."""
+        assert self.signals is not None, "watch before setup"
+        if child.process.exitcode is not None:
+            return describe_exit(child.process.exitcode)
+        if self.signals[f"{child.name}.ready"]:
+            silent = now_ns - max(self.signals[f"{child.name}.beat"], child.started_ns)
+            if silent > self.spec.dead_after_s * 1e9:
+                return f"heartbeat silent for {silent / 1e9:.1f} s"
+        elif now_ns - child.started_ns > self.startup_timeout_s * 1e9:
+            return f"not ready after {self.startup_timeout_s:.0f} s"
+        return None
+
+    def _report_progress(self) -> None:
+        if self.progress is not None and self.signals is not None:
+            self.progress(self.signals["engine.finished"], self.signals["engine.total"])
+
+    def _shutdown(self) -> None:
+        """stop = 1, give every child join_timeout_s in all (none if asked to stop twice), SIGKILL the rest."""
+        self._stopping = True
+        if self.signals is not None:
+            self.signals["stop"] = 1
+        deadline = time.monotonic() + self.join_timeout_s
+        running = [c.process for c in self.children.values() if c.process.exitcode is None]
+        while running and not self._kill_now:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                print(f"fastkv-supervisor: {[p.name for p in running]} ignored stop for {self.join_timeout_s:.0f} s; "
+                      "killing", file=sys.stderr)
+                break
+            woken = wait([*(p.sentinel for p in running), self._wake_r], timeout=left)
+            if self._wake_r in woken:
+                os.read(self._wake_r, 4096)
+            running = [p for p in running if p.exitcode is None]
+        for proc in running:
+            proc.kill()
+        for c in self.children.values():
+            c.process.join()

@@ -1,0 +1,266 @@
+"""The engine's side of the transfer processes: submit copy plans, complete them from acks.
+
+One ``TransferClient`` per engine. ``submit(plan)`` sends the same task (one encoding, one
+task id) to every rank and returns at once; a task completes when every rank has acked
+or failed it, and is ok only if every rank's copy succeeded. Results come back from the
+engine's own calls, never from a thread and never by polling:
+
+    try:
+        msgs = ends.inbox.recv_many(256, timeout=spec.heartbeat_s)
+    except PeerDied as exc:
+        results = client.on_peer_died(exc)         # [] for a worker's channel: the engine's business
+    else:
+        results = [r for m in msgs if isinstance(m, DoneMsg) for r in client.on_done(m)]
+    results += client.check()                      # at least once per step and on every timeout
+
+Ranks. A rank is UP once the client has adopted its transfer process: a live process
+bound as consumer of ``task.{r}`` and producer of ``done.{r}``, to which the client has
+sent the FENCE naming it (``fastkv.transfer.protocol``). Adoption happens on first
+contact (construction, ``submit``, ``check``, ``ready``), so start-up needs no handshake
+beyond waiting for ``ready()`` before the first submit. A rank that is not UP fails its
+share of every task at once ("rank r: <why>"); the other ranks still copy, and the task
+completes when they have acked (its blocks stay in flight until no rank can touch them).
+
+Death, replacement, timeouts. The client takes rank r down, failing every task pending
+on it with the reason, when
+
+* ``check()`` finds its process dead (pid and start time, from the ring's peer record),
+  or another process bound in its place (a restart; ``bind`` refuses while the old one
+  lives);
+* ``on_peer_died`` gets the inbox's ``PeerDied`` for ``done.{r}``;
+* a send to ``task.{r}`` finds the consumer dead or gone (its share of that task fails);
+* a task is older than ``spec.task_timeout_s`` and rank r has not acked it: the process
+  is presumed hung and is SIGKILLed (identity checked), because a copy that lands after
+  its task was failed would write blocks the engine has handed out again.
+
+While down, ``done.{r}`` is out of the inbox (a dead producer would make every inbox
+wait raise). When the supervisor restarts transfer[r], the new process re-binds both
+ends; the client adopts it on its next call: fence, back into the inbox, UP. The
+restarted process drops every task queued before its fence unexecuted (the client failed
+them all), and stale acks a dead process left in ``done.{r}`` are ignored (``stale``).
+
+Results of tasks that fail inside ``submit`` (every rank down) are returned by the next
+``check``/``on_done``/``on_peer_died``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from fastkv.cache.plan import CopyPlan
+from fastkv.ipc import ChannelClosed, DoneMsg, Gather, Peer, PeerDied, PeerTimeout, Side, TaskMsg, TaskResult
+from fastkv.run import EngineEnds, RunSpec
+from fastkv.transfer.protocol import fence_for
+
+log = logging.getLogger(__name__)
+
+
+class CopyResult(NamedTuple):
+    plan: CopyPlan
+    ok: bool
+    error: str  # "rank r: <why>; ..." for every failed rank, "" when ok
+    nbytes: int  # summed over ranks
+    seconds: float  # the slowest rank's execution time
+
+
+@dataclass(slots=True)
+class _Rank:
+    owner: Peer | None = None  # the adopted (fenced) transfer process; None: rank down
+    dead: Peer | None = None  # the last owner known dead (not to be adopted again)
+    why: str = "no transfer process attached yet"  # why the rank is down
+    listening: bool = True  # its done channel is in the engine's inbox
+
+
+class TransferClient:
+    """Submits copy plans to every rank's transfer process and gathers their acks."""
+
+    def __init__(self, ends: EngineEnds, spec: RunSpec, *, kill_late: bool = True) -> None:
+        if len(ends.tasks) != spec.tp_size or len(ends.dones) != spec.tp_size:
+            raise ValueError(f"engine ends have {len(ends.tasks)} task and {len(ends.dones)} done channels "
+                             f"for tp_size {spec.tp_size}")
+        self.ends, self.spec, self.kill_late = ends, spec, kill_late
+        self.tp = spec.tp_size
+        self._gather = Gather(self.tp)
+        self._ranks = [_Rank() for _ in range(self.tp)]
+        for r in range(self.tp):
+            self._gather.fail_rank(r, self._ranks[r].why)
+        self._plans: dict[int, tuple[CopyPlan, float]] = {}  # pending, in submit order
+        self._ready: list[CopyResult] = []  # completed inside submit, handed out by the next call
+        self._next_liveness = 0.0
+        self.stale = 0  # acks ignored: for tasks already failed on that rank
+        for r in range(self.tp):
+            self._try_adopt(r)
+
+    # -- public API --------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        return len(self._plans)
+
+    def rank_up(self, rank: int) -> bool:
+        return self._ranks[rank].owner is not None
+
+    def ready(self) -> bool:
+        """Adopts every rank whose transfer process is attached; True once all are UP."""
+        return all(self._ranks[r].owner is not None or self._try_adopt(r) for r in range(self.tp))
+
+    def submit(self, plan: CopyPlan) -> None:
+        """Sends ``plan`` to every rank under its plan id; never waits for the copy (a full
+        task ring fails that rank's share at once). ValueError if the id is pending."""
+        if not isinstance(plan, CopyPlan):
+            raise TypeError(f"submit takes a CopyPlan, got {type(plan).__name__}")
+        task_id = plan.plan_id
+        if task_id in self._plans:
+            raise ValueError(f"task {task_id} is already pending")
+        buf = self.ends.tasks[0].encode(TaskMsg.from_plan(plan))
+        ring = self.ends.tasks[0].ring
+        if ring.slots_for(len(buf)) > ring.nslots:
+            raise ValueError(f"task {task_id} ({plan.num_blocks} blocks, {len(buf)} bytes) can never fit a task "
+                             f"ring of {ring.capacity_bytes} bytes: split the plan or raise spec.nslots")
+        for r in range(self.tp):
+            self._ready += self._refresh(r)
+        self._plans[task_id] = (plan, time.monotonic())
+        done = self._gather.expect(task_id)  # ranks that are down ack it as failed right here
+        if done is not None:
+            self._ready.append(self._finish(done))
+            return
+        for r in range(self.tp):
+            if self._ranks[r].owner is None:
+                continue
+            try:
+                self.ends.tasks[r].send_encoded((buf,), timeout=0)
+            except PeerTimeout as exc:
+                self._ack_failed(task_id, r, f"task ring full: {exc}")
+            except (PeerDied, ChannelClosed) as exc:
+                self._ready += self._down(r, f"transfer[{r}] is gone: {exc}")
+
+    def on_done(self, msg: DoneMsg) -> list[CopyResult]:
+        """Records one rank's ack; returns the tasks it completed."""
+        out = self._take_ready()
+        if not 0 <= msg.rank < self.tp:
+            raise ValueError(f"ack of task {msg.task_id} from rank {msg.rank}, not in [0, {self.tp})")
+        if msg.task_id not in self._plans or msg.rank not in self._gather.missing(msg.task_id):
+            self.stale += 1  # a dead or replaced process's ack for a task already failed on its rank
+            return out
+        done = self._gather.add(msg)
+        if done is not None:
+            out.append(self._finish(done))
+        return out
+
+    def on_peer_died(self, exc: PeerDied) -> list[CopyResult]:
+        """The engine's inbox raised ``PeerDied``: if it is a transfer process's done
+        channel, take that rank down (its pending tasks fail). Other producers (worker 0's
+        output) are the engine's business: nothing happens."""
+        out = self._take_ready()
+        for r in range(self.tp):
+            peer = self.ends.dones[r].ring.peer(Side.PRODUCER)
+            if peer.pid == exc.pid and (peer.role, peer.rank) == (exc.role, exc.rank):
+                out += self._down(r, f"transfer[{r}] pid {exc.pid} died")
+        return out
+
+    def check(self) -> list[CopyResult]:
+        """Failed results for tasks of dead or replaced ranks and tasks past
+        ``spec.task_timeout_s``; adopts restarted processes. Cheap when nothing is due:
+        call it on every inbox timeout and at least once per engine step."""
+        out = self._take_ready()
+        now = time.monotonic()
+        liveness = now >= self._next_liveness  # /proc reads at most once per heartbeat
+        if liveness:
+            self._next_liveness = now + self.spec.heartbeat_s
+        for r in range(self.tp):
+            out += self._refresh(r, liveness)
+        out += self._expire(now)
+        return out + self._take_ready()
+
+    # -- ranks -------------------------------------------------------------------------
+    def _refresh(self, r: int, liveness: bool = False) -> list[CopyResult]:
+        """Notices a replaced (or, with ``liveness``, dead) owner; adopts a new process."""
+        st, out = self._ranks[r], []
+        if st.owner is not None:
+            bound = self.ends.tasks[r].ring.peer(Side.CONSUMER)
+            if (bound.pid, bound.started) != (st.owner.pid, st.owner.started):
+                out = self._down(r, f"transfer[{r}] pid {st.owner.pid} died (replaced by pid {bound.pid})")
+            elif liveness and not st.owner.alive():
+                out = self._down(r, f"transfer[{r}] pid {st.owner.pid} died")
+        if st.owner is None:
+            self._try_adopt(r)
+        return out
+
+    def _try_adopt(self, r: int) -> bool:
+        st = self._ranks[r]
+        task, done = self.ends.tasks[r], self.ends.dones[r]
+        peer = task.ring.peer(Side.CONSUMER)
+        if not peer.pid or peer == st.dead:
+            return False
+        if done.ring.peer(Side.PRODUCER)[2:] != peer[2:]:
+            return False  # binding its ends right now: next time
+        if not peer.alive():
+            st.dead = peer
+            return False
+        try:
+            task.send(fence_for(peer), timeout=0)
+        except (PeerTimeout, PeerDied, ChannelClosed) as exc:
+            log.warning("transfer[%d]: cannot fence pid %d yet: %s", r, peer.pid, exc)
+            return False
+        st.owner, st.why = peer, ""
+        self._gather.revive(r)
+        if not st.listening:
+            self.ends.inbox.add(done)
+            st.listening = True
+        log.info("transfer[%d]: adopted pid %d", r, peer.pid)
+        return True
+
+    def _down(self, r: int, why: str) -> list[CopyResult]:
+        st = self._ranks[r]
+        if st.owner is not None:
+            st.dead, st.owner = st.owner, None
+            log.warning("%s: failing its pending tasks", why)
+        st.why = why
+        if st.listening:
+            self.ends.inbox.remove(self.ends.dones[r])
+            st.listening = False
+        return [self._finish(t) for t in self._gather.fail_rank(r, why)]
+
+    def _ack_failed(self, task_id: int, r: int, why: str) -> None:
+        done = self._gather.add(DoneMsg(task_id, r, False, error=why))
+        if done is not None:
+            self._ready.append(self._finish(done))
+
+    def _expire(self, now: float) -> list[CopyResult]:
+        out: list[CopyResult] = []
+        limit = self.spec.task_timeout_s
+        for task_id, (_, t0) in list(self._plans.items()):
+            if now - t0 < limit:
+                break  # submit order: the rest are younger
+            if task_id not in self._plans:
+                continue  # completed by a kill below
+            for r in self._gather.missing(task_id):
+                owner = self._ranks[r].owner
+                assert owner is not None, f"task {task_id} waits on rank {r}, which is down"
+                self._kill(owner)
+                out += self._down(r, f"transfer[{r}] pid {owner.pid} did not finish task {task_id} within "
+                                     f"{limit} s" + (" (killed)" if self.kill_late else ""))
+        return out
+
+    def _kill(self, peer: Peer) -> None:
+        if not self.kill_late or not peer.alive():  # alive() checks the start time: never a reused pid
+            return
+        assert peer.pid != os.getpid(), "the engine owns a transfer rank's ends itself: refusing to kill itself"
+        try:
+            os.kill(peer.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return  # it died meanwhile
+        except PermissionError as exc:
+            log.error("cannot kill hung %s: %s", peer.describe(), exc)
+
+    # -- results -----------------------------------------------------------------------
+    def _finish(self, done: TaskResult) -> CopyResult:
+        plan, _ = self._plans.pop(done.task_id)
+        return CopyResult(plan, done.ok, done.error, done.nbytes, done.seconds)
+
+    def _take_ready(self) -> list[CopyResult]:
+        out, self._ready = self._ready, []
+        return out

@@ -1,0 +1,190 @@
+"""Executes copy tasks on one rank's KV tiers and storage backend (the transfer process's body).
+
+| task     | moves                                         | acknowledged ok when                    |
+|----------|-----------------------------------------------|-----------------------------------------|
+| SWAP_OUT | device blocks ``src`` -> host blocks ``dst``  | the op returned (bytes in place)        |
+| SWAP_IN  | host blocks ``src`` -> device blocks ``dst``  | the op returned                         |
+| STORE    | host blocks ``src`` -> storage ``keys``       | every block was written                 |
+| LOAD     | storage ``keys`` -> host blocks ``dst``       | every block was found and verified      |
+| CLEAR    | nothing: quiesce for a weight update          | always (idempotent)                     |
+| RESTORE  | nothing: new weights version in ``keys[0]``   | the device tier re-attached             |
+
+A task that fails (bad ids, a storage miss, anything raised) is acknowledged with
+``ok=False`` and the exception's text; the executor stays usable for the next task.
+
+Weight updates. The engine sends CLEAR once no request and no copy is left (the cache
+core refuses ``begin_weight_update`` otherwise), then reloads weights, then RESTORE.
+
+* CLEAR: a rank executes its tasks in order, so its CLEAR ack means every earlier task of
+  that rank has finished; CLEAR acked by every rank = no copy in flight anywhere. The
+  executor then refuses every task but RESTORE (no STORE/LOAD can reach the storage tier
+  under the old namespace), closes its storage backend and drops its mapping of the device
+  tier. It frees nothing itself: the tiers belong to their creators. On a CPU build the
+  device tier is a shm segment the supervisor owns, and "clearing the caches" only means
+  their contents are dead (the engine dropped every cached key; nothing references a
+  block); nothing is worth zeroing. On a GPU build the worker owns the device tensors and
+  this process holds CUDA IPC mappings of them: dropping those is what lets the worker
+  really free the GPU memory for the new weights (FastDeploy frees its caches there).
+  The host tier stays mapped (and pinned): it is host memory, outlives any process, and
+  the engine decides which of its blocks are garbage.
+* RESTORE: ``keys[0]`` is the new weights version (UTF-8). The executor re-attaches the
+  device tier (the worker may have re-allocated it) and reopens the storage backend under
+  ``storage_namespace(spec, version)``: values written under the old weights fail
+  verification (a miss), never load as KV of the new ones. RESTORE also works without a
+  preceding CLEAR (a plain version switch).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.ipc import DoneMsg, TaskMsg
+from fastkv.run import RunSpec
+from fastkv.storage import StorageBackend, open_store
+from fastkv.transfer.protocol import storage_namespace
+from fastkv.transfer.tiers import DeviceTier, HostTier
+
+log = logging.getLogger(__name__)
+
+
+class TaskRefused(RuntimeError):
+    """The executor's state does not allow this task now (cleared, no tier, no storage)."""
+
+
+class TaskExecutor:
+    """One rank's tiers and storage backend, and the code that runs each task on them."""
+
+    def __init__(self, spec: RunSpec, rank: int) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < spec.tp_size:
+            raise ValueError(f"rank must be an int in [0, {spec.tp_size}), got {rank!r}")
+        self.spec, self.rank = spec, rank
+        self.block_bytes = spec.layout.block_bytes
+        self.weights_version = spec.weights_version
+        self.device: DeviceTier | None = None
+        self.host: HostTier | None = None
+        self.store: StorageBackend | None = None
+        self.store_error = ""  # why there is no storage backend (empty: none configured, or open)
+        self.cleared = False
+        try:
+            self._attach_device()
+            if spec.num_host_blocks:
+                self.host = HostTier.attach(spec.tier_prefix, rank, spec.layout, spec.num_host_blocks)
+            self._open_store()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifetime ----------------------------------------------------------------------
+    def _attach_device(self) -> None:
+        if self.device is not None:
+            self.device.close()
+            self.device = None
+        self.device = DeviceTier.attach(self.spec.tier_prefix, self.rank, self.spec.layout,
+                                        self.spec.num_device_blocks)
+
+    def _open_store(self) -> None:
+        self._close_store()
+        if not self.spec.storage_url:
+            return
+        namespace = storage_namespace(self.spec, self.weights_version)
+        try:
+            self.store = open_store(self.spec.storage_url, namespace, self.rank, self.spec.tp_size)
+        except Exception as exc:  # degrade: STORE/LOAD fail with this text, swaps go on
+            self.store_error = f"storage tier {self.spec.storage_url!r} unavailable: {type(exc).__name__}: {exc}"
+            log.error("transfer[%d]: %s", self.rank, self.store_error)
+
+    def _close_store(self) -> None:
+        if self.store is not None:
+            self.store.close()
+        self.store, self.store_error = None, ""
+
+    def close(self) -> None:
+        """Closes the storage backend and drops this process's tier mappings."""
+        self._close_store()
+        for tier in (self.device, self.host):
+            if tier is not None:
+                tier.close()
+        self.device = self.host = None
+
+    # -- tasks -------------------------------------------------------------------------
+    def run(self, msg: TaskMsg) -> DoneMsg:
+        """Executes one task; never raises for a bad or failed task."""
+        t0 = time.perf_counter()
+        try:
+            nbytes, error = self._run(msg)
+        except Exception as exc:  # the task fails alone; reported to the engine, never swallowed
+            nbytes, error = 0, f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, ValueError | TypeError | TaskRefused):
+                log.exception("transfer[%d]: task %d (kind %d) raised", self.rank, msg.task_id, msg.kind)
+        return DoneMsg(msg.task_id, self.rank, not error, nbytes, time.perf_counter() - t0, error)
+
+    def _run(self, msg: TaskMsg) -> tuple[int, str]:
+        try:
+            kind = CopyKind(msg.kind)
+        except ValueError:
+            raise ValueError(f"unknown task kind {msg.kind}") from None
+        plan = msg.to_plan()  # CopyPlan checks src/dst/keys counts
+        if kind is CopyKind.CLEAR:
+            return self._clear()
+        if kind is CopyKind.RESTORE:
+            return self._restore(plan)
+        if self.cleared:
+            raise TaskRefused(f"{kind.name} refused: caches cleared for a weight update (weights version "
+                              f"{self.weights_version!r}); waiting for RESTORE")
+        if kind is CopyKind.SWAP_OUT or kind is CopyKind.SWAP_IN:
+            return self._swap(plan)
+        return self._storage(plan)
+
+    def _swap(self, plan: CopyPlan) -> tuple[int, str]:
+        from fastkv import ops
+
+        device, host = self.device, self.host
+        if host is None:
+            raise TaskRefused(f"{plan.kind.name} refused: this run has no host tier (num_host_blocks=0)")
+        assert device is not None, "executor not cleared but without a device tier"
+        if len(plan.src):
+            swap = ops.swap_out if plan.kind is CopyKind.SWAP_OUT else ops.swap_in
+            swap(device.k, device.v, host.tensor, plan.src, plan.dst, num_threads=self.spec.ops_threads)
+        return len(plan.src) * self.block_bytes, ""
+
+    def _storage(self, plan: CopyPlan) -> tuple[int, str]:
+        if self.store is None:
+            raise TaskRefused(f"{plan.kind.name} refused: " + (self.store_error or "this run has no storage tier "
+                                                                "(spec.storage_url is empty)"))
+        if self.host is None:
+            raise TaskRefused(f"{plan.kind.name} refused: this run has no host tier (num_host_blocks=0)")
+        if plan.kind is CopyKind.STORE:
+            done = self.store.put(plan.keys, self.host.array, plan.src)
+            verb, ids = "stored", plan.src
+        else:
+            done = self.store.get(plan.keys, self.host.array, plan.dst)
+            verb, ids = "loaded", plan.dst
+        n_ok = sum(done)
+        if n_ok == len(done):
+            return n_ok * self.block_bytes, ""
+        failed = [int(b) for b, ok in zip(ids, done, strict=True) if not ok]
+        more = ", ..." if len(failed) > 8 else ""
+        return n_ok * self.block_bytes, (f"{verb} {n_ok} of {len(done)} blocks; not {verb}: host blocks "
+                                         f"{str(failed[:8])[:-1]}{more}]")
+
+    def _clear(self) -> tuple[int, str]:
+        self._close_store()
+        if self.device is not None:
+            self.device.close()
+            self.device = None
+        self.cleared = True
+        return 0, ""
+
+    def _restore(self, plan: CopyPlan) -> tuple[int, str]:
+        if not plan.keys:
+            raise ValueError("RESTORE needs the new weights version in keys[0]")
+        version = plan.keys[0].decode("utf-8")
+        if not version:
+            raise ValueError("RESTORE: the weights version in keys[0] is empty")
+        self._clear()  # until this RESTORE succeeds, nothing runs under either version
+        self._attach_device()  # raises (the task fails, still cleared) if the worker has not re-created it
+        self.weights_version = version
+        self._open_store()
+        self.cleared = False
+        return 0, ""

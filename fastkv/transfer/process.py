@@ -1,0 +1,138 @@
+"""The cache-transfer process of one tensor-parallel rank: ``main(spec_json, rank)``.
+
+Start-up: attach the run's namespace, the rank's KV tiers (the supervisor created them)
+and the storage backend, and only then bind the task and done channels (a bound rank can
+work at once); write ``transfer{r}.pid`` and ``transfer{r}.ready = 1``.
+
+Loop: block on the task channel for at most ``spec.heartbeat_s`` (one semaphore wait,
+draining up to 256 tasks per wake-up), beat ``transfer{r}.beat`` (``time.monotonic_ns()``)
+on every wake-up and after every task, execute tasks in order and post one ``DoneMsg`` per
+task. Tasks before the FENCE addressed to this process are dropped unexecuted: they were
+sent to a predecessor and the client has failed them (``fastkv.transfer.protocol``).
+
+Exit: 0 when signal ``stop`` is set or the engine closed the task channel; 1 when the
+engine died. ``ready`` goes back to 0 and the ring ends are closed on the way out.
+Heartbeats come from this loop, not from a timer thread, so a silent heartbeat means a
+stuck loop; a single task longer than ``spec.dead_after_s`` would look dead too (a 2 MiB
+block swaps in ~0.1 ms and stores in ~1 ms, so that takes a task of >2000 blocks on a
+crawling storage server).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from fastkv.ipc import BadMessage, ChannelClosed, DoneMsg, Namespace, PeerDied, PeerTimeout, SignalArray, TaskMsg
+from fastkv.ipc.peers import me
+from fastkv.run import RunSpec, TransferEnds, attach_transfer
+from fastkv.transfer.executor import TaskExecutor
+from fastkv.transfer.protocol import FENCE, fence_names
+
+log = logging.getLogger(__name__)
+BATCH = 256
+
+
+class EngineGone(Exception):
+    """The engine closed its end (clean, code 0) or died (code 1)."""
+
+    def __init__(self, code: int, why: str) -> None:
+        super().__init__(why)
+        self.code = code
+
+
+class TransferLoop:
+    """The receive-execute-acknowledge loop of one transfer process."""
+
+    def __init__(self, spec: RunSpec, rank: int, ends: TransferEnds, executor: TaskExecutor) -> None:
+        self.spec, self.rank, self.ends, self.executor = spec, rank, ends, executor
+        self.signals: SignalArray = ends.signals
+        self.me = me("transfer", rank)
+        self.fenced = False  # the client's fence for this process has arrived
+        self.beat_slot = f"transfer{rank}.beat"
+        self.executed = 0
+        self.dropped = 0  # stale tasks left by a predecessor
+
+    def beat(self) -> None:
+        self.signals[self.beat_slot] = time.monotonic_ns()
+
+    def run(self) -> int:
+        """Serves tasks until ``stop``; returns the exit code."""
+        try:
+            while not self.signals["stop"]:
+                try:
+                    msgs = self.ends.task.recv_many(BATCH, timeout=self.spec.heartbeat_s)
+                except BadMessage as exc:  # the ring dropped the bad frame; report and go on
+                    log.error("transfer[%d]: bad message on the task channel: %s", self.rank, exc)
+                    msgs = []
+                except ChannelClosed:
+                    raise EngineGone(0, "the engine closed the task channel") from None
+                except PeerDied as exc:
+                    raise EngineGone(1, str(exc)) from None
+                self.beat()
+                for msg in msgs:
+                    self.handle(msg)
+        except EngineGone as gone:
+            (log.info if gone.code == 0 else log.error)("transfer[%d]: %s; exiting", self.rank, gone)
+            return gone.code
+        return 0
+
+    def handle(self, msg: TaskMsg) -> None:
+        if msg.kind == FENCE:
+            try:
+                mine = fence_names(msg) == (self.me.pid, self.me.started)
+            except ValueError as exc:  # not from a TransferClient: nobody waits for an ack
+                log.error("transfer[%d]: ignoring %s", self.rank, exc)
+                return
+            self.fenced = self.fenced or mine
+            return
+        if not self.fenced:
+            self.dropped += 1
+            return
+        done = self.executor.run(msg)
+        self.executed += 1
+        self.send(done)
+        self.beat()
+
+    def send(self, done: DoneMsg) -> None:
+        """Posts an ack; while the engine's ring is full, keeps beating and watching ``stop``."""
+        while True:
+            try:
+                self.ends.done.send(done, timeout=self.spec.heartbeat_s)
+                return
+            except PeerTimeout:
+                self.beat()
+                if self.signals["stop"]:
+                    raise EngineGone(0, "stop while the engine was not draining acks") from None
+            except ChannelClosed:
+                raise EngineGone(0, "the engine closed the done channel") from None
+            except PeerDied as exc:
+                raise EngineGone(1, str(exc)) from None
+
+
+def main(spec_json: str, rank: int) -> int:
+    """Entry point of transfer[rank] (``fastkv.run`` topology, ``RunSpec`` JSON)."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    spec = RunSpec.from_json(spec_json)
+    ns = Namespace.attach(spec.run_id)
+    executor = TaskExecutor(spec, rank)
+    try:
+        ends = attach_transfer(ns, spec, rank)
+    except BaseException:
+        executor.close()
+        raise
+    signals = ends.signals
+    prefix = f"transfer{rank}"
+    loop = TransferLoop(spec, rank, ends, executor)
+    try:
+        signals[f"{prefix}.pid"] = loop.me.pid
+        loop.beat()
+        signals[f"{prefix}.ready"] = 1
+        code = loop.run()
+        log.info("transfer[%d]: executed %d tasks, dropped %d stale ones", rank, loop.executed, loop.dropped)
+        return code
+    finally:
+        signals[f"{prefix}.ready"] = 0
+        ends.close()
+        executor.close()

@@ -1,0 +1,50 @@
+"""What travels on a rank's task channel besides copy tasks, and the storage namespace.
+
+Task channel ``task.{r}`` (engine -> transfer[r]) carries ``TaskMsg`` of two sorts:
+
+* copy tasks: ``kind`` is a ``CopyKind`` (SWAP_OUT .. RESTORE), ``task_id`` the plan id;
+* a FENCE: ``kind == FENCE`` (0), ``task_id == -1``, ``keys == (b"<pid>:<start time>",)``,
+  naming one transfer process. The client sends it when it adopts that process as rank
+  r's owner (see ``fastkv.transfer.client``).
+
+Why fences. A transfer process that dies leaves the tasks it had not yet taken in its
+ring; the client fails every task pending on the dead rank, so those stale tasks must
+never run (their blocks go back to the engine and may be reused). A process executes
+nothing until it has read the fence addressed to it: everything before that fence was
+sent to a predecessor and has been failed by the client, everything after it is its own.
+This holds for any number of restarts and needs no shared counter; the first process of a
+run waits for its fence as well (the client sends it on first contact).
+
+Every process acknowledges each copy task it executes with exactly one ``DoneMsg``;
+dropped stale tasks and fences get none.
+"""
+from __future__ import annotations
+
+from fastkv.ipc import Peer, TaskMsg
+from fastkv.run import RunSpec
+from fastkv.storage import namespace_fingerprint
+
+FENCE = 0  # TaskMsg.kind of a fence (CopyKind starts at 1)
+FENCE_ID = -1
+
+
+def fence_for(peer: Peer) -> TaskMsg:
+    """The fence that lets transfer process ``peer`` start executing."""
+    return TaskMsg(FENCE_ID, FENCE, keys=(f"{peer.pid}:{peer.started}".encode(),))
+
+
+def fence_names(msg: TaskMsg) -> tuple[int, int]:
+    """(pid, start time) of the process a fence is addressed to."""
+    if msg.kind != FENCE or len(msg.keys) != 1:
+        raise ValueError(f"not a fence: task {msg.task_id} kind {msg.kind} with {len(msg.keys)} keys")
+    pid, _, started = msg.keys[0].decode("ascii", "replace").partition(":")
+    try:
+        return int(pid), int(started)
+    except ValueError:
+        raise ValueError(f"malformed fence {msg.keys[0]!r}") from None
+
+
+def storage_namespace(spec: RunSpec, weights_version: str) -> bytes:
+    """The 32-byte namespace fingerprint of the storage tier: values written under other
+    model, weights or layout never verify (a weight update changes it)."""
+    return namespace_fingerprint(spec.model_id, weights_version, spec.layout.describe())

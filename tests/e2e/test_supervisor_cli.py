@@ -1,0 +1,136 @@
+"""fastkv-supervisor settings: defaults < config file (TOML/JSON) < flags, clear errors for bad values."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastkv.cli import JobConfig, build_parser, main, prepare, read_config_file
+from fastkv.run import RunSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def flags(*argv: str) -> dict:
+    args = build_parser().parse_args(list(argv))
+    return {k: v for k, v in vars(args).items() if k in JobConfig.__dataclass_fields__}
+
+
+def test_defaults_are_the_main_job(tmp_path):
+    cfg = JobConfig()
+    assert (cfg.tp, cfg.runner, cfg.preemption, cfg.workload, cfg.storage) == (1, "synthetic", "offload", "demo",
+                                                                              "default")
+    spec = cfg.to_spec("abc123", tmp_path)
+    assert spec.storage_url == f"lmdb://{tmp_path}/store?max_bytes=1G"
+    assert spec.runner_options == {"compute_us_per_token": 20.0}
+    assert RunSpec.from_json(spec.to_json()) == spec
+    # Memory pressure: each wave of turns needs more blocks than the device tier has, the last far more.
+    for quick in (False, True):
+        c = JobConfig(quick=quick)
+        requests, turns = c.requests(), c.demo_config().turns
+        wave = [sum(-(-(len(r["prompt"]) + r["max_new_tokens"]) // c.block_size) for r in requests
+                    if r["id"].endswith(f"t{t}")) for t in range(turns)]
+        assert min(wave) > c.device_blocks and wave[-1] > 1.8 * c.device_blocks, wave
+
+
+def test_toml_then_flags(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('tp = 2\nblock_size = 8\npreemption = "recompute"\nstorage = "none"\n'
+                    '[runner_options]\nverify = "all"\n[demo]\nconversations = 3\nuser_tokens = [4, 8]\n')
+    cfg = JobConfig.from_sources(path, flags("--tp", "1", "--device-blocks", "64"))
+    assert (cfg.tp, cfg.block_size, cfg.device_blocks, cfg.preemption) == (1, 8, 64, "recompute")
+    spec = cfg.to_spec("r1", tmp_path)
+    assert spec.storage_url == "" and spec.layout.block_size == 8 and spec.num_device_blocks == 64
+    assert spec.runner_options == {"compute_us_per_token": 20.0, "verify": "all"}
+    demo = cfg.demo_config()
+    assert demo.conversations == 3 and demo.user_tokens == (4, 8)
+
+
+def test_no_host_tier_means_no_default_storage(tmp_path):
+    spec = JobConfig(host_blocks=0, preemption="recompute").to_spec("r2", tmp_path)
+    assert spec.num_host_blocks == 0 and spec.storage_url == ""
+
+
+def test_json_config_and_quick(tmp_path):
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({"runner": "tiny", "quick": True, "workload": "trace:5"}))
+    cfg = JobConfig.from_sources(path, flags())
+    assert cfg.runner == "tiny" and cfg.quick and len(cfg.requests()) == 5
+    assert len(JobConfig(quick=True).requests()) < len(JobConfig().requests())
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"tp": 0}, "'tp' must be >= 1"),
+    ({"tp": "2"}, "'tp' must be of type int"),
+    ({"device_blocks": True}, "'device_blocks' must be of type int"),
+    ({"host_blocks": -1}, "'host_blocks' must be >= 0"),
+    ({"preemption": "swap"}, "'preemption' must be one of"),
+    ({"runner": "llama"}, "'runner' must be one of"),
+    ({"storage": "s3://bucket"}, "'storage' must be 'default', 'none' or a URL"),
+    ({"storage": "none", "preemption": "storage"}, "needs a storage tier"),
+    ({"host_blocks": 0}, "preemption 'offload' needs a host tier"),
+    ({"host_blocks": 0, "preemption": "storage"}, "preemption 'storage' needs a host tier"),
+    ({"host_blocks": 0, "preemption": "recompute", "storage": "lmdb:///tmp/x"}, "storage tier needs a host tier"),
+    ({"runner": "tiny", "dtype": "bfloat16"}, "tiny runner needs dtype 'float32'"),
+    ({"head_dim": 8}, "synthetic runner needs head_dim > 8"),
+    ({"dtype": "float64"}, "KVLayout.dtype must be one of"),
+    ({"metrics_port": 70000}, "'metrics_port' must be in"),
+    ({"heartbeat_s": 1.0, "dead_after_s": 0.5}, "dead_after_s > heartbeat_s"),
+    ({"workload": "trace:zero"}, "positive request count"),
+    ({"demo": {"turns": 0}}, "ConversationConfig.turns"),
+    ({"demo": {"speed": 1}}, "unknown demo settings"),
+])
+def test_bad_values_are_named(values, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        JobConfig(**values)
+
+
+def test_bad_config_files(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        read_config_file(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("tp = \n")
+    with pytest.raises(ValueError, match="bad.toml"):
+        read_config_file(bad)
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"tp_size": 2}))
+    with pytest.raises(ValueError, match=r"unknown settings \['tp_size'\]"):
+        read_config_file(typo)
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a table"):
+        read_config_file(listed)
+
+
+def test_cli_reports_bad_values_as_usage_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--tp", "0", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "'tp' must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--entry", "scheduler=x:y", "--out", str(tmp_path)])
+    assert "--entry must be ROLE=MODULE:FUNC" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--workload", str(tmp_path / "none.jsonl"), "--out", str(tmp_path)])
+    assert "not found" in capsys.readouterr().err
+
+
+def test_prepare_writes_workload_with_mode_and_spec(tmp_path):
+    wl = tmp_path / "mine.jsonl"
+    wl.write_text(json.dumps({"id": "a", "arrival_s": 0, "prompt": [1, 2, 3], "max_new_tokens": 2}) + "\n")
+    cfg = JobConfig(workload=str(wl), preemption="storage", out=str(tmp_path / "o"))
+    (tmp_path / "o" / "store").mkdir(parents=True)
+    (tmp_path / "o" / "summary.json").write_text("{}")
+    spec, path = prepare(cfg, "rid1")
+    assert json.loads(path.read_text()) == {"id": "a", "arrival_s": 0, "prompt": [1, 2, 3], "max_new_tokens": 2,
+                                            "preemption": "storage"}
+    assert RunSpec.load(tmp_path / "o" / "spec.json") == spec and spec.run_id == "rid1"
+    assert not (tmp_path / "o" / "summary.json").exists() and not (tmp_path / "o" / "store").exists()
+
+
+def test_console_help_runs():
+    done = subprocess.run([sys.executable, "-m", "fastkv.cli", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=60)
+    assert done.returncode == 0 and "--preemption" in done.stdout and "--cleanup" in done.stdout

@@ -1,0 +1,174 @@
+"""The task executor in-process: every task kind against the tiers, failures as acks, CLEAR/RESTORE."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from fastkv.cache.plan import CopyKind
+from fastkv.config import KVLayout
+from fastkv.ipc import DoneMsg, TaskMsg
+from fastkv.storage import open_store
+from fastkv.transfer.executor import TaskExecutor
+from fastkv.transfer.protocol import storage_namespace
+from tests.transfer.helpers import Supervisor, device_blocks, fill_random, key, plan
+
+pytest.importorskip("paddle")
+
+
+def task(kind, src=(), dst=(), keys=()) -> TaskMsg:
+    return TaskMsg.from_plan(plan(kind, src, dst, keys))
+
+
+@pytest.fixture
+def sup(tmp_path):
+    sup = Supervisor(storage_url=f"lmdb://{tmp_path}/store")
+    yield sup
+    sup.close()
+
+
+@pytest.fixture
+def ex(sup):
+    ex = TaskExecutor(sup.spec, 1)
+    yield ex
+    ex.close()
+
+
+def expect_ok(done: DoneMsg, nbytes: int) -> None:
+    assert done.ok, done.error
+    assert done.error == "" and done.nbytes == nbytes and done.rank == 1 and done.seconds >= 0
+
+
+def test_swap_out_and_in_match_the_reference(sup, ex):
+    rng = np.random.default_rng(1)
+    dev, host = sup.devices[1], sup.hosts[1]
+    fill_random(dev, rng)
+    fill_random(host, rng)
+    src, dst = [5, 0, 9, 3], [2, 15, 7, 8]
+    expect_ok(ex.run(task(CopyKind.SWAP_OUT, src, dst)), 4 * sup.spec.layout.block_bytes)
+    for s, d in zip(src, dst, strict=True):
+        for layer in range(sup.spec.layout.num_layers):
+            assert np.array_equal(host.array[d, layer, 0], dev.k_arrays[layer][s])
+            assert np.array_equal(host.array[d, layer, 1], dev.v_arrays[layer][s])
+    want = device_blocks(dev, src)
+    expect_ok(ex.run(task(CopyKind.SWAP_IN, dst, [1, 4, 6, 11])), 4 * sup.spec.layout.block_bytes)
+    for got, exp in zip(device_blocks(dev, [1, 4, 6, 11]), want, strict=True):
+        assert np.array_equal(got.view(np.uint8), exp.view(np.uint8))
+    expect_ok(ex.run(task(CopyKind.SWAP_IN)), 0)  # an empty task is fine
+
+
+@pytest.mark.parametrize(("kind", "src", "dst", "match"), [
+    (CopyKind.SWAP_OUT, [16], [0], "ValueError: .*16"),  # device id out of range (16 blocks)
+    (CopyKind.SWAP_IN, [0], [99], "ValueError: .*99"),
+    (CopyKind.SWAP_IN, [0, 1], [3, 3], "ValueError: .*(unique|duplicate)"),
+    (CopyKind.SWAP_OUT, [0, 1], [2], "ValueError: SWAP_OUT plan needs as many src as dst"),
+    (CopyKind.STORE, [20], [], "ValueError: .*20 out of range"),
+    (CopyKind.LOAD, [], [-1], "ValueError: .*-1 out of range"),
+])
+def test_bad_tasks_fail_alone_with_the_ops_message(sup, ex, kind, src, dst, match):
+    keys = [key(i) for i in range(max(len(src), len(dst)))] if kind in (CopyKind.STORE, CopyKind.LOAD) else []
+    before = [t.array.copy() for t in sup.hosts] + device_blocks(sup.devices[1], range(16))
+    done = ex.run(TaskMsg(77, int(kind), np.asarray(src, np.int32), np.asarray(dst, np.int32), tuple(keys)))
+    assert not done.ok and done.task_id == 77 and done.nbytes == 0
+    assert re.search(match, done.error), done.error
+    after = [t.array.copy() for t in sup.hosts] + device_blocks(sup.devices[1], range(16))
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)), "a rejected task moved bytes"
+    expect_ok(ex.run(task(CopyKind.SWAP_OUT, [0], [0])), sup.spec.layout.block_bytes)  # still serving
+
+
+def test_unknown_kind_and_malformed_keys_fail(ex):
+    done = ex.run(TaskMsg(5, 42))
+    assert not done.ok and done.error == "ValueError: unknown task kind 42"
+    done = ex.run(TaskMsg(6, int(CopyKind.STORE), np.asarray([1], np.int32), keys=(b"short",)))
+    assert not done.ok and "32 bytes" in done.error
+
+
+def test_store_then_load_through_lmdb(sup, ex):
+    rng = np.random.default_rng(2)
+    host = sup.hosts[1]
+    fill_random(host, rng)
+    keys = [key(i) for i in range(5)]
+    want = host.array[[3, 4, 5, 6, 7]].copy()
+    bb = sup.spec.layout.block_bytes
+    expect_ok(ex.run(task(CopyKind.STORE, [3, 4, 5, 6, 7], [], keys)), 5 * bb)
+    host.array[:] = 0
+    expect_ok(ex.run(task(CopyKind.LOAD, [], [10, 11, 12, 13, 14], keys)), 5 * bb)
+    assert np.array_equal(host.array[10:15].view(np.uint8), want.view(np.uint8))
+    # a partial load is a failed task that says how many blocks arrived
+    done = ex.run(task(CopyKind.LOAD, [], [0, 1, 2], [keys[0], key(99), keys[1]]))
+    assert not done.ok and done.nbytes == 2 * bb
+    assert done.error == "loaded 2 of 3 blocks; not loaded: host blocks [1]"
+    assert np.array_equal(host.array[1], np.zeros_like(host.array[1]))  # a miss leaves its block untouched
+    # the rank's shard: rank 0's backend does not see rank 1's values
+    with open_store(sup.spec.storage_url, storage_namespace(sup.spec, "0"), 0, 2) as other:
+        assert other.get(keys[:1], sup.hosts[0].array, [0]) == [False]
+
+
+def test_no_storage_and_no_host_tier_refuse_with_a_reason():
+    sup = Supervisor(layout=KVLayout(1, 1, 16, 16, "float32", tp_size=1), num_host_blocks=0)
+    try:
+        ex = TaskExecutor(sup.spec, 0)
+        done = ex.run(task(CopyKind.STORE, [0], [], [key(0)]))
+        assert not done.ok and "no storage tier (spec.storage_url is empty)" in done.error
+        done = ex.run(task(CopyKind.SWAP_OUT, [0], [0]))
+        assert not done.ok and "no host tier" in done.error
+        ex.close()
+    finally:
+        sup.close()
+
+
+def test_unreachable_storage_degrades_to_failed_storage_tasks(tmp_path):
+    sup = Supervisor(storage_url="redis://127.0.0.1:1/0?timeout=0.2")
+    try:
+        ex = TaskExecutor(sup.spec, 0)
+        done = ex.run(task(CopyKind.LOAD, [], [0], [key(0)]))
+        assert not done.ok, done
+        expect_ok_rank0 = ex.run(task(CopyKind.SWAP_OUT, [0], [0]))
+        assert expect_ok_rank0.ok, expect_ok_rank0.error  # swaps go on without the storage tier
+        ex.close()
+    finally:
+        sup.close()
+
+
+def test_clear_refuses_work_until_restore_switches_the_namespace(sup, ex):
+    rng = np.random.default_rng(3)
+    fill_random(sup.hosts[1], rng)
+    old = sup.hosts[1].array[2].copy()
+    expect_ok(ex.run(task(CopyKind.STORE, [2], [], [key(1)])), sup.spec.layout.block_bytes)
+    expect_ok(ex.run(task(CopyKind.CLEAR)), 0)
+    assert ex.device is None and ex.store is None and ex.cleared
+    expect_ok(ex.run(task(CopyKind.CLEAR)), 0)  # idempotent
+    for t in (task(CopyKind.STORE, [2], [], [key(1)]), task(CopyKind.LOAD, [], [2], [key(1)]),
+              task(CopyKind.SWAP_OUT, [0], [0]), task(CopyKind.SWAP_IN, [0], [0])):
+        done = ex.run(t)
+        assert not done.ok and "refused: caches cleared for a weight update" in done.error, done.error
+    done = ex.run(task(CopyKind.RESTORE))
+    assert not done.ok and "RESTORE needs the new weights version in keys[0]" in done.error
+    assert ex.cleared
+    expect_ok(ex.run(task(CopyKind.RESTORE, keys=[b"v2"])), 0)
+    assert ex.weights_version == "v2" and not ex.cleared and ex.device is not None
+    # the block stored under weights "0" no longer verifies under "v2": a miss, never stale KV
+    sup.hosts[1].array[5] = 0
+    done = ex.run(task(CopyKind.LOAD, [], [5], [key(1)]))
+    assert not done.ok and done.error.startswith("loaded 0 of 1 blocks")
+    assert not sup.hosts[1].array[5].any()
+    expect_ok(ex.run(task(CopyKind.STORE, [2], [], [key(1)])), sup.spec.layout.block_bytes)
+    expect_ok(ex.run(task(CopyKind.LOAD, [], [5], [key(1)])), sup.spec.layout.block_bytes)
+    assert np.array_equal(sup.hosts[1].array[5], old)
+    expect_ok(ex.run(task(CopyKind.SWAP_OUT, [1], [1])), sup.spec.layout.block_bytes)
+
+
+def test_restore_fails_while_the_device_tier_is_missing(sup, ex):
+    expect_ok(ex.run(task(CopyKind.CLEAR)), 0)
+    sup.devices[1].unlink()  # the worker is re-allocating it
+    done = ex.run(task(CopyKind.RESTORE, keys=[b"v3"]))
+    assert not done.ok and "FileNotFoundError" in done.error and ex.cleared
+    assert not ex.run(task(CopyKind.SWAP_OUT, [0], [0])).ok
+    layout, n = sup.spec.layout, sup.spec.num_device_blocks
+    from fastkv.transfer.tiers import DeviceTier
+
+    sup.devices[1].close()
+    sup.devices[1] = DeviceTier.create(sup.spec.tier_prefix, 1, layout, n, backend="shm")
+    expect_ok(ex.run(task(CopyKind.RESTORE, keys=[b"v3"])), 0)
+    expect_ok(ex.run(task(CopyKind.SWAP_OUT, [0], [0])), layout.block_bytes)

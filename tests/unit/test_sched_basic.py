@@ -1,0 +1,127 @@
+"""Scheduler scenarios without preemption: budget, chunking, prefix hits, finishing, aborts, contracts."""
+import numpy as np
+import pytest
+
+from fastkv.cache.manager import CacheConfig, CacheManager
+from fastkv.cache.policy import Policy as CachePolicy
+from fastkv.engine.step import StepOutput
+from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig
+from tests.sched_harness import Rig, sample
+
+BS = 4
+S = RequestState
+
+
+def rig(dev=16, host=0, policy=CachePolicy.WRITE_BACK, storage=False, **kw) -> Rig:
+    cache = CacheManager(CacheConfig(num_device_blocks=dev, num_host_blocks=host, block_size=BS, policy=policy,
+                                     storage=storage))
+    return Rig(Scheduler(cache, SchedulerConfig(**kw), clock=iter(range(1, 10**6)).__next__))
+
+
+def seqs(out):
+    return [(s.request_id, s.start_pos, len(s.token_ids), s.sample) for s in out.plan.seqs]
+
+
+def test_token_budget_and_chunked_prefill():
+    r = rig(max_num_batched_tokens=8)
+    r.add(0, range(1, 11), max_new_tokens=2)
+    r.add(1, range(20, 23), max_new_tokens=2)
+    assert seqs(r.step()) == [(0, 0, 8, False)]  # 8 of 10 prompt tokens; no budget left for 1
+    assert seqs(r.step()) == [(0, 8, 2, True), (1, 0, 3, True)]  # rest of 0, then all of 1
+    assert seqs(r.step()) == [(0, 10, 1, True), (1, 3, 1, True)]  # decode both
+    r.run()
+    assert {rid: q.state for rid, q in r.finished.items()} == {0: S.FINISHED_LENGTH, 1: S.FINISHED_LENGTH}
+    assert r.finished[0].output_token_ids == r.worker.truth[0].tokens[10:]
+    assert r.sched.stats.prefill_tokens == 13 and r.sched.stats.recomputed_tokens == 0
+
+
+def test_without_chunking_a_prompt_waits_for_a_step_with_room():
+    r = rig(max_num_batched_tokens=8, chunked_prefill=False)
+    r.add(0, range(1, 6), max_new_tokens=3)
+    r.add(1, range(20, 26), max_new_tokens=3)
+    assert seqs(r.step()) == [(0, 0, 5, True)]  # 1's 6 tokens do not fit the 3 left
+    assert seqs(r.step()) == [(0, 5, 1, True), (1, 0, 6, True)]
+
+
+def test_max_num_seqs_limits_the_batch():
+    r = rig(max_num_seqs=2)
+    for i in range(3):
+        r.add(i, [i + 1, i + 2], max_new_tokens=5)
+    assert [s[0] for s in seqs(r.step())] == [0, 1]
+    assert [s[0] for s in seqs(r.step())] == [0, 1]
+
+
+def test_prefix_hit_on_the_device_skips_computed_tokens():
+    r = rig()
+    prompt = list(range(1, 10))  # two full blocks and one token
+    r.add(0, prompt, max_new_tokens=1)
+    r.run()
+    r.add(1, prompt[:8] + [77, 78], max_new_tokens=1)
+    assert seqs(r.step()) == [(1, 8, 2, True)]  # both full blocks hit
+    assert r.sched.stats.prefill_tokens == 9 + 2 and r.sched.get_request(1) is None  # finished
+
+
+def test_stop_tokens_eos_and_max_model_len():
+    r = rig(dev=3)  # max_model_len: 12 tokens
+    first = sample(0, 3, 3, 64)
+    r.add(0, [1, 2, 3], max_new_tokens=10, stop_token_ids=[first])
+    r.add(1, list(range(1, 11)), max_new_tokens=10)
+    r.run()
+    assert r.finished[0].state is S.FINISHED_STOPPED and r.finished[0].output_token_ids == [first]
+    assert r.finished[1].state is S.FINISHED_LENGTH and r.finished[1].num_tokens == 12
+
+
+def test_abort_in_every_state_and_during_a_step():
+    r = rig(dev=4, host=4, max_num_batched_tokens=4, preemption=PreemptionMode.OFFLOAD)
+    r.add(0, range(1, 9), max_new_tokens=20)
+    r.add(1, range(30, 33), max_new_tokens=20)
+    out = r.sched.step()  # request 0's first chunk is in flight
+    assert r.sched.abort(1) and r.sched.get_request(1) is None  # waiting: gone now
+    assert r.sched.abort(0) and r.sched.get_request(0).state is S.RUNNING  # in flight: deferred
+    r.sched.on_step_output(r.worker.step(out.plan))
+    assert r.sched.get_request(0) is None and not r.sched.abort(0)
+    fin = r.step().finished
+    assert [(q.request_id, q.state) for q in fin] == [(1, S.FINISHED_ABORTED), (0, S.FINISHED_ABORTED)]
+    assert r.sched.cache.request_ids() == [] and not r.sched.has_work()
+    r.sched.check_integrity()
+
+
+def test_contract_violations_raise_value_errors():
+    r = rig(dev=4)
+    r.add(0, [1, 2, 3], max_new_tokens=2)
+    with pytest.raises(ValueError, match="already in use"):
+        r.sched.add_request(Request(0, np.array([1]), 1))
+    with pytest.raises(ValueError, match="max_model_len"):
+        r.sched.add_request(Request(5, np.arange(1, 17), 1))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Request(6, np.array([1]), 0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        Request(6, np.array([], np.int32), 1)
+    with pytest.raises(TypeError):
+        Request("x", np.array([1]), 1)
+    with pytest.raises(ValueError, match="without a step"):
+        r.sched.on_step_output(StepOutput(1, {}, 0.0))
+    out = r.sched.step()
+    with pytest.raises(ValueError, match="in flight"):
+        r.sched.step()
+    with pytest.raises(ValueError, match="step 9"):
+        r.sched.on_step_output(StepOutput(9, {0: 1}, 0.0))
+    with pytest.raises(ValueError, match="no sampled token"):
+        r.sched.on_step_output(StepOutput(out.plan.step_id, {}, 0.0))
+    with pytest.raises(ValueError, match="not in flight"):
+        r.sched.on_copy_complete(12345, True)
+    r.sched.on_step_output(r.worker.step(out.plan))
+    r.sched.check_integrity()
+    with pytest.raises(ValueError, match="block_bytes"):
+        Scheduler(r.sched.cache, SchedulerConfig(preemption=PreemptionMode.AUTO))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+
+
+def test_time_to_first_token_and_counts():
+    r = rig()
+    r.add(0, [1, 2, 3], max_new_tokens=2)
+    assert r.sched.counts()["waiting"] == 1
+    r.run()
+    q = r.finished[0]
+    assert q.arrival_time < q.first_token_time < q.finish_time

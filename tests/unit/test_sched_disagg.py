@@ -1,0 +1,113 @@
+"""Disaggregated serving on the decode instance: reservations against a decaying watermark."""
+import numpy as np
+import pytest
+
+from fastkv.cache.manager import CacheConfig, CacheManager
+from fastkv.cache.policy import Policy as CachePolicy
+from fastkv.sched import RefusalReason, Request, RequestState, Reservation, Scheduler, SchedulerConfig
+from tests.sched_harness import Rig, sample
+
+BS = 4
+S = RequestState
+PROMPT = list(range(50, 58))  # two full blocks
+
+
+def decode_rig(dev=10, host=0, policy=CachePolicy.WRITE_THROUGH_SELECTIVE, **kw) -> Rig:
+    cache = CacheManager(CacheConfig(num_device_blocks=dev, num_host_blocks=host, block_size=BS, policy=policy))
+    cfg = dict(reserve_init_blocks=4.0, reserve_decay=0.5, reserve_min_blocks=1.0)
+    cfg.update(kw)
+    return Rig(Scheduler(cache, SchedulerConfig(**cfg)))
+
+
+def prefilled(r: Rig, rid: int, prompt=PROMPT, max_new=4) -> Request:
+    first = sample(rid, len(prompt), prompt[-1], r.worker.vocab)  # what the prefill instance sampled
+    r.worker.add(rid, prompt, [first])
+    return Request(rid, np.array(prompt, np.int32), max_new, output_token_ids=[first])
+
+
+def arrive(r: Rig, res: Reservation, ok: bool = True) -> None:
+    """The prefill instance's KV lands in the reserved blocks (or the transfer fails)."""
+    if ok:
+        r.worker.write(res.request_id, res.block_table, res.first_position, res.last_position)
+    r.sched.on_prefilled(res.request_id, ok)
+    r.sched.check_integrity()
+
+
+def test_refused_while_running_requests_hold_the_watermark_then_accepted_as_it_decays():
+    r = decode_rig()
+    for i in range(2):
+        r.add(i, [i + 1] * 5, max_new_tokens=20)  # two blocks each, room for 3 more tokens before growing
+    r.step()
+    got = r.sched.reserve_for_prefilled(prefilled(r, 10))
+    assert got.reason is RefusalReason.NO_ROOM and (got.needed_blocks, got.free_blocks) == (3, 6)
+    assert got.reserved_blocks == 4  # the watermark decayed once (4 -> 2 blocks each)
+    assert "NO_ROOM" in got.detail and r.sched.get_request(10) is None
+    r.step()  # decays to 1 block each
+    res = r.sched.reserve_for_prefilled(prefilled(r, 10))
+    assert isinstance(res, Reservation) and res.writable
+    assert (len(res.block_table), res.first_position, res.last_position) == (3, 0, 8)
+    q = r.sched.get_request(10)
+    assert q.state is S.LOADING
+    out = r.step()
+    assert 10 not in [s.request_id for s in out.plan.seqs]  # nothing to run until its KV arrives
+    arrive(r, res)
+    out = r.step()
+    (seq,) = [s for s in out.plan.seqs if s.request_id == 10]
+    assert (seq.start_pos, len(seq.token_ids), seq.sample) == (8, 1, True)  # decodes its first token
+    r.run()
+    assert r.finished[10].output_token_ids == r.worker.truth[10].tokens[8:]
+    assert r.finished[10].num_recomputed_tokens == 0 and len(r.finished[10].output_token_ids) == 4
+
+
+def test_device_prefix_hits_shrink_what_the_prefill_instance_sends():
+    r = decode_rig()
+    r.add(0, PROMPT + [9], max_new_tokens=1)
+    r.run()
+    res = r.sched.reserve_for_prefilled(prefilled(r, 1, PROMPT + [7, 7]))
+    assert res.first_position == 8 and res.last_position == 10
+    arrive(r, res)
+    r.run()
+    assert r.finished[1].output_token_ids == r.worker.truth[1].tokens[10:]
+
+
+def test_failed_transfer_recomputes_here_and_abort_waits_for_the_transfer():
+    r = decode_rig()
+    res1 = r.sched.reserve_for_prefilled(prefilled(r, 1))
+    res2 = r.sched.reserve_for_prefilled(prefilled(r, 2, [5] * 6))
+    arrive(r, res1, ok=False)
+    assert r.sched.get_request(1).state is S.WAITING
+    assert r.sched.abort(2) and r.sched.get_request(2).state is S.LOADING  # blocks are being written
+    arrive(r, res2)
+    r.run()
+    assert r.finished[2].state is S.FINISHED_ABORTED
+    assert r.finished[1].state is S.FINISHED_LENGTH and r.finished[1].num_recomputed_tokens == 0
+    assert r.finished[1].output_token_ids == r.worker.truth[1].tokens[8:]
+    with pytest.raises(ValueError, match="not waiting"):
+        r.sched.on_prefilled(1, True)
+
+
+def test_blocks_still_being_written_back_are_not_writable_yet():
+    r = decode_rig(dev=4, host=8, policy=CachePolicy.WRITE_BACK)
+    r.add(0, list(range(1, 13)) + [99], max_new_tokens=1)  # leaves 3 cached blocks
+    r.run()
+    res = r.sched.reserve_for_prefilled(prefilled(r, 1))  # evicts cached blocks: written back first
+    assert not res.writable
+    out = r.step()
+    assert out.kv_writable == []
+    r.complete_all()
+    assert r.step().kv_writable == [1]
+    arrive(r, res)
+    r.run()
+    assert r.finished[1].output_token_ids == r.worker.truth[1].tokens[8:]
+
+
+def test_refused_during_a_weight_update_and_when_the_batch_is_full():
+    r = decode_rig(max_num_seqs=1)
+    r.add(0, [1, 2], max_new_tokens=3)
+    r.step()
+    assert r.sched.reserve_for_prefilled(prefilled(r, 1)).reason is RefusalReason.TOO_MANY_SEQS
+    r.run()
+    r.sched.begin_weight_update()
+    req = prefilled(r, 2)
+    assert r.sched.reserve_for_prefilled(req).reason is RefusalReason.WEIGHT_UPDATE
+    assert req.arrival_seq == -1  # untouched: it may be asked again
