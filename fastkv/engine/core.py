@@ -6,9 +6,10 @@ worker rank and blocks on the inbox doorbell until rank 0's ``OutputMsg`` arrive
 every copy completion that arrives meanwhile to the scheduler. When nothing can run but
 copies are in flight it blocks on the inbox instead (timeout ``heartbeat_s``, then
 ``TransferClient.check()`` fails tasks of dead ranks and tasks past ``task_timeout_s``).
-A transfer rank that dies fails its tasks (their requests recompute) and is listened to
-again once the supervisor restarted it; a worker that dies or reports an error raises
-``EngineError``: the model state is gone and the run must not pretend otherwise.
+A transfer rank that dies fails its tasks (their requests recompute) and is used again
+once the supervisor restarted it (``TransferClient`` adopts the new process); a worker
+that dies or reports an error raises ``EngineError``: the model state is gone and the
+run must not pretend otherwise.
 
 Embedding (a Paddle deployment with its own workers)::
 
@@ -48,7 +49,7 @@ from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.policy import Policy as CachePolicy
 from fastkv.engine import protocol
 from fastkv.engine.step import StepPlan
-from fastkv.ipc import Broadcast, DoneMsg, Namespace, OutputMsg, PeerDied, PeerTimeout, Side, pid_alive
+from fastkv.ipc import Broadcast, DoneMsg, Namespace, OutputMsg, PeerDied, PeerTimeout, pid_alive
 from fastkv.metrics import EngineMetrics
 from fastkv.run import EngineEnds, RunSpec, attach_engine
 from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig
@@ -119,9 +120,8 @@ class Engine:
         self._ids: dict[str, int] = {}
         self._next_id = 0
         self._release: list[int] = []  # finished since the last plan: the runners may forget them
-        self._dead: dict[int, int] = {}  # transfer rank -> pid of the process that died
         self._idle = 0
-        self._last_check = time.monotonic()
+        self._last_check = 0.0  # last look at the workers' pids
         self._ns: Namespace | None = None
         self._sig["engine.pid"] = os.getpid()
         self.beat()
@@ -175,10 +175,9 @@ class Engine:
         nothing can run, wait up to ``heartbeat_s`` for a copy); returns the requests
         that finished."""
         self.beat()
-        self._revive()
         if time.monotonic() - self._last_check >= self.spec.heartbeat_s:
-            self._check_workers()
-            self._check_transfers()
+            self.check_workers()
+        self._check_transfers()  # cheap when nothing is due; adopts restarted transfer processes
         out = self.sched.step()
         for plan in out.copies:
             self.transfer.submit(plan)
@@ -210,11 +209,18 @@ class Engine:
         self.beat()
         self._pump(timeout)
 
-    def wait_for_workers(self, timeout: float = 300.0) -> None:
-        """Send an empty plan (step 0) and wait for its output: the workers are attached and
-        their runners built (Paddle imported, weights drawn), so the first real step's
-        latency is the model's, not the start-up's. EngineError if they are not up in time."""
+    def wait_until_ready(self, timeout: float = 300.0) -> None:
+        """Block until the run can serve: an empty plan (step 0) went through the workers
+        (attached, runners built: the first real step's latency is the model's, not the
+        start-up's) and every transfer rank is adopted (a copy submitted to a rank that is
+        not up fails at once, and its request would recompute). EngineError after ``timeout``."""
+        deadline = time.monotonic() + timeout
         self._run(StepPlan(0, []), timeout)
+        while not self.transfer.ready():
+            if time.monotonic() > deadline:
+                raise EngineError(f"transfer processes not up within {timeout} s")
+            self.beat()
+            self._pump(self.spec.heartbeat_s)  # blocks on the doorbell: nothing else to do yet
 
     def _run(self, plan: StepPlan, timeout: float | None = None) -> None:
         t0 = time.perf_counter()
@@ -230,7 +236,7 @@ class Engine:
             msgs = self._recv(self.spec.heartbeat_s)
             if not msgs:
                 self.beat()
-                self._check_workers()
+                self.check_workers()
                 self._check_transfers()
             for msg in msgs:
                 if isinstance(msg, DoneMsg):
@@ -247,7 +253,7 @@ class Engine:
     def _pump(self, timeout: float) -> None:
         msgs = self._recv(timeout)
         if not msgs:
-            self._check_workers()
+            self.check_workers()
             self._check_transfers()
         for msg in msgs:
             assert isinstance(msg, DoneMsg), f"unexpected {type(msg).__name__} with no step in flight"
@@ -259,7 +265,10 @@ class Engine:
         except PeerDied as exc:
             if exc.role != "transfer":
                 raise EngineError(f"{exc.role}[{exc.rank}] pid {exc.pid} died: {exc}") from exc
-            self._transfer_died(exc)
+            # Its tasks fail (their requests recompute); the client takes its done channel out
+            # of the inbox, and back in once the supervisor's replacement is adopted.
+            for res in self.transfer.on_peer_died(exc):
+                self._copy_result(res)
             return []
 
     # ================================================================== copies
@@ -273,31 +282,12 @@ class Engine:
         self.metrics.observe_copy(res.plan.kind.name.lower(), res.ok, res.nbytes, res.seconds)
 
     def _check_transfers(self) -> None:
-        self._last_check = time.monotonic()
         for res in self.transfer.check():
             self._copy_result(res)
 
-    def _transfer_died(self, exc: PeerDied) -> None:
-        """Fail its tasks and stop listening to its done channel until it is restarted
-        (the inbox would otherwise report the same death on every wait)."""
-        for res in self.transfer.on_peer_died(exc):
-            self._copy_result(res)
-        ch = self.ends.dones[exc.rank]
-        if ch in self.ends.inbox.channels:
-            self.ends.inbox.remove(ch)
-        self._dead[exc.rank] = exc.pid
-
-    def _revive(self) -> None:
-        """Listen again to a dead rank's done channel once a new process has bound it."""
-        for rank, pid in list(self._dead.items()):
-            ch = self.ends.dones[rank]
-            peer = ch.ring.peer(Side.PRODUCER)
-            if peer.pid != pid and peer.alive():
-                if ch not in self.ends.inbox.channels:
-                    self.ends.inbox.channels.append(ch)
-                del self._dead[rank]
-
-    def _check_workers(self) -> None:
+    def check_workers(self) -> None:
+        """EngineError if a worker process is gone (a rank > 0 has no output channel to say so)."""
+        self._last_check = time.monotonic()
         for r in range(self.spec.tp_size):
             pid = self._sig[f"worker{r}.pid"]
             if pid and not pid_alive(pid):

@@ -96,6 +96,7 @@ def drive(engine: Engine, items: list[WorkItem]) -> tuple[list[RequestResult], l
                              sum(engine.metrics.preemptions().values())])
             last_point = t
     seconds = time.monotonic() - start
+    engine.check_workers()  # a rank that died after its last step must not pass for a clean run
     timeline.append([round(seconds, 4), len(results), engine.metrics.tokens_sampled,
                      sum(engine.metrics.preemptions().values())])
     return results, timeline, seconds
@@ -135,7 +136,7 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
         if port:
             print(f"fastkv engine: metrics on http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
         engine.ends.signals["engine.total"] = len(items)
-        engine.wait_for_workers()
+        engine.wait_until_ready()
         engine.ends.signals["engine.ready"] = 1
         results, timeline, seconds = drive(engine, items)
         write_outputs(spec.out_dir, results, summarize(engine, items, results, timeline, seconds))

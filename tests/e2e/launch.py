@@ -2,14 +2,12 @@
 
 ``Run(spec, workload)`` creates the namespace, the channels (``create_run``) and both KV
 tiers of every rank, spawns transfer[r], worker[r] and the engine with multiprocessing
-'spawn', and on ``close()`` stops them and unlinks everything. The transfer process and
-client are the real ones (``fastkv.transfer.process`` / ``fastkv.transfer.client``) when
-they exist, else the stand-ins of ``transfer_standin``.
+'spawn', and on ``close()`` stops them and unlinks everything (asserting that nothing of
+the run is left in /dev/shm).
 """
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import multiprocessing as mp
 import sys
@@ -23,8 +21,7 @@ from fastkv.run import RunSpec, create_run
 from fastkv.transfer.tiers import DeviceTier, HostTier
 
 _CTX = mp.get_context("spawn")
-REAL_TRANSFER = importlib.util.find_spec("fastkv.transfer.process") is not None
-REAL_CLIENT = importlib.util.find_spec("fastkv.transfer.client") is not None
+TRANSFER = "fastkv.transfer.process:main"
 
 
 def entry(target: str, *args: Any) -> None:
@@ -34,17 +31,10 @@ def entry(target: str, *args: Any) -> None:
 
 
 def engine_main(spec_json: str, workload_path: str) -> int:
-    """The engine process, integrity-checked after every step, with the stand-in client if
-    the real one is missing."""
+    """The engine process, with check_integrity of scheduler and cache after every step."""
     from fastkv.engine.engine import serve_workload
 
-    factory = None
-    if not REAL_CLIENT:
-        from tests.e2e.transfer_standin import StandinClient as factory
-    return serve_workload(RunSpec.from_json(spec_json), workload_path, factory, check=True)
-
-
-TRANSFER = "fastkv.transfer.process:main" if REAL_TRANSFER else "tests.e2e.transfer_standin:main"
+    return serve_workload(RunSpec.from_json(spec_json), workload_path, check=True)
 
 
 def new_run_id() -> str:
@@ -91,11 +81,10 @@ class Run:
         for r in range(spec.tp_size):
             self._spawn(f"transfer{r}", TRANSFER, text, r)
             self._spawn(f"worker{r}", "fastkv.engine.worker:main", text, r)
-        self.wait_ready([f"transfer{r}" for r in range(spec.tp_size)])
         self._spawn("engine", "tests.e2e.launch:engine_main", text, str(path))
 
     def wait_ready(self, names: list[str], timeout: float = 120.0) -> None:
-        """(Test code: polls.) The stand-in client sends a rank nothing before its process is ready."""
+        """(Test code: polls.) Until every process named has said ready."""
         deadline = time.monotonic() + timeout
         while not all(self.sig[f"{n}.ready"] for n in names):
             dead = [n for n in names if self.procs[n].exitcode is not None]

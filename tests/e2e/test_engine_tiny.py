@@ -99,3 +99,18 @@ def test_outputs_identical_in_every_mode(tp, mode, tmp_path, request):
         assert summary["copy_tasks"].get("store", 0) > 0, f"nothing written to storage: {summary}"
     if mode == "recompute":
         assert summary["recomputed_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_runner_error_fails_the_run_loudly(tmp_path, capfd):
+    """A runner exception on every rank reaches the engine as OutputMsg.error: exit 1, reason on stderr."""
+    cfg = dict(CFG, max_positions=12)  # the longer prompts do not fit
+    spec = RunSpec(new_run_id(), layout(2), num_device_blocks=64, num_host_blocks=8, runner="tiny",
+                   runner_options={"config": cfg}, heartbeat_s=0.2, out_dir=str(tmp_path), slot_size=256, nslots=256)
+    with Run(spec, workload()) as run:
+        assert run.wait(120) == 1
+        codes = run.close()
+    assert codes["worker0"] == codes["worker1"] == 0, f"workers should outlive a failed step: {codes}"
+    err = capfd.readouterr().err
+    assert "fastkv engine: step" in err and "worker0 step" in err and "worker1 step" in err, err[-3000:]
+    assert "max_positions 12" in err
