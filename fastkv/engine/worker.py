@@ -1,8 +1,9 @@
 """The worker process of one tensor-parallel rank: plan in, model step, output out.
 
 ``main(spec_json, rank)`` attaches the run's channels and the rank's device tier (created
-by the supervisor on a CPU build; the transfer process of the same rank reads and writes
-the same memory), builds the runner named by ``spec.runner`` and loops:
+by the supervisor on a CPU build, allocated here and shared by CUDA IPC on a GPU build; the
+transfer process of the same rank reads and writes the same memory), builds the runner
+named by ``spec.runner`` and loops:
 
 1. wait for a ``PlanMsg`` on ``plan.{rank}`` (blocking, timeout ``heartbeat_s``: beat, look
    at ``stop``, wait again);
@@ -33,7 +34,7 @@ from fastkv.engine.collective import ShmCollective
 from fastkv.engine.runners import runner_class
 from fastkv.ipc import ChannelClosed, Namespace, PeerDied
 from fastkv.run import RunSpec, attach_worker, collective_prefix
-from fastkv.transfer.tiers import DeviceTier
+from fastkv.transfer.tiers import DeviceTier, _cuda_available
 
 _ERROR_BYTES = 256  # per rank, in the end-of-step agreement
 
@@ -55,6 +56,15 @@ def runner_options(spec: RunSpec, rank: int) -> tuple[dict[str, Any], ShmCollect
     return opts, coll
 
 
+def _device_tier(spec: RunSpec, rank: int) -> DeviceTier:
+    """CPU build: the supervisor created the tier in shm, attach it. GPU build: allocate it
+    here and publish its CUDA IPC handles under the name the supervisor listed in the run's
+    manifest (the transfer process of this rank attaches it; the supervisor unlinks it)."""
+    if _cuda_available():
+        return DeviceTier.create(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks, backend="cuda")
+    return DeviceTier.attach(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks)
+
+
 def main(spec_json: str, rank: int) -> int:
     spec = RunSpec.from_json(spec_json)
     me = f"worker{rank}"
@@ -65,7 +75,7 @@ def main(spec_json: str, rank: int) -> int:
     sig[f"{me}.beat"] = time.monotonic_ns()
     tier = coll = runner = None
     try:
-        tier = DeviceTier.attach(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks)
+        tier = _device_tier(spec, rank)
         opts, coll = runner_options(spec, rank)
         # Shared-memory tier: hand the runner numpy views (zero-copy; every reference runner takes
         # them, and Paddle's DLPack cannot export a CPU bfloat16 tensor to numpy). CUDA: the tensors.
