@@ -10,6 +10,7 @@ with ``create_run``; each process reads the spec and attaches only the ends it u
 | ``plan.{r}``           | supervisor | engine -> worker[r]             |
 | ``output``             | supervisor | worker[0] -> engine (doorbell ``engine.in``)   |
 | ``signals``            | supervisor | heartbeats, pids, ready flags (``SIGNALS`` below) |
+| ``coll`` (tp > 1)      | supervisor | worker[r] <-> worker[s]: ``ShmCollective`` of the tp group |
 | ``kvdev{r}``/``kvhost{r}`` | supervisor | KV tiers of rank r (``fastkv.transfer.tiers``) |
 
 The KV tiers are created by the supervisor on a CPU build so that they outlive any child
@@ -111,6 +112,11 @@ def signal_names(tp_size: int) -> list[str]:
     return names
 
 
+def collective_prefix(spec: RunSpec) -> str:
+    """Name prefix of the workers' ``ShmCollective`` (exists only when tp_size > 1)."""
+    return f"fkv.{spec.run_id}.coll"
+
+
 def create_run(ns: Namespace, spec: RunSpec) -> None:
     """Owner side: create every channel, the engine's doorbell and the signal array.
     The creator keeps no ends open: each process attaches what it uses."""
@@ -123,6 +129,15 @@ def create_run(ns: Namespace, spec: RunSpec) -> None:
         opened += [Channel.create(ns, f"task.{r}", **kw), Channel.create(ns, f"done.{r}", bell=bell, **kw),
                    Channel.create(ns, f"plan.{r}", **kw)]
     opened.append(Channel.create(ns, "output", bell=bell, **kw))
+    if spec.tp_size > 1:  # the tensor-parallel workers' all-gather; listed first, so cleanup finds it
+        from fastkv.engine.collective import ShmCollective  # (fastkv.engine imports this module)
+
+        ns.record("shm", "coll")
+        for name in ShmCollective.names(collective_prefix(spec), spec.tp_size)[1:]:
+            ns.record("sem", name.removeprefix(f"/{ns.prefix}."))
+        coll = ShmCollective.create(collective_prefix(spec), spec.tp_size, slot_bytes=1 << 20)
+        coll.disown()  # the namespace unlinks it
+        opened.append(coll)
     for obj in opened:
         obj.close()
 

@@ -1,1 +1,8 @@
-"""Engine process loop, worker protocol and reference runners."""
+"""Engine process loop, worker protocol and reference runners.
+
+``Engine`` (core.py) is the embedding API; ``engine.main`` and ``worker.main`` are the
+engine and worker process entry points; ``protocol`` converts steps to and from messages.
+"""
+from fastkv.engine.core import Engine, EngineError, RequestResult
+
+__all__ = ["Engine", "EngineError", "RequestResult"]

@@ -123,6 +123,11 @@ class ShmCollective:
                 continue  # already gone: nothing to remove
         return removed
 
+    def disown(self) -> None:
+        """The creator hands the unlinking to someone else (a run namespace's manifest):
+        ``close`` then only unmaps."""
+        self._owner = False
+
     def _slot(self, parity: int, rank: int) -> int:
         return HEADER + (parity * self.world_size + rank) * (8 + self.slot_bytes)
 

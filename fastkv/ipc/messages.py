@@ -68,14 +68,22 @@ class DoneMsg:
 class PlanMsg:
     """One scheduler step for the workers; per request (same order in every list): its
     id, the token ids to compute this step, its full block table, and how many of its
-    tokens already have KV (computed or loaded from cache)."""
+    tokens already have KV (computed or loaded from cache).
 
-    WIRE: ClassVar[str] = "step_id:i64 request_ids:str[] token_ids:i32[][] block_tables:i32[][] num_computed:i32[]"
+    ``sample``: per request 1 if this step ends its known tokens (sample the next one),
+    else 0 (a prefill chunk); empty means every request samples (a pure decode step, the
+    common case, costs no bytes). ``release``: requests finished since the last plan,
+    whose per-request runner state may go (``ModelRunner.release``)."""
+
+    WIRE: ClassVar[str] = ("step_id:i64 request_ids:str[] token_ids:i32[][] block_tables:i32[][] num_computed:i32[] "
+                           "sample:i32[] release:str[]")
     step_id: int
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[np.ndarray] = field(default_factory=list)
     block_tables: list[np.ndarray] = field(default_factory=list)
     num_computed: np.ndarray = field(default_factory=_empty)
+    sample: np.ndarray = field(default_factory=_empty)
+    release: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
@@ -84,6 +92,8 @@ class PlanMsg:
                 f"PlanMsg step {self.step_id}: per-request lists differ in length: request_ids {n}, token_ids "
                 f"{len(self.token_ids)}, block_tables {len(self.block_tables)}, num_computed {len(self.num_computed)}"
             )
+        if len(self.sample) not in (0, n):
+            raise ValueError(f"PlanMsg step {self.step_id}: {len(self.sample)} sample flags for {n} requests")
 
 
 @message(4)

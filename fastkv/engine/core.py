@@ -1,0 +1,315 @@
+"""The engine: scheduler + cache manager + transfer client + the worker channels.
+
+One thread drives it. ``step()`` plans a step (``Scheduler.step``), hands its copy plans to
+the transfer client (which never waits for a copy), sends the step's ``PlanMsg`` to every
+worker rank and blocks on the inbox doorbell until rank 0's ``OutputMsg`` arrives, feeding
+every copy completion that arrives meanwhile to the scheduler. When nothing can run but
+copies are in flight it blocks on the inbox instead (timeout ``heartbeat_s``, then
+``TransferClient.check()`` fails tasks of dead ranks and tasks past ``task_timeout_s``).
+A transfer rank that dies fails its tasks (their requests recompute) and is used again
+once the supervisor restarted it (``TransferClient`` adopts the new process); a worker
+that dies or reports an error raises ``EngineError``: the model state is gone and the
+run must not pretend otherwise.
+
+Embedding (a Paddle deployment with its own workers)::
+
+    # supervisor side, once: Namespace.create, create_run(ns, spec), the tiers, transfer processes
+    engine = Engine.attach(spec)                  # in the serving process
+    rid = engine.add_request(prompt_ids, max_new_tokens=128)
+    while engine.has_work():
+        for result in engine.step():              # finished requests
+            respond(result.id, result.output)
+
+    # each worker rank r, in the deployment's own process:
+    from fastkv.engine import protocol
+from fastkv.engine.step import StepPlan
+    ends = attach_worker(Namespace.attach(spec.run_id), spec, r)
+    tier = DeviceTier.attach(spec.tier_prefix, r, spec.layout, spec.num_device_blocks)
+    while not ends.signals["stop"]:
+        msg = ends.plan.recv(timeout=spec.heartbeat_s)   # ChannelClosed: the engine shut down
+        if msg is None:
+            continue
+        plan = protocol.msg_to_plan(msg)          # StepPlan: per request tokens, start_pos, block table
+        out = my_model.step(plan, tier.k, tier.v) # write each new token's K/V at
+                                                  # tier.k[layer][block_table[pos // bs], :, pos % bs]
+        if r == 0:
+            ends.output.send(protocol.output_to_msg(out, sum(len(t) for t in msg.token_ids)))
+
+The model writes K/V only into the slots of the step's new tokens (every other slot may be
+in flight to another tier) and samples for the requests whose ``sample`` flag is set.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+from fastkv.cache.manager import CacheConfig, CacheManager
+from fastkv.cache.policy import Policy as CachePolicy
+from fastkv.engine import protocol
+from fastkv.engine.step import StepPlan
+from fastkv.ipc import Broadcast, DoneMsg, Namespace, OutputMsg, PeerDied, PeerTimeout, pid_alive
+from fastkv.metrics import EngineMetrics
+from fastkv.run import EngineEnds, RunSpec, attach_engine
+from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig
+from fastkv.sched.queues import Policy as QueuePolicy
+
+FINISH = {RequestState.FINISHED_LENGTH: "length", RequestState.FINISHED_STOPPED: "stop",
+          RequestState.FINISHED_ABORTED: "aborted"}
+_STALL_STEPS = 1000  # consecutive empty steps with no copy in flight: the scheduler is stuck
+
+
+class EngineError(RuntimeError):
+    """A worker died or failed a step: the run cannot go on."""
+
+
+class RequestResult(NamedTuple):
+    id: str
+    output: list[int]
+    finish: str  # "length" | "stop" | "aborted"
+    ttft_s: float  # arrival to first sampled token (NaN if none)
+    latency_s: float  # arrival to finish
+    preemptions: int
+    recomputed_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return self._asdict()
+
+
+def _enum(cls: type, value: Any) -> Any:
+    return cls[value.upper()] if isinstance(value, str) else cls(value)
+
+
+def cache_config(spec: RunSpec) -> CacheConfig:
+    return CacheConfig(num_device_blocks=spec.num_device_blocks, num_host_blocks=spec.num_host_blocks,
+                       block_size=spec.layout.block_size, policy=_enum(CachePolicy, spec.cache_policy),
+                       storage=bool(spec.storage_url), model_id=spec.model_id, weights_version=spec.weights_version,
+                       layout=spec.layout)
+
+
+def scheduler_config(spec: RunSpec) -> SchedulerConfig:
+    """``spec.scheduler`` as a SchedulerConfig; enum fields may be given by name ("offload")."""
+    opts = dict(spec.scheduler)
+    if "preemption" in opts:
+        opts["preemption"] = _enum(PreemptionMode, opts["preemption"])
+    if "policy" in opts:
+        opts["policy"] = _enum(QueuePolicy, opts["policy"])
+    return SchedulerConfig(**opts)
+
+
+class Engine:
+    """See the module docstring. ``client_factory(ends, spec)`` builds the transfer client
+    (default ``fastkv.transfer.client.TransferClient``); ``check`` runs check_integrity of
+    the scheduler and the cache after every step (tests)."""
+
+    def __init__(self, spec: RunSpec, ends: EngineEnds, client_factory: Callable[[EngineEnds, RunSpec], Any] | None
+                 = None, *, check: bool = False) -> None:
+        self.spec = spec
+        self.ends = ends
+        self.cache = CacheManager(cache_config(spec))
+        self.sched = Scheduler(self.cache, scheduler_config(spec))
+        if client_factory is None:
+            from fastkv.transfer.client import TransferClient as client_factory
+        self.transfer = client_factory(ends, spec)
+        self.metrics = EngineMetrics(self.sched)
+        self.check = check  # check_integrity of scheduler and cache after every step (tests)
+        self._broadcast = Broadcast(ends.plans)
+        self._sig = ends.signals
+        self._ext: dict[int, str] = {}  # scheduler id -> caller's id
+        self._ids: dict[str, int] = {}
+        self._next_id = 0
+        self._release: list[int] = []  # finished since the last plan: the runners may forget them
+        self._idle = 0
+        self._last_check = 0.0  # last look at the workers' pids
+        self._ns: Namespace | None = None
+        self._sig["engine.pid"] = os.getpid()
+        self.beat()
+
+    @classmethod
+    def attach(cls, spec: RunSpec, client_factory: Callable | None = None, **kw: Any) -> Engine:
+        """Attach to a run the supervisor created (``create_run``) and start an engine on it."""
+        ns = Namespace.attach(spec.run_id)
+        engine = cls(spec, attach_engine(ns, spec), client_factory, **kw)
+        engine._ns = ns
+        return engine
+
+    # ================================================================== requests
+    def add_request(self, prompt: Iterable[int], max_new_tokens: int, *, request_id: str | None = None,
+                    preemption: str | PreemptionMode | None = None, eos_token_id: int | None = None,
+                    stop_token_ids: Iterable[int] = (), arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id (``request_id``, or a fresh one). ``preemption``
+        overrides the deployment's mode for this request ("recompute", "offload", "storage",
+        "auto"); ``arrival_time`` (time.monotonic) defaults to now. ValueError if the id is
+        in use or the request can never fit."""
+        rid = self._next_id
+        ext = str(rid) if request_id is None else str(request_id)
+        if ext in self._ids:
+            raise ValueError(f"request id {ext!r} is already in use")
+        mode = None if preemption is None else _enum(PreemptionMode, preemption)
+        req = Request(rid, list(prompt), max_new_tokens, eos_token_id=eos_token_id,
+                      stop_token_ids=frozenset(stop_token_ids), preemption=mode, arrival_time=arrival_time)
+        self.sched.add_request(req)
+        self._next_id += 1
+        self._ext[rid], self._ids[ext] = ext, rid
+        self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
+        return ext
+
+    def abort(self, request_id: str) -> bool:
+        rid = self._ids.get(request_id)
+        return rid is not None and self.sched.abort(rid)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._ids)
+
+    def has_work(self) -> bool:
+        return self.sched.has_work() or self.transfer.pending > 0
+
+    # ================================================================== the loop
+    def beat(self) -> None:
+        self._sig["engine.beat"] = time.monotonic_ns()
+
+    def step(self) -> list[RequestResult]:
+        """One iteration: plan, dispatch copies, run the step on the workers (or, when
+        nothing can run, wait up to ``heartbeat_s`` for a copy); returns the requests
+        that finished."""
+        self.beat()
+        if time.monotonic() - self._last_check >= self.spec.heartbeat_s:
+            self.check_workers()
+        self._check_transfers()  # cheap when nothing is due; adopts restarted transfer processes
+        out = self.sched.step()
+        for plan in out.copies:
+            self.transfer.submit(plan)
+        results = [self._result(r) for r in out.finished]
+        if out.plan.seqs:
+            self._idle = 0
+            self._run(out.plan)
+        elif self.transfer.pending:
+            self._idle = 0
+            self._pump(self.spec.heartbeat_s)
+        elif self.sched.requests and not out.copies and not out.finished:
+            self._idle += 1
+            assert self._idle < _STALL_STEPS, f"scheduler stalled with no copy in flight: {self.sched.counts()}"
+        if self.check:
+            self.sched.check_integrity()
+            self.cache.check_integrity()
+        return results
+
+    def run(self) -> list[RequestResult]:
+        """Step until every request has finished and no copy is in flight."""
+        results: list[RequestResult] = []
+        while self.has_work():
+            results += self.step()
+        return results
+
+    def wait(self, timeout: float) -> None:
+        """Idle (between arrivals): block up to ``timeout`` s on the inbox, handling copy
+        completions as they come. Never sleeps without a doorbell to wake it."""
+        self.beat()
+        self._pump(timeout)
+
+    def wait_until_ready(self, timeout: float = 300.0) -> None:
+        """Block until the run can serve: an empty plan (step 0) went through the workers
+        (attached, runners built: the first real step's latency is the model's, not the
+        start-up's) and every transfer rank is adopted (a copy submitted to a rank that is
+        not up fails at once, and its request would recompute). EngineError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        self._run(StepPlan(0, []), timeout)
+        while not self.transfer.ready():
+            if time.monotonic() > deadline:
+                raise EngineError(f"transfer processes not up within {timeout} s")
+            self.beat()
+            self._pump(self.spec.heartbeat_s)  # blocks on the doorbell: nothing else to do yet
+
+    def _run(self, plan: StepPlan, timeout: float | None = None) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._broadcast.send(protocol.plan_to_msg(plan, self._release), timeout=self.spec.dead_after_s)
+        except (PeerDied, PeerTimeout) as exc:
+            raise EngineError(f"cannot send step {plan.step_id}: {exc}") from exc
+        self._release = []
+        out: OutputMsg | None = None
+        while out is None:
+            if timeout is not None and time.perf_counter() - t0 > timeout:
+                raise EngineError(f"no output for step {plan.step_id} within {timeout} s")
+            msgs = self._recv(self.spec.heartbeat_s)
+            if not msgs:
+                self.beat()
+                self.check_workers()
+                self._check_transfers()
+            for msg in msgs:
+                if isinstance(msg, DoneMsg):
+                    self._on_done(msg)
+                    continue
+                if msg.error:
+                    raise EngineError(f"step {plan.step_id} failed: {msg.error}")
+                assert msg.step_id == plan.step_id, f"output of step {msg.step_id} while step {plan.step_id} runs"
+                out = msg
+        if plan.step_id:
+            self.sched.on_step_output(protocol.msg_to_output(out))
+            self.metrics.observe_step(time.perf_counter() - t0, len(out.tokens))
+
+    def _pump(self, timeout: float) -> None:
+        msgs = self._recv(timeout)
+        if not msgs:
+            self.check_workers()
+            self._check_transfers()
+        for msg in msgs:
+            assert isinstance(msg, DoneMsg), f"unexpected {type(msg).__name__} with no step in flight"
+            self._on_done(msg)
+
+    def _recv(self, timeout: float) -> list[Any]:
+        try:
+            return self.ends.inbox.recv_many(256, timeout)
+        except PeerDied as exc:
+            if exc.role != "transfer":
+                raise EngineError(f"{exc.role}[{exc.rank}] pid {exc.pid} died: {exc}") from exc
+            # Its tasks fail (their requests recompute); the client takes its done channel out
+            # of the inbox, and back in once the supervisor's replacement is adopted.
+            for res in self.transfer.on_peer_died(exc):
+                self._copy_result(res)
+            return []
+
+    # ================================================================== copies
+    def _on_done(self, msg: DoneMsg) -> None:
+        for res in self.transfer.on_done(msg):
+            self._copy_result(res)
+
+    def _copy_result(self, res: Any) -> None:
+        # The scheduler's cost model wants per-rank bytes; the client reports all ranks'.
+        self.sched.on_copy_complete(res.plan.plan_id, res.ok, res.nbytes // self.spec.tp_size, res.seconds)
+        self.metrics.observe_copy(res.plan.kind.name.lower(), res.ok, res.nbytes, res.seconds)
+
+    def _check_transfers(self) -> None:
+        for res in self.transfer.check():
+            self._copy_result(res)
+
+    def check_workers(self) -> None:
+        """EngineError if a worker process is gone (a rank > 0 has no output channel to say so)."""
+        self._last_check = time.monotonic()
+        for r in range(self.spec.tp_size):
+            pid = self._sig[f"worker{r}.pid"]
+            if pid and not pid_alive(pid):
+                raise EngineError(f"worker{r} pid {pid} died")
+
+    # ================================================================== results
+    def _result(self, req: Request) -> RequestResult:
+        ext = self._ext.pop(req.request_id)
+        del self._ids[ext]
+        self._release.append(req.request_id)
+        finish = FINISH[req.state]
+        self.metrics.observe_finished(finish)
+        self._sig.add("engine.finished", 1)
+        t0 = req.arrival_time
+        ttft = req.first_token_time - t0 if req.first_token_time is not None else float("nan")
+        return RequestResult(ext, list(req.output_token_ids), finish, ttft, req.finish_time - t0,
+                             req.num_preemptions, req.num_recomputed_tokens)
+
+    def close(self) -> None:
+        """Close this engine's channel ends (workers and transfer processes see a clean
+        shutdown) and the metrics endpoint. The supervisor unlinks the objects."""
+        self.metrics.close()
+        self.ends.close()
+        if self._ns is not None:
+            self._ns.close()

@@ -1,0 +1,60 @@
+"""The worker protocol: a scheduler step on the wire and back.
+
+The engine turns each ``StepPlan`` into one ``PlanMsg`` (the same bytes to every rank);
+a worker turns it back into a ``StepPlan`` for its runner, and rank 0 answers with one
+``OutputMsg``. Request ids are the scheduler's ints, sent as decimal strings. These four
+functions are all a deployment's own worker needs besides its model (see
+``fastkv.engine.core`` for the embedding example).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from fastkv.engine.step import SeqWork, StepOutput, StepPlan
+from fastkv.ipc import OutputMsg, PlanMsg
+
+
+def plan_to_msg(plan: StepPlan, release: Iterable[int] = ()) -> PlanMsg:
+    seqs = plan.seqs
+    sample = np.fromiter((s.sample for s in seqs), np.int32, len(seqs))
+    return PlanMsg(
+        plan.step_id,
+        [str(s.request_id) for s in seqs],
+        [s.token_ids for s in seqs],
+        [s.block_table for s in seqs],
+        np.fromiter((s.start_pos for s in seqs), np.int32, len(seqs)),
+        np.empty(0, np.int32) if sample.all() else sample,  # all-sample (decode) steps send no flags
+        [str(r) for r in release],
+    )
+
+
+def msg_to_plan(msg: PlanMsg) -> StepPlan:
+    """The runner's StepPlan; arrays are the message's read-only views (runners only read them)."""
+    n = len(msg.request_ids)
+    sample = msg.sample if len(msg.sample) else np.ones(n, np.int32)
+    return StepPlan(msg.step_id, [
+        SeqWork(int(rid), tok, int(start), table, bool(smp))
+        for rid, tok, table, start, smp in zip(msg.request_ids, msg.token_ids, msg.block_tables, msg.num_computed,
+                                               sample, strict=True)
+    ])
+
+
+def released(msg: PlanMsg) -> list[int]:
+    return [int(r) for r in msg.release]
+
+
+def output_to_msg(out: StepOutput, num_batched_tokens: int) -> OutputMsg:
+    ids = list(out.sampled)
+    return OutputMsg(out.step_id, num_batched_tokens, out.seconds, [str(r) for r in ids],
+                     np.fromiter((out.sampled[r] for r in ids), np.int32, len(ids)))
+
+
+def error_msg(step_id: int, error: str) -> OutputMsg:
+    return OutputMsg(step_id, error=error or "unknown error")
+
+
+def msg_to_output(msg: OutputMsg) -> StepOutput:
+    return StepOutput(msg.step_id, {int(r): int(t) for r, t in zip(msg.request_ids, msg.tokens, strict=True)},
+                      msg.seconds)

@@ -1,0 +1,91 @@
+"""The whole system with the synthetic runner: KV bytes are a function of (token, position,
+layer, head, rank), and the runner (verify="all") checks every computed position of every
+request on the device before every step. A block that came back from the host or from
+storage with one wrong byte fails the step, and the engine fails the run.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fastkv.config import KVLayout
+from fastkv.engine.runners.synthetic import next_token
+from fastkv.run import RunSpec
+from tests.e2e.launch import Run, new_run_id
+
+VOCAB = 512
+SYSTEM = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
+
+
+def expected(prompt: list[int], max_new: int) -> list[int]:
+    out, last = [], prompt[-1]
+    for i in range(max_new):
+        last = next_token(last, len(prompt) + i - 1, VOCAB)
+        out.append(last)
+    return out
+
+
+def workload(n: int, max_new: int, modes: list[str | None]) -> list[dict]:
+    return [{"id": f"s{i}", "arrival_s": 0, "max_new_tokens": max_new, "preemption": modes[i % len(modes)],
+             "prompt": (SYSTEM if i % 3 else []) + [(i * 29 + j * 7) % 500 for j in range(5 + 3 * (i % 5))]}
+            for i in range(n)]
+
+
+def spec(tp: int, out_dir, **kw) -> RunSpec:
+    lay = KVLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=16, dtype="bfloat16", tp_size=tp)
+    return RunSpec(new_run_id(), lay, runner="synthetic", heartbeat_s=0.2, out_dir=str(out_dir), slot_size=256,
+                   nslots=256, **kw)
+
+
+def check_outputs(results: dict, wl: list[dict]) -> None:
+    assert sorted(results) == sorted(w["id"] for w in wl)
+    for w in wl:
+        row = results[w["id"]]
+        assert row["finish"] == "length" and row["output"] == expected(w["prompt"], w["max_new_tokens"]), row
+
+
+@pytest.mark.slow
+def test_every_block_verified_after_host_and_storage_round_trips(tmp_path):
+    wl = workload(16, 12, ["offload", "storage"])
+    s = spec(2, tmp_path / "out", num_device_blocks=24, num_host_blocks=6,
+             storage_url=f"lmdb://{tmp_path}/lmdb?max_bytes=64M",
+             runner_options={"verify": "all", "vocab": VOCAB}, scheduler={"max_num_batched_tokens": 48})
+    with Run(s, wl) as run:
+        assert run.wait(120) == 0, "engine failed: a KV mismatch or a worker error (see stderr)"
+        results, summary = run.results(), run.summary()
+        codes = run.close()
+    assert all(c == 0 for c in codes.values()), codes
+    check_outputs(results, wl)
+    pre, hit, tasks = summary["preemptions"], summary["hit_ratio"], summary["copy_tasks"]
+    assert pre["offload"] > 0 and pre["storage"] > 0, summary
+    assert tasks.get("swap_in", 0) > 0 and tasks.get("load", 0) > 0, f"no round trip to verify: {summary}"
+    assert hit["host"] > 0 and hit["storage"] > 0, summary
+
+
+@pytest.mark.slow
+def test_transfer_process_killed_mid_run(tmp_path):
+    """SIGKILL transfer[1] while requests are being offloaded: its tasks fail (their requests
+    recompute), the restarted process takes over, every request finishes with the right tokens."""
+    wl = workload(16, 24, ["offload"])
+    s = spec(2, tmp_path / "out", num_device_blocks=24, num_host_blocks=6,
+             runner_options={"verify": "all", "vocab": VOCAB, "step_us": 15000.0},
+             scheduler={"max_num_batched_tokens": 48, "preemption": "offload"})
+    with Run(s, wl) as run:
+        deadline = time.monotonic() + 60
+        while run.sig["engine.finished"] < 1 and run.procs["engine"].is_alive():
+            assert time.monotonic() < deadline, "no request finished within 60 s"
+            time.sleep(0.01)
+        assert run.sig["engine.finished"] < len(wl), "the run ended before the kill: make it longer"
+        run.kill("transfer1")
+        time.sleep(0.3)  # the supervisor notices by heartbeat; the engine by the dead ring peer
+        run.restart_transfer(1)
+        run.wait_ready(["transfer1"])
+        assert run.procs["engine"].is_alive(), "the run ended before the new transfer process was up"
+        assert run.wait(120) == 0, "engine failed after the transfer process was killed"
+        results, summary = run.results(), run.summary()
+        codes = run.close()
+    assert codes["engine"] == 0 and codes["worker0"] == codes["worker1"] == codes["transfer0"] == 0, codes
+    assert codes["transfer1"] == 0, f"the restarted transfer process failed: {codes}"
+    check_outputs(results, wl)
+    assert summary["preemptions"]["offload"] > 0, summary

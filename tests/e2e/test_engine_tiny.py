@@ -1,0 +1,119 @@
+"""The whole system with the tiny Paddle decoder: engine, workers and transfer processes.
+
+Greedy outputs must be token-identical to the model run alone (one request at a time, a
+cache big enough for everything), at tp=1 and tp=2, with no memory pressure and under
+pressure in every preemption mode. The engine checks the scheduler's and the cache's
+integrity after every step (``launch.engine_main``).
+"""
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+
+from fastkv.config import KVLayout
+from fastkv.engine.runners.tiny_decoder import TinyConfig, TinyDecoderRunner
+from fastkv.engine.step import SeqWork, StepPlan
+from fastkv.run import RunSpec
+from tests.e2e.launch import Run, new_run_id
+
+CFG = dict(vocab=512, hidden=64, intermediate=128, max_positions=256, seed=11)
+MAX_NEW = 10
+SYSTEM = [7, 300, 41, 99, 5, 211, 18, 64]  # a shared system prompt: prefix-cache hits across requests
+PROMPTS = {f"q{i}": (SYSTEM if i % 2 else []) + [(i * 37 + j * 13) % 500 for j in range(6 + 2 * i)]
+           for i in range(8)}
+
+
+def layout(tp: int) -> KVLayout:
+    return KVLayout(num_layers=2, kv_heads=4 // tp, block_size=4, head_dim=16, dtype="float32", tp_size=tp)
+
+
+@cache
+def reference() -> dict[str, list[int]]:
+    """Each prompt alone through the model in this process (tp=1): prefill, then decode."""
+    lay = layout(1)
+    k = [np.zeros(lay.device_shape(32), np.float32) for _ in range(lay.num_layers)]
+    v = [np.zeros(lay.device_shape(32), np.float32) for _ in range(lay.num_layers)]
+    runner = TinyDecoderRunner(lay, 0, 1, k, v, config=TinyConfig(**CFG))
+    table = np.arange(32, dtype=np.int32)
+    out = {}
+    for rid, prompt in PROMPTS.items():
+        toks, new, step = list(prompt), list(prompt), 0
+        while len(toks) < len(prompt) + MAX_NEW:
+            res = runner.step(StepPlan(step, [SeqWork(0, np.array(new), len(toks) - len(new), table, True)]))
+            toks.append(res.sampled[0])
+            new, step = [res.sampled[0]], step + 1
+        out[rid] = toks[len(prompt):]
+    return out
+
+
+def workload() -> list[dict]:
+    return [{"id": rid, "arrival_s": 0, "prompt": p, "max_new_tokens": MAX_NEW, "preemption": None}
+            for rid, p in PROMPTS.items()]
+
+
+def run_tiny(tp: int, mode: str, out_dir, storage_url: str = "") -> tuple[dict, dict]:
+    pressure = mode != "none"
+    # Storage mode: a small host tier, so that host copies are evicted and resumes LOAD from storage.
+    spec = RunSpec(new_run_id(), layout(tp), num_device_blocks=20 if pressure else 128,
+                   num_host_blocks=8 if storage_url else 48,
+                   storage_url=storage_url, runner="tiny", runner_options={"config": CFG},
+                   # Patience: on a loaded machine an offload can outlast the default 16 steps, after
+                   # which a stalled request preempts by recompute (by design): not what is tested here.
+                   scheduler={"preemption": mode if pressure else "recompute", "max_num_batched_tokens": 48,
+                              "copy_patience_steps": 10_000},
+                   heartbeat_s=0.2, out_dir=str(out_dir), slot_size=256, nslots=256)
+    with Run(spec, workload()) as run:
+        assert run.wait(120) == 0, "engine failed (see its stderr above)"
+        results, summary = run.results(), run.summary()
+        codes = run.close()
+    assert all(c == 0 for c in codes.values()), f"process exit codes {codes}"
+    return results, summary
+
+
+MODES = ["none", "recompute", "offload", "storage-lmdb", "storage-redis"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("mode", MODES)
+def test_outputs_identical_in_every_mode(tp, mode, tmp_path, request):
+    url = ""
+    if mode == "storage-lmdb":
+        url = f"lmdb://{tmp_path}/lmdb?max_bytes=64M"
+    elif mode == "storage-redis":
+        url = request.getfixturevalue("redis_url") + f"?prefix={new_run_id()}"
+    results, summary = run_tiny(tp, mode.split("-")[0], tmp_path / "out", url)
+    want = reference()
+    assert sorted(results) == sorted(want)
+    for rid, row in results.items():
+        assert row["finish"] == "length" and row["output"] == want[rid], f"{rid}: {row} != {want[rid]}"
+    pre = summary["preemptions"]
+    assert summary["requests"] == len(PROMPTS) and summary["generated_tokens"] == len(PROMPTS) * MAX_NEW
+    if mode == "none":
+        assert sum(pre.values()) == 0 and summary["recomputed_tokens"] == 0
+    else:
+        assert pre[mode.split("-")[0]] > 0, f"no {mode} preemption under pressure: {summary}"
+    if mode == "offload":  # (a LOADING request may still be preempted by recompute: it has nothing to copy)
+        assert summary["recomputed_tokens"] == 0
+        assert all(row["recomputed_tokens"] == 0 for row in results.values())
+    if mode.startswith("storage"):  # (loads back from storage: test_engine_synthetic)
+        assert summary["copy_tasks"].get("store", 0) > 0, f"nothing written to storage: {summary}"
+    if mode == "recompute":
+        assert summary["recomputed_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_runner_error_fails_the_run_loudly(tmp_path, capfd):
+    """A runner exception on every rank reaches the engine as OutputMsg.error: exit 1, reason on stderr."""
+    cfg = dict(CFG, max_positions=12)  # the longer prompts do not fit
+    spec = RunSpec(new_run_id(), layout(2), num_device_blocks=64, num_host_blocks=8, runner="tiny",
+                   runner_options={"config": cfg}, heartbeat_s=0.2, out_dir=str(tmp_path), slot_size=256, nslots=256)
+    with Run(spec, workload()) as run:
+        assert run.wait(120) == 1
+        codes = run.close()
+    assert codes["worker0"] == codes["worker1"] == 0, f"workers should outlive a failed step: {codes}"
+    err = capfd.readouterr().err
+    assert "fastkv engine: step" in err and "worker0 step" in err and "worker1 step" in err, err[-3000:]
+    assert "max_positions 12" in err
