@@ -4,7 +4,9 @@ Recompute frees the blocks at once (the full computed ones stay cached, so re-ad
 reuses whatever survives). Offload and storage copy every computed block to the host and
 release the device blocks only when the copy completes: until then the request is
 OFFLOADING and the blocks are IN_FLIGHT; nobody waits, a request that needs those blocks
-stalls a bounded number of steps (``copy_patience_steps``) and then preempts by recompute.
+stalls a bounded number of steps (``copy_patience_steps``; an empty step counts only when no copy
+completed since the previous one, since an engine idling on its inbox calls ``step()`` on every
+completion) and then preempts by recompute.
 """
 from __future__ import annotations
 
@@ -113,6 +115,7 @@ def ensure_slots(s: Scheduler, req: Request) -> bool:
         if patient and relief_blocks(s) >= short:
             req.stalled_steps += 1
             s.stats.stalls += 1
+            s._stalled.append(req)
             return False
         candidates = chain(s.running.values(), (r for r in s.loading.values() if not r.remote_pending))
         victim = pick_victim(s.config.policy, candidates, exclude=req)

@@ -80,6 +80,8 @@ class Scheduler:
         self._inflight: StepPlan | None = None
         self._inflight_ids: set[int] = set()
         self._seqs: dict[int, SeqWork] = {}
+        self._stalled: list[Request] = []  # requests that stalled in this step (patience bookkeeping)
+        self._completed_since_step = 0  # copies completed since the last step()
         self._budget = 0
         self._step_id = 0
         self._arrivals = 0
@@ -133,6 +135,7 @@ class Scheduler:
             weights.progress(self, self._drain)
         self._budget = self.config.max_num_batched_tokens
         self._seqs = {}
+        self._stalled = []
         max_seqs = self.config.max_num_seqs
         for req in list(self.running.values()):
             if self._budget <= 0 or len(self._seqs) >= max_seqs:
@@ -149,6 +152,14 @@ class Scheduler:
             self._inflight_ids = {s.request_id for s in seqs}
             self.stats.steps += 1
             reservation.decay_watermarks(self)
+        elif self._completed_since_step:
+            # an empty step while copies keep completing is the engine waiting on a live
+            # transfer layer (it calls step() on every completion): that costs no patience.
+            # Empty steps with no completion in between still count, so a transfer layer
+            # that never completes cannot stall a request forever.
+            for req in self._stalled:
+                req.stalled_steps -= 1
+        self._completed_since_step = 0
         copies, self._outbox = self._outbox, []
         for p in copies:
             self._dispatched[p.plan_id] = p
@@ -217,6 +228,7 @@ class Scheduler:
         p = self._dispatched.pop(pid, None) if isinstance(pid, int) else None
         if p is None:
             raise ValueError(f"plan {plan!r} is not in flight from this scheduler (never dispatched, or completed)")
+        self._completed_since_step += 1
         if not ok:
             self.stats.copies_failed += 1
         elif nbytes:

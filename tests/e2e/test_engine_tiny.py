@@ -59,10 +59,7 @@ def run_tiny(tp: int, mode: str, out_dir, storage_url: str = "") -> tuple[dict, 
     spec = RunSpec(new_run_id(), layout(tp), num_device_blocks=20 if pressure else 128,
                    num_host_blocks=8 if storage_url else 48,
                    storage_url=storage_url, runner="tiny", runner_options={"config": CFG},
-                   # Patience: on a loaded machine an offload can outlast the default 16 steps, after
-                   # which a stalled request preempts by recompute (by design): not what is tested here.
-                   scheduler={"preemption": mode if pressure else "recompute", "max_num_batched_tokens": 48,
-                              "copy_patience_steps": 10_000},
+                   scheduler={"preemption": mode if pressure else "recompute", "max_num_batched_tokens": 48},
                    heartbeat_s=0.2, out_dir=str(out_dir), slot_size=256, nslots=256)
     with Run(spec, workload()) as run:
         assert run.wait(120) == 0, "engine failed (see its stderr above)"
