@@ -202,7 +202,6 @@ typedef struct {
 
 typedef struct {
     PyTypeObject *cls;
-    const char *cls_name;
     uint16_t type_id, tag;
     Py_ssize_t body;     /* 8 + the padded scalar block: where the variable fields start */
     int fast_new;        /* build instances by filling slots (see register()) */
@@ -249,7 +248,7 @@ static PyObject *c_register(PyObject *self, PyObject *const *args, Py_ssize_t na
     PyTypeObject *cls = (PyTypeObject *)args[2];
     spec_t *s = PyMem_Calloc(1, sizeof(spec_t));
     if (!s) return PyErr_NoMemory();
-    s->cls = cls, s->cls_name = cls->tp_name, s->type_id = (uint16_t)type_id, s->tag = (uint16_t)tag;
+    s->cls = cls, s->type_id = (uint16_t)type_id, s->tag = (uint16_t)tag;
     s->nfields = nf, s->fast_new = fast;
     Py_ssize_t off = 8;
     for (Py_ssize_t i = 0; i < nf; i++) {
@@ -269,7 +268,7 @@ static PyObject *c_register(PyObject *self, PyObject *const *args, Py_ssize_t na
         else s->fast_new = 0;
     }
     if (8 + block != off + ((8 - (off & 7)) & 7)) {
-        PyErr_Format(PyExc_AssertionError, "register %s: scalar block of %zd bytes, C packs %zd", s->cls_name, block, off - 8);
+        PyErr_Format(PyExc_AssertionError, "register %s: scalar block of %zd bytes, C packs %zd", s->cls->tp_name, block, off - 8);
         goto fail;
     }
     s->body = 8 + block;
@@ -360,7 +359,7 @@ static PyObject *encode_one(const spec_t *s, PyObject *msg) {
     }
     if (o.p != base + total) {
         Py_CLEAR(res);
-        PyErr_Format(PyExc_AssertionError, "fastkv._codec.encode %s: size pass and write pass disagree", s->cls_name);
+        PyErr_Format(PyExc_AssertionError, "fastkv._codec.encode %s: size pass and write pass disagree", s->cls->tp_name);
     }
     goto done;
 fallback:
@@ -553,11 +552,11 @@ static PyObject *decode_one(PyObject *buf) {
     const spec_t *s = by_type[type_id];
     if (!s) return PyErr_Format(PyExc_ValueError, "unknown message type id %u", (unsigned)type_id);
     if (tag != s->tag)
-        return PyErr_Format(PyExc_ValueError, "%s schema tag %#x != ours %#x (peer runs other code)", s->cls_name,
+        return PyErr_Format(PyExc_ValueError, "%s schema tag 0x%x != ours 0x%x (peer runs other code)", s->cls->tp_name,
                             (unsigned)tag, (unsigned)s->tag);
     if ((Py_ssize_t)total != n)
-        return PyErr_Format(PyExc_ValueError, "%s header says %u bytes (truncated or trailing data)", s->cls_name, total);
-    if (s->body > n) return PyErr_Format(PyExc_ValueError, "%s truncated in its scalars", s->cls_name);
+        return PyErr_Format(PyExc_ValueError, "%s header says %u bytes (truncated or trailing data)", s->cls->tp_name, total);
+    if (s->body > n) return PyErr_Format(PyExc_ValueError, "%s truncated in its scalars", s->cls->tp_name);
     PyObject *vals[MAX_FIELDS];
     PyObject *res = NULL;
     Py_ssize_t nf = s->nfields, got = 0, off = s->body;
@@ -567,7 +566,7 @@ static PyObject *decode_one(PyObject *buf) {
         if (!vals[got]) goto done;
     }
     if (off != n) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd bytes of trailing data", s->cls_name, n - off);
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes of trailing data", s->cls->tp_name, n - off);
         goto done;
     }
     if (!s->fast_new) {
