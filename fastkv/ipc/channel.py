@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from fastkv.ipc.codec import decode, encode
+from fastkv.ipc.codec import bad_message, decode_many, encode, encode_many, type_of
 from fastkv.ipc.doorbell import Doorbell
 from fastkv.ipc.errors import BadMessage, PeerDied, PeerTimeout
 from fastkv.ipc.messages import DoneMsg
@@ -75,10 +75,7 @@ class Channel:
 
     def send_many(self, msgs: Iterable[Any], timeout: float | None = None) -> None:
         """Send in order; one head publish (and at most one wake-up) per ring-full."""
-        if self.accept is None:
-            self.ring.push_many([encode(m) for m in msgs], timeout)
-        else:
-            self.ring.push_many([self.encode(m) for m in msgs], timeout)
+        self.ring.push_many(encode_many(msgs, self.accept, self.encode), timeout)
 
     def send_encoded(self, bufs: Sequence[bytes], timeout: float | None = None) -> None:
         """Send already-encoded messages (``Broadcast`` encodes once for N ranks)."""
@@ -104,30 +101,17 @@ class Channel:
     def decode_many(self, raws: list[bytes]) -> list[Any]:
         """Decode in order. A bad message is raised on its own: messages before it are
         returned first, messages after it are kept for the next call; none is lost."""
-        if self.accept is None:
-            try:
-                return [decode(raw) for raw in raws]  # the common case, without per-message bookkeeping
-            except BadMessage:
-                return self._decode_carefully(raws)  # find, raise and keep around the bad one
-        return self._decode_carefully(raws)
-
-    def _decode_carefully(self, raws: list[bytes]) -> list[Any]:
-        out = []
-        accept = self.accept
-        for i, raw in enumerate(raws):
-            try:
-                msg = decode(raw)
-                if accept is not None and type(msg) not in accept:
-                    raise BadMessage(f"channel {self.name!r} received a {type(msg).__name__}, "
-                                     f"expected {[c.__name__ for c in accept]}")
-            except BadMessage:
-                rest = raws[i:] if out else raws[i + 1:]
-                self._pending.extendleft(reversed(rest))
-                if out:
-                    return out
-                raise
-            out.append(msg)
-        return out
+        msgs, bad, why = decode_many(raws, self.accept)
+        if bad < 0:
+            return msgs
+        rest = raws[bad:] if msgs else raws[bad + 1:]
+        self._pending.extendleft(reversed(rest))
+        if msgs:
+            return msgs
+        if why is not None:
+            raise bad_message(raws[bad], why)
+        raise BadMessage(f"channel {self.name!r} received a {type_of(raws[bad]).__name__}, "
+                         f"expected {[c.__name__ for c in self.accept]}")
 
     def has_pending(self) -> bool:
         return bool(self._pending)

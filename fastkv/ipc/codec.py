@@ -29,13 +29,19 @@ Wire format (little-endian; every section padded to 8 bytes so arrays decode ali
 
 Decoded arrays are read-only numpy views into the received bytes (no copy); copy them
 to mutate.
+
+The fast path is C (ops/ipc_codec.c): ``register`` hands it each schema once, then
+``encode``/``decode`` and the batch forms ``encode_many``/``decode_many`` run without
+Python code per message. ``encode_py``/``decode_py`` are the reference it is tested
+against, and ``encode`` falls back to the Python path for values that need converting.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -70,12 +76,11 @@ class Schema:
         self.var_idx = [i for i, (_, k) in enumerate(fields) if k in _VARIABLE]
         self.var = [(fields[i][0], *_CODERS[fields[i][1]], f"{cls.__name__}.{fields[i][0]}") for i in self.var_idx]
         self.in_order = self.scalar_idx == list(range(len(self.scalar_idx)))
-        self.kind_codes = bytes(_KIND_CODES[fields[i][1]] for i in self.var_idx)
-        self.var_where = tuple(where for *_, where in self.var)
-        var_names = [fields[i][0] for i in self.var_idx]
-        self.get_var = lambda m: tuple(getattr(m, n) for n in var_names)
-        if len(var_names) > 1:
-            self.get_var = operator.attrgetter(*var_names)
+        # for ops/ipc_codec.c: every field in declaration order as (name, kind code, "Class.name")
+        self.c_fields = tuple((name, _KIND_CODES[kind], f"{cls.__name__}.{name}") for name, kind in fields)
+        # cls(*values) only fills the slots: C may build instances without calling it
+        self.fast_new = (dataclasses.is_dataclass(cls) and slots == self.names and cls.__new__ is object.__new__
+                         and not hasattr(cls, "__post_init__") and all(f.init for f in dataclasses.fields(cls)))
         fmt = "<" + "".join(_SCALARS[fields[i][1]] for i in self.scalar_idx)
         size = struct.calcsize(fmt)
         self.scalars = struct.Struct(fmt + "x" * (-size % 8))
@@ -98,6 +103,7 @@ def message(type_id: int) -> Callable[[type], type]:
         if not 1 <= type_id <= 0xFFFF or type_id in _BY_TYPE:
             raise ValueError(f"message type id {type_id} for {cls.__name__} is out of range or already taken")
         schema = Schema(cls, type_id)
+        C.register(type_id, schema.tag, cls, schema.c_fields, schema.scalars.size, schema.fast_new)
         _BY_TYPE[type_id] = _BY_CLASS[cls] = schema
         cls.TYPE_ID = type_id
         return cls
@@ -260,7 +266,8 @@ def _dec_ragged(buf: bytes, off: int, count: int, nbytes: int, where: str) -> An
     return [values[bounds[j]:bounds[j + 1]] for j in range(count)]
 
 
-_KIND_CODES = {"i32[]": 1, "i64[]": 2, "bytes": 3, "str": 4, "bytes[]": 5, "str[]": 6, "i32[][]": 7}  # ops/ipc_codec.c
+_KIND_CODES = {"i32[]": 1, "i64[]": 2, "bytes": 3, "str": 4, "bytes[]": 5, "str[]": 6, "i32[][]": 7,  # ops/ipc_codec.c
+               "i64": 11, "i32": 12, "f64": 13, "bool": 14}
 _CODERS = {
     "i32[]": (_enc_i32, _dec_i32),
     "i64[]": (_enc_i64, _dec_i64),
@@ -274,20 +281,19 @@ _CODERS = {
 
 def encode(msg: Any) -> bytes:
     """The wire bytes of a registered message (TypeError for anything else). The C fast
-    path takes canonical values (int32 numpy arrays, bytes, str, lists/tuples of them);
-    anything else goes through ``encode_py``, which converts or raises a clear error."""
-    schema = _BY_CLASS.get(type(msg))
-    if schema is None:
-        raise TypeError(f"cannot encode {type(msg).__name__}: not a registered fastkv message type")
-    try:
-        scalars = schema.scalars.pack(*schema.get_scalars(msg))
-    except struct.error as exc:
-        raise ValueError(f"{type(msg).__name__}: bad scalar field ({exc})") from None
-    if schema.var:
-        buf = C.encode(schema.type_id, schema.tag, scalars, schema.kind_codes, schema.get_var(msg))
-        if buf is not None:
-            return buf
-    return _encode_py(msg, schema, scalars)
+    path takes canonical values (ints, floats, bools, int32 numpy arrays, bytes, str,
+    lists/tuples of them); anything else goes through ``encode_py``, which converts or
+    raises a clear error."""
+    buf = C.encode(msg)
+    return encode_py(msg) if buf is None else buf
+
+
+def encode_many(msgs: Iterable[Any], accept: tuple[type, ...] | None = None,
+                fallback: Callable[[Any], bytes] = encode) -> list[bytes]:
+    """``[fallback(m) for m in msgs]`` in one C call: messages of a type in ``accept``
+    (None: any registered type) with canonical values are encoded in C, every other one
+    by ``fallback`` (which converts it or raises the error)."""
+    return C.encode_many(msgs, accept, fallback)
 
 
 def encode_py(msg: Any) -> bytes:
@@ -334,15 +340,18 @@ def _header(buf: bytes) -> Schema:
     return schema
 
 
-def _build(schema: Schema, scalars: tuple, var: list) -> Any:
-    if schema.in_order:
-        return schema.cls(*scalars, *var)
-    values: list[Any] = [None] * len(schema.names)
-    for i, v in zip(schema.scalar_idx, scalars, strict=True):
-        values[i] = v
-    for i, v in zip(schema.var_idx, var, strict=True):
-        values[i] = v
-    return schema.cls(*values)
+def _build(buf: bytes, schema: Schema, scalars: tuple, var: list) -> Any:
+    values: list[Any] = [*scalars, *var]
+    if not schema.in_order:
+        values = [None] * len(schema.names)
+        for i, v in zip(schema.scalar_idx, scalars, strict=True):
+            values[i] = v
+        for i, v in zip(schema.var_idx, var, strict=True):
+            values[i] = v
+    try:
+        return schema.cls(*values)
+    except ValueError as exc:  # the class's own validation (__post_init__): a bad message too
+        raise _bad(buf, str(exc)) from None
 
 
 def decode(buf: bytes) -> Any:
@@ -350,13 +359,23 @@ def decode(buf: bytes) -> Any:
     malformed (unknown type, schema mismatch, truncated, trailing bytes, bad UTF-8)."""
     if type(buf) is not bytes:
         buf = bytes(buf)
-    schema = _header(buf)
-    scalars = schema.scalars.unpack_from(buf, 8)
     try:
-        var = C.decode(buf, schema.kind_codes, 8 + schema.scalars.size, schema.var_where, np.frombuffer, _I32N, _I64)
+        return C.decode(buf)
     except ValueError as exc:
-        raise _bad(buf, str(exc) if schema.var else "") from None
-    return _build(schema, scalars, var)
+        raise _bad(buf, str(exc)) from None
+
+
+def decode_many(bufs: list[bytes], accept: tuple[type, ...] | None = None) -> tuple[list[Any], int, str | None]:
+    """Decode in order, in one C call, up to the first bad buffer: returns (messages,
+    index of the bad buffer or -1, why). ``why`` is the reason it is malformed (the text
+    ``decode`` puts in its BadMessage), or None when it is a message of a type not in
+    ``accept`` (None: any registered type)."""
+    return C.decode_many(bufs if type(bufs) is list else list(bufs), accept)
+
+
+def bad_message(buf: bytes, why: str) -> BadMessage:
+    """The BadMessage ``decode`` raises for ``buf`` (``why`` from ``decode_many``)."""
+    return _bad(buf, why)
 
 
 def decode_py(buf: bytes) -> Any:
@@ -378,7 +397,7 @@ def decode_py(buf: bytes) -> Any:
         off = end + (-nbytes % 8)
     if off != n:
         raise _bad(buf, f"{schema.cls.__name__}: {n - off} bytes of trailing data")
-    return _build(schema, scalars, var)
+    return _build(buf, schema, scalars, var)
 
 
 def type_of(buf: bytes) -> type | None:

@@ -166,3 +166,103 @@ def same_or_equal(a, b) -> None:
         assert a == b or (a.seconds != a.seconds and b.seconds != b.seconds)
     else:
         same(a, b)
+
+
+@given(st.lists(messages, min_size=1, max_size=6), st.data())
+def test_batch_codec_matches_per_message_reference(msgs, data):
+    from fastkv.ipc.codec import bad_message, decode_many, decode_py, encode_many, encode_py
+
+    bufs = encode_many(msgs)
+    assert bufs == [encode_py(m) for m in msgs]
+    got, bad, why = decode_many(bufs)
+    assert bad == -1 and why is None and len(got) == len(msgs)
+    for a, b in zip(got, msgs, strict=True):
+        same_or_equal(a, decode_py(encode_py(b)))
+    # corrupt one buffer: the batch stops there, naming what the reference names, or goes through
+    k = data.draw(st.integers(0, len(bufs) - 1))
+    i = data.draw(st.integers(0, len(bufs[k]) - 1))
+    corrupt = bytearray(bufs[k])
+    corrupt[i] ^= data.draw(st.integers(1, 255))
+    bufs[k] = bytes(corrupt)
+    got, bad, why = decode_many(bufs)
+    try:
+        decode_py(bufs[k])
+    except BadMessage as exc:
+        assert (bad, len(got)) == (k, k)
+        ours, ref = str(bad_message(bufs[k], why)), str(exc)
+        assert ours.split(":")[:2] == ref.split(":")[:2], (ours, ref)  # "bad message (n bytes): Class.field"
+    else:
+        assert bad == -1 and len(got) == len(bufs)
+
+
+def test_batch_accept_stops_at_another_type():
+    from fastkv.ipc.codec import decode_many, encode_many
+
+    with pytest.raises(TypeError, match="not a registered"):
+        encode_many([DoneMsg(1, 0, True), "text"])
+    bufs = encode_many([DoneMsg(1, 0, True), TaskMsg(2, 1), DoneMsg(3, 0, True)], accept=(DoneMsg, TaskMsg))
+    got, bad, why = decode_many(bufs, (DoneMsg,))
+    assert got == [DoneMsg(1, 0, True)] and (bad, why) == (1, None)
+    assert decode_many(bufs[2:] + [b"x"], (DoneMsg,))[1:] == (1, "shorter than the 8-byte header")
+
+
+def test_values_needing_conversion_take_the_python_path():
+    from fastkv.ipc.codec import decode_py, encode_py
+
+    msgs = [TaskMsg(np.int64(7), CopyKind.STORE, [1, 2], np.array([3, 4], np.uint8)),
+            DoneMsg(1, 0, np.bool_(True), 5, 2, ""),  # numpy bool, int seconds
+            TaskMsg(1, 1, np.arange(6, dtype=np.int32)[::2], np.arange(3, dtype=np.int64))]
+    for msg in msgs:
+        assert encode(msg) == encode_py(msg)
+        same_or_equal(decode(encode(msg)), decode_py(encode_py(msg)))
+
+
+def test_decoded_arrays_own_their_buffer_and_stay_read_only():
+    import gc
+
+    buf = encode(TaskMsg(1, 1, np.array([5, 6, 7], np.int32), np.array([8, 9, 10], np.int32)))
+    msg = decode(bytearray(buf))
+    del buf
+    gc.collect()
+    assert msg.src.tolist() == [5, 6, 7] and msg.dst.tolist() == [8, 9, 10] and msg.src.dtype == np.int32
+    with pytest.raises(ValueError):
+        msg.dst.setflags(write=True)
+    assert msg.src.flags.aligned and msg.src.flags.c_contiguous
+
+
+@message(901)
+@dataclass
+class _PlainMsg:
+    """No slots, scalars after a variable field: the getattr/constructor paths."""
+
+    WIRE: ClassVar[str] = "flag:bool ids:i64[] ratio:f64 name:str small:i32 big:i64"
+    flag: bool
+    ids: np.ndarray
+    ratio: float
+    name: str
+    small: int
+    big: int
+
+
+@given(st.booleans(), st.lists(st.integers(-(2**63), 2**63 - 1), max_size=5), st.floats(allow_nan=False), texts,
+       st.integers(-(2**31), 2**31 - 1), st.integers(-(2**63), 2**63 - 1))
+def test_plain_dataclass_with_every_scalar_kind(flag, ids, ratio, name, small, big):
+    from fastkv.ipc.codec import decode_py, encode_py
+
+    msg = _PlainMsg(flag, np.array(ids, np.int64), ratio, name, small, big)
+    buf = encode(msg)
+    assert buf == encode_py(msg)
+    for got in (decode(buf), decode_py(buf)):
+        assert (got.flag, got.ratio, got.name, got.small, got.big) == (flag, ratio, name, small, big)
+        assert got.ids.dtype == np.int64 and got.ids.tolist() == ids
+
+
+def test_class_validation_on_decode_is_a_bad_message():
+    from fastkv.ipc.codec import decode_py
+
+    plan = PlanMsg(1, ["a"], [np.array([1], np.int32)], [np.array([2], np.int32)], np.array([0], np.int32))
+    plan.num_computed = np.array([0, 0], np.int32)  # inconsistent after construction
+    buf = encode(plan)
+    for dec in (decode, decode_py):
+        with pytest.raises(BadMessage, match="per-request lists differ"):
+            dec(buf)
