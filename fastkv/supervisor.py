@@ -335,7 +335,9 @@ class Supervisor:
         if self.signals is not None:
             self.signals["stop"] = 1
         deadline = time.monotonic() + self.join_timeout_s
-        running = [c.process for c in self.children.values() if c.process.exitcode is None]
+        # a child whose start failed part-way (pid None) has no sentinel and nothing to join
+        started = [c.process for c in self.children.values() if c.process.pid is not None]
+        running = [p for p in started if p.exitcode is None]
         while running and not self._kill_now:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -348,5 +350,5 @@ class Supervisor:
             running = [p for p in running if p.exitcode is None]
         for proc in running:
             proc.kill()
-        for c in self.children.values():
-            c.process.join()
+        for proc in started:
+            proc.join()

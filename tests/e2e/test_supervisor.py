@@ -211,3 +211,26 @@ def test_api_request_stop_and_bad_entry_point(tmp_path):
         Supervisor(spec2, workload2, entry_points={"scheduler": "x:y"})
     with pytest.raises(ValueError, match="does not exist"):
         Supervisor(spec2, tmp_path / "nope.jsonl")
+
+
+def test_a_child_that_fails_to_start_is_reported_and_nothing_leaks(tmp_path, monkeypatch):
+    """A Process.start() that raises (fork/spawn failure) leaves a child entry with no pid:
+    shutdown must skip it (no sentinel, nothing to join), stop the others and unlink everything."""
+    cfg = JobConfig(layers=1, kv_heads=1, head_dim=16, block_size=4, device_blocks=16, host_blocks=0, quick=True,
+                    preemption="recompute", out=str(tmp_path / "out"), heartbeat_s=0.1, dead_after_s=1.0)
+    spec, workload = prepare(cfg, run_id())
+    entries = {role: f"tests.e2e.standins:{role}_main" for role in ("engine", "worker", "transfer")}
+    sup = Supervisor(spec, workload, entry_points=entries, progress=lambda f, t: None)
+    process_class = sup._ctx.Process
+    real_start = process_class.start
+
+    def start(self):
+        if self.name == "fastkv-engine":
+            raise OSError("simulated spawn failure")
+        real_start(self)
+
+    monkeypatch.setattr(process_class, "start", start)  # spawn pickles the process: patch its class
+    with pytest.raises(OSError, match="simulated spawn failure"):
+        sup.run()
+    assert all(c.process.exitcode is not None for c in sup.children.values() if c.process.pid is not None)
+    assert leftovers(spec.run_id) == []
