@@ -29,7 +29,12 @@ RUNNERS = ("synthetic", "tiny")
 STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
 # Per-token prefill cost of the synthetic runner (CPU busy work): recomputing a preempted
 # request then costs time the way it does on a real model.
-DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 20.0}, "tiny": {}}
+# Per-token compute cost of the synthetic runner (CPU busy work): 300 us is what the tiny Paddle
+# decoder costs per token on the development machine, so recomputing a preempted request costs
+# what it would with a real (CPU) model. verify "resumed" checks every block of a request that
+# was restored, preempted or moved, byte for byte, without re-reading every sequence every step.
+DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 300.0, "verify": "resumed"}, "tiny": {}}
+CACHE_POLICIES = ("write_back", "write_through", "write_through_selective")
 QUICK_DEMO = {"conversations": 8, "turns": 3}
 
 
@@ -43,11 +48,14 @@ class JobConfig:
     kv_heads: int = 2  # per rank
     head_dim: int = 64
     dtype: str = "float32"
-    device_blocks: int = 128
+    device_blocks: int = 64  # the demo's conversations need several times this: memory pressure
     host_blocks: int = 1024  # 0 = no host tier
     # "default": lmdb://<out>/store, fresh every run (none without a host tier); "none": no storage tier
     storage: str = "default"
     preemption: str = "offload"
+    # host tier: write_through copies full blocks as they fill, so evicting them never waits for a
+    # copy (write_back makes the request that evicts wait for the block's copy to the host)
+    cache_policy: str = "write_through"
     runner: str = "synthetic"
     workload: str = "demo"  # demo | trace | trace:N | path to a workload.jsonl
     seed: int = 0
@@ -74,6 +82,8 @@ class JobConfig:
                 raise ValueError(f"setting {name!r} must be >= 1, got {getattr(self, name)}")
         if self.host_blocks < 0:
             raise ValueError(f"setting 'host_blocks' must be >= 0, got {self.host_blocks}")
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ValueError(f"setting 'cache_policy' must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"setting 'preemption' must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
         if self.runner not in RUNNERS:
@@ -154,7 +164,8 @@ class JobConfig:
             run_id=run_id, layout=self.layout(), num_device_blocks=self.device_blocks,
             num_host_blocks=self.host_blocks, storage_url=self.storage_url(out_dir), runner=self.runner,
             runner_options={**DEFAULT_RUNNER_OPTIONS[self.runner], **self.runner_options},
-            scheduler=dict(self.scheduler), heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s,
+            cache_policy=self.cache_policy, scheduler=dict(self.scheduler), heartbeat_s=self.heartbeat_s,
+            dead_after_s=self.dead_after_s,
             task_timeout_s=self.task_timeout_s, out_dir=str(out_dir), metrics_port=self.metrics_port,
         )
 
@@ -188,10 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-heads", type=int, help="KV heads per rank (default 2)")
     a("--head-dim", type=int, help="head dimension (default 64)")
     a("--dtype", help="KV dtype (default float32)")
-    a("--device-blocks", type=int, help="device tier capacity in blocks per rank (default 128)")
+    a("--device-blocks", type=int, help="device tier capacity in blocks per rank (default 64)")
     a("--host-blocks", type=int, help="host tier capacity in blocks per rank, 0 = none (default 1024)")
     a("--storage", help="storage URL (lmdb://DIR, redis://HOST:PORT), 'none', or 'default' = lmdb://<out>/store")
     a("--preemption", choices=PREEMPTION_MODES, help="what preempting a request does (default offload)")
+    a("--cache-policy", choices=CACHE_POLICIES, help="when blocks are copied to the host tier (default write_through)")
     a("--runner", choices=RUNNERS, help="reference model runner (default synthetic)")
     a("--workload", help="demo | trace | trace:N | path to a workload.jsonl (default demo)")
     a("--seed", type=int, help="workload seed (default 0)")

@@ -42,7 +42,7 @@ class ConversationConfig:
     system_tokens: int = 256
     user_tokens: tuple[int, int] = (32, 96)  # uniform in [lo, hi]
     reply_tokens: int = 48  # scripted assistant reply inside the next turn's prompt
-    max_new_tokens: int = 64
+    max_new_tokens: int = 192  # decode growth is what forces preemption
     turn_gap_s: float = 0.0  # arrival of turn t = t * turn_gap_s (0: closed loop)
     vocab: int = 1024
     seed: int = 0

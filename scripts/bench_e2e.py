@@ -2,16 +2,21 @@
 """End to end: the demo workload under memory pressure through the whole system (supervisor,
 engine, workers, transfer processes), once per preemption mode, side by side.
 
-Runs (same workload, same capacities, fresh LMDB store each): recompute, offload and storage
-with the host tier on, then recompute with the host tier off (``host_blocks 0``: no host
-prefix cache, no storage tier; offload and storage both stage through the host tier, so they
-cannot run without it). Prints tokens/s, recomputed tokens, time to first token, hit ratio per
-tier and preemptions per run, then, as the LAST line:
+Runs (same workload, same capacities, fresh LMDB store each):
+
+- ``recompute``: preemption by recompute as the prior art does it (FastDeploy's ResourceManagerV1,
+  vLLM v1): prefix reuse only from the device tier (``host_blocks 0``, no storage tier);
+- ``offload`` and ``storage``: fastkv's preemption modes, with the host tier (and LMDB);
+- ``recompute + host cache``: fastkv's recompute beside its host prefix cache, for reference
+  (re-admission swaps the preempted request's full blocks back in; only partial blocks recompute).
+
+Prints tokens/s, recomputed tokens, time to first token, hit ratio per tier and preemptions
+per run, then, as the LAST line:
 
     {"bench": "e2e", "tokens_per_s": {"recompute": ..., "offload": ..., "storage": ...},
      "recomputed_tokens": {...same keys}, "outputs_identical": true|false}
 
-with the host-tier-on runs, and ``outputs_identical`` over every run: every request finished
+with ``outputs_identical`` over every run: every request finished
 with the same tokens whatever the preemption mode and tiers. ``--quick``: the quick demo
 (target: < 3 minutes on the development machine).
 """
@@ -34,7 +39,9 @@ from fastkv.supervisor import Supervisor  # noqa: E402
 MODES = ("recompute", "offload", "storage")
 
 
-RUNS = [(m, m, True) for m in MODES] + [("recompute, no host tier", "recompute", False)]  # (label, mode, host on)
+# (label, preemption mode, host tier on); the first three labels are the JSON keys (MODES)
+RUNS = [("recompute", "recompute", False), ("offload", "offload", True), ("storage", "storage", True),
+        ("recompute + host cache", "recompute", True)]
 
 
 def run_one(base: JobConfig, label: str, mode: str, host: bool, out: Path, entries: dict[str, str]) -> dict:
@@ -80,7 +87,7 @@ def main() -> int:
     try:
         for label, mode, host in RUNS:
             print(f"running {label} ...", flush=True)
-            results[label] = run_one(base, label, mode, host, root / label.replace(", ", "-").replace(" ", "-"),
+            results[label] = run_one(base, label, mode, host, root / label.replace(" + ", "-").replace(" ", "-"),
                                      entries)
     finally:
         if not args.out:

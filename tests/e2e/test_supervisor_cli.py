@@ -25,7 +25,8 @@ def test_defaults_are_the_main_job(tmp_path):
                                                                               "default")
     spec = cfg.to_spec("abc123", tmp_path)
     assert spec.storage_url == f"lmdb://{tmp_path}/store?max_bytes=1G"
-    assert spec.runner_options == {"compute_us_per_token": 20.0}
+    assert spec.runner_options == {"compute_us_per_token": 300.0, "verify": "resumed"}
+    assert spec.cache_policy == "write_through"
     assert RunSpec.from_json(spec.to_json()) == spec
     # Memory pressure: each wave of turns needs more blocks than the device tier has, the last far more.
     for quick in (False, True):
@@ -44,7 +45,7 @@ def test_toml_then_flags(tmp_path):
     assert (cfg.tp, cfg.block_size, cfg.device_blocks, cfg.preemption) == (1, 8, 64, "recompute")
     spec = cfg.to_spec("r1", tmp_path)
     assert spec.storage_url == "" and spec.layout.block_size == 8 and spec.num_device_blocks == 64
-    assert spec.runner_options == {"compute_us_per_token": 20.0, "verify": "all"}
+    assert spec.runner_options == {"compute_us_per_token": 300.0, "verify": "all"}
     demo = cfg.demo_config()
     assert demo.conversations == 3 and demo.user_tokens == (4, 8)
 
@@ -63,6 +64,7 @@ def test_json_config_and_quick(tmp_path):
 
 
 @pytest.mark.parametrize("values, message", [
+    ({"cache_policy": "lru"}, "'cache_policy' must be one of"),
     ({"tp": 0}, "'tp' must be >= 1"),
     ({"tp": "2"}, "'tp' must be of type int"),
     ({"device_blocks": True}, "'device_blocks' must be of type int"),
