@@ -138,6 +138,14 @@ class StoreStats:
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def count_put(self, results: list[bool], payload_bytes: int) -> list[bool]:
+        """Account one put batch (``results`` per key); returns ``results``."""
+        stored = sum(results)
+        self.stored += stored
+        self.store_failed += len(results) - stored
+        self.bytes_written += stored * payload_bytes
+        return results
+
 
 def host_blocks(host: np.ndarray, writable: bool) -> np.ndarray:
     """The host tier as uint8 ``[num_blocks, block_bytes]`` without copying."""

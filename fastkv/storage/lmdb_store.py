@@ -159,11 +159,7 @@ class LMDBStore(StorageBackend):
             chunk = slice(lo, lo + per_txn)
             written = self._put_chunk(keys[chunk], headers[chunk], payloads[chunk])
             results[chunk] = written
-        stored = sum(results)
-        self.stats.stored += stored
-        self.stats.store_failed += len(keys) - stored
-        self.stats.bytes_written += stored * blocks.shape[1]
-        return results
+        return self.stats.count_put(results, blocks.shape[1])
 
     def get(self, keys: Sequence[bytes], host: np.ndarray, block_ids) -> list[bool]:
         blocks = host_blocks(host, writable=True)

@@ -82,11 +82,7 @@ class MooncakeStore(StorageBackend):
             if ret != 0:
                 self.stats.errors += 1
             results.append(ret == 0)
-        stored = sum(results)
-        self.stats.stored += stored
-        self.stats.store_failed += len(keys) - stored
-        self.stats.bytes_written += stored * blocks.shape[1]
-        return results
+        return self.stats.count_put(results, blocks.shape[1])
 
     def get(self, keys: Sequence[bytes], host: np.ndarray, block_ids) -> list[bool]:
         blocks = host_blocks(host, writable=True)

@@ -120,11 +120,7 @@ class RedisStore(StorageBackend):
             for lo in range(0, len(keys), per_pipe):
                 if not self._put_chunk(keys, blocks, ids, lo, lo + per_pipe, results):
                     break
-        stored = sum(results)
-        self.stats.stored += stored
-        self.stats.store_failed += len(keys) - stored
-        self.stats.bytes_written += stored * blocks.shape[1]
-        return results
+        return self.stats.count_put(results, blocks.shape[1])
 
     def get(self, keys: Sequence[bytes], host: np.ndarray, block_ids) -> list[bool]:
         blocks = host_blocks(host, writable=True)
