@@ -106,25 +106,9 @@ class FastDeployEP:
             time.sleep(0.001)
 
 
-class BMQueueEP:
-    def __init__(self, manager: FDManager, name: str) -> None:
-        self.q = getattr(manager, f"queue_{name}")()
+class QueueEP:
+    """A queue endpoint: put per message, blocking get (multiprocessing.Queue or a BaseManager proxy)."""
 
-    def send(self, msg) -> None:
-        self.q.put(msg)
-
-    def send_many(self, msgs) -> None:
-        for m in msgs:
-            self.q.put(m)
-
-    def recv_many(self, timeout: float | None) -> list:
-        try:
-            return [self.q.get(timeout=timeout)]
-        except queue.Empty:
-            return []
-
-
-class MPQueueEP:
     def __init__(self, q) -> None:
         self.q = q
 
@@ -140,6 +124,14 @@ class MPQueueEP:
             return [self.q.get(timeout=timeout)]
         except queue.Empty:
             return []
+
+
+class BMQueueEP(QueueEP):
+    def __init__(self, manager: FDManager, name: str) -> None:
+        super().__init__(getattr(manager, f"queue_{name}")())
+
+
+MPQueueEP = QueueEP
 
 
 class FastKVEP:
