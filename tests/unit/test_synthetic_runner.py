@@ -243,3 +243,20 @@ def test_runner_registry_and_synthetic_needs_no_paddle():
         runner_class("gpt5")
     code = "import sys, fastkv.engine.runners.synthetic; assert 'paddle' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_bfloat16_paddle_caches_from_the_tiers_are_written_in_place():
+    """The device tier hands runners bfloat16 Paddle tensors over shm (fastkv.transfer.tiers);
+    numpy has no bfloat16, so host_view must reinterpret their bits, not reject them."""
+    from fastkv.transfer.tiers import numpy_to_paddle
+
+    lay = layout("bfloat16")
+    k = [np.zeros(lay.device_shape(8), np.uint16) for _ in range(lay.num_layers)]
+    v = [np.zeros(lay.device_shape(8), np.uint16) for _ in range(lay.num_layers)]
+    runner = SyntheticRunner(lay, 0, 1, [numpy_to_paddle(a, "bfloat16") for a in k],
+                             [numpy_to_paddle(a, "bfloat16") for a in v])
+    runner.step(StepPlan(1, [SeqWork(7, np.array([3, 4, 5]), 0, np.array([2]), True)]))
+    want = expected_block(lay, 0, np.array([3, 4, 5]), 0)
+    for layer in range(lay.num_layers):
+        np.testing.assert_array_equal(k[layer][2, :, :3], want[layer, 0, :, :3])
+        np.testing.assert_array_equal(v[layer][2, :, :3], want[layer, 1, :, :3])

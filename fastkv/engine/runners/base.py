@@ -40,7 +40,9 @@ def host_view(tensor: Any) -> np.ndarray | None:
         return tensor
     if not tensor.place.is_cpu_place():
         return None
-    view = np.from_dlpack(tensor)
+    from fastkv.transfer.tiers import paddle_to_numpy  # bfloat16 has no numpy dtype: its bits as uint16
+
+    view = paddle_to_numpy(tensor)
     assert view.ctypes.data == tensor.data_ptr(), "np.from_dlpack copied a CPU Paddle tensor"
     return view
 
