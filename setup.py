@@ -63,7 +63,8 @@ setup(
     # (pyproject.toml); built against numpy 2.x it runs with numpy >= 1.26 too.
     ext_modules=[
         Extension("fastkv._atomics", ["ops/shm_atomics.c"], extra_compile_args=["-O2", "-std=c11"]),
-        Extension("fastkv._codec", ["ops/ipc_codec.c"], include_dirs=[numpy.get_include()],
+        Extension("fastkv._codec", ["ops/ipc_codec.c", "ops/ipc_codec_encode.c", "ops/ipc_codec_decode.c"],
+                  include_dirs=[numpy.get_include()],
                   extra_compile_args=["-O2", "-std=c11"]),
     ],
     entry_points={

@@ -13,10 +13,15 @@ from fastkv.cache.copies import CopyRecord, Purpose
 from fastkv.cache.index import Cause
 from fastkv.cache.plan import CopyPlan
 from fastkv.cache.policy import Tier
-from fastkv.cache.requests import ReqState
+from fastkv.cache.pool import BlockState
+from fastkv.cache.requests import ReqState, Request
+from fastkv.cache.tiering import store, swap_in
 
 if TYPE_CHECKING:
     from fastkv.cache.manager import CacheManager, Completion, Ready
+
+_CACHED = int(BlockState.CACHED)
+_NEVER = 1 << 62  # "no block failed"
 
 
 def finish(mgr: CacheManager, rec: CopyRecord, ok: bool) -> Completion:
@@ -66,10 +71,10 @@ def _progress(mgr: CacheManager, rec: CopyRecord, plans: list[CopyPlan], ready: 
     if req.pending:
         return
     if req.swap_src and req.state is ReqState.RUNNING:
-        plans.append(mgr._swap_in(req))
+        plans.append(swap_in(mgr, req))
     else:
         req.swap_pos = []
-        ready.append(mgr._make_ready(req))
+        ready.append(make_ready(mgr, req))
 
 
 def _set_host_keys(mgr: CacheManager, rec: CopyRecord) -> list[tuple[int, bytes]]:
@@ -97,7 +102,7 @@ def _landed_on_host(mgr: CacheManager, rec: CopyRecord, ok: bool) -> list[CopyPl
         for k in rec.keys:
             mgr._gone_if_last(k, Tier.DEVICE, Cause.COPY_FAILED, skip=Tier.STORAGE)
     if mgr.index.storage and keyed:
-        return mgr._store([hb for hb, _ in keyed], [k for _, k in keyed])
+        return store(mgr, [hb for hb, _ in keyed], [k for _, k in keyed])
     return []
 
 
@@ -138,12 +143,50 @@ def _offloaded(mgr: CacheManager, rec: CopyRecord, ok: bool, offloaded: list, fa
     if req.alive:
         req.pending = 0
         if ok:
-            mgr._finish_offload(req)
+            finish_offload(mgr, req)
             offloaded.append(req.rid)
         else:
             mgr._release_host_refs(req)
             req.state = ReqState.RUNNING
             failed.append(req.rid)
     if mgr.index.storage and keyed:
-        return mgr._store([hb for hb, _ in keyed], [k for _, k in keyed])
+        return store(mgr, [hb for hb, _ in keyed], [k for _, k in keyed])
     return []
+
+
+def make_ready(mgr: CacheManager, req: Request) -> Ready:
+    """All copies ``req`` waited for are done. After a load or restore, key the blocks that
+    arrived, up to the first failed one, and let go of the host copies."""
+    from fastkv.cache.manager import Ready
+
+    if not req.loading:
+        return Ready(req.rid, req.num_computed)
+    req.loading = False
+    bs = mgr.block_size
+    valid = min(req.target_computed, req.fail_block * bs)
+    req.fail_block = _NEVER
+    n_full = min(valid // bs, len(req.keys))
+    dev = mgr.device
+    todo = [i for i in range(req.num_keyed, n_full) if dev.key[req.table[i]] is None]
+    dups = dev.insert_many([req.table[i] for i in todo], [req.keys[i] for i in todo])
+    req.dup_pos += [todo[j] for j in dups]
+    mgr.stats.duplicate_blocks += len(dups)
+    req.num_keyed = max(req.num_keyed, n_full)
+    req.num_computed = valid
+    refs = req.host_refs
+    mgr._release_host_refs(req)
+    if not mgr.policy.host_inclusive:  # write-back keeps the host exclusive
+        host, dlookup = mgr.host, dev.lookup
+        for hb in refs:
+            k = host.key[hb]
+            if k is not None and k in dlookup and host.state[hb] == _CACHED:
+                host.evict(hb)
+    return Ready(req.rid, valid)
+
+
+def finish_offload(mgr: CacheManager, req: Request) -> None:
+    """The offload copy landed (or nothing needed copying): the device blocks go back."""
+    mgr._release_table(req, True)
+    mgr._reserved -= req.reserved
+    req.reserved = 0
+    req.state = ReqState.OFFLOADED

@@ -17,6 +17,9 @@ Life of a request, as the scheduler sees it::
 
 A request may run a step only while it is ready (no copies of its own pending). Three error
 tiers: "not now" is None, a broken contract is ValueError, an internal bug is an assert.
+
+Helpers that take the manager: tiering.py (fresh blocks, evictions, the plans that move keyed
+blocks), offload.py (offload / restore), completions.py (what a finished copy changes).
 """
 from __future__ import annotations
 
@@ -29,16 +32,18 @@ from fastkv.cache.completions import finish
 from fastkv.cache.copies import CopyBook, Purpose
 from fastkv.cache.index import Cause, MatchResult, MissExplanation, MissReason, PrefixIndex
 from fastkv.cache.integrity import check
-from fastkv.cache.keys import ExtraKeys, Namespace, as_tokens, block_keys, private_key, root_key
+from fastkv.cache.keys import ExtraKeys, Namespace, as_tokens, block_keys, root_key
+from fastkv.cache.offload import offload as offload_request
+from fastkv.cache.offload import restore as restore_request
 from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.cache.policy import Policy, Tier
 from fastkv.cache.pool import BlockPool, BlockState
 from fastkv.cache.requests import ReqState, Request
 from fastkv.cache.stats import CacheStats
+from fastkv.cache.tiering import count_hits, host_copies, swap_in, take_device, take_host
 from fastkv.config import KVLayout
 
 _CACHED = int(BlockState.CACHED)
-_NEVER = 1 << 62  # "no block failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,10 +244,10 @@ class CacheManager:
         req.host_refs = host_hits
         plans: list[CopyPlan] = []
         if ns:
-            staged = self._take_host(ns, pinned=True)
+            staged = take_host(self, ns, pinned=True)
             plans.append(self.copies.open(CopyKind.LOAD, Purpose.PREFIX_LOAD, dst=staged, keys=sto_keys, req=req,
                                           positions=list(range(nd + nh, nd + nh + ns))))
-        fresh, wb = self._take_device(n_blocks - nd, req)
+        fresh, wb = take_device(self, n_blocks - nd, req)
         if wb is not None:
             plans.append(wb)
         req.table = dev_hits + fresh
@@ -257,11 +262,11 @@ class CacheManager:
         req.loading = True
         if req.pending == 0:
             if req.swap_pos:
-                plans.append(self._swap_in(req))
+                plans.append(swap_in(self, req))
             else:
                 req.loading = False
         if self.policy.copies_on_hit and nd and self.host.capacity:
-            plans += self._count_hits(req, nd)
+            plans += count_hits(self, req, nd)
         return Allocation(tuple(req.table), nd * bs, (nh + ns) * bs, tuple(plans), req.pending == 0)
 
     def reserve(self, request_id: object, num_tokens: int) -> bool:
@@ -293,7 +298,7 @@ class CacheManager:
                 return None
             req.reserved -= own
             self._reserved -= own
-            new, wb = self._take_device(need, req)
+            new, wb = take_device(self, need, req)
             req.table += new
             if wb is not None:
                 req.pending += 1
@@ -338,7 +343,7 @@ class CacheManager:
         if self.policy.copies_on_insert and self.host.capacity:
             dkey = self.device.key
             mine = [(b, k) for b, k in zip(blocks, keys, strict=True) if dkey[b] is k]
-            return self._host_copies(mine)
+            return host_copies(self, mine)
         return []
 
     def _repair_dups(self, req: Request) -> None:
@@ -404,253 +409,20 @@ class CacheManager:
 
     # ================================================================== preemption
     def offload(self, request_id: object) -> tuple[CopyPlan, ...] | None:
-        """Copy every block holding computed KV (the partial last one too, under a private key)
-        to the host. The device blocks are released when the copy completes
-        (Completion.offloaded). () : nothing needed copying and the request is OFFLOADED now.
-        None: not enough host blocks now."""
-        req = self._get(request_id, ReqState.RUNNING)
-        if req.pending:
-            raise ValueError(f"request {request_id!r} has copies in flight: offload it once ready")
-        host = self.host
-        if not host.capacity:
-            raise ValueError("offload needs a host tier (num_host_blocks > 0)")
-        bs = self.block_size
-        n_blocks = _cdiv(req.num_computed, bs)
-        n_full = min(req.num_computed // bs, len(req.keys))
-        hget, hstate = host.lookup.get, host.state
-        host_table = [-1] * n_blocks
-        for i in range(n_full):
-            hb = hget(req.keys[i])
-            if hb is not None:
-                host_table[i] = hb
-        copy = [i for i in range(n_blocks) if host_table[i] < 0]
-        cached = sum(1 for hb in host_table if hb >= 0 and hstate[hb] == _CACHED)
-        if host.num_available - cached < len(copy):
-            return None
-        for hb in host_table:
-            if hb >= 0:
-                host.incref(hb)
-        fresh = self._take_host(len(copy), pinned=False)
-        keys: list[bytes] = []
-        self._epoch += 1
-        req.private_key = None
-        for i, hb in zip(copy, fresh, strict=True):
-            host_table[i] = hb
-            host.pin(hb)
-            self.device.pin(req.table[i])
-            if i < n_full:
-                keys.append(req.keys[i])
-            else:
-                parent = req.keys[i - 1] if i else req.root
-                req.private_key = private_key(self.namespace, parent, req.rid, self._epoch, [i])
-                req.private_block = hb
-                keys.append(req.private_key)
-        req.host_refs = host_table
-        req.state = ReqState.OFFLOADING
-        self.stats.offloads += 1
-        if not copy:
-            self._finish_offload(req)
-            return ()
-        req.pending = 1
-        src = [req.table[i] for i in copy]
-        return (self.copies.open(CopyKind.SWAP_OUT, Purpose.OFFLOAD, src=src, dst=fresh, keys=keys, req=req),)
-
-    def _finish_offload(self, req: Request) -> None:
-        self._release_table(req, True)
-        self._reserved -= req.reserved
-        req.reserved = 0
-        req.state = ReqState.OFFLOADED
+        """Copy the request's computed KV to the host (see fastkv.cache.offload)."""
+        return offload_request(self, request_id)
 
     def restore(self, request_id: object, reserve_tokens: int = 0) -> Allocation | None:
-        """Bring an OFFLOADED request back: device blocks for all its tokens, swapped in from
-        its host copies (blocks still cached on the device are reused). None: not now."""
-        req = self._get(request_id, ReqState.OFFLOADED)
-        if self._paused:
-            raise ValueError("restore during a weight update")
-        bs = self.block_size
-        n_blocks = _cdiv(req.num_tokens, bs)
-        n_res = _cdiv(req.num_tokens + reserve_tokens, bs) - n_blocks
-        n_full = min(req.num_computed // bs, len(req.keys))
-        dev = self.device
-        table = [-1] * n_blocks
-        dget = dev.lookup.get
-        for i in range(n_full):
-            b = dget(req.keys[i])
-            if b is not None:
-                table[i] = b
-        reused = [b for b in table if b >= 0]
-        cached = sum(1 for b in reused if dev.state[b] == _CACHED)
-        if dev.num_available - cached - self._reserved < n_blocks - len(reused) + n_res:
-            return None
-        for b in reused:
-            dev.incref(b)
-        fresh, wb = self._take_device(n_blocks - len(reused), req)
-        it = iter(fresh)
-        req.table = [b if b >= 0 else next(it) for b in table]
-        req.swap_pos = [i for i in range(len(req.host_refs)) if table[i] < 0]
-        req.swap_src = [req.host_refs[i] for i in req.swap_pos]
-        req.target_computed = req.num_computed
-        req.num_keyed = 0
-        req.loading = True
-        req.state = ReqState.RUNNING
-        req.reserved = n_res
-        self._reserved += n_res
-        self.stats.restores += 1
-        plans = [wb] if wb is not None else []
-        req.pending = len(plans)
-        if not plans:
-            if req.swap_pos:
-                plans.append(self._swap_in(req))
-            else:
-                self._make_ready(req)
-        return Allocation(tuple(req.table), len(reused) * bs, (n_blocks - len(reused)) * bs, tuple(plans),
-                          req.pending == 0)
+        """Bring an OFFLOADED request back onto the device (see fastkv.cache.offload)."""
+        return restore_request(self, request_id, reserve_tokens)
 
     # ================================================================== copies
-    def _take_device(self, n: int, owner: Request) -> tuple[list[int], CopyPlan | None]:
-        """Fresh device blocks for ``owner``; evicted blocks without another copy are written back
-        (WRITE_BACK) in a plan ``owner`` waits for, since it will overwrite them."""
-        victims: list[tuple[int, bytes]] = []
-        blocks = self.device.take_many(n, victims)
-        if not victims:
-            return blocks, None
-        self.stats.device_evictions += len(victims)
-        hlookup, stored = self.host.lookup, self.index.stored
-        if not hlookup and not stored and not self._wb:  # device-only: every victim's key is gone
-            self.stats.dropped_keys += len(victims)
-            self.index.gone_many([k for _, k in victims], Tier.DEVICE, Cause.EVICTED)
-            if self.policy.copies_on_hit:
-                for _, k in victims:
-                    self._hits.pop(k, None)
-            return blocks, None
-        src: list[int] = []
-        keys: list[bytes] = []
-        selective = self._hits if self.policy.copies_on_hit else None
-        for b, k in victims:
-            if selective is not None:
-                selective.pop(k, None)
-            if k in hlookup:
-                continue
-            if self._wb:
-                src.append(b)
-                keys.append(k)
-            elif k not in stored:
-                self._gone(k, Tier.DEVICE, Cause.EVICTED)
-        if not src:
-            return blocks, None
-        dst = self._take_host(len(src), pinned=True, partial=True)
-        for k in keys[len(dst):]:
-            self.stats.skipped_copies += 1
-            if k not in stored:
-                self._gone(k, Tier.DEVICE, Cause.NO_HOST_ROOM)
-        if not dst:
-            return blocks, None
-        src, keys = src[:len(dst)], keys[:len(dst)]
-        for b in src:
-            self.device.pin(b)
-        return blocks, self.copies.open(CopyKind.SWAP_OUT, Purpose.WRITE_BACK, src=src, dst=dst, keys=keys, req=owner)
-
-    def _take_host(self, n: int, pinned: bool, partial: bool = False) -> list[int]:
-        """``n`` host blocks (fewer if ``partial`` and the host is short), evicting LRU ones."""
-        host = self.host
-        if partial:
-            n = min(n, host.num_available)
-        victims: list[tuple[int, bytes]] = []
-        take = host.take_pinned if pinned else host.take
-        blocks = [take(victims) for _ in range(n)]
-        assert all(b >= 0 for b in blocks), "host take ran out after the availability check"
-        if victims:
-            self.stats.host_evictions += len(victims)
-            dlookup, stored = self.device.lookup, self.index.stored
-            for _, k in victims:
-                if k not in dlookup and k not in stored:
-                    self._gone(k, Tier.HOST, Cause.EVICTED)
-        return blocks
-
-    def _host_copies(self, pairs: list[tuple[int, bytes]]) -> list[CopyPlan]:
-        """Write-through: copy keyed device blocks to the host (skipping keys it has or gets)."""
-        hlookup, inflight = self.host.lookup, self.copies.inflight
-        pairs = [(b, k) for b, k in pairs if k not in hlookup and k not in inflight]
-        if not pairs:
-            return []
-        dst = self._take_host(len(pairs), pinned=True, partial=True)
-        self.stats.skipped_copies += len(pairs) - len(dst)
-        if not dst:
-            return []
-        src = [b for b, _ in pairs[:len(dst)]]
-        for b in src:
-            self.device.pin(b)
-        keys = [k for _, k in pairs[:len(dst)]]
-        return [self.copies.open(CopyKind.SWAP_OUT, Purpose.WRITE_THROUGH, src=src, dst=dst, keys=keys)]
-
-    def _count_hits(self, req: Request, nd: int) -> list[CopyPlan]:
-        hits, threshold, hot = self._hits, self.config.selective_hits, []
-        for i in range(nd):
-            k = req.keys[i]
-            c = hits.get(k, 0) + 1
-            hits[k] = c
-            if c == threshold:
-                hot.append((req.table[i], k))
-        return self._host_copies(hot) if hot else []
-
-    def _swap_in(self, req: Request) -> CopyPlan:
-        """Phase two of a prefix hit or a restore: host -> device, once loads and write-backs
-        of this request are done (its SWAP_IN may overwrite a block a write-back was reading)."""
-        dst = [req.table[i] for i in req.swap_pos[:len(req.swap_src)]]
-        for b in req.swap_src:
-            self.host.pin(b)
-        for b in dst:
-            self.device.pin(b)
-        req.pending += 1
-        plan = self.copies.open(CopyKind.SWAP_IN, Purpose.SWAP_IN, src=req.swap_src, dst=dst, req=req,
-                                positions=req.swap_pos[:len(dst)])
-        req.swap_src = []
-        req.swap_pos = []
-        return plan
-
-    def _store(self, blocks: list[int], keys: list[bytes]) -> list[CopyPlan]:
-        stored = self.index.stored
-        pairs = [(b, k) for b, k in zip(blocks, keys, strict=True) if k not in stored]
-        if not pairs:
-            return []
-        for b, _ in pairs:
-            self.host.pin(b)
-        return [self.copies.open(CopyKind.STORE, Purpose.STORE, src=[b for b, _ in pairs],
-                                 keys=[k for _, k in pairs])]
-
     def complete(self, plan: CopyPlan, ok: bool) -> Completion:
         """A copy finished on every rank (``ok``) or failed on one. Returns what follows."""
         rec = self.copies.close(plan)
         if not ok:
             self.stats.failed_copies += 1
         return finish(self, rec, bool(ok))
-
-    def _make_ready(self, req: Request) -> Ready:
-        """All copies ``req`` waited for are done. After a load or restore, key the blocks that
-        arrived, up to the first failed one, and let go of the host copies."""
-        if not req.loading:
-            return Ready(req.rid, req.num_computed)
-        req.loading = False
-        bs = self.block_size
-        valid = min(req.target_computed, req.fail_block * bs)
-        req.fail_block = _NEVER
-        n_full = min(valid // bs, len(req.keys))
-        dev = self.device
-        todo = [i for i in range(req.num_keyed, n_full) if dev.key[req.table[i]] is None]
-        dups = dev.insert_many([req.table[i] for i in todo], [req.keys[i] for i in todo])
-        req.dup_pos += [todo[j] for j in dups]
-        self.stats.duplicate_blocks += len(dups)
-        req.num_keyed = max(req.num_keyed, n_full)
-        req.num_computed = valid
-        refs = req.host_refs
-        self._release_host_refs(req)
-        if not self.policy.host_inclusive:  # write-back keeps the host exclusive
-            host, dlookup = self.host, dev.lookup
-            for hb in refs:
-                k = host.key[hb]
-                if k is not None and k in dlookup and host.state[hb] == _CACHED:
-                    host.evict(hb)
-        return Ready(req.rid, valid)
 
     # ================================================================== bookkeeping
     def _gone(self, key: bytes, tier: Tier, cause: Cause) -> None:

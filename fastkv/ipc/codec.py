@@ -266,7 +266,7 @@ def _dec_ragged(buf: bytes, off: int, count: int, nbytes: int, where: str) -> An
     return [values[bounds[j]:bounds[j + 1]] for j in range(count)]
 
 
-_KIND_CODES = {"i32[]": 1, "i64[]": 2, "bytes": 3, "str": 4, "bytes[]": 5, "str[]": 6, "i32[][]": 7,  # ops/ipc_codec.c
+_KIND_CODES = {"i32[]": 1, "i64[]": 2, "bytes": 3, "str": 4, "bytes[]": 5, "str[]": 6, "i32[][]": 7,  # ops/ipc_codec.h
                "i64": 11, "i32": 12, "f64": 13, "bool": 14}
 _CODERS = {
     "i32[]": (_enc_i32, _dec_i32),

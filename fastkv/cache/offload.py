@@ -1,0 +1,129 @@
+"""Preemption by copy: offload a request's KV to the host, restore it onto the device later.
+
+``offload`` copies every block holding computed KV to the host (the partial last block under a
+private key, so that no other request can match it); the request is OFFLOADING until the copy
+completes, then OFFLOADED with no device blocks. ``restore`` gives it device blocks again,
+reusing those of its keys still cached on the device and swapping in the rest from its host
+copies. CacheManager.offload / restore delegate here; completions.py finishes the copies.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fastkv.cache.completions import finish_offload, make_ready
+from fastkv.cache.copies import Purpose
+from fastkv.cache.keys import private_key
+from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.pool import BlockState
+from fastkv.cache.requests import ReqState
+from fastkv.cache.tiering import swap_in, take_device, take_host
+
+if TYPE_CHECKING:
+    from fastkv.cache.manager import Allocation, CacheManager
+
+_CACHED = int(BlockState.CACHED)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def offload(mgr: CacheManager, request_id: object) -> tuple[CopyPlan, ...] | None:
+    """Copy every block holding computed KV (the partial last one too, under a private key)
+    to the host. The device blocks are released when the copy completes
+    (Completion.offloaded). () : nothing needed copying and the request is OFFLOADED now.
+    None: not enough host blocks now."""
+    req = mgr._get(request_id, ReqState.RUNNING)
+    if req.pending:
+        raise ValueError(f"request {request_id!r} has copies in flight: offload it once ready")
+    host = mgr.host
+    if not host.capacity:
+        raise ValueError("offload needs a host tier (num_host_blocks > 0)")
+    bs = mgr.block_size
+    n_blocks = _cdiv(req.num_computed, bs)
+    n_full = min(req.num_computed // bs, len(req.keys))
+    hget, hstate = host.lookup.get, host.state
+    host_table = [-1] * n_blocks
+    for i in range(n_full):
+        hb = hget(req.keys[i])
+        if hb is not None:
+            host_table[i] = hb
+    copy = [i for i in range(n_blocks) if host_table[i] < 0]
+    cached = sum(1 for hb in host_table if hb >= 0 and hstate[hb] == _CACHED)
+    if host.num_available - cached < len(copy):
+        return None
+    for hb in host_table:
+        if hb >= 0:
+            host.incref(hb)
+    fresh = take_host(mgr, len(copy), pinned=False)
+    keys: list[bytes] = []
+    mgr._epoch += 1
+    req.private_key = None
+    for i, hb in zip(copy, fresh, strict=True):
+        host_table[i] = hb
+        host.pin(hb)
+        mgr.device.pin(req.table[i])
+        if i < n_full:
+            keys.append(req.keys[i])
+        else:
+            parent = req.keys[i - 1] if i else req.root
+            req.private_key = private_key(mgr.namespace, parent, req.rid, mgr._epoch, [i])
+            req.private_block = hb
+            keys.append(req.private_key)
+    req.host_refs = host_table
+    req.state = ReqState.OFFLOADING
+    mgr.stats.offloads += 1
+    if not copy:
+        finish_offload(mgr, req)
+        return ()
+    req.pending = 1
+    src = [req.table[i] for i in copy]
+    return (mgr.copies.open(CopyKind.SWAP_OUT, Purpose.OFFLOAD, src=src, dst=fresh, keys=keys, req=req),)
+
+
+def restore(mgr: CacheManager, request_id: object, reserve_tokens: int = 0) -> Allocation | None:
+    """Bring an OFFLOADED request back: device blocks for all its tokens, swapped in from
+    its host copies (blocks still cached on the device are reused). None: not now."""
+    from fastkv.cache.manager import Allocation
+
+    req = mgr._get(request_id, ReqState.OFFLOADED)
+    if mgr._paused:
+        raise ValueError("restore during a weight update")
+    bs = mgr.block_size
+    n_blocks = _cdiv(req.num_tokens, bs)
+    n_res = _cdiv(req.num_tokens + reserve_tokens, bs) - n_blocks
+    n_full = min(req.num_computed // bs, len(req.keys))
+    dev = mgr.device
+    table = [-1] * n_blocks
+    dget = dev.lookup.get
+    for i in range(n_full):
+        b = dget(req.keys[i])
+        if b is not None:
+            table[i] = b
+    reused = [b for b in table if b >= 0]
+    cached = sum(1 for b in reused if dev.state[b] == _CACHED)
+    if dev.num_available - cached - mgr._reserved < n_blocks - len(reused) + n_res:
+        return None
+    for b in reused:
+        dev.incref(b)
+    fresh, wb = take_device(mgr, n_blocks - len(reused), req)
+    it = iter(fresh)
+    req.table = [b if b >= 0 else next(it) for b in table]
+    req.swap_pos = [i for i in range(len(req.host_refs)) if table[i] < 0]
+    req.swap_src = [req.host_refs[i] for i in req.swap_pos]
+    req.target_computed = req.num_computed
+    req.num_keyed = 0
+    req.loading = True
+    req.state = ReqState.RUNNING
+    req.reserved = n_res
+    mgr._reserved += n_res
+    mgr.stats.restores += 1
+    plans = [wb] if wb is not None else []
+    req.pending = len(plans)
+    if not plans:
+        if req.swap_pos:
+            plans.append(swap_in(mgr, req))
+        else:
+            make_ready(mgr, req)
+    return Allocation(tuple(req.table), len(reused) * bs, (n_blocks - len(reused)) * bs, tuple(plans),
+                      req.pending == 0)
