@@ -64,7 +64,7 @@ setup(
     ext_modules=[
         Extension("fastkv._atomics", ["ops/shm_atomics.c"], extra_compile_args=["-O2", "-std=c11"]),
         Extension("fastkv._codec", ["ops/ipc_codec.c", "ops/ipc_codec_encode.c", "ops/ipc_codec_decode.c"],
-                  include_dirs=[numpy.get_include()],
+                  depends=["ops/ipc_codec.h"], include_dirs=[numpy.get_include()],
                   extra_compile_args=["-O2", "-std=c11"]),
     ],
     entry_points={
