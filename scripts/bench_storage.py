@@ -16,9 +16,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastkv.config import KVLayout  # noqa: E402
 from fastkv.storage import StorageBackend, namespace_fingerprint, open_store  # noqa: E402
+from fastkv.storage.local_redis import LocalRedis  # noqa: E402
 
 LAYOUTS = {
     # 64-token blocks across 8 layers: 2 MiB per block (the reference block).
@@ -38,34 +37,6 @@ LAYOUTS = {
     "small": KVLayout(num_layers=2, kv_heads=4, block_size=64, head_dim=128, dtype="bfloat16"),
 }
 BATCHES = (1, 64)
-
-
-def start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server not found: install it or pass --redis-url")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    import redis
-
-    client = redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.RedisError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise SystemExit(f"redis-server did not start on port {port}") from None
-            time.sleep(0.05)
-    client.close()
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def measure(store: StorageBackend, host: np.ndarray, out: np.ndarray, batch: int, rounds: int) -> tuple[float, float]:
@@ -117,7 +88,7 @@ def main() -> None:
     out = np.zeros_like(host)
     namespace = namespace_fingerprint("bench", layout.describe())
     workdir = tempfile.mkdtemp(prefix="fkv-bench-storage-", dir=args.tmpdir)
-    redis_proc = None
+    server: LocalRedis | None = None
     results: dict[tuple[str, int], tuple[float, float]] = {}
     try:
         for backend in backends:
@@ -125,16 +96,20 @@ def main() -> None:
                 # Room for one round plus what the freed pages of earlier rounds pin.
                 url = f"lmdb://{workdir}/lmdb?max_bytes={4 * host.nbytes}"
             else:
-                if args.redis_url is None and redis_proc is None:
-                    redis_proc, args.redis_url = start_redis(workdir)
+                if args.redis_url is None and server is None:
+                    try:
+                        server = LocalRedis(workdir)
+                    except FileNotFoundError as exc:
+                        raise SystemExit(f"{exc}, or pass --redis-url") from None
+                    server.start()
+                    args.redis_url = server.url
                 url = f"{args.redis_url}{'&' if '?' in args.redis_url else '?'}timeout=10"
             with open_store(url, namespace) as store:
                 for batch in BATCHES:
                     results[backend, batch] = measure(store, host, out, batch, rounds)
     finally:
-        if redis_proc is not None:
-            redis_proc.kill()
-            redis_proc.wait()
+        if server is not None:
+            server.kill()
         shutil.rmtree(workdir, ignore_errors=True)
 
     print(f"storage tier, {layout.block_bytes / (1 << 20):g} MiB blocks ({layout.describe()}), "

@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-import redis
 
 from fastkv.config import KVLayout
 from fastkv.storage.base import namespace_fingerprint
+from fastkv.storage.local_redis import LocalRedis
 
 REDIS_BIN = shutil.which("redis-server")
 # 2 layers x K/V x 2 heads x 4 tokens x 8 dims x bf16 = 512 bytes per block: fast examples.
@@ -35,64 +31,11 @@ def require_redis() -> str:
     return REDIS_BIN
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A redis-server on 127.0.0.1 that a test can kill, stop and restart on the same port."""
+class RedisServer(LocalRedis):
+    """A ``LocalRedis`` that skips the test (locally) or fails it (CI) when redis-server is missing."""
 
     def __init__(self, workdir: Path, password: str | None = None) -> None:
-        self.binary = require_redis()
-        self.workdir = workdir
-        self.password = password
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        assert self.proc is None, "redis-server already running"
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(self.workdir), "--logfile", str(self.workdir / "redis.log")]
-        if self.password:
-            args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port, password=self.password, socket_timeout=0.5, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.RedisError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    log = (self.workdir / "redis.log").read_text() if (self.workdir / "redis.log").exists() else ""
-                    self.kill()
-                    raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log[-2000:]}") from None
-                time.sleep(0.02)
-            finally:
-                client.close()
-
-    def kill(self) -> None:
-        """SIGKILL: the server dies without closing anything."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-    def pause(self) -> None:
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, password=self.password, socket_timeout=2)
+        super().__init__(workdir, password, binary=require_redis())
 
 
 @pytest.fixture(scope="session")
