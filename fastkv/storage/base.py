@@ -138,6 +138,14 @@ class StoreStats:
     def snapshot(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def count_get(self, results: list[bool], payload_bytes: int) -> list[bool]:
+        """Account one get batch (``results`` per key); returns ``results``."""
+        hits = sum(results)
+        self.hits += hits
+        self.misses += len(results) - hits
+        self.bytes_read += hits * payload_bytes
+        return results
+
     def count_put(self, results: list[bool], payload_bytes: int) -> list[bool]:
         """Account one put batch (``results`` per key); returns ``results``."""
         stored = sum(results)

@@ -184,10 +184,7 @@ class LMDBStore(StorageBackend):
                     results[i] = True
         except lmdb.Error as e:
             self._failed("get", e)  # blocks copied before the error stay loaded and True
-        hits = sum(results)
-        self.stats.hits += hits
-        self.stats.misses += len(keys) - hits
-        self.stats.bytes_read += hits * payload_bytes
+        self.stats.count_get(results, payload_bytes)
         tick = self._tick()
         for k, ok in zip(keys, results, strict=True):
             if ok:

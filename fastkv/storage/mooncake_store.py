@@ -100,11 +100,7 @@ class MooncakeStore(StorageBackend):
                 continue
             blocks[b] = np.frombuffer(value, np.uint8, blocks.shape[1], HEADER_BYTES)
             results[i] = True
-        hits = sum(results)
-        self.stats.hits += hits
-        self.stats.misses += len(keys) - hits
-        self.stats.bytes_read += hits * blocks.shape[1]
-        return results
+        return self.stats.count_get(results, blocks.shape[1])
 
     def delete(self, keys: Sequence[bytes]) -> None:
         check_keys(keys)

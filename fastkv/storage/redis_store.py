@@ -131,11 +131,7 @@ class RedisStore(StorageBackend):
             for lo in range(0, len(keys), per_pipe):
                 if not self._get_chunk(keys, blocks, ids, lo, lo + per_pipe, results):
                     break
-        hits = sum(results)
-        self.stats.hits += hits
-        self.stats.misses += len(keys) - hits
-        self.stats.bytes_read += hits * blocks.shape[1]
-        return results
+        return self.stats.count_get(results, blocks.shape[1])
 
     def delete(self, keys: Sequence[bytes]) -> None:
         check_keys(keys)
