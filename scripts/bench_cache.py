@@ -58,24 +58,31 @@ def tokens_of(ids: list[int], length: int) -> np.ndarray:
     return (np.asarray(ids, dtype=np.int64)[:, None] * 512 + _POS).ravel()[:length].astype(np.int32)
 
 
+def lru_match_touch(lru: OrderedDict, keys: list, limit: int, capacity: int, children_first: bool = False) -> int:
+    """Length of the leading run of ``keys[:limit]`` present in ``lru``; then touch every key
+    (insert, evicting the least recently used past ``capacity``), last to first when
+    ``children_first`` so that a prefix outlives its extensions."""
+    k = 0
+    while k < limit and keys[k] in lru:
+        k += 1
+    for key in reversed(keys) if children_first else keys:
+        if key in lru:
+            lru.move_to_end(key)
+        else:
+            lru[key] = None
+            if len(lru) > capacity:
+                lru.popitem(last=False)
+    return k
+
+
 def reference_lru(reqs: list[tuple[list[int], int]], capacity: int) -> float:
     """The README's method: 512-token LRU, a request hits its leading run, then all ids are touched."""
     lru: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
     for ids, length in reqs:
-        n = len(ids)
-        k = 0
-        while k < n and ids[k] in lru:
-            k += 1
-        hit += 512 * k if k < n else length
+        k = lru_match_touch(lru, ids, len(ids), capacity)
+        hit += 512 * k if k < len(ids) else length
         total += length
-        for h in ids:
-            if h in lru:
-                lru.move_to_end(h)
-            else:
-                lru[h] = None
-                if len(lru) > capacity:
-                    lru.popitem(last=False)
     return hit / total
 
 
@@ -120,17 +127,7 @@ def replay_floor(reqs, capacity: int) -> tuple[float, float]:
         for off in range(0, (length // BLOCK) * step, step):
             key = hashlib.sha256(key + data[off:off + step]).digest()
             keys.append(key)
-        k = 0
-        limit = (length - 1) // BLOCK
-        while k < limit and keys[k] in lru:
-            k += 1
-        for key in reversed(keys):
-            if key in lru:
-                lru.move_to_end(key)
-            else:
-                lru[key] = None
-                if len(lru) > capacity:
-                    lru.popitem(last=False)
+        k = lru_match_touch(lru, keys, (length - 1) // BLOCK, capacity, children_first=True)
         spent += clock() - t0
         hit += k * BLOCK
         total += length
