@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from fastkv.sched import Scheduler
 
 TIERS = ("device", "host", "storage")
-STATES = ("free", "allocated", "cached", "in_flight")
 MODES = ("recompute", "offload", "storage")
 _LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _SAMPLES = 1 << 20  # raw latencies kept for exact percentiles (the most recent ones)

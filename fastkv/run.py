@@ -29,8 +29,6 @@ from typing import Any, NamedTuple
 from fastkv.config import KVLayout
 from fastkv.ipc import Channel, DoneMsg, Doorbell, Inbox, Namespace, OutputMsg, PlanMsg, SignalArray, TaskMsg
 
-ROLES = ("engine", "worker", "transfer")
-
 
 @dataclass(frozen=True)
 class RunSpec:

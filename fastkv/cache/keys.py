@@ -118,8 +118,6 @@ class ExtraKeys:
         return extras
 
 
-NO_EXTRAS = ExtraKeys()
-
 
 def root_key(ns: Namespace, extra: ExtraKeys | None = None) -> bytes:
     data = ns.fingerprint + (extra.root_bytes() if extra is not None else b"")

@@ -12,10 +12,6 @@ class ReqState(IntEnum):
     OFFLOADING = 2  # its blocks are being copied to the host
     OFFLOADED = 3  # host blocks only; restore() brings it back
 
-    @property
-    def on_device(self) -> bool:
-        return self is not ReqState.OFFLOADED
-
 
 @dataclass(slots=True, eq=False)
 class Request:

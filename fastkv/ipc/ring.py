@@ -190,12 +190,6 @@ class Ring:
         if self._pin is None:
             raise ChannelClosed(f"ring {self.local!r} is closed in this process")
 
-    @property
-    def closed_by(self) -> int:
-        """Closed bits: 1 producer closed, 2 consumer closed."""
-        self._check_open()
-        return A.load(self.hdr + OFF_CLOSED)
-
     # -- state -------------------------------------------------------------------------
     def used(self) -> int:
         self._check_open()
