@@ -1,7 +1,7 @@
 """Session-wide test policy.
 
-* Hypothesis: the ``ci`` profile (selected when CI is set) runs 500 examples per
-  property or state machine; the ``dev`` profile runs 60 so a local run stays quick.
+* Hypothesis: the ``ci`` profile (selected when CI is set) runs a fixed (derandomized) set of
+  500 examples per property or state machine; the ``dev`` profile runs 60 fresh random ones.
 * Leaks: every fastkv shared-memory object and semaphore is named ``fkv*`` and lives in
   /dev/shm (semaphores as ``sem.fkv*``). The session fails if any is left behind, so a
   test or shutdown path that leaks, even after SIGKILL, is caught.
@@ -15,7 +15,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "ci", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    # derandomize: CI runs the same 500 examples on every run, so a rare case a local run finds
+    # is reported with its example instead of turning CI red at random; dev runs keep exploring
+    "ci", max_examples=500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
     "dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
