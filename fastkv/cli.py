@@ -286,8 +286,12 @@ def main(argv: list[str] | None = None) -> int:
         entries = _entries(args.entry)
         cfg = JobConfig.from_sources(args.config, _flags(args))
         spec, workload = prepare(cfg, args.run_id)
+        if spec.storage_url:  # a tier that cannot open would only be logged by the transfer processes
+            from fastkv.storage import probe_store
+
+            probe_store(spec.storage_url, spec.tp_size)
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")  # one line: the usage is no help here
     from fastkv import report
     from fastkv.supervisor import Supervisor
 
