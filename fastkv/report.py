@@ -3,10 +3,12 @@
 Reads ``<out_dir>/summary.json`` (required) and ``<out_dir>/results.jsonl`` (optional: per
 request TTFT and latency percentiles, finish reasons). Both formats are the engine's, as
 fixed in SEAMS: summary keys ``SUMMARY_KEYS``; a results line ``{"id", "output", "finish",
-"ttft_s", "latency_s", "preemptions", "recomputed_tokens"}``.
+"ttft_s", "latency_s", "preemptions", "recomputed_tokens", "reason"}`` (reason: why a "rejected"
+request never ran).
 
-report.json = the summary plus ``ttft_s`` / ``latency_s`` percentiles, ``finish`` counts and
-``requests_preempted``. report.png: throughput over time, hit ratio per tier, preemptions by mode.
+report.json = the summary plus ``ttft_s`` / ``latency_s`` percentiles, ``finish`` counts,
+``requests_preempted`` and ``rejected`` (id -> reason of each request that never ran).
+report.png: throughput over time, hit ratio per tier, preemptions by mode.
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ def build(summary: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, A
         finish[r["finish"]] = finish.get(r["finish"], 0) + 1
     data["finish"] = finish
     data["requests_preempted"] = sum(1 for r in results if r.get("preemptions"))
+    data["rejected"] = {r["id"]: r.get("reason", "") for r in results if r["finish"] == "rejected"}
     return data
 
 
@@ -89,6 +92,10 @@ def table(data: dict[str, Any]) -> str:
         ("step time", f"p50 {data['step_ms_p50']:.2f} ms, p99 {data['step_ms_p99']:.2f} ms"),
         ("copy task time", f"p50 {data['task_ms_p50']:.2f} ms"),
     ]
+    rejected = list(data.get("rejected", {}).items())
+    if rejected:  # the user must see which requests never ran, and why
+        more = f"; {len(rejected) - 3} more in results.jsonl" if len(rejected) > 3 else ""
+        rows.insert(1, ("rejected", "; ".join(f"{rid}: {why}" for rid, why in rejected[:3]) + more))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
