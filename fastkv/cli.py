@@ -339,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130 if "SIGINT" in result.message else 143 if "SIGTERM" in result.message else 1
     rep = report.write(spec.out_dir, title=f"fastkv {cfg.workload}, preemption {cfg.preemption}")
     print(rep.table)
+    if faults := report.storage_faults(rep.data):  # the run degraded to recompute: say so, not only in a log
+        print(f"fastkv-supervisor: warning: storage tier {spec.storage_url} failed during the run: {faults} "
+              f"(see {spec.out_dir}/logs)", file=sys.stderr)
     print(f"report: {rep.json_path}\nplot:   {rep.png_path}")
     return 0
 

@@ -88,6 +88,7 @@ def table(data: dict[str, Any]) -> str:
         ("preemptions", _fmt_counts(data["preemptions"]) + f"  ({data.get('requests_preempted', 0)} requests)"),
         ("recomputed tokens", f"{data['recomputed_tokens']}"),
         ("hit ratio", ", ".join(f"{t} {100 * data['hit_ratio'][t]:.1f}%" for t in TIERS)),
+        ("storage faults", storage_faults(data) or "none"),
         ("copy bandwidth", f"{data['copy_gbps']:.2f} GB/s"),
         ("step time", f"p50 {data['step_ms_p50']:.2f} ms, p99 {data['step_ms_p99']:.2f} ms"),
         ("copy task time", f"p50 {data['task_ms_p50']:.2f} ms"),
@@ -98,6 +99,14 @@ def table(data: dict[str, Any]) -> str:
         rows.insert(1, ("rejected", "; ".join(f"{rid}: {why}" for rid, why in rejected[:3]) + more))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def storage_faults(data: dict[str, Any]) -> str:
+    """The storage tier's faults of a run in words ('' if none, or not recorded)."""
+    counts = [(data.get(k, 0), what) for k, what in (("storage_errors", "failed operations"),
+                                                      ("corrupt_values", "corrupt values"),
+                                                      ("recomputed_because_storage", "tokens recomputed"))]
+    return ", ".join(f"{n} {what}" for n, what in counts) if any(n for n, _ in counts) else ""
 
 
 def _fmt_counts(counts: dict[str, Any]) -> str:

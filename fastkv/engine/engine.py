@@ -115,6 +115,10 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         "seconds": seconds,
         "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
         **engine.metrics.summary(),
+        # Storage faults (a tier that fails mid-run degrades to recompute; these say how much).
+        "storage_errors": engine.ends.signals["storage.errors"],
+        "corrupt_values": engine.ends.signals["storage.corrupt"],
+        "recomputed_because_storage": engine.cache.stats.storage_lost_tokens,
         "timeline": timeline,
     }
 
