@@ -36,6 +36,8 @@ STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
 DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 300.0, "verify": "resumed"}, "tiny": {}}
 CACHE_POLICIES = ("write_back", "write_through", "write_through_selective")
 QUICK_DEMO = {"conversations": 8, "turns": 3}
+DEMO_DEVICE_BLOCKS = 64  # the demo's conversations need several times this: memory pressure
+RUNNER_VOCAB = 1024  # both reference runners' default vocab (runner option "vocab", tiny: config.vocab)
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ class JobConfig:
     kv_heads: int = 2  # per rank
     head_dim: int = 64
     dtype: str = "float32"
-    device_blocks: int = 64  # the demo's conversations need several times this: memory pressure
+    # 0: the workload's default: DEMO_DEVICE_BLOCKS, or for the trace room for its longest request
+    device_blocks: int = 0
     host_blocks: int = 1024  # 0 = no host tier
     # "default": lmdb://<out>/store, fresh every run (none without a host tier); "none": no storage tier
     storage: str = "default"
@@ -77,11 +80,12 @@ class JobConfig:
                 kind is float and isinstance(value, int) and not isinstance(value, bool))
             if not ok:
                 raise ValueError(f"setting {f.name!r} must be of type {kind.__name__}, got {value!r}")
-        for name in ("tp", "block_size", "layers", "kv_heads", "head_dim", "device_blocks"):
+        for name in ("tp", "block_size", "layers", "kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"setting {name!r} must be >= 1, got {getattr(self, name)}")
-        if self.host_blocks < 0:
-            raise ValueError(f"setting 'host_blocks' must be >= 0, got {self.host_blocks}")
+        for name in ("device_blocks", "host_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
         if self.cache_policy not in CACHE_POLICIES:
             raise ValueError(f"setting 'cache_policy' must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
         if self.preemption not in PREEMPTION_MODES:
@@ -116,6 +120,26 @@ class JobConfig:
             count = self.workload[len("trace:"):]
             if not count.isdigit() or int(count) < 1:
                 raise ValueError(f"workload 'trace:N' needs a positive request count, got {self.workload!r}")
+        if not self.device_blocks:
+            object.__setattr__(self, "device_blocks", self._default_device_blocks())
+
+    def _default_device_blocks(self) -> int:
+        """The demo's device tier is small on purpose. The trace's prompts reach thousands of
+        tokens: its tier holds the longest request of the slice (prompt and output), so every
+        request runs to its end and the pressure comes from requests running side by side,
+        as in the trace, rather than from requests that could never run."""
+        if not self._is_trace():
+            return DEMO_DEVICE_BLOCKS
+        longest = max(len(r["prompt"]) + r["max_new_tokens"] for r in self.requests())
+        return max(DEMO_DEVICE_BLOCKS, -(-longest // self.block_size))
+
+    def _is_trace(self) -> bool:
+        return self.workload == "trace" or self.workload.startswith("trace:")
+
+    def vocab(self) -> int:
+        """The runner's vocab: every token id of the workload must be below it."""
+        opts = self.runner_options.get("config", {}) if self.runner == "tiny" else self.runner_options
+        return opts.get("vocab", RUNNER_VOCAB) if isinstance(opts, dict) else RUNNER_VOCAB
 
     @classmethod
     def from_sources(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
@@ -150,12 +174,16 @@ class JobConfig:
     def requests(self) -> list[dict[str, Any]]:
         from fastkv import demo
 
+        if self.workload != "demo" and not self._is_trace():
+            return demo.read_workload(self.workload, self.vocab())
         if self.workload == "demo":
-            return demo.conversations(self.demo_config())
-        if self.workload == "trace" or self.workload.startswith("trace:"):
+            requests = demo.conversations(self.demo_config())
+        else:
             n = int(self.workload[6:]) if ":" in self.workload else (16 if self.quick else 48)
-            return demo.trace(n, seed=self.seed, vocab=self.demo_config().vocab)
-        return demo.read_workload(self.workload)
+            requests = demo.trace(n, seed=self.seed, vocab=self.demo_config().vocab)
+        for req in requests:  # the demo's vocab setting may exceed the runner's
+            demo.check_request(req, self.vocab())
+        return requests
 
     def to_spec(self, run_id: str, out_dir: Path):
         from fastkv.run import RunSpec
@@ -199,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-heads", type=int, help="KV heads per rank (default 2)")
     a("--head-dim", type=int, help="head dimension (default 64)")
     a("--dtype", help="KV dtype (default float32)")
-    a("--device-blocks", type=int, help="device tier capacity in blocks per rank (default 64)")
+    a("--device-blocks", type=int, help=f"device tier capacity in blocks per rank (default {DEMO_DEVICE_BLOCKS}; "
+      "the trace's default holds its longest request)")
     a("--host-blocks", type=int, help="host tier capacity in blocks per rank, 0 = none (default 1024)")
     a("--storage", help="storage URL (lmdb://DIR, redis://HOST:PORT), 'none', or 'default' = lmdb://<out>/store")
     a("--preemption", choices=PREEMPTION_MODES, help="what preempting a request does (default offload)")
@@ -286,8 +315,12 @@ def main(argv: list[str] | None = None) -> int:
         entries = _entries(args.entry)
         cfg = JobConfig.from_sources(args.config, _flags(args))
         spec, workload = prepare(cfg, args.run_id)
+        if spec.storage_url:  # a tier that cannot open would only be logged by the transfer processes
+            from fastkv.storage import probe_store
+
+            probe_store(spec.storage_url, spec.tp_size)
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")  # one line: the usage is no help here
     from fastkv import report
     from fastkv.supervisor import Supervisor
 
@@ -306,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130 if "SIGINT" in result.message else 143 if "SIGTERM" in result.message else 1
     rep = report.write(spec.out_dir, title=f"fastkv {cfg.workload}, preemption {cfg.preemption}")
     print(rep.table)
+    if faults := report.storage_faults(rep.data):  # the run degraded to recompute: say so, not only in a log
+        print(f"fastkv-supervisor: warning: storage tier {spec.storage_url} failed during the run: {faults} "
+              f"(see {spec.out_dir}/logs)", file=sys.stderr)
     print(f"report: {rep.json_path}\nplot:   {rep.png_path}")
     return 0
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 PREEMPTION_MODES = ("recompute", "offload", "storage")
+TOKEN_ID_LIMIT = 1 << 31  # token ids are int32 on the way to the model
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 _TRACE_BLOCK = 512  # tokens per hash id in the trace
 
@@ -144,8 +145,8 @@ def write_workload(requests: list[dict[str, Any]], path: str | Path, preemption:
     return path
 
 
-def read_workload(path: str | Path) -> list[dict[str, Any]]:
-    """Reads and validates a workload.jsonl."""
+def read_workload(path: str | Path, vocab: int | None = None) -> list[dict[str, Any]]:
+    """Reads and validates a workload.jsonl (token ids below ``vocab``)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"workload file {str(path)!r} not found")
@@ -156,7 +157,7 @@ def read_workload(path: str | Path) -> list[dict[str, Any]]:
                 continue
             try:
                 req = json.loads(line)
-                check_request(req)
+                check_request(req, vocab)
             except ValueError as exc:
                 raise ValueError(f"{path}:{lineno}: {exc}") from None
             if req["id"] in ids:
@@ -168,7 +169,8 @@ def read_workload(path: str | Path) -> list[dict[str, Any]]:
     return requests
 
 
-def check_request(req: Any) -> None:
+def check_request(req: Any, vocab: int | None = None) -> None:
+    """ValueError naming the field of ``req`` that is wrong; token ids must be below ``vocab``."""
     if not isinstance(req, dict):
         raise ValueError(f"a request must be a JSON object, got {type(req).__name__}")
     missing = {"id", "arrival_s", "prompt", "max_new_tokens"} - set(req)
@@ -180,15 +182,37 @@ def check_request(req: Any) -> None:
     if not isinstance(req["id"], str) or not req["id"]:
         raise ValueError(f"request id must be a non-empty string, got {req['id']!r}")
     who = f"request {req['id']!r}"
-    if not isinstance(req["arrival_s"], int | float) or req["arrival_s"] < 0:
-        raise ValueError(f"{who}: arrival_s must be a number >= 0, got {req['arrival_s']!r}")
-    prompt = req["prompt"]
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and t >= 0 for t in prompt):
-        raise ValueError(f"{who}: prompt must be a non-empty list of token ids >= 0")
-    if not isinstance(req["max_new_tokens"], int) or req["max_new_tokens"] < 1:
+    for problem in (arrival_error(req["arrival_s"]), prompt_error(req["prompt"], vocab)):
+        if problem:
+            raise ValueError(f"{who}: {problem}")
+    if not _is_int(req["max_new_tokens"]) or req["max_new_tokens"] < 1:
         raise ValueError(f"{who}: max_new_tokens must be an int >= 1, got {req['max_new_tokens']!r}")
     if req.get("preemption") not in (None, *PREEMPTION_MODES):
         raise ValueError(f"{who}: preemption must be one of {PREEMPTION_MODES} or null, got {req['preemption']!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not 1
+
+
+def arrival_error(value: Any) -> str:
+    """Why ``value`` is no arrival offset ('' if it is one): a finite number >= 0 (JSON
+    readers accept NaN and Infinity)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        return f"arrival_s must be a finite number >= 0, got {value!r}"
+    return ""
+
+
+def prompt_error(prompt: Any, vocab: int | None = None) -> str:
+    """Why ``prompt`` is no list of token ids ('' if it is one)."""
+    if not isinstance(prompt, list) or not prompt:
+        return "prompt must be a non-empty list of token ids"
+    limit = min(vocab, TOKEN_ID_LIMIT) if vocab else TOKEN_ID_LIMIT
+    for i, t in enumerate(prompt):
+        if not _is_int(t) or not 0 <= t < limit:
+            what = f"the vocab of {vocab}" if vocab and vocab <= TOKEN_ID_LIMIT else "int32"
+            return f"prompt[{i}] = {json.dumps(t)} is not a token id in [0, {limit}) ({what})"
+    return ""
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:

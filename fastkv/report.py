@@ -3,10 +3,12 @@
 Reads ``<out_dir>/summary.json`` (required) and ``<out_dir>/results.jsonl`` (optional: per
 request TTFT and latency percentiles, finish reasons). Both formats are the engine's, as
 fixed in SEAMS: summary keys ``SUMMARY_KEYS``; a results line ``{"id", "output", "finish",
-"ttft_s", "latency_s", "preemptions", "recomputed_tokens"}``.
+"ttft_s", "latency_s", "preemptions", "recomputed_tokens", "reason"}`` (reason: why a "rejected"
+request never ran).
 
-report.json = the summary plus ``ttft_s`` / ``latency_s`` percentiles, ``finish`` counts and
-``requests_preempted``. report.png: throughput over time, hit ratio per tier, preemptions by mode.
+report.json = the summary plus ``ttft_s`` / ``latency_s`` percentiles, ``finish`` counts,
+``requests_preempted`` and ``rejected`` (id -> reason of each request that never ran).
+report.png: throughput over time, hit ratio per tier, preemptions by mode.
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ def build(summary: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, A
         finish[r["finish"]] = finish.get(r["finish"], 0) + 1
     data["finish"] = finish
     data["requests_preempted"] = sum(1 for r in results if r.get("preemptions"))
+    data["rejected"] = {r["id"]: r.get("reason", "") for r in results if r["finish"] == "rejected"}
     return data
 
 
@@ -85,12 +88,25 @@ def table(data: dict[str, Any]) -> str:
         ("preemptions", _fmt_counts(data["preemptions"]) + f"  ({data.get('requests_preempted', 0)} requests)"),
         ("recomputed tokens", f"{data['recomputed_tokens']}"),
         ("hit ratio", ", ".join(f"{t} {100 * data['hit_ratio'][t]:.1f}%" for t in TIERS)),
+        ("storage faults", storage_faults(data) or "none"),
         ("copy bandwidth", f"{data['copy_gbps']:.2f} GB/s"),
         ("step time", f"p50 {data['step_ms_p50']:.2f} ms, p99 {data['step_ms_p99']:.2f} ms"),
         ("copy task time", f"p50 {data['task_ms_p50']:.2f} ms"),
     ]
+    rejected = list(data.get("rejected", {}).items())
+    if rejected:  # the user must see which requests never ran, and why
+        more = f"; {len(rejected) - 3} more in results.jsonl" if len(rejected) > 3 else ""
+        rows.insert(1, ("rejected", "; ".join(f"{rid}: {why}" for rid, why in rejected[:3]) + more))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def storage_faults(data: dict[str, Any]) -> str:
+    """The storage tier's faults of a run in words ('' if none, or not recorded)."""
+    counts = [(data.get(k, 0), what) for k, what in (("storage_errors", "failed operations"),
+                                                      ("corrupt_values", "corrupt values"),
+                                                      ("recomputed_because_storage", "tokens recomputed"))]
+    return ", ".join(f"{n} {what}" for n, what in counts) if any(n for n, _ in counts) else ""
 
 
 def _fmt_counts(counts: dict[str, Any]) -> str:

@@ -100,13 +100,15 @@ def signal_names(tp_size: int) -> list[str]:
     """Slots of the run's signal array: per process a heartbeat (monotonic ns), its pid and
     a ready flag; ``stop`` asks every process to exit; ``transfer{r}.gen`` counts restarts
     (the supervisor bumps it before starting a replacement); ``engine.total`` (requests in
-    the workload) and ``engine.finished`` (requests done) drive the supervisor's progress bar."""
+    the workload) and ``engine.finished`` (requests done) drive the supervisor's progress bar;
+    ``storage.errors`` and ``storage.corrupt`` count the storage faults of every transfer
+    process (failed operations, values that failed verification) for the engine's summary."""
     names = ["stop"]
     procs = ["engine"] + [f"worker{r}" for r in range(tp_size)] + [f"transfer{r}" for r in range(tp_size)]
     for p in procs:
         names += [f"{p}.beat", f"{p}.pid", f"{p}.ready"]
     names += [f"transfer{r}.gen" for r in range(tp_size)]
-    names += ["engine.total", "engine.finished"]
+    names += ["engine.total", "engine.finished", "storage.errors", "storage.corrupt"]
     return names
 
 

@@ -171,6 +171,7 @@ def make_ready(mgr: CacheManager, req: Request) -> Ready:
     dups = dev.insert_many([req.table[i] for i in todo], [req.keys[i] for i in todo])
     req.dup_pos += [todo[j] for j in dups]
     mgr.stats.duplicate_blocks += len(dups)
+    _count_served_hits(mgr, req, valid)
     req.num_keyed = max(req.num_keyed, n_full)
     req.num_computed = valid
     refs = req.host_refs
@@ -182,6 +183,22 @@ def make_ready(mgr: CacheManager, req: Request) -> Ready:
             if k is not None and k in dlookup and host.state[hb] == _CACHED:
                 host.evict(hb)
     return Ready(req.rid, valid)
+
+
+def _count_served_hits(mgr: CacheManager, req: Request, valid: int) -> None:
+    """Credits the host and storage hits of a prefix load with the tokens that arrived: they
+    follow the device hits in that order, and ``valid`` ends at the first failed block."""
+    nh, ns = req.planned_hits
+    if not nh and not ns:
+        return
+    req.planned_hits = (0, 0)
+    bs, st = mgr.block_size, mgr.stats
+    served = max(0, valid - req.num_keyed * bs)
+    host = min(served, nh * bs)
+    storage = min(served - host, ns * bs)
+    st.host_hit_tokens += host
+    st.storage_hit_tokens += storage
+    st.storage_lost_tokens += ns * bs - storage
 
 
 def finish_offload(mgr: CacheManager, req: Request) -> None:

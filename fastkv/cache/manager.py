@@ -231,8 +231,6 @@ class CacheManager:
         st.prompt_tokens += n
         st.prompt_blocks += len(keys)
         st.device_hit_tokens += nd * bs
-        st.host_hit_tokens += nh * bs
-        st.storage_hit_tokens += ns * bs
 
         req = Request(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n)
         self._reqs[request_id] = req
@@ -256,6 +254,7 @@ class CacheManager:
         req.target_computed = (nd + nh + ns) * bs
         req.swap_src = host_hits[:]  # staged blocks join once loaded
         req.swap_pos = list(range(nd, nd + nh + ns))
+        req.planned_hits = (nh, ns)
         req.reserved = n_res
         self._reserved += n_res
         req.pending = len(plans)

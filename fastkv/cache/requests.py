@@ -30,6 +30,7 @@ class Request:
     target_computed: int = 0
     swap_src: list[int] = field(default_factory=list)  # host blocks waiting to be swapped in
     swap_pos: list[int] = field(default_factory=list)  # their positions in the table
+    planned_hits: tuple[int, int] = (0, 0)  # host and storage hit blocks of its load, counted once it lands
     fail_block: int = 1 << 62  # first block whose copy failed (recompute from there)
     pending: int = 0  # plans this request waits for
     reserved: int = 0  # device blocks reserved for growth

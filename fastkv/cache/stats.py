@@ -9,9 +9,12 @@ class CacheStats:
     requests: int = 0  # allocations (prefix lookups that count toward hit ratios)
     prompt_tokens: int = 0
     prompt_blocks: int = 0  # full blocks looked up
+    # Tokens served from each tier: device hits at lookup, host and storage hits once their
+    # copies landed (a planned hit whose copy fails is recomputed, not served).
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
-    storage_hit_tokens: int = 0  # storage hits attempted (a LOAD can still miss)
+    storage_hit_tokens: int = 0
+    storage_lost_tokens: int = 0  # planned storage hits whose LOAD failed: recomputed because of storage
     device_evictions: int = 0  # device blocks evicted (moved to host or dropped)
     host_evictions: int = 0
     dropped_keys: int = 0  # keys that left every tier

@@ -8,7 +8,7 @@ core imports the scheduler, so an eager import here would make ``import fastkv.s
 circular.
 """
 
-__all__ = ["Engine", "EngineError", "RequestResult"]
+__all__ = ["Engine", "EngineError", "RequestRejected", "RequestResult"]
 
 
 def __getattr__(name: str):

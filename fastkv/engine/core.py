@@ -64,14 +64,23 @@ class EngineError(RuntimeError):
     """A worker died or failed a step: the run cannot go on."""
 
 
+class RequestRejected(ValueError):
+    """A request this engine can never serve as asked (``reason``, in the caller's terms)."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id!r} rejected: {reason}")
+        self.request_id, self.reason = request_id, reason
+
+
 class RequestResult(NamedTuple):
     id: str
     output: list[int]
-    finish: str  # "length" | "stop" | "aborted"
+    finish: str  # "length" | "stop" | "aborted" | "rejected" (never run: see reason)
     ttft_s: float  # arrival to first sampled token (NaN if none)
     latency_s: float  # arrival to finish
     preemptions: int
     recomputed_tokens: int
+    reason: str = ""  # why it was rejected
 
     def to_json(self) -> dict[str, Any]:
         return self._asdict()
@@ -141,19 +150,38 @@ class Engine:
         """Queue a request; returns its id (``request_id``, or a fresh one). ``preemption``
         overrides the deployment's mode for this request ("recompute", "offload", "storage",
         "auto"); ``arrival_time`` (time.monotonic) defaults to now. ValueError if the id is
-        in use or the request can never fit."""
+        in use; RequestRejected (a ValueError) if the request is invalid or can never run to
+        ``max_new_tokens``: prompt and output must fit in ``max_model_len`` (the device tier,
+        or less), since a request is never cut short without saying so."""
         rid = self._next_id
         ext = str(rid) if request_id is None else str(request_id)
         if ext in self._ids:
             raise ValueError(f"request id {ext!r} is already in use")
-        mode = None if preemption is None else _enum(PreemptionMode, preemption)
-        req = Request(rid, list(prompt), max_new_tokens, eos_token_id=eos_token_id,
-                      stop_token_ids=frozenset(stop_token_ids), preemption=mode, arrival_time=arrival_time)
-        self.sched.add_request(req)
+        tokens = list(prompt)
+        try:
+            cap = self.sched.max_model_len
+            need = len(tokens) + max_new_tokens if isinstance(max_new_tokens, int) else 0
+            if need > cap:  # checked before Request sizes its token buffer for max_new_tokens
+                bs = self.spec.layout.block_size
+                raise ValueError(f"prompt {len(tokens)} + max_new_tokens {max_new_tokens} = {need} tokens exceed "
+                                 f"max_model_len {cap} ({cap // bs} device blocks of {bs} tokens)")
+            mode = None if preemption is None else _enum(PreemptionMode, preemption)
+            req = Request(rid, tokens, max_new_tokens, eos_token_id=eos_token_id,
+                          stop_token_ids=frozenset(stop_token_ids), preemption=mode, arrival_time=arrival_time)
+            self.sched.add_request(req)
+        except (TypeError, ValueError) as exc:
+            # The scheduler names its own sequence number; the caller knows the request by ``ext``.
+            raise RequestRejected(ext, str(exc).removeprefix(f"request {rid}: ")) from None
         self._next_id += 1
         self._ext[rid], self._ids[ext] = ext, rid
         self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
         return ext
+
+    def rejected(self, request_id: str, reason: str, arrival_time: float) -> RequestResult:
+        """The result of a request ``add_request`` rejected, counted as finished."""
+        self.metrics.observe_finished("rejected")
+        self._sig.add("engine.finished", 1)
+        return RequestResult(request_id, [], "rejected", float("nan"), time.monotonic() - arrival_time, 0, 0, reason)
 
     def abort(self, request_id: str) -> bool:
         rid = self._ids.get(request_id)

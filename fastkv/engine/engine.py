@@ -21,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fastkv.engine.core import Engine, EngineError, RequestResult
+from fastkv.demo import arrival_error, prompt_error
+from fastkv.engine.core import Engine, EngineError, RequestRejected, RequestResult
 from fastkv.run import RunSpec
 
 MODES = ("recompute", "offload", "storage", "auto")
@@ -53,11 +54,10 @@ def read_workload(path: str | Path) -> list[WorkItem]:
         max_new, mode = doc.get("max_new_tokens"), doc.get("preemption")
         if not isinstance(rid, str) or rid in seen:
             raise ValueError(f"{where}: 'id' must be a unique string, got {rid!r}")
-        if not isinstance(arrival, int | float) or arrival < 0 or not math.isfinite(arrival):
-            raise ValueError(f"{where}: 'arrival_s' must be a number >= 0, got {arrival!r}")
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) and t >= 0 for t in prompt):
-            raise ValueError(f"{where}: 'prompt' must be a non-empty list of token ids >= 0")
-        if not isinstance(max_new, int) or max_new < 1:
+        problem = arrival_error(arrival) or prompt_error(prompt)
+        if problem:
+            raise ValueError(f"{where}: request {rid!r}: {problem}")
+        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
             raise ValueError(f"{where}: 'max_new_tokens' must be an int >= 1, got {max_new!r}")
         if mode is not None and mode not in MODES:
             raise ValueError(f"{where}: 'preemption' must be null or one of {MODES}, got {mode!r}")
@@ -81,8 +81,11 @@ def drive(engine: Engine, items: list[WorkItem]) -> tuple[list[RequestResult], l
         now = time.monotonic()
         while next_item < len(items) and items[next_item].arrival_s <= now - start:
             it = items[next_item]
-            engine.add_request(it.prompt, it.max_new_tokens, request_id=it.id, preemption=it.preemption,
-                               arrival_time=start + it.arrival_s)
+            try:
+                engine.add_request(it.prompt, it.max_new_tokens, request_id=it.id, preemption=it.preemption,
+                                   arrival_time=start + it.arrival_s)
+            except RequestRejected as exc:  # this request alone: the rest of the run goes on
+                results.append(engine.rejected(it.id, exc.reason, start + it.arrival_s))
             next_item += 1
         if engine.has_work():
             done = engine.step()
@@ -112,6 +115,10 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         "seconds": seconds,
         "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
         **engine.metrics.summary(),
+        # Storage faults (a tier that fails mid-run degrades to recompute; these say how much).
+        "storage_errors": engine.ends.signals["storage.errors"],
+        "corrupt_values": engine.ends.signals["storage.corrupt"],
+        "recomputed_because_storage": engine.cache.stats.storage_lost_tokens,
         "timeline": timeline,
     }
 

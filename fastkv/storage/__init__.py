@@ -4,6 +4,7 @@
 interface and the value format every backend stores.
 """
 from fastkv.storage.base import StorageBackend, StoreStats, Verdict, namespace_fingerprint
-from fastkv.storage.factory import open_store, parse_size
+from fastkv.storage.factory import open_store, parse_size, probe_store
 
-__all__ = ["StorageBackend", "StoreStats", "Verdict", "namespace_fingerprint", "open_store", "parse_size"]
+__all__ = ["StorageBackend", "StoreStats", "Verdict", "namespace_fingerprint", "open_store", "parse_size",
+           "probe_store"]

@@ -221,6 +221,15 @@ class StorageBackend(ABC):
     def delete(self, keys: Sequence[bytes]) -> None:
         """Removes this rank's shard of each key (absent keys are fine)."""
 
+    def check(self) -> None:
+        """Raises (the backend's own error) if the backend cannot serve now: one round trip,
+        unlike the batch operations, which count a failure and go on. Backends whose errors
+        say more override it."""
+        errors = self.stats.errors
+        self.exists([bytes(KEY_BYTES)])
+        if self.stats.errors != errors:
+            raise ConnectionError("a lookup failed (the backend logged why)")
+
     @abstractmethod
     def close(self) -> None:
         """Releases connections / the environment. Idempotent."""

@@ -1,13 +1,19 @@
 """Builds a storage backend from a URL (the deployment's one storage setting).
 
-    lmdb:///var/cache/fastkv/engine0?max_bytes=64G[&map_size=160G][&writemap=1]
+    lmdb:///var/cache/fastkv/engine0?max_bytes=64G[&map_size=160G]
     redis://[:password@]host:port/db?timeout=1.0[&backoff=0.5][&max_backoff=5][&ttl=3600][&prefix=fkv]
     rediss://...   unix:///run/redis.sock?db=0&...          (same options)
     mooncake://master-host:50051?metadata_server=http://h:8080/metadata&local_hostname=h[&protocol=tcp]
         [&device_name=mlx5_0][&global_segment_size=4G][&local_buffer_size=1G]
 
 Sizes take binary suffixes (K, M, G, T; "64G" = 64 GiB). Unknown options are an error, so
-a typo never silently falls back to a default.
+a typo never silently falls back to a default. LMDB's ``writemap`` is refused: with it, a
+write to a full disk kills the process with SIGBUS instead of failing (without it the
+store fails the write and the engine recomputes).
+
+``probe_store(url, tp_size)`` opens a backend, makes one round trip and closes it: a
+supervisor calls it before starting anything, so a tier that cannot work at all is a
+configuration error rather than a run that silently recomputes everything.
 """
 from __future__ import annotations
 
@@ -67,7 +73,10 @@ def open_store(url: str, namespace: bytes, rank: int = 0, tp_size: int = 1) -> S
         path = parts.netloc + parts.path
         if not path:
             raise ValueError(f"lmdb URL needs a directory: {url!r} (e.g. lmdb:///var/cache/fastkv)")
-        opts = _options(parts.query, {"max_bytes": "size", "map_size": "size", "writemap": bool}, url)
+        if any(name == "writemap" for name, _ in parse_qsl(parts.query, keep_blank_values=True)):
+            raise ValueError(f"option 'writemap' in storage URL {url!r} is not supported: with it a full disk "
+                             "crashes the transfer process (SIGBUS) instead of failing the write; remove it")
+        opts = _options(parts.query, {"max_bytes": "size", "map_size": "size"}, url)
         return LMDBStore(path, namespace, rank, tp_size, **opts)
     if scheme in ("redis", "rediss", "unix"):
         from fastkv.storage.redis_store import RedisStore
@@ -90,3 +99,24 @@ def open_store(url: str, namespace: bytes, rank: int = 0, tp_size: int = 1) -> S
             raise ValueError(f"mooncake URL needs the master address as host:port: {url!r}")
         return MooncakeStore(namespace, rank, tp_size, master_server_address=parts.netloc, **opts)
     raise ValueError(f"unknown storage URL scheme {parts.scheme!r} in {url!r}; use lmdb://, redis:// or mooncake://")
+
+
+def probe_store(url: str, tp_size: int = 1, timeout: float = 1.0) -> None:
+    """Opens the backend ``url`` names, makes one round trip (``check``) and closes it;
+    ValueError in one line naming the URL if it cannot serve. A network backend waits at
+    most ``timeout`` seconds (its own timeout option is for the run, not for this probe)."""
+    from fastkv.storage.base import namespace_fingerprint
+
+    parts = urlsplit(url)
+    probe_url = url
+    if parts.scheme.lower() in ("redis", "rediss", "unix"):
+        query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "timeout"]
+        probe_url = urlunsplit(parts._replace(query=urlencode([*query, ("timeout", str(timeout))])))
+    try:
+        with open_store(probe_url, namespace_fingerprint("fastkv probe"), 0, tp_size) as store:
+            store.check()
+    except Exception as exc:  # whatever the backend raises: one line with the URL and the cause
+        why = " ".join(str(exc).replace(probe_url, url).split())
+        if not isinstance(exc, ValueError):
+            why = f"{type(exc).__name__}: {why}"
+        raise ValueError(why if url in why else f"storage tier {url!r} cannot be used: {why}") from None

@@ -75,14 +75,16 @@ _ENVS: dict[tuple[int, str], _Env] = {}
 _last_tick = 0
 
 
-def _acquire_env(path: str, map_size: int, writemap: bool) -> _Env:
+def _acquire_env(path: str, map_size: int) -> _Env:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"lmdb store path {path!r} is not a directory")
     os.makedirs(path, mode=0o700, exist_ok=True)
     ident = (os.getpid(), os.path.realpath(path))  # an env inherited over fork must not be reused
     shared = _ENVS.get(ident)
     if shared is None:
         env = lmdb.open(
             path, map_size=map_size, subdir=True, max_dbs=4, sync=False, metasync=False, lock=True,
-            writemap=writemap, mode=0o600,
+            mode=0o600,
         )
         env.reader_check()  # clear reader slots of processes that died holding a snapshot
         shared = _Env(
@@ -114,7 +116,6 @@ class LMDBStore(StorageBackend):
         *,
         max_bytes: int = 16 << 30,
         map_size: int | None = None,
-        writemap: bool = False,
     ) -> None:
         super().__init__(namespace, rank, tp_size)
         if not isinstance(max_bytes, int) or max_bytes <= 0:
@@ -125,7 +126,7 @@ class LMDBStore(StorageBackend):
             raise ValueError(f"map_size ({map_size}) must exceed max_bytes ({max_bytes})")
         self.path = path
         self.max_bytes = max_bytes
-        self._shared: _Env | None = _acquire_env(path, map_size, writemap)
+        self._shared: _Env | None = _acquire_env(path, map_size)
         self._touches: dict[bytes, int] = {}
         self._scratch = bytearray()
 
@@ -204,6 +205,11 @@ class LMDBStore(StorageBackend):
         """Writes the access ticks of recent hits into the LRU record."""
         if self._touches:
             self._write(lambda txn, used: used, "flush")
+
+    def check(self) -> None:
+        """An empty write transaction: raises if the environment cannot be written."""
+        with self._env().env.begin(write=True):
+            pass
 
     def close(self) -> None:
         if self._shared is None:

@@ -96,6 +96,9 @@ class RedisStore(StorageBackend):
 
     # --- the interface -------------------------------------------------------------------
 
+    def check(self) -> None:
+        self._client.ping()
+
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         check_keys(keys)
         if not keys or not self._available():

@@ -65,6 +65,7 @@ class TaskExecutor:
         self.host: HostTier | None = None
         self.store: StorageBackend | None = None
         self.store_error = ""  # why there is no storage backend (empty: none configured, or open)
+        self._faults = [0, 0]  # storage errors, corrupt values since the last take_faults()
         self.cleared = False
         try:
             self._attach_device()
@@ -148,18 +149,28 @@ class TaskExecutor:
             swap(device.k, device.v, host.tensor, plan.src, plan.dst, num_threads=self.spec.ops_threads)
         return len(plan.src) * self.block_bytes, ""
 
+    def take_faults(self) -> tuple[int, int]:
+        """Storage errors and corrupt values since the last call (the engine's summary counts them)."""
+        faults, self._faults = tuple(self._faults), [0, 0]
+        return faults
+
     def _storage(self, plan: CopyPlan) -> tuple[int, str]:
         if self.store is None:
+            self._faults[0] += bool(self.store_error)  # configured but unavailable: a fault, not a setting
             raise TaskRefused(f"{plan.kind.name} refused: " + (self.store_error or "this run has no storage tier "
                                                                 "(spec.storage_url is empty)"))
         if self.host is None:
             raise TaskRefused(f"{plan.kind.name} refused: this run has no host tier (num_host_blocks=0)")
+        stats = self.store.stats
+        before = stats.errors, stats.corrupt
         if plan.kind is CopyKind.STORE:
             done = self.store.put(plan.keys, self.host.array, plan.src)
             verb, ids = "stored", plan.src
         else:
             done = self.store.get(plan.keys, self.host.array, plan.dst)
             verb, ids = "loaded", plan.dst
+        self._faults[0] += stats.errors - before[0]
+        self._faults[1] += stats.corrupt - before[1]
         n_ok = sum(done)
         if n_ok == len(done):
             return n_ok * self.block_bytes, ""

@@ -91,6 +91,11 @@ class TransferLoop:
             return
         done = self.executor.run(msg)
         self.executed += 1
+        errors, corrupt = self.executor.take_faults()  # published before the ack: the engine reads them after
+        if errors:
+            self.signals.add("storage.errors", errors)
+        if corrupt:
+            self.signals.add("storage.corrupt", corrupt)
         self.send(done)
         self.beat()
 

@@ -89,3 +89,19 @@ def test_transfer_process_killed_mid_run(tmp_path):
     assert codes["transfer1"] == 0, f"the restarted transfer process failed: {codes}"
     check_outputs(results, wl)
     assert summary["preemptions"]["offload"] > 0, summary
+
+
+def test_a_storage_tier_that_fails_mid_run_is_counted_and_recomputed(tmp_path):
+    """Nothing listens at the storage URL (as if the server died after the start-up check):
+    every STORE fails, the requests recompute with the right tokens, and the summary counts it."""
+    wl = workload(8, 10, ["storage"])
+    s = spec(1, tmp_path / "out", num_device_blocks=12, num_host_blocks=6, storage_url="redis://127.0.0.1:1?timeout=0.2",
+             runner_options={"verify": "resumed", "vocab": VOCAB}, scheduler={"max_num_batched_tokens": 48})
+    with Run(s, wl) as run:
+        assert run.wait(120) == 0, "engine failed (see stderr)"
+        results, summary = run.results(), run.summary()
+        codes = run.close()
+    assert all(c == 0 for c in codes.values()), codes
+    check_outputs(results, wl)
+    assert summary["preemptions"]["storage"] > 0 and summary["storage_errors"] > 0, summary
+    assert summary["hit_ratio"]["storage"] == 0 and summary["corrupt_values"] == 0, summary

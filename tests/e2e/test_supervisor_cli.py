@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,41 @@ def test_console_help_runs():
     done = subprocess.run([sys.executable, "-m", "fastkv.cli", "--help"], cwd=ROOT, capture_output=True, text=True,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=60)
     assert done.returncode == 0 and "--preemption" in done.stdout and "--cleanup" in done.stdout
+
+
+def _cli_error(tmp_path, *argv: str) -> tuple[int, str, float]:
+    """rc, stderr and seconds of an in-process run that must stop before starting anything."""
+    import contextlib
+    import io
+    import time
+
+    err = io.StringIO()
+    t0 = time.monotonic()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        main(["--out", str(tmp_path / "out"), "--no-progress", *argv])
+    return exc.value.code, err.getvalue(), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("make_url, message", [
+    (lambda d: f"lmdb://{d / 'a-file'}", "storage tier 'lmdb://{d}/a-file' cannot be used: lmdb store path "
+                                         "'{d}/a-file' is not a directory"),
+    (lambda d: f"lmdb://{d}/s?max_bytes=lots", "bad value for 'max_bytes' in storage URL 'lmdb://{d}/s?max_bytes=lots'"),
+    (lambda d: f"lmdb://{d}/s?writemap=1", "option 'writemap' in storage URL 'lmdb://{d}/s?writemap=1' is not "
+                                           "supported: with it a full disk crashes the transfer process (SIGBUS)"),
+    (lambda d: "redis://127.0.0.1:1", "storage tier 'redis://127.0.0.1:1' cannot be used: ConnectionError"),
+])
+def test_an_unusable_storage_tier_stops_the_run_before_it_starts(tmp_path, make_url, message):
+    (tmp_path / "a-file").write_text("not a directory")
+    rc, err, seconds = _cli_error(tmp_path, "--preemption", "storage", "--storage", make_url(tmp_path))
+    assert rc == 2 and seconds < 2.0, (rc, seconds)
+    assert err.count("\n") == 1 and err.startswith("fastkv-supervisor: error: "), err
+    assert message.format(d=tmp_path) in err
+    assert not (tmp_path / "out" / "logs").exists()  # no process was started
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_a_read_only_lmdb_directory_stops_the_run(tmp_path):
+    store = tmp_path / "ro"
+    store.mkdir(mode=0o500)
+    rc, err, _ = _cli_error(tmp_path, "--preemption", "storage", "--storage", f"lmdb://{store}")
+    assert rc == 2 and f"storage tier 'lmdb://{store}' cannot be used" in err and err.count("\n") == 1

@@ -67,3 +67,12 @@ def test_bad_summaries_are_named(tmp_path):
     write_run(tmp_path, summary(hit_ratio={"device": 1.0}))
     with pytest.raises(ValueError, match="'hit_ratio' must map each of"):
         report.write(tmp_path)
+
+
+def test_storage_faults_are_shown(tmp_path):
+    write_run(tmp_path, summary(storage_errors=3, corrupt_values=2, recomputed_because_storage=64))
+    rep = report.write(tmp_path)
+    assert "storage faults             3 failed operations, 2 corrupt values, 64 tokens recomputed" in rep.table
+    assert rep.data["corrupt_values"] == 2
+    write_run(tmp_path, summary())
+    assert "storage faults             none" in report.write(tmp_path).table

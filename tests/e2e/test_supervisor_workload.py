@@ -83,6 +83,12 @@ def test_write_and_read_roundtrip_with_mode(tmp_path):
     ('{"id": "a", "arrival_s": 0, "prompt": [1]}', "lacks"),
     ('{"id": "a", "arrival_s": 0, "prompt": [1], "max_new_tokens": 1, "temp": 1}', "unknown fields"),
     ('[1]', "JSON object"),
+    ('{"id": "a", "arrival_s": NaN, "prompt": [1], "max_new_tokens": 1}', "arrival_s must be a finite number"),
+    ('{"id": "a", "arrival_s": Infinity, "prompt": [1], "max_new_tokens": 1}', "arrival_s must be a finite number"),
+    ('{"id": "a", "arrival_s": 0, "prompt": [1, 18446744073709551616], "max_new_tokens": 1}',
+     r"prompt\[1\] = 18446744073709551616 is not a token id in \[0, 2147483648\) \(int32\)"),
+    ('{"id": "a", "arrival_s": 0, "prompt": [true], "max_new_tokens": 1}', r"prompt\[0\] = true is not a token id"),
+    ('{"id": "a", "arrival_s": 0, "prompt": [1], "max_new_tokens": true}', "max_new_tokens must be an int"),
     ('{"id": "a", "arrival_s": 0, "prompt": [1], "max_new_tokens": 1}\n'
      '{"id": "a", "arrival_s": 0, "prompt": [1], "max_new_tokens": 1}', "duplicate"),
 ])
@@ -94,3 +100,12 @@ def test_bad_workload_lines_are_named(tmp_path, line, message):
     assert "w.jsonl:" in str(exc.value)
     with pytest.raises(ValueError, match="preemption must be one of"):
         write_workload([], path, "swap")
+
+
+def test_token_ids_must_be_in_the_runners_vocab(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"id": "a", "arrival_s": 0, "prompt": [5, 1024], "max_new_tokens": 1}\n')
+    assert read_workload(path)[0]["prompt"] == [5, 1024]
+    with pytest.raises(ValueError, match=r"w.jsonl:1: request 'a': prompt\[1\] = 1024 is not a token id in "
+                                         r"\[0, 1024\) \(the vocab of 1024\)"):
+        read_workload(path, vocab=1024)

@@ -48,7 +48,7 @@ def test_parse_size():
 
 
 def test_lmdb_url(tmp_path):
-    store = open_store(f"lmdb://{tmp_path}/e?max_bytes=2M&map_size=64M&writemap=0", NS, 0, 1)
+    store = open_store(f"lmdb://{tmp_path}/e?max_bytes=2M&map_size=64M", NS, 0, 1)
     assert isinstance(store, LMDBStore) and store.max_bytes == 2 << 20
     store.close()
     for bad, match in [(f"lmdb://{tmp_path}?max_bytes=lots", "max_bytes"), ("lmdb://", "directory"),

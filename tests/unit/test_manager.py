@@ -183,6 +183,35 @@ def test_storage_store_and_load_including_a_load_that_misses():
     assert m.stats.load_misses == 1
 
 
+def test_tier_hits_count_only_tokens_whose_copy_landed():
+    m = mk(dev=2, host=1, storage=True, policy=Policy.WRITE_THROUGH)
+    run_prompt(m, "a", toks(1, extra=1))  # block 1 lands on device, host and storage
+    run_prompt(m, "b", toks(5, extra=1))  # evicts it from device and host: storage only
+    g = m.allocate("g", toks(1, extra=1))
+    assert m.stats.storage_hit_tokens == 0  # planned, not served yet
+    drain(m, g.plans, ok=False)  # the LOAD fails: recomputed, not a hit
+    assert (m.stats.storage_hit_tokens, m.stats.storage_lost_tokens) == (0, BS) and m.stats.hit_ratio("storage") == 0
+    m.free("g")
+    run_prompt(m, "a2", toks(1, extra=1))  # stored again
+    run_prompt(m, "b2", toks(6, extra=1))
+    d = m.allocate("d", toks(1, extra=1))
+    drain(m, d.plans)  # LOAD then SWAP_IN
+    assert (m.stats.storage_hit_tokens, m.stats.storage_lost_tokens) == (BS, BS)
+    m.free("d")
+    # a host hit whose SWAP_IN fails is no hit either
+    h = mk(dev=2, host=2, policy=Policy.WRITE_THROUGH)
+    run_prompt(h, "a", toks(1, extra=1))
+    run_prompt(h, "b", toks(5, extra=1))  # device evicts block 1; the host keeps it
+    c = h.allocate("c", toks(1, extra=1))
+    assert [p.kind for p in c.plans] == [CopyKind.SWAP_IN]
+    drain(h, c.plans, ok=False)
+    assert h.stats.host_hit_tokens == 0 and h.num_computed_tokens("c") == 0
+    h.free("c")
+    c = h.allocate("c2", toks(1, extra=1))  # the host copy is intact: this swap-in lands
+    drain(h, c.plans)
+    assert h.stats.host_hit_tokens == BS and h.num_computed_tokens("c2") == BS
+
+
 def test_offload_and_restore_all_blocks_including_the_partial_one():
     m = mk(dev=4, host=4)
     a = m.allocate("a", toks(1, 2, extra=2))
