@@ -280,7 +280,9 @@ static PyObject *a_used(PyObject *self, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(head - tail);
 }
 
-/* any_used(list of hdr_addr) -> True if any ring has a published message. */
+/* any_used(list of hdr_addr) -> True if any ring has a published message. A closed ring
+ * does not count: a consumer of several rings keeps sleeping on the open ones (the
+ * closer rang the doorbell once; a closed, drained ring is reported by its own pop). */
 static PyObject *a_any_used(PyObject *self, PyObject *arg) {
     PyObject *seq = PySequence_Fast(arg, "any_used: expected a sequence of ring addresses");
     if (!seq) return NULL;
@@ -291,7 +293,7 @@ static PyObject *a_any_used(PyObject *self, PyObject *arg) {
         if (ring_open(PySequence_Fast_GET_ITEM(seq, i), &r) < 0) { Py_DECREF(seq); return NULL; }
         uint64_t tail = __atomic_load_n(U64(r.base, OFF_TAIL), __ATOMIC_ACQUIRE);
         uint64_t head = __atomic_load_n(U64(r.base, OFF_HEAD), __ATOMIC_ACQUIRE);
-        any = head != tail || __atomic_load_n(U64(r.base, OFF_CLOSED), __ATOMIC_ACQUIRE) != 0;
+        any = head != tail;
     }
     Py_DECREF(seq);
     return PyBool_FromLong(any);
@@ -310,7 +312,7 @@ static PyMethodDef methods[] = {
     {"pop_many", (PyCFunction)(void (*)(void))a_pop_many, METH_FASTCALL,
      "pop_many(hdr, max_n, space_flag) -> (list[bytes], must_post)"},
     {"used", a_used, METH_O, "used(hdr) -> head - tail"},
-    {"any_used", a_any_used, METH_O, "any_used(hdrs) -> bool: any ring non-empty or closed"},
+    {"any_used", a_any_used, METH_O, "any_used(hdrs) -> bool: any ring non-empty"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -223,8 +223,8 @@ class Ring:
     def try_push_many(self, bufs: Sequence) -> int:
         """Push as many of ``bufs`` (in order) as fit now; returns how many."""
         self._check_open()
-        if A.load(self.hdr + OFF_CLOSED) & 2:
-            raise ChannelClosed(f"ring {self.local!r}: the consumer closed it")
+        if A.load(self.hdr + OFF_CLOSED) & CLOSED_BY[Side.CONSUMER]:
+            raise self._closed_by(Side.CONSUMER)
         try:
             n, post = A.push_many(self.hdr, bufs, self.data_bell.flag_addr)
         except ValueError as exc:
@@ -285,7 +285,7 @@ class Ring:
         ready = lambda: A.used(hdr) > 0 or A.load(hdr + OFF_CLOSED) & 1
         while True:
             if A.load(hdr + OFF_CLOSED) & 1 and A.used(hdr) == 0:
-                raise ChannelClosed(f"ring {self.local!r}: the producer closed it")
+                raise self._closed_by(Side.PRODUCER)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self.data_bell.wait(ready, remaining, lambda: self._check_peer(Side.PRODUCER)):
                 return []
@@ -293,7 +293,13 @@ class Ring:
             if bufs:
                 return bufs
 
-    def _check_peer(self, side: Side) -> None:
+    def _closed_by(self, side: Side) -> ChannelClosed:
         peer = self.peer(side)
-        if peer.pid and not peer.alive():
+        return ChannelClosed(f"ring {self.local!r}: the {side.name.lower()} closed it ({peer.describe()})", *peer[:3])
+
+    def _check_peer(self, side: Side) -> None:
+        """PeerDied if ``side``'s process is gone without closing its end (one that closed
+        first shut down cleanly: its channel is closed, not dead)."""
+        peer = self.peer(side)
+        if peer.pid and not peer.alive() and not A.load(self.hdr + OFF_CLOSED) & CLOSED_BY[side]:
             raise PeerDied(f"ring {self.local!r}: {side.name.lower()} {peer.describe()} died", *peer[:3])
