@@ -37,7 +37,9 @@ While down, ``done.{r}`` is out of the inbox (a dead producer would make every i
 wait raise). When the supervisor restarts transfer[r], the new process re-binds both
 ends; the client adopts it on its next call: fence, back into the inbox, UP. The
 restarted process drops every task queued before its fence unexecuted (the client failed
-them all), and stale acks a dead process left in ``done.{r}`` are ignored (``stale``).
+them all), and stale acks a dead process left in ``done.{r}`` are discarded at adoption
+(``stale``). A ``BAD_TASK_ID`` ack (a task message the process could not read) fails the
+oldest task that rank still owes (``fastkv.transfer.protocol``).
 
 Results of tasks that fail inside ``submit`` (every rank down) are returned by the next
 ``check``/``on_done``/``on_peer_died``.
@@ -52,9 +54,20 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from fastkv.cache.plan import CopyPlan
-from fastkv.ipc import ChannelClosed, DoneMsg, Gather, Peer, PeerDied, PeerTimeout, Side, TaskMsg, TaskResult
+from fastkv.ipc import (
+    BadMessage,
+    ChannelClosed,
+    DoneMsg,
+    Gather,
+    Peer,
+    PeerDied,
+    PeerTimeout,
+    Side,
+    TaskMsg,
+    TaskResult,
+)
 from fastkv.run import EngineEnds, RunSpec
-from fastkv.transfer.protocol import fence_for
+from fastkv.transfer.protocol import BAD_TASK_ID, fence_for
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +155,13 @@ class TransferClient:
         out = self._take_ready()
         if not 0 <= msg.rank < self.tp:
             raise ValueError(f"ack of task {msg.task_id} from rank {msg.rank}, not in [0, {self.tp})")
+        if msg.task_id == BAD_TASK_ID:  # acks come in send order: it is the oldest task the rank owes
+            owed = next((t for t in self._plans if msg.rank in self._gather.missing(t)), None)
+            if owed is None:
+                self.stale += 1
+                return out
+            log.error("transfer[%d]: task %d fails: %s", msg.rank, owed, msg.error)
+            msg = DoneMsg(owed, msg.rank, False, msg.nbytes, msg.seconds, msg.error)
         if msg.task_id not in self._plans or msg.rank not in self._gather.missing(msg.task_id):
             self.stale += 1  # a dead or replaced process's ack for a task already failed on its rank
             return out
@@ -200,6 +220,7 @@ class TransferClient:
         if not peer.alive():
             st.dead = peer
             return False
+        self._discard_leftovers(r)
         try:
             task.send(fence_for(peer), timeout=0)
         except (PeerTimeout, PeerDied, ChannelClosed) as exc:
@@ -212,6 +233,19 @@ class TransferClient:
             st.listening = True
         log.info("transfer[%d]: adopted pid %d", r, peer.pid)
         return True
+
+    def _discard_leftovers(self, r: int) -> None:
+        """Acks a predecessor left in ``done.{r}``: every one is for a task failed at its
+        death. Its successor writes only after its fence, so none of these is its own."""
+        done = self.ends.dones[r]
+        while True:
+            try:
+                n = len(done.try_recv_many())
+            except BadMessage:
+                n = 1
+            if not n:
+                return
+            self.stale += n
 
     def _down(self, r: int, why: str) -> list[CopyResult]:
         st = self._ranks[r]

@@ -17,6 +17,13 @@ run waits for its fence as well (the client sends it on first contact).
 
 Every process acknowledges each copy task it executes with exactly one ``DoneMsg``;
 dropped stale tasks and fences get none.
+
+A bad task message (a corrupt ring frame, bytes that do not decode) read after the
+process's fence is acknowledged as failed with ``task_id == BAD_TASK_ID`` (its own id
+cannot be trusted). A process executes and acknowledges its tasks in the order the
+client sent them, on one FIFO done ring, so that ack belongs to the oldest task the
+rank still owes; the client fails just that task's share. Acks a dead predecessor left
+behind are discarded when its successor is adopted, before its fence is sent.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from fastkv.storage import namespace_fingerprint
 
 FENCE = 0  # TaskMsg.kind of a fence (CopyKind starts at 1)
 FENCE_ID = -1
+BAD_TASK_ID = -2  # DoneMsg.task_id of the ack of a task message that could not be read
 
 
 def fence_for(peer: Peer) -> TaskMsg:

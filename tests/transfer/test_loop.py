@@ -1,6 +1,7 @@
 """The transfer process's loop in this process: fences, stale tasks, stop, engine gone."""
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -9,6 +10,8 @@ import pytest
 from fastkv.cache.plan import CopyKind
 from fastkv.config import KVLayout
 from fastkv.ipc import Peer, TaskMsg
+from fastkv.ipc.native import A
+from fastkv.ipc.ring import HEADER, OFF_TAIL
 from fastkv.run import attach_transfer
 from fastkv.transfer.executor import TaskExecutor
 from fastkv.transfer.process import TransferLoop
@@ -50,6 +53,44 @@ def test_loop_drops_everything_before_its_fence_then_serves_and_stops():
         sup.signals["stop"] = 0
         sup.ends.tasks[0].close()  # the engine is done: its end closed
         assert loop.run() == 0
+    finally:
+        if ends is not None:
+            ends.close()
+        if executor is not None:
+            executor.close()
+        sup.close()
+
+
+@pytest.mark.parametrize("corrupt", ["frame", "payload"])
+def test_a_corrupt_task_fails_alone_and_the_tasks_around_it_run(corrupt):
+    """One damaged task message (a torn ring frame, or bytes that no longer decode) fails
+    just that task, acknowledged as bad by the process; the tasks before and after it run."""
+    sup = Supervisor(layout=KVLayout(1, 1, 16, 16, "float32", tp_size=1), num_device_blocks=4, num_host_blocks=4)
+    ends = executor = None
+    try:
+        client = sup.engine(kill_late=False)
+        ends = attach_transfer(sup.ns, sup.spec, 0)
+        executor = TaskExecutor(sup.spec, 0)
+        loop = TransferLoop(sup.spec, 0, ends, executor)
+        assert client.ready()  # the fence is the first frame
+        plans = [plan(CopyKind.SWAP_OUT, [i], [i]) for i in range(3)]
+        for p in plans:
+            client.submit(p)
+        ring = sup.ends.tasks[0].ring
+        slot = HEADER + (A.load(ring.hdr + OFF_TAIL) + 2) % ring.nslots * ring.slot_size  # after the fence and task 1
+        ring._mm[slot + {"frame": 4, "payload": 8}[corrupt]] ^= 0xFF  # the second task's seq or type id
+        server = threading.Thread(target=loop.run)
+        server.start()
+        try:
+            got = pump(sup, client, [p.plan_id for p in plans], timeout=10)
+        finally:
+            sup.signals["stop"] = 1
+            server.join(10)
+        first, bad, last = (got[p.plan_id] for p in plans)
+        assert first.ok and last.ok, (first.error, last.error)
+        assert not bad.ok and bad.error.startswith("rank 0: bad task message: "), bad.error
+        assert loop.executed == 2
+        assert ring.dropped == (corrupt == "frame")
     finally:
         if ends is not None:
             ends.close()
