@@ -30,8 +30,13 @@ on it with the reason, when
 * ``on_peer_died`` gets the inbox's ``PeerDied`` for ``done.{r}``;
 * a send to ``task.{r}`` finds the consumer dead or gone (its share of that task fails);
 * a task is older than ``spec.task_timeout_s`` and rank r has not acked it: the process
-  is presumed hung and is SIGKILLed (identity checked), because a copy that lands after
-  its task was failed would write blocks the engine has handed out again.
+  is presumed hung and is SIGKILLed (through a pidfd opened and identity-checked first,
+  so a reused pid is never signalled). Its tasks fail only once it is confirmed gone (the
+  pidfd turns readable within ``heartbeat_s``, or a later liveness check finds it dead),
+  because a copy that lands after its task was failed would write blocks the engine has
+  handed out again. Until then the rank is HUNG: its pending tasks stay in flight (so do
+  their blocks) and new tasks fail its share at once. A process that cannot be killed
+  (``kill_late=False``, or no permission) keeps its tasks in flight until it acks or dies.
 
 While down, ``done.{r}`` is out of the inbox (a dead producer would make every inbox
 wait raise). When the supervisor restarts transfer[r], the new process re-binds both
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import time
 from dataclasses import dataclass
@@ -86,6 +92,7 @@ class _Rank:
     dead: Peer | None = None  # the last owner known dead (not to be adopted again)
     why: str = "no transfer process attached yet"  # why the rank is down
     listening: bool = True  # its done channel is in the engine's inbox
+    hung: str = ""  # why its process is being killed (a task timed out); "" if not
 
 
 class TransferClient:
@@ -142,6 +149,9 @@ class TransferClient:
             return
         for r in range(self.tp):
             if self._ranks[r].owner is None:
+                continue
+            if self._ranks[r].hung:  # never queued behind the hang, nor run by a successor
+                self._ack_failed(task_id, r, self._ranks[r].hung)
                 continue
             try:
                 self.ends.tasks[r].send_encoded((buf,), timeout=0)
@@ -249,10 +259,11 @@ class TransferClient:
 
     def _down(self, r: int, why: str) -> list[CopyResult]:
         st = self._ranks[r]
+        why = st.hung or why  # a killed process's death: the timeout is what its tasks failed of
         if st.owner is not None:
             st.dead, st.owner = st.owner, None
             log.warning("%s: failing its pending tasks", why)
-        st.why = why
+        st.why, st.hung = why, ""
         if st.listening:
             self.ends.inbox.remove(self.ends.dones[r])
             st.listening = False
@@ -272,23 +283,41 @@ class TransferClient:
             if task_id not in self._plans:
                 continue  # completed by a kill below
             for r in self._gather.missing(task_id):
-                owner = self._ranks[r].owner
-                assert owner is not None, f"task {task_id} waits on rank {r}, which is down"
-                self._kill(owner)
-                out += self._down(r, f"transfer[{r}] pid {owner.pid} did not finish task {task_id} within "
-                                     f"{limit} s" + (" (killed)" if self.kill_late else ""))
+                st = self._ranks[r]
+                assert st.owner is not None, f"task {task_id} waits on rank {r}, which is down"
+                if st.hung:
+                    continue  # being killed: the liveness check takes it down once it is gone
+                st.hung = (f"transfer[{r}] pid {st.owner.pid} did not finish task {task_id} within {limit} s"
+                           + (" (killed)" if self.kill_late else ""))
+                if self._kill(st.owner):
+                    out += self._down(r, st.hung)
+                else:
+                    log.error("%s and is not gone yet: its tasks stay in flight until it is", st.hung)
         return out
 
-    def _kill(self, peer: Peer) -> None:
-        if not self.kill_late or not peer.alive():  # alive() checks the start time: never a reused pid
-            return
+    def _kill(self, peer: Peer) -> bool:
+        """SIGKILLs a hung transfer process (when ``kill_late``); True once it is gone,
+        waiting on its pidfd for at most ``heartbeat_s``."""
+        if not peer.alive():  # alive() checks the start time: never a reused pid
+            return True
+        if not self.kill_late:
+            return False
         assert peer.pid != os.getpid(), "the engine owns a transfer rank's ends itself: refusing to kill itself"
         try:
-            os.kill(peer.pid, signal.SIGKILL)
+            fd = os.pidfd_open(peer.pid)
         except ProcessLookupError:
-            return  # it died meanwhile
+            return True
+        try:
+            if not peer.alive():  # the pid was reused before the open: the fd is another process's
+                return True
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            gone, _, _ = select.select([fd], [], [], self.spec.heartbeat_s)
+            return bool(gone) or not peer.alive()
         except PermissionError as exc:
             log.error("cannot kill hung %s: %s", peer.describe(), exc)
+            return False
+        finally:
+            os.close(fd)
 
     # -- results -----------------------------------------------------------------------
     def _finish(self, done: TaskResult) -> CopyResult:
