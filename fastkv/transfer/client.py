@@ -59,7 +59,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from fastkv.cache.plan import CopyPlan
+from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.ipc import (
     BadMessage,
     ChannelClosed,
@@ -112,6 +112,7 @@ class TransferClient:
         self._ready: list[CopyResult] = []  # completed inside submit, handed out by the next call
         self._next_liveness = 0.0
         self.stale = 0  # acks ignored: for tasks already failed on that rank
+        self.weights_version = spec.weights_version  # the latest RESTORE's: fences hand it to new processes
         for r in range(self.tp):
             self._try_adopt(r)
 
@@ -142,6 +143,8 @@ class TransferClient:
                              f"ring of {ring.capacity_bytes} bytes: split the plan or raise spec.nslots")
         for r in range(self.tp):
             self._ready += self._refresh(r)
+        if plan.kind is CopyKind.RESTORE and plan.keys:
+            self.weights_version = plan.keys[0].decode("utf-8")
         self._plans[task_id] = (plan, time.monotonic())
         done = self._gather.expect(task_id)  # ranks that are down ack it as failed right here
         if done is not None:
@@ -232,7 +235,7 @@ class TransferClient:
             return False
         self._discard_leftovers(r)
         try:
-            task.send(fence_for(peer), timeout=0)
+            task.send(fence_for(peer, self.weights_version), timeout=0)
         except (PeerTimeout, PeerDied, ChannelClosed) as exc:
             log.warning("transfer[%d]: cannot fence pid %d yet: %s", r, peer.pid, exc)
             return False

@@ -99,6 +99,13 @@ class TaskExecutor:
             self.store.close()
         self.store, self.store_error = None, ""
 
+    def adopt_weights(self, version: str) -> None:
+        """Serve ``version`` (the engine's current one, from this process's fence): a
+        process started after a weight update reopens storage under it."""
+        if version != self.weights_version:
+            self.weights_version = version
+            self._open_store()
+
     def close(self) -> None:
         """Closes the storage backend and drops this process's tier mappings."""
         self._close_store()

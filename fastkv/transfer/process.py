@@ -29,7 +29,7 @@ from fastkv.ipc import BadMessage, ChannelClosed, DoneMsg, Namespace, PeerDied, 
 from fastkv.ipc.peers import me
 from fastkv.run import RunSpec, TransferEnds, attach_transfer
 from fastkv.transfer.executor import TaskExecutor
-from fastkv.transfer.protocol import BAD_TASK_ID, FENCE, fence_names
+from fastkv.transfer.protocol import BAD_TASK_ID, FENCE, fence_names, fence_weights_version
 
 log = logging.getLogger(__name__)
 BATCH = 256
@@ -86,7 +86,9 @@ class TransferLoop:
             except ValueError as exc:  # not from a TransferClient: nobody waits for an ack
                 log.error("transfer[%d]: ignoring %s", self.rank, exc)
                 return
-            self.fenced = self.fenced or mine
+            if mine:
+                self.fenced = True
+                self.executor.adopt_weights(fence_weights_version(msg))
             return
         if not self.fenced:
             self.dropped += 1

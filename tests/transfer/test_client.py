@@ -18,7 +18,7 @@ from fastkv.ipc import Channel, DoneMsg, Namespace, PeerDied, TaskMsg
 from fastkv.ipc.peers import me
 from fastkv.run import RunSpec, attach_engine, attach_transfer, create_run
 from fastkv.transfer.client import TransferClient
-from fastkv.transfer.protocol import FENCE, FENCE_ID, fence_for, fence_names
+from fastkv.transfer.protocol import FENCE, FENCE_ID, fence_for, fence_names, fence_weights_version
 from tests.ipc.helpers import reap, run_objects
 from tests.transfer.helpers import plan
 
@@ -55,9 +55,9 @@ def results_until(client, ends, n, timeout=5.0):
 
 def test_fence_round_trips():
     peer = me("transfer", 3)
-    msg = fence_for(peer)
+    msg = fence_for(peer, "v2")
     assert (msg.task_id, msg.kind) == (FENCE_ID, FENCE)
-    assert fence_names(msg) == (peer.pid, peer.started)
+    assert fence_names(msg) == (peer.pid, peer.started) and fence_weights_version(msg) == "v2"
     with pytest.raises(ValueError, match="not a fence"):
         fence_names(TaskMsg(1, int(CopyKind.SWAP_IN)))
 

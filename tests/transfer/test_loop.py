@@ -31,7 +31,7 @@ def test_loop_drops_everything_before_its_fence_then_serves_and_stops():
         loop = TransferLoop(sup.spec, 0, ends, executor)
         # leftovers of a predecessor: a task, the fence it got, and a malformed fence
         sup.devices[0].k_arrays[0][3] = 7.0
-        sup.ends.tasks[0].send_many([fence_for(Peer("transfer", 0, 1, 1)), TaskMsg(900, int(CopyKind.SWAP_IN),
+        sup.ends.tasks[0].send_many([fence_for(Peer("transfer", 0, 1, 1), "0"), TaskMsg(900, int(CopyKind.SWAP_IN),
                                      np.array([0], np.int32), np.array([3], np.int32)),
                                      TaskMsg(FENCE_ID, FENCE, keys=(b"garbage",))])
         assert client.ready()
