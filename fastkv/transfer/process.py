@@ -15,9 +15,9 @@ message that cannot be read (a corrupt frame, undecodable bytes) is acked as fai
 Exit: 0 when signal ``stop`` is set or the engine closed the task channel; 1 when the
 engine died. ``ready`` goes back to 0 and the ring ends are closed on the way out.
 Heartbeats come from this loop, not from a timer thread, so a silent heartbeat means a
-stuck loop; a single task longer than ``spec.dead_after_s`` would look dead too (a 2 MiB
-block swaps in ~0.1 ms and stores in ~1 ms, so that takes a task of >2000 blocks on a
-crawling storage server).
+stuck loop: inside a long task the executor beats after every part it completes
+(``fastkv.transfer.executor``), so only a single block slower than ``spec.dead_after_s``
+looks dead.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ class TransferLoop:
         if not self.fenced:
             self.dropped += 1
             return
-        done = self.executor.run(msg)
+        done = self.executor.run(msg, progress=self.beat)
         self.executed += 1
         self.send(done)
         self.beat()
