@@ -19,6 +19,7 @@
 #define OFF_SLOT_SIZE 8
 #define OFF_NSLOTS 16
 #define OFF_CLOSED 24
+#define OFF_DROPPED 32
 #define OFF_HEAD 64
 #define OFF_TAIL 128
 #define HEADER_SIZE 512
@@ -202,16 +203,27 @@ static PyObject *a_push_many(PyObject *self, PyObject *const *args, Py_ssize_t n
     return Py_BuildValue("(nO)", pushed, post ? Py_True : Py_False);
 }
 
-static void drop_all(const ring_t *r, uint64_t head) {
-    __atomic_store_n(U64(r->base, OFF_TAIL), head, __ATOMIC_RELEASE);
+/* The end of a corrupt frame that starts at t: the next slot that is a sound frame start
+ * (not a continuation, its own sequence number), or head. Its header cannot be trusted, so
+ * its length is not used; its continuation slots (and any other garbage) are skipped, the
+ * frames after it are kept. */
+static uint64_t corrupt_frame_end(const ring_t *r, uint64_t t, uint64_t head) {
+    uint64_t end = t + 1;
+    for (; end != head; end++) {
+        uint32_t hdr[2];
+        memcpy(hdr, slot_at(r, end), SLOT_HDR);
+        if (hdr[0] != CONT_MARK && hdr[1] == (uint32_t)end) break;
+    }
+    return end;
 }
 
 /* pop_many(hdr_addr, max_n, space_flag_addr) -> (list[bytes], must_post)
  * Copies up to max_n published messages out and frees their slots with one release
  * store of tail. A corrupt frame (bad length, continuation where a first slot belongs,
- * wrong sequence number) drops everything published so far and raises ValueError,
- * so the ring stays usable; messages popped before it in this call are returned and
- * the error is raised by the next call. */
+ * wrong sequence number, broken continuation) is dropped on its own (see
+ * corrupt_frame_end), counted in the header's dropped word, and raises ValueError, so
+ * the ring stays usable; messages popped before it in this call are returned and the
+ * error is raised by the next call. */
 static PyObject *a_pop_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     ring_t r;
     char *flag;
@@ -255,9 +267,11 @@ static PyObject *a_pop_many(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     if (bad && t == tail) {
         Py_DECREF(out);
-        drop_all(&r, head);
-        PyErr_Format(PyExc_ValueError, "fastkv ring: corrupt frame at index %llu (%s); dropped %llu published slots",
-                     (unsigned long long)tail, bad, (unsigned long long)(head - tail));
+        uint64_t end = corrupt_frame_end(&r, t, head);
+        __atomic_fetch_add(U64(r.base, OFF_DROPPED), 1, __ATOMIC_RELAXED); /* consumer-written, like tail */
+        __atomic_store_n(U64(r.base, OFF_TAIL), end, __ATOMIC_RELEASE);
+        PyErr_Format(PyExc_ValueError, "fastkv ring: corrupt frame at index %llu (%s); dropped %llu slots",
+                     (unsigned long long)tail, bad, (unsigned long long)(end - tail));
         /* slots were freed: the caller posts the producer's space bell if it is armed */
         return NULL;
     }
@@ -280,7 +294,9 @@ static PyObject *a_used(PyObject *self, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(head - tail);
 }
 
-/* any_used(list of hdr_addr) -> True if any ring has a published message. */
+/* any_used(list of hdr_addr) -> True if any ring has a published message. A closed ring
+ * does not count: a consumer of several rings keeps sleeping on the open ones (the
+ * closer rang the doorbell once; a closed, drained ring is reported by its own pop). */
 static PyObject *a_any_used(PyObject *self, PyObject *arg) {
     PyObject *seq = PySequence_Fast(arg, "any_used: expected a sequence of ring addresses");
     if (!seq) return NULL;
@@ -291,7 +307,7 @@ static PyObject *a_any_used(PyObject *self, PyObject *arg) {
         if (ring_open(PySequence_Fast_GET_ITEM(seq, i), &r) < 0) { Py_DECREF(seq); return NULL; }
         uint64_t tail = __atomic_load_n(U64(r.base, OFF_TAIL), __ATOMIC_ACQUIRE);
         uint64_t head = __atomic_load_n(U64(r.base, OFF_HEAD), __ATOMIC_ACQUIRE);
-        any = head != tail || __atomic_load_n(U64(r.base, OFF_CLOSED), __ATOMIC_ACQUIRE) != 0;
+        any = head != tail;
     }
     Py_DECREF(seq);
     return PyBool_FromLong(any);
@@ -310,7 +326,7 @@ static PyMethodDef methods[] = {
     {"pop_many", (PyCFunction)(void (*)(void))a_pop_many, METH_FASTCALL,
      "pop_many(hdr, max_n, space_flag) -> (list[bytes], must_post)"},
     {"used", a_used, METH_O, "used(hdr) -> head - tail"},
-    {"any_used", a_any_used, METH_O, "any_used(hdrs) -> bool: any ring non-empty or closed"},
+    {"any_used", a_any_used, METH_O, "any_used(hdrs) -> bool: any ring non-empty"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -322,7 +338,7 @@ PyMODINIT_FUNC PyInit__atomics(void) {
     if (!m) return NULL;
     if (PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0 || PyModule_AddIntConstant(m, "SLOT_HDR", SLOT_HDR) < 0 ||
         PyModule_AddIntConstant(m, "OFF_HEAD", OFF_HEAD) < 0 || PyModule_AddIntConstant(m, "OFF_TAIL", OFF_TAIL) < 0 ||
-        PyModule_AddIntConstant(m, "OFF_CLOSED", OFF_CLOSED) < 0 ||
+        PyModule_AddIntConstant(m, "OFF_CLOSED", OFF_CLOSED) < 0 || PyModule_AddIntConstant(m, "OFF_DROPPED", OFF_DROPPED) < 0 ||
         PyModule_AddObject(m, "RING_MAGIC", PyLong_FromUnsignedLongLong(RING_MAGIC)) < 0) {
         Py_DECREF(m);
         return NULL;

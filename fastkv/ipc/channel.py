@@ -156,7 +156,9 @@ class Inbox:
     def recv_many(self, max_n: int = 256, timeout: float | None = None) -> list[Any]:
         """Up to ``max_n`` messages from any channels, round-robin (no channel starves
         the others); [] on timeout; ``PeerDied`` (naming the producer) only when
-        nothing is left to deliver. Per-channel order is preserved."""
+        nothing is left to deliver. Per-channel order is preserved. A channel whose
+        producer closed it delivers what it holds, then nothing: the wait goes on,
+        asleep, on the other channels (a restarted producer re-binds and reopens it)."""
         if not self.channels:
             raise ValueError("inbox has no channels")
         deadline = None if timeout is None else time.monotonic() + timeout

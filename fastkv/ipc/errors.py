@@ -8,16 +8,17 @@ class IPCError(Exception):
     """Base of the peer and channel-state errors."""
 
 
-class ChannelClosed(IPCError):
-    """The channel was closed, locally or by the peer (after the consumer drained it)."""
-
-
 class PeerError(IPCError):
     """Carries the identity of the peer process the error is about."""
 
     def __init__(self, message: str, role: str = "", rank: int = -1, pid: int = 0) -> None:
         super().__init__(message)
         self.role, self.rank, self.pid = role, rank, pid
+
+
+class ChannelClosed(PeerError):
+    """The channel was closed, locally or by the peer (after the consumer drained it);
+    a peer's close names the peer (role, rank, pid)."""
 
 
 class PeerDied(PeerError):

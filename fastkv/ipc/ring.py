@@ -17,13 +17,13 @@ from fastkv.ipc.native import A
 from fastkv.ipc.peers import Peer, me
 
 HEADER = 512
-OFF_SLOT_SIZE, OFF_NSLOTS, OFF_CLOSED = 8, 16, 24
+OFF_SLOT_SIZE, OFF_NSLOTS, OFF_CLOSED, OFF_DROPPED = 8, 16, 24, 32
 OFF_HEAD, OFF_TAIL = 64, 128
 OFF_PEER = {0: 192, 1: 256}  # producer, consumer: pid, started, rank (int64), role (16 bytes)
 OFF_DATA_BELL, OFF_SPACE_BELL, BELL_NAME_LEN = 320, 384, 64
 SLOT_HDR = 8
-assert (HEADER, OFF_HEAD, OFF_TAIL, SLOT_HDR, OFF_CLOSED) == (
-    A.HEADER_SIZE, A.OFF_HEAD, A.OFF_TAIL, A.SLOT_HDR, A.OFF_CLOSED,
+assert (HEADER, OFF_HEAD, OFF_TAIL, SLOT_HDR, OFF_CLOSED, OFF_DROPPED) == (
+    A.HEADER_SIZE, A.OFF_HEAD, A.OFF_TAIL, A.SLOT_HDR, A.OFF_CLOSED, A.OFF_DROPPED,
 ), "ring layout constants disagree with ops/shm_atomics.c: rebuild the extension"
 
 
@@ -46,6 +46,7 @@ class Ring:
         8    8     slot_size       creator (bytes per slot incl. its 8-byte header; multiple of 8, >= 16)
         16   8     nslots          creator
         24   8     closed          bit 0: producer closed, bit 1: consumer closed (atomic OR via CAS)
+        32   8     dropped         consumer only: corrupt frames dropped (statistics, tests)
         64   8     head            producer only: slots ever published (release store)
         128  8     tail            consumer only: slots ever consumed (release store)
         192  32    producer peer   producer at bind: pid, start time, rank (int64), role (16 bytes, NUL padded)
@@ -63,6 +64,12 @@ class Ring:
     max(1, ceil(L / (slot_size - 8))) slots and may wrap around the end. A message that
     needs more than ``nslots`` slots can never fit: ``MessageTooLarge`` (the ring is
     untouched).
+
+    A corrupt frame (a first slot with a continuation mark, a wrong ``seq``, a length past
+    head, a broken continuation) is dropped alone: the consumer skips to the next slot
+    that is a sound first slot (not 0xFFFFFFFF, its own ``seq``), counts it in
+    ``dropped`` and raises ``BadMessage``; the frames after it are delivered. Its length
+    is not trusted, so a corrupt length cannot swallow the frames behind it.
 
     Order. Producer: write every slot of the message(s) with plain stores, then one
     release store of head, then a full fence and CAS(data bell waiting, 1 -> 0): post
@@ -199,6 +206,12 @@ class Ring:
         return max(1, -(-nbytes // self.payload))
 
     @property
+    def dropped(self) -> int:
+        """Corrupt frames the consumer has dropped over the ring's life."""
+        self._check_open()
+        return A.load(self.hdr + OFF_DROPPED)
+
+    @property
     def capacity_bytes(self) -> int:
         return self.nslots * self.payload
 
@@ -223,8 +236,8 @@ class Ring:
     def try_push_many(self, bufs: Sequence) -> int:
         """Push as many of ``bufs`` (in order) as fit now; returns how many."""
         self._check_open()
-        if A.load(self.hdr + OFF_CLOSED) & 2:
-            raise ChannelClosed(f"ring {self.local!r}: the consumer closed it")
+        if A.load(self.hdr + OFF_CLOSED) & CLOSED_BY[Side.CONSUMER]:
+            raise self._closed_by(Side.CONSUMER)
         try:
             n, post = A.push_many(self.hdr, bufs, self.data_bell.flag_addr)
         except ValueError as exc:
@@ -265,7 +278,7 @@ class Ring:
         try:
             bufs, post = A.pop_many(self.hdr, max_n, self.space_bell.flag_addr)
         except ValueError as exc:
-            self.space_bell.ring()  # the corrupt frames were dropped: their space is free
+            self.space_bell.ring()  # the corrupt frame was dropped: its space is free
             raise BadMessage(f"ring {self.local!r}: {exc}") from None
         if post:
             self.space_bell.post()
@@ -285,7 +298,7 @@ class Ring:
         ready = lambda: A.used(hdr) > 0 or A.load(hdr + OFF_CLOSED) & 1
         while True:
             if A.load(hdr + OFF_CLOSED) & 1 and A.used(hdr) == 0:
-                raise ChannelClosed(f"ring {self.local!r}: the producer closed it")
+                raise self._closed_by(Side.PRODUCER)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self.data_bell.wait(ready, remaining, lambda: self._check_peer(Side.PRODUCER)):
                 return []
@@ -293,7 +306,13 @@ class Ring:
             if bufs:
                 return bufs
 
-    def _check_peer(self, side: Side) -> None:
+    def _closed_by(self, side: Side) -> ChannelClosed:
         peer = self.peer(side)
-        if peer.pid and not peer.alive():
+        return ChannelClosed(f"ring {self.local!r}: the {side.name.lower()} closed it ({peer.describe()})", *peer[:3])
+
+    def _check_peer(self, side: Side) -> None:
+        """PeerDied if ``side``'s process is gone without closing its end (one that closed
+        first shut down cleanly: its channel is closed, not dead)."""
+        peer = self.peer(side)
+        if peer.pid and not peer.alive() and not A.load(self.hdr + OFF_CLOSED) & CLOSED_BY[side]:
             raise PeerDied(f"ring {self.local!r}: {side.name.lower()} {peer.describe()} died", *peer[:3])

@@ -30,14 +30,21 @@ on it with the reason, when
 * ``on_peer_died`` gets the inbox's ``PeerDied`` for ``done.{r}``;
 * a send to ``task.{r}`` finds the consumer dead or gone (its share of that task fails);
 * a task is older than ``spec.task_timeout_s`` and rank r has not acked it: the process
-  is presumed hung and is SIGKILLed (identity checked), because a copy that lands after
-  its task was failed would write blocks the engine has handed out again.
+  is presumed hung and is SIGKILLed (through a pidfd opened and identity-checked first,
+  so a reused pid is never signalled). Its tasks fail only once it is confirmed gone (the
+  pidfd turns readable within ``heartbeat_s``, or a later liveness check finds it dead),
+  because a copy that lands after its task was failed would write blocks the engine has
+  handed out again. Until then the rank is HUNG: its pending tasks stay in flight (so do
+  their blocks) and new tasks fail its share at once. A process that cannot be killed
+  (``kill_late=False``, or no permission) keeps its tasks in flight until it acks or dies.
 
 While down, ``done.{r}`` is out of the inbox (a dead producer would make every inbox
 wait raise). When the supervisor restarts transfer[r], the new process re-binds both
 ends; the client adopts it on its next call: fence, back into the inbox, UP. The
 restarted process drops every task queued before its fence unexecuted (the client failed
-them all), and stale acks a dead process left in ``done.{r}`` are ignored (``stale``).
+them all), and stale acks a dead process left in ``done.{r}`` are discarded at adoption
+(``stale``). A ``BAD_TASK_ID`` ack (a task message the process could not read) fails the
+oldest task that rank still owes (``fastkv.transfer.protocol``).
 
 Results of tasks that fail inside ``submit`` (every rank down) are returned by the next
 ``check``/``on_done``/``on_peer_died``.
@@ -46,15 +53,27 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from fastkv.cache.plan import CopyPlan
-from fastkv.ipc import ChannelClosed, DoneMsg, Gather, Peer, PeerDied, PeerTimeout, Side, TaskMsg, TaskResult
+from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.ipc import (
+    BadMessage,
+    ChannelClosed,
+    DoneMsg,
+    Gather,
+    Peer,
+    PeerDied,
+    PeerTimeout,
+    Side,
+    TaskMsg,
+    TaskResult,
+)
 from fastkv.run import EngineEnds, RunSpec
-from fastkv.transfer.protocol import fence_for
+from fastkv.transfer.protocol import BAD_TASK_ID, fence_for
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +92,7 @@ class _Rank:
     dead: Peer | None = None  # the last owner known dead (not to be adopted again)
     why: str = "no transfer process attached yet"  # why the rank is down
     listening: bool = True  # its done channel is in the engine's inbox
+    hung: str = ""  # why its process is being killed (a task timed out); "" if not
 
 
 class TransferClient:
@@ -92,6 +112,7 @@ class TransferClient:
         self._ready: list[CopyResult] = []  # completed inside submit, handed out by the next call
         self._next_liveness = 0.0
         self.stale = 0  # acks ignored: for tasks already failed on that rank
+        self.weights_version = spec.weights_version  # the latest RESTORE's: fences hand it to new processes
         for r in range(self.tp):
             self._try_adopt(r)
 
@@ -122,6 +143,8 @@ class TransferClient:
                              f"ring of {ring.capacity_bytes} bytes: split the plan or raise spec.nslots")
         for r in range(self.tp):
             self._ready += self._refresh(r)
+        if plan.kind is CopyKind.RESTORE and plan.keys:
+            self.weights_version = plan.keys[0].decode("utf-8")
         self._plans[task_id] = (plan, time.monotonic())
         done = self._gather.expect(task_id)  # ranks that are down ack it as failed right here
         if done is not None:
@@ -129,6 +152,9 @@ class TransferClient:
             return
         for r in range(self.tp):
             if self._ranks[r].owner is None:
+                continue
+            if self._ranks[r].hung:  # never queued behind the hang, nor run by a successor
+                self._ack_failed(task_id, r, self._ranks[r].hung)
                 continue
             try:
                 self.ends.tasks[r].send_encoded((buf,), timeout=0)
@@ -142,6 +168,13 @@ class TransferClient:
         out = self._take_ready()
         if not 0 <= msg.rank < self.tp:
             raise ValueError(f"ack of task {msg.task_id} from rank {msg.rank}, not in [0, {self.tp})")
+        if msg.task_id == BAD_TASK_ID:  # acks come in send order: it is the oldest task the rank owes
+            owed = next((t for t in self._plans if msg.rank in self._gather.missing(t)), None)
+            if owed is None:
+                self.stale += 1
+                return out
+            log.error("transfer[%d]: task %d fails: %s", msg.rank, owed, msg.error)
+            msg = DoneMsg(owed, msg.rank, False, msg.nbytes, msg.seconds, msg.error)
         if msg.task_id not in self._plans or msg.rank not in self._gather.missing(msg.task_id):
             self.stale += 1  # a dead or replaced process's ack for a task already failed on its rank
             return out
@@ -200,8 +233,9 @@ class TransferClient:
         if not peer.alive():
             st.dead = peer
             return False
+        self._discard_leftovers(r)
         try:
-            task.send(fence_for(peer), timeout=0)
+            task.send(fence_for(peer, self.weights_version), timeout=0)
         except (PeerTimeout, PeerDied, ChannelClosed) as exc:
             log.warning("transfer[%d]: cannot fence pid %d yet: %s", r, peer.pid, exc)
             return False
@@ -213,12 +247,26 @@ class TransferClient:
         log.info("transfer[%d]: adopted pid %d", r, peer.pid)
         return True
 
+    def _discard_leftovers(self, r: int) -> None:
+        """Acks a predecessor left in ``done.{r}``: every one is for a task failed at its
+        death. Its successor writes only after its fence, so none of these is its own."""
+        done = self.ends.dones[r]
+        while True:
+            try:
+                n = len(done.try_recv_many())
+            except BadMessage:
+                n = 1
+            if not n:
+                return
+            self.stale += n
+
     def _down(self, r: int, why: str) -> list[CopyResult]:
         st = self._ranks[r]
+        why = st.hung or why  # a killed process's death: the timeout is what its tasks failed of
         if st.owner is not None:
             st.dead, st.owner = st.owner, None
             log.warning("%s: failing its pending tasks", why)
-        st.why = why
+        st.why, st.hung = why, ""
         if st.listening:
             self.ends.inbox.remove(self.ends.dones[r])
             st.listening = False
@@ -238,23 +286,41 @@ class TransferClient:
             if task_id not in self._plans:
                 continue  # completed by a kill below
             for r in self._gather.missing(task_id):
-                owner = self._ranks[r].owner
-                assert owner is not None, f"task {task_id} waits on rank {r}, which is down"
-                self._kill(owner)
-                out += self._down(r, f"transfer[{r}] pid {owner.pid} did not finish task {task_id} within "
-                                     f"{limit} s" + (" (killed)" if self.kill_late else ""))
+                st = self._ranks[r]
+                assert st.owner is not None, f"task {task_id} waits on rank {r}, which is down"
+                if st.hung:
+                    continue  # being killed: the liveness check takes it down once it is gone
+                st.hung = (f"transfer[{r}] pid {st.owner.pid} did not finish task {task_id} within {limit} s"
+                           + (" (killed)" if self.kill_late else ""))
+                if self._kill(st.owner):
+                    out += self._down(r, st.hung)
+                else:
+                    log.error("%s and is not gone yet: its tasks stay in flight until it is", st.hung)
         return out
 
-    def _kill(self, peer: Peer) -> None:
-        if not self.kill_late or not peer.alive():  # alive() checks the start time: never a reused pid
-            return
+    def _kill(self, peer: Peer) -> bool:
+        """SIGKILLs a hung transfer process (when ``kill_late``); True once it is gone,
+        waiting on its pidfd for at most ``heartbeat_s``."""
+        if not peer.alive():  # alive() checks the start time: never a reused pid
+            return True
+        if not self.kill_late:
+            return False
         assert peer.pid != os.getpid(), "the engine owns a transfer rank's ends itself: refusing to kill itself"
         try:
-            os.kill(peer.pid, signal.SIGKILL)
+            fd = os.pidfd_open(peer.pid)
         except ProcessLookupError:
-            return  # it died meanwhile
+            return True
+        try:
+            if not peer.alive():  # the pid was reused before the open: the fd is another process's
+                return True
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+            gone, _, _ = select.select([fd], [], [], self.spec.heartbeat_s)
+            return bool(gone) or not peer.alive()
         except PermissionError as exc:
             log.error("cannot kill hung %s: %s", peer.describe(), exc)
+            return False
+        finally:
+            os.close(fd)
 
     # -- results -----------------------------------------------------------------------
     def _finish(self, done: TaskResult) -> CopyResult:

@@ -12,6 +12,12 @@
 A task that fails (bad ids, a storage miss, anything raised) is acknowledged with
 ``ok=False`` and the exception's text; the executor stays usable for the next task.
 
+Progress. A swap, STORE or LOAD runs in parts and calls ``progress()`` (the process's
+heartbeat) after each, so a long task on slow but live storage never looks like a dead
+process. Parts start at one block and double while a part takes under
+``spec.heartbeat_s / 2`` (halving when slower): a fast tier soon moves large batches, a
+slow one beats about every heartbeat as long as one block is quicker than that.
+
 Weight updates. The engine sends CLEAR once no request and no copy is left (the cache
 core refuses ``begin_weight_update`` otherwise), then reloads weights, then RESTORE.
 
@@ -37,6 +43,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+
+import numpy as np
 
 from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.ipc import DoneMsg, TaskMsg
@@ -67,6 +76,7 @@ class TaskExecutor:
         self.store_error = ""  # why there is no storage backend (empty: none configured, or open)
         self._faults = [0, 0]  # storage errors, corrupt values since the last take_faults()
         self.cleared = False
+        self._progress: Callable[[], None] = lambda: None  # of the task running now
         try:
             self._attach_device()
             if spec.num_host_blocks:
@@ -100,6 +110,13 @@ class TaskExecutor:
             self.store.close()
         self.store, self.store_error = None, ""
 
+    def adopt_weights(self, version: str) -> None:
+        """Serve ``version`` (the engine's current one, from this process's fence): a
+        process started after a weight update reopens storage under it."""
+        if version != self.weights_version:
+            self.weights_version = version
+            self._open_store()
+
     def close(self) -> None:
         """Closes the storage backend and drops this process's tier mappings."""
         self._close_store()
@@ -109,9 +126,11 @@ class TaskExecutor:
         self.device = self.host = None
 
     # -- tasks -------------------------------------------------------------------------
-    def run(self, msg: TaskMsg) -> DoneMsg:
-        """Executes one task; never raises for a bad or failed task."""
+    def run(self, msg: TaskMsg, progress: Callable[[], None] = lambda: None) -> DoneMsg:
+        """Executes one task, calling ``progress()`` as its parts complete; never raises
+        for a bad or failed task."""
         t0 = time.perf_counter()
+        self._progress = progress
         try:
             nbytes, error = self._run(msg)
         except Exception as exc:  # the task fails alone; reported to the engine, never swallowed
@@ -144,9 +163,15 @@ class TaskExecutor:
         if host is None:
             raise TaskRefused(f"{plan.kind.name} refused: this run has no host tier (num_host_blocks=0)")
         assert device is not None, "executor not cleared but without a device tier"
-        if len(plan.src):
-            swap = ops.swap_out if plan.kind is CopyKind.SWAP_OUT else ops.swap_in
-            swap(device.k, device.v, host.tensor, plan.src, plan.dst, num_threads=self.spec.ops_threads)
+        ndev, nhost = self.spec.num_device_blocks, self.spec.num_host_blocks
+        out = plan.kind is CopyKind.SWAP_OUT
+        self._check_ids(plan.src, ndev if out else nhost, "src")
+        self._check_ids(plan.dst, nhost if out else ndev, "dst")
+        if len(np.unique(plan.dst)) != len(plan.dst):
+            raise ValueError(f"{plan.kind.name} dst block ids must be unique, got {plan.dst.tolist()[:16]}")
+        swap = ops.swap_out if out else ops.swap_in
+        self._in_parts(len(plan.src), lambda part: swap(device.k, device.v, host.tensor, plan.src[part],
+                                                         plan.dst[part], num_threads=self.spec.ops_threads))
         return len(plan.src) * self.block_bytes, ""
 
     def take_faults(self) -> tuple[int, int]:
@@ -163,12 +188,13 @@ class TaskExecutor:
             raise TaskRefused(f"{plan.kind.name} refused: this run has no host tier (num_host_blocks=0)")
         stats = self.store.stats
         before = stats.errors, stats.corrupt
+        store, host, done = self.store, self.host.array, []
+        self._check_ids(plan.src if plan.kind is CopyKind.STORE else plan.dst, self.spec.num_host_blocks, "host")
         if plan.kind is CopyKind.STORE:
-            done = self.store.put(plan.keys, self.host.array, plan.src)
-            verb, ids = "stored", plan.src
+            verb, ids, move = "stored", plan.src, store.put
         else:
-            done = self.store.get(plan.keys, self.host.array, plan.dst)
-            verb, ids = "loaded", plan.dst
+            verb, ids, move = "loaded", plan.dst, store.get
+        self._in_parts(len(ids), lambda part: done.extend(move(plan.keys[part], host, ids[part])))
         self._faults[0] += stats.errors - before[0]
         self._faults[1] += stats.corrupt - before[1]
         n_ok = sum(done)
@@ -178,6 +204,23 @@ class TaskExecutor:
         more = ", ..." if len(failed) > 8 else ""
         return n_ok * self.block_bytes, (f"{verb} {n_ok} of {len(done)} blocks; not {verb}: host blocks "
                                          f"{str(failed[:8])[:-1]}{more}]")
+
+    @staticmethod
+    def _check_ids(ids: np.ndarray, n: int, what: str) -> None:
+        """Every id of the whole plan, before its first part copies anything."""
+        bad = ids[(ids < 0) | (ids >= n)]
+        if len(bad):
+            raise ValueError(f"{what} block id {int(bad[0])} out of range [0, {n})")
+
+    def _in_parts(self, n: int, step: Callable[[slice], None]) -> None:
+        """``step`` over blocks [0, n) in parts, reporting progress after each (module docstring)."""
+        target, size, i = self.spec.heartbeat_s / 2, 1, 0
+        while i < n:
+            t0 = time.monotonic()
+            step(slice(i, i + size))
+            self._progress()
+            i += size
+            size = size * 2 if time.monotonic() - t0 < target else max(1, size // 2)
 
     def _clear(self) -> tuple[int, str]:
         self._close_store()

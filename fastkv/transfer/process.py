@@ -8,14 +8,16 @@ Loop: block on the task channel for at most ``spec.heartbeat_s`` (one semaphore 
 draining up to 256 tasks per wake-up), beat ``transfer{r}.beat`` (``time.monotonic_ns()``)
 on every wake-up and after every task, execute tasks in order and post one ``DoneMsg`` per
 task. Tasks before the FENCE addressed to this process are dropped unexecuted: they were
-sent to a predecessor and the client has failed them (``fastkv.transfer.protocol``).
+sent to a predecessor and the client has failed them (``fastkv.transfer.protocol``). A task
+message that cannot be read (a corrupt frame, undecodable bytes) is acked as failed under
+``BAD_TASK_ID``; the tasks around it run.
 
 Exit: 0 when signal ``stop`` is set or the engine closed the task channel; 1 when the
 engine died. ``ready`` goes back to 0 and the ring ends are closed on the way out.
 Heartbeats come from this loop, not from a timer thread, so a silent heartbeat means a
-stuck loop; a single task longer than ``spec.dead_after_s`` would look dead too (a 2 MiB
-block swaps in ~0.1 ms and stores in ~1 ms, so that takes a task of >2000 blocks on a
-crawling storage server).
+stuck loop: inside a long task the executor beats after every part it completes
+(``fastkv.transfer.executor``), so only a single block slower than ``spec.dead_after_s``
+looks dead.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from fastkv.ipc import BadMessage, ChannelClosed, DoneMsg, Namespace, PeerDied, 
 from fastkv.ipc.peers import me
 from fastkv.run import RunSpec, TransferEnds, attach_transfer
 from fastkv.transfer.executor import TaskExecutor
-from fastkv.transfer.protocol import FENCE, fence_names
+from fastkv.transfer.protocol import BAD_TASK_ID, FENCE, fence_names, fence_weights_version
 
 log = logging.getLogger(__name__)
 BATCH = 256
@@ -62,8 +64,8 @@ class TransferLoop:
             while not self.signals["stop"]:
                 try:
                     msgs = self.ends.task.recv_many(BATCH, timeout=self.spec.heartbeat_s)
-                except BadMessage as exc:  # the ring dropped the bad frame; report and go on
-                    log.error("transfer[%d]: bad message on the task channel: %s", self.rank, exc)
+                except BadMessage as exc:  # the ring or codec dropped exactly this message
+                    self.reject(exc)
                     msgs = []
                 except ChannelClosed:
                     raise EngineGone(0, "the engine closed the task channel") from None
@@ -84,12 +86,14 @@ class TransferLoop:
             except ValueError as exc:  # not from a TransferClient: nobody waits for an ack
                 log.error("transfer[%d]: ignoring %s", self.rank, exc)
                 return
-            self.fenced = self.fenced or mine
+            if mine:
+                self.fenced = True
+                self.executor.adopt_weights(fence_weights_version(msg))
             return
         if not self.fenced:
             self.dropped += 1
             return
-        done = self.executor.run(msg)
+        done = self.executor.run(msg, progress=self.beat)
         self.executed += 1
         errors, corrupt = self.executor.take_faults()  # published before the ack: the engine reads them after
         if errors:
@@ -98,6 +102,16 @@ class TransferLoop:
             self.signals.add("storage.corrupt", corrupt)
         self.send(done)
         self.beat()
+
+    def reject(self, exc: BadMessage) -> None:
+        """A task message that cannot be read: ack it as failed (BAD_TASK_ID), so the
+        engine fails that task alone instead of waiting for it until the timeout."""
+        if not self.fenced:  # a predecessor's: the client has failed it already
+            log.error("transfer[%d]: dropping a bad message sent before my fence: %s", self.rank, exc)
+            self.dropped += 1
+            return
+        log.error("transfer[%d]: bad task message, acked as failed: %s", self.rank, exc)
+        self.send(DoneMsg(BAD_TASK_ID, self.rank, False, error=f"bad task message: {exc}"))
 
     def send(self, done: DoneMsg) -> None:
         """Posts an ack; while the engine's ring is full, keeps beating and watching ``stop``."""

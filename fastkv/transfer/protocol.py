@@ -3,9 +3,12 @@
 Task channel ``task.{r}`` (engine -> transfer[r]) carries ``TaskMsg`` of two sorts:
 
 * copy tasks: ``kind`` is a ``CopyKind`` (SWAP_OUT .. RESTORE), ``task_id`` the plan id;
-* a FENCE: ``kind == FENCE`` (0), ``task_id == -1``, ``keys == (b"<pid>:<start time>",)``,
-  naming one transfer process. The client sends it when it adopts that process as rank
-  r's owner (see ``fastkv.transfer.client``).
+* a FENCE: ``kind == FENCE`` (0), ``task_id == -1``,
+  ``keys == (b"<pid>:<start time>", b"<weights version>")``, naming one transfer process
+  and the weights version the engine serves now. The client sends it when it adopts that
+  process as rank r's owner (see ``fastkv.transfer.client``); the process opens storage
+  under that version before its first task, so a process restarted after a weight update
+  (whose spec still names the first version) reads and writes the current namespace.
 
 Why fences. A transfer process that dies leaves the tasks it had not yet taken in its
 ring; the client fails every task pending on the dead rank, so those stale tasks must
@@ -17,6 +20,13 @@ run waits for its fence as well (the client sends it on first contact).
 
 Every process acknowledges each copy task it executes with exactly one ``DoneMsg``;
 dropped stale tasks and fences get none.
+
+A bad task message (a corrupt ring frame, bytes that do not decode) read after the
+process's fence is acknowledged as failed with ``task_id == BAD_TASK_ID`` (its own id
+cannot be trusted). A process executes and acknowledges its tasks in the order the
+client sent them, on one FIFO done ring, so that ack belongs to the oldest task the
+rank still owes; the client fails just that task's share. Acks a dead predecessor left
+behind are discarded when its successor is adopted, before its fence is sent.
 """
 from __future__ import annotations
 
@@ -26,22 +36,28 @@ from fastkv.storage import namespace_fingerprint
 
 FENCE = 0  # TaskMsg.kind of a fence (CopyKind starts at 1)
 FENCE_ID = -1
+BAD_TASK_ID = -2  # DoneMsg.task_id of the ack of a task message that could not be read
 
 
-def fence_for(peer: Peer) -> TaskMsg:
-    """The fence that lets transfer process ``peer`` start executing."""
-    return TaskMsg(FENCE_ID, FENCE, keys=(f"{peer.pid}:{peer.started}".encode(),))
+def fence_for(peer: Peer, weights_version: str) -> TaskMsg:
+    """The fence that lets transfer process ``peer`` start executing, under ``weights_version``."""
+    return TaskMsg(FENCE_ID, FENCE, keys=(f"{peer.pid}:{peer.started}".encode(), weights_version.encode()))
 
 
 def fence_names(msg: TaskMsg) -> tuple[int, int]:
     """(pid, start time) of the process a fence is addressed to."""
-    if msg.kind != FENCE or len(msg.keys) != 1:
+    if msg.kind != FENCE or len(msg.keys) != 2:
         raise ValueError(f"not a fence: task {msg.task_id} kind {msg.kind} with {len(msg.keys)} keys")
     pid, _, started = msg.keys[0].decode("ascii", "replace").partition(":")
     try:
         return int(pid), int(started)
     except ValueError:
         raise ValueError(f"malformed fence {msg.keys[0]!r}") from None
+
+
+def fence_weights_version(msg: TaskMsg) -> str:
+    """The weights version a fence hands its process (``fence_names`` validated it)."""
+    return msg.keys[1].decode("utf-8")
 
 
 def storage_namespace(spec: RunSpec, weights_version: str) -> bytes:

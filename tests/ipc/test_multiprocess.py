@@ -27,7 +27,7 @@ from fastkv.ipc import (
     cleanup,
     doorbell,
 )
-from tests.ipc.helpers import reap, run_objects, start
+from tests.ipc.helpers import CTX, reap, run_objects, start
 
 
 @pytest.fixture
@@ -251,3 +251,45 @@ def test_rebind_refused_while_holder_lives_then_allowed_and_reopens(ns):
     assert [m.task_id for m in other.recv_many(8, timeout=1)] == [1, 3]  # what the predecessor left stays
     ch.close()
     other.close()
+
+
+def _send_and_close(run_id: str) -> None:
+    ns = Namespace.attach(run_id)
+    ch = Channel.attach(ns, "b").bind("send", "transfer", 1)
+    ch.send(DoneMsg(5, 1, True))
+    ch.close()
+
+
+def _timed_recv(inbox: Inbox, conn) -> None:
+    t0, c0 = time.monotonic(), time.process_time()
+    got = inbox.recv_many(8, timeout=1.0)
+    conn.send((got, time.monotonic() - t0, time.process_time() - c0))
+
+
+def test_inbox_blocks_on_open_channels_once_a_producer_closed_and_exited(ns):
+    """A producer that closed its end and exited (a clean shutdown) leaves the inbox
+    waiting on the other channels in the kernel: no CPU, the timeout honoured, no
+    PeerDied; the closed channel on its own raises ChannelClosed naming the producer."""
+    bell = Doorbell.create(ns, "bell")
+    a = Channel.create(ns, "a", bell=bell).bind("recv", "engine")
+    b = Channel.create(ns, "b", bell=bell).bind("recv", "engine")
+    child = start(_send_and_close, ns.run_id)
+    assert reap(child) == [0]
+    inbox = Inbox([a, b], bell)
+    assert [m.task_id for m in inbox.recv_many(8, timeout=1)] == [5]  # delivered before the close counts
+    parent, conn = CTX.Pipe()
+    waiter = start(_timed_recv, inbox, conn)
+    answered = parent.poll(10)
+    if not answered:
+        waiter.kill()
+    reap(waiter)
+    assert answered, "Inbox.recv_many ignored its timeout (spinning on the closed channel)"
+    got, wall, cpu = parent.recv()
+    assert got == []
+    assert 0.9 <= wall < 3.0, wall
+    assert cpu < 0.25 * wall, f"recv_many burnt {cpu:.2f} s CPU in {wall:.2f} s"
+    with pytest.raises(ChannelClosed, match=rf"producer closed it \(transfer\[1\] pid {child.pid}\)"):
+        b.recv(timeout=1)
+    for ch in (a, b):
+        ch.close()
+    bell.close()

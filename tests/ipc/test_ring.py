@@ -101,3 +101,19 @@ def test_bad_geometry(ns):
         Ring.create(ns, "a", slot_size=20)
     with pytest.raises(ValueError, match="nslots"):
         Ring.create(ns, "b", nslots=0)
+
+
+@pytest.mark.parametrize("corrupt", ["seq", "length", "continuation"])
+def test_a_corrupt_frame_drops_only_itself_and_is_counted(ns, corrupt):
+    ring = Ring.create(ns, "r", slot_size=32, nslots=8)  # 24 payload bytes per slot
+    big = bytes(range(60))  # three slots: 1..3
+    ring.push_many([b"first", big, b"third", b"fourth"])
+    off = {"seq": HEADER + 32 + 4, "length": HEADER + 32 + 1, "continuation": HEADER + 2 * 32 + 4}[corrupt]
+    ring._mm[off] ^= 0xFF
+    assert ring.pop_many(8, timeout=0) == [b"first"]
+    with pytest.raises(BadMessage, match="corrupt frame at index 1 .*dropped 3 slots"):
+        ring.pop_many(8, timeout=0)
+    assert ring.pop_many(8, timeout=0) == [b"third", b"fourth"]
+    assert ring.dropped == 1
+    ring.check_integrity()
+    ring.close()

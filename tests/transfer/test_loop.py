@@ -1,6 +1,7 @@
 """The transfer process's loop in this process: fences, stale tasks, stop, engine gone."""
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -9,11 +10,13 @@ import pytest
 from fastkv.cache.plan import CopyKind
 from fastkv.config import KVLayout
 from fastkv.ipc import Peer, TaskMsg
+from fastkv.ipc.native import A
+from fastkv.ipc.ring import HEADER, OFF_TAIL
 from fastkv.run import attach_transfer
 from fastkv.transfer.executor import TaskExecutor
 from fastkv.transfer.process import TransferLoop
 from fastkv.transfer.protocol import FENCE, FENCE_ID, fence_for
-from tests.transfer.helpers import Supervisor, plan, pump
+from tests.transfer.helpers import Supervisor, key, plan, pump
 
 pytest.importorskip("paddle")
 
@@ -28,7 +31,7 @@ def test_loop_drops_everything_before_its_fence_then_serves_and_stops():
         loop = TransferLoop(sup.spec, 0, ends, executor)
         # leftovers of a predecessor: a task, the fence it got, and a malformed fence
         sup.devices[0].k_arrays[0][3] = 7.0
-        sup.ends.tasks[0].send_many([fence_for(Peer("transfer", 0, 1, 1)), TaskMsg(900, int(CopyKind.SWAP_IN),
+        sup.ends.tasks[0].send_many([fence_for(Peer("transfer", 0, 1, 1), "0"), TaskMsg(900, int(CopyKind.SWAP_IN),
                                      np.array([0], np.int32), np.array([3], np.int32)),
                                      TaskMsg(FENCE_ID, FENCE, keys=(b"garbage",))])
         assert client.ready()
@@ -50,6 +53,104 @@ def test_loop_drops_everything_before_its_fence_then_serves_and_stops():
         sup.signals["stop"] = 0
         sup.ends.tasks[0].close()  # the engine is done: its end closed
         assert loop.run() == 0
+    finally:
+        if ends is not None:
+            ends.close()
+        if executor is not None:
+            executor.close()
+        sup.close()
+
+
+@pytest.mark.parametrize("corrupt", ["frame", "payload"])
+def test_a_corrupt_task_fails_alone_and_the_tasks_around_it_run(corrupt):
+    """One damaged task message (a torn ring frame, or bytes that no longer decode) fails
+    just that task, acknowledged as bad by the process; the tasks before and after it run."""
+    sup = Supervisor(layout=KVLayout(1, 1, 16, 16, "float32", tp_size=1), num_device_blocks=4, num_host_blocks=4)
+    ends = executor = None
+    try:
+        client = sup.engine(kill_late=False)
+        ends = attach_transfer(sup.ns, sup.spec, 0)
+        executor = TaskExecutor(sup.spec, 0)
+        loop = TransferLoop(sup.spec, 0, ends, executor)
+        assert client.ready()  # the fence is the first frame
+        plans = [plan(CopyKind.SWAP_OUT, [i], [i]) for i in range(3)]
+        for p in plans:
+            client.submit(p)
+        ring = sup.ends.tasks[0].ring
+        slot = HEADER + (A.load(ring.hdr + OFF_TAIL) + 2) % ring.nslots * ring.slot_size  # after the fence and task 1
+        ring._mm[slot + {"frame": 4, "payload": 8}[corrupt]] ^= 0xFF  # the second task's seq or type id
+        server = threading.Thread(target=loop.run)
+        server.start()
+        try:
+            got = pump(sup, client, [p.plan_id for p in plans], timeout=10)
+        finally:
+            sup.signals["stop"] = 1
+            server.join(10)
+        first, bad, last = (got[p.plan_id] for p in plans)
+        assert first.ok and last.ok, (first.error, last.error)
+        assert not bad.ok and bad.error.startswith("rank 0: bad task message: "), bad.error
+        assert loop.executed == 2
+        assert ring.dropped == (corrupt == "frame")
+    finally:
+        if ends is not None:
+            ends.close()
+        if executor is not None:
+            executor.close()
+        sup.close()
+
+
+class SlowStore:
+    """A live but slow storage backend: every block takes ``per_block_s``."""
+
+    def __init__(self, store, per_block_s: float) -> None:
+        self.store, self.per_block_s = store, per_block_s
+
+    def put(self, keys, host, block_ids):
+        time.sleep(self.per_block_s * len(keys))
+        return self.store.put(keys, host, block_ids)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def test_a_long_store_on_slow_storage_keeps_the_heartbeat(tmp_path):
+    """A STORE that takes longer than dead_after_s on a backend that is slow but making
+    progress beats as it goes: the supervisor's rule never finds the rank silent."""
+    sup = Supervisor(layout=KVLayout(1, 1, 16, 16, "float32", tp_size=1), num_device_blocks=4, num_host_blocks=64,
+                     storage_url=f"lmdb://{tmp_path}")
+    ends = executor = None
+    try:
+        client = sup.engine(kill_late=False)
+        ends = attach_transfer(sup.ns, sup.spec, 0)
+        executor = TaskExecutor(sup.spec, 0)
+        executor.store = SlowStore(executor.store, per_block_s=0.05)
+        loop = TransferLoop(sup.spec, 0, ends, executor)
+        assert client.ready()
+        n = int(1.5 * sup.spec.dead_after_s / 0.05)
+        store = plan(CopyKind.STORE, range(n), [], [key(i, "slow") for i in range(n)])
+        silences, done = [], threading.Event()
+
+        def watch() -> None:  # the supervisor's liveness rule, sampled
+            while not done.is_set():
+                silences.append(time.monotonic_ns() - sup.signals["transfer0.beat"])
+                time.sleep(0.02)
+
+        server, watcher = threading.Thread(target=loop.run), threading.Thread(target=watch)
+        server.start()
+        watcher.start()
+        try:
+            t0 = time.monotonic()
+            client.submit(store)
+            res = pump(sup, client, [store.plan_id], timeout=30)[store.plan_id]
+            took = time.monotonic() - t0
+        finally:
+            sup.signals["stop"] = 1
+            done.set()
+            server.join(10)
+            watcher.join(10)
+        assert res.ok, res.error
+        assert took > sup.spec.dead_after_s, took
+        assert max(silences) < sup.spec.dead_after_s * 1e9 / 2, f"heartbeat silent for {max(silences) / 1e9:.2f} s"
     finally:
         if ends is not None:
             ends.close()

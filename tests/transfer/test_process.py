@@ -221,3 +221,34 @@ def test_hung_process_times_out_is_killed_and_its_stale_tasks_never_run():
     finally:
         codes = sup.close()
     assert codes[0] == 0 and codes[1] == 0, codes
+
+
+def test_a_restarted_process_adopts_the_current_weights_version(tmp_path):
+    """After a weight update, a restarted process stores and loads under the new version
+    (it learns it from its fence), so the new version's values verify."""
+    sup = Supervisor(layout=KVLayout(1, 1, 16, 16, "float32", tp_size=1), num_device_blocks=4, num_host_blocks=4,
+                     storage_url=f"lmdb://{tmp_path}")
+    try:
+        client = sup.engine()
+        sup.start(0)
+        wait_ready(client)
+        sup.hosts[0].array[0] = 3.0
+        restore, store = run_tasks(sup, client, plan(CopyKind.RESTORE, keys=[b"1"]),
+                                   plan(CopyKind.STORE, [0], [], [key(0, "w1")]))
+        assert restore.ok and store.ok, (restore.error, store.error)
+        old = sup.procs[0].pid
+        os.kill(old, signal.SIGKILL)
+        sup.procs[0].join(10)
+        deadline = time.monotonic() + 10
+        while client.rank_up(0):  # the engine notices the death (the supervisor restarts after it)
+            assert time.monotonic() < deadline, "the client did not notice the killed process"
+            assert client.check() == []
+            time.sleep(0.05)
+        sup.start(0)
+        wait_ready(client)
+        load, = run_tasks(sup, client, plan(CopyKind.LOAD, [], [2], [key(0, "w1")]))
+        assert load.ok, load.error
+        assert (sup.hosts[0].array[2] == 3.0).all()
+    finally:
+        codes = sup.close()
+    assert codes[0] == 0, codes
