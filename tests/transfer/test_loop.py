@@ -109,6 +109,10 @@ class SlowStore:
         time.sleep(self.per_block_s * len(keys))
         return self.store.put(keys, host, block_ids)
 
+    @property
+    def stats(self):
+        return self.store.stats
+
     def close(self) -> None:
         self.store.close()
 
