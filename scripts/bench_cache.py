@@ -138,12 +138,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=ROOT.parent / "shared/traces/mooncake_conversation_trace.jsonl")
     ap.add_argument("--quick", action="store_true", help="replay the first 1,000 requests only")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--quick on the first 50 requests, one replay (tests: numbers mean nothing)")
     ap.add_argument("--requests", type=int, default=None, help="replay the first N requests")
     ap.add_argument("--repeat", type=int, default=3, help="timed replays of the headline capacity (best is kept: "
                     "the machine is shared, and a slower run measures the neighbours, not the code)")
     ap.add_argument("--capacity", type=int, default=10000, choices=sorted(README_REFERENCE),
                     help="device capacity of the headline figures, in 512-token blocks")
     args = ap.parse_args()
+    if args.smoke:
+        args.quick, args.requests, args.repeat = True, args.requests or 50, 1
     limit = args.requests or (1000 if args.quick else None)
     reqs = load_trace(args.trace, limit)
     sliced = limit is not None and limit < 12031

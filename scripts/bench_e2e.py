@@ -37,6 +37,8 @@ from fastkv.cli import JobConfig, prepare  # noqa: E402
 from fastkv.supervisor import Supervisor  # noqa: E402
 
 MODES = ("recompute", "offload", "storage")
+SMOKE_DEMO = {"conversations": 2, "turns": 2, "system_tokens": 32, "user_tokens": (8, 16), "reply_tokens": 8,
+              "max_new_tokens": 16}
 
 
 # (label, preemption mode, host tier on); the first three labels are the JSON keys (MODES)
@@ -68,6 +70,8 @@ def fmt_row(label: str, d: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the quick demo workload")
+    p.add_argument("--smoke", action="store_true",
+                    help="2 conversations x 2 short turns (tests: numbers mean nothing)")
     p.add_argument("--runner", choices=("synthetic", "tiny"), default="synthetic")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--device-blocks", type=int, default=JobConfig.device_blocks)
@@ -79,7 +83,7 @@ def main() -> int:
     warnings.filterwarnings("ignore", message="No ccache found")
     entries = dict(e.split("=", 1) for e in args.entry)
     base = JobConfig(runner=args.runner, tp=args.tp, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-                     storage=args.storage, quick=args.quick)
+                     storage=args.storage, quick=args.quick or args.smoke, demo=SMOKE_DEMO if args.smoke else {})
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fastkv-bench-e2e-"))
     print(f"demo workload: {len(base.requests())} requests; {args.runner} runner, tp {args.tp}, "
           f"{args.device_blocks} device / {args.host_blocks} host blocks per rank", flush=True)

@@ -2,12 +2,21 @@
 """IPC benchmark: FastDeploy's EngineCacheQueue pattern vs. a BaseManager queue.Queue vs.
 multiprocessing.Queue vs. a fastkv channel, for a ~200-byte copy-task message.
 
-    python scripts/bench_ipc.py [--quick]
+    python scripts/bench_ipc.py [--quick | --smoke]
 
 Backends (each with one message type: 8 node ids, 8 device block ids, 8 host block ids,
 an event type and a task id):
   fastdeploy  BaseManager (TCP) serving a list guarded by a lock; the consumer polls,
-              sleeping 1 ms while empty (FastDeploy's EngineCacheQueue)
+              sleeping 1 ms while empty (a simplified EngineCacheQueue, kept for comparison
+              with earlier runs)
+  fastdeploy_faithful
+              FastDeploy's protocol as its cache manager runs it: tasks (main -> child) go
+              through put_transfer_task (lock, task_sync_value.set(0), append) and are taken
+              by a CacheTransferManager loop spinning on empty() RPCs without sleeping, then
+              get_transfer_task (lock, sync-value read/or/write, read the head, pop once every
+              rank read it); done signals (child -> main) go through put_transfer_done_signal
+              and get_transfer_done_signal, polled with a 1 ms sleep as the engine's receive
+              thread does. Every message is logged at each end to a per-process log file.
   bm_queue    BaseManager serving a queue.Queue, blocking get
   mp_queue    multiprocessing.Queue
   fastkv      fastkv.ipc.Channel carrying a TaskMsg (node ids as 8-byte keys)
@@ -24,13 +33,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import sys
+import tempfile
 import threading
 import time
-from multiprocessing.managers import AcquirerProxy, BaseManager, ListProxy
+from multiprocessing.managers import AcquirerProxy, BaseManager, ListProxy, Value, ValueProxy
 
 import numpy as np
 
@@ -38,7 +50,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fastkv.ipc import Channel, Namespace, TaskMsg, encode  # noqa: E402
 
 CTX = mp.get_context("fork")
-BACKENDS = ("fastdeploy", "bm_queue", "mp_queue", "fastkv")
+BACKENDS = ("fastdeploy", "fastdeploy_faithful", "bm_queue", "mp_queue", "fastkv")
+FD_BACKENDS = ("fastdeploy", "fastdeploy_faithful")  # served by a BaseManager
+SPINNING = ("fastdeploy_faithful",)  # an idle receiver busy-polls: measured apart from the others
 NODE_IDS = list(range(1000, 1008))
 DEV_IDS = list(range(8))
 HOST_IDS = list(range(100, 108))
@@ -65,6 +79,7 @@ def kv_msg(stamp: int) -> TaskMsg:
 _LISTS: dict[str, list] = {}
 _LOCKS: dict[str, threading.Lock] = {}
 _QUEUES: dict[str, queue.Queue] = {}
+_SYNC: dict[str, Value] = {}
 
 
 class FDManager(BaseManager):
@@ -72,14 +87,15 @@ class FDManager(BaseManager):
 
 
 for _name in ("a", "b"):
-    _LISTS[_name], _LOCKS[_name], _QUEUES[_name] = [], threading.Lock(), queue.Queue()
+    _LISTS[_name], _LOCKS[_name], _QUEUES[_name], _SYNC[_name] = [], threading.Lock(), queue.Queue(), Value("i", 0)
     FDManager.register(f"list_{_name}", callable=lambda n=_name: _LISTS[n], proxytype=ListProxy)
     FDManager.register(f"lock_{_name}", callable=lambda n=_name: _LOCKS[n], proxytype=AcquirerProxy)
     FDManager.register(f"queue_{_name}", callable=lambda n=_name: _QUEUES[n])
+    FDManager.register(f"sync_{_name}", callable=lambda n=_name: _SYNC[n], proxytype=ValueProxy)
 
 
 class FastDeployEP:
-    """EngineCacheQueue: lock + list append; the reader polls len() and sleeps 1 ms."""
+    """Simplified EngineCacheQueue: lock + list append; the reader polls len() and sleeps 1 ms."""
 
     def __init__(self, manager: FDManager, name: str) -> None:
         self.lst, self.lock = getattr(manager, f"list_{name}")(), getattr(manager, f"lock_{name}")()
@@ -100,6 +116,94 @@ class FastDeployEP:
                 self.lock.acquire()
                 item = self.lst.pop(0)
                 self.lock.release()
+                return [item]
+            if deadline is not None and time.monotonic() >= deadline:
+                return []
+            time.sleep(0.001)
+
+
+_FD_LOG: dict[int, logging.Logger] = {}
+
+
+def fd_log(log_dir: str) -> logging.Logger:
+    """This process's FastDeploy-style logger: INFO lines to its own file, as each FastDeploy
+    component writes its log file (the handler's lock, formatting and write on every message)."""
+    log = _FD_LOG.get(os.getpid())
+    if log is None:
+        log = logging.getLogger(f"bench_ipc.fastdeploy.{os.getpid()}")
+        log.setLevel(logging.INFO)
+        log.propagate = False
+        handler = logging.FileHandler(os.path.join(log_dir, f"cache_manager.{os.getpid()}.log"))
+        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)8s] %(filename)s:%(lineno)d - %(message)s"))
+        log.addHandler(handler)
+        _FD_LOG[os.getpid()] = log
+    return log
+
+
+class FaithfulTaskEP(FastDeployEP):
+    """EngineCacheQueue's transfer-task direction, one TP rank (client bit 1 of a total of 1).
+    The receiver is CacheTransferManager.do_data_transfer: ``empty()`` RPCs in a loop, no sleep."""
+
+    POSITION, TOTAL = 1, 1
+
+    def __init__(self, manager: FDManager, name: str, log_dir: str) -> None:
+        super().__init__(manager, name)
+        self.sync, self.log_dir = getattr(manager, f"sync_{name}")(), log_dir
+
+    def send(self, msg) -> None:  # put_transfer_task
+        self.lock.acquire()
+        self.sync.set(0)
+        self.lst.append(msg)
+        self.lock.release()
+        fd_log(self.log_dir).info(f"put_transfer_task: put swap task {msg[-1]} to queue successful")
+
+    def empty(self) -> bool:
+        return len(self.lst) == 0
+
+    def get_transfer_task(self) -> tuple[object, bool]:
+        data, read_finish = None, False
+        self.lock.acquire()
+        if self.sync.get() & self.POSITION == 0 and len(self.lst) > 0:
+            data = self.lst[0]
+            value = self.sync.get() | self.POSITION
+            self.sync.set(value)
+            if value == self.TOTAL:  # every rank read it
+                self.lst.pop(0)
+                self.sync.set(0)
+                read_finish = True
+        self.lock.release()
+        return data, read_finish
+
+    def recv_many(self, timeout: float | None) -> list:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.empty():
+            if deadline is not None and time.monotonic() >= deadline:
+                return []
+        data, _ = self.get_transfer_task()
+        fd_log(self.log_dir).info(f"transfer data: get_transfer_task {data}")
+        return [] if data is None else [data]
+
+
+class FaithfulDoneEP(FastDeployEP):
+    """EngineCacheQueue's done-signal direction; the receiver is the cache manager's
+    recv_data_transfer_result thread: get_transfer_done_signal, 1 ms sleep when there is none."""
+
+    def __init__(self, manager: FDManager, name: str, log_dir: str) -> None:
+        super().__init__(manager, name)
+        self.log_dir = log_dir
+
+    def send(self, msg) -> None:  # put_transfer_done_signal
+        super().send(msg)
+        fd_log(self.log_dir).info(f"put_transfer_done_signal: task {msg[-1]} done")
+
+    def recv_many(self, timeout: float | None) -> list:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.lock.acquire()  # get_transfer_done_signal
+            item = self.lst.pop(0) if len(self.lst) > 0 else None
+            self.lock.release()
+            if item is not None:
+                fd_log(self.log_dir).info(f"recv_data_transfer_result: {item}")
                 return [item]
             if deadline is not None and time.monotonic() >= deadline:
                 return []
@@ -163,12 +267,17 @@ class Backend:
         self.name, self.server_pid = name, None
         self.make = kv_msg if name == "fastkv" else py_msg
         self.stamp = (lambda m: m.task_id) if name == "fastkv" else py_stamp
-        if name in ("fastdeploy", "bm_queue"):
+        if name in (*FD_BACKENDS, "bm_queue"):
             self.manager = FDManager(address=("127.0.0.1", 0), authkey=b"bench", ctx=CTX)
             self.manager.start()
             self.server_pid = self.manager._process.pid
-            cls = FastDeployEP if name == "fastdeploy" else BMQueueEP
-            self.a, self.b = cls(self.manager, "a"), cls(self.manager, "b")
+            if name == "fastdeploy_faithful":
+                self.log_dir = tempfile.mkdtemp(prefix="fkv-bench-fdlog-")
+                self.a = FaithfulTaskEP(self.manager, "a", self.log_dir)
+                self.b = FaithfulDoneEP(self.manager, "b", self.log_dir)
+            else:
+                cls = FastDeployEP if name == "fastdeploy" else BMQueueEP
+                self.a, self.b = cls(self.manager, "a"), cls(self.manager, "b")
         elif name == "mp_queue":
             self.a, self.b = MPQueueEP(CTX.Queue()), MPQueueEP(CTX.Queue())
         else:
@@ -177,8 +286,10 @@ class Backend:
             self.a, self.b = FastKVEP(self.ns.run_id, "a"), FastKVEP(self.ns.run_id, "b")
 
     def close(self) -> None:
-        if self.name in ("fastdeploy", "bm_queue"):
+        if self.name in (*FD_BACKENDS, "bm_queue"):
             self.manager.shutdown()
+        if self.name == "fastdeploy_faithful":
+            shutil.rmtree(self.log_dir, ignore_errors=True)
         elif self.name == "fastkv":
             for ch in self.chans:
                 ch.close()
@@ -373,30 +484,39 @@ def idle_cpu(backends: dict[str, Backend], seconds: float) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer iterations; finishes in under a minute")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="fewer iterations; finishes in under a minute")
+    mode.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds: checks that the script runs "
+                      "(the tests); the numbers mean nothing")
     args = ap.parse_args()
-    q = args.quick
-    rtt_n = {"fastdeploy": 15 if q else 100, "bm_queue": 50 if q else 300, "mp_queue": 200 if q else 2000,
-             "fastkv": 200 if q else 2000}  # per round, 10 rounds
-    flow_n = {"fastdeploy": 600 if q else 3000, "bm_queue": 2000 if q else 10000, "mp_queue": 20000 if q else 100000,
-              "fastkv": 200000 if q else 1000000}
-    busy_s, pairs = (1.0, 2) if q else (3.0, 3)
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    pick = lambda smoke, quick, full: {"smoke": smoke, "quick": quick, "full": full}[size]  # noqa: E731
+    rtt_n = {"fastdeploy": pick(3, 15, 100), "fastdeploy_faithful": pick(3, 15, 100), "bm_queue": pick(3, 50, 300),
+             "mp_queue": pick(5, 200, 2000), "fastkv": pick(5, 200, 2000)}  # per round
+    flow_n = {"fastdeploy": pick(50, 600, 3000), "fastdeploy_faithful": pick(50, 600, 3000),
+              "bm_queue": pick(50, 2000, 10000), "mp_queue": pick(100, 20000, 100000),
+              "fastkv": pick(1000, 200000, 1000000)}
+    busy_s, pairs = pick((0.2, 1), (1.0, 2), (3.0, 3))
+    rounds, idle_s = pick(2, 10, 10), pick(0.3, 5.0, 5.0)
     res: dict[str, dict[str, float]] = {k: {} for k in ("rtt_p50_us", "rtt_p99_us", "msgs_per_s", "busy_delivered",
                                                          "busy_p99_ms", "busy_slowdown", "idle_cpu")}
-    # fresh backends for the idle test: a killed BaseManager client leaves its blocked get
-    # pending in the server, which would swallow a later message
     t_start = time.perf_counter()
-    idle_backends = {name: Backend(name) for name in BACKENDS}
-    try:
-        res["idle_cpu"].update(idle_cpu(idle_backends, 5.0))
-    finally:
-        for be in idle_backends.values():
-            be.close()
-        del idle_backends, be  # forked children would re-register their manager proxies
-        gc.collect()
+    # A spinning idle receiver (and its manager server) takes cores from the others' idle
+    # receivers and servers: measured in its own window.
+    for group in ([n for n in BACKENDS if n not in SPINNING], SPINNING):
+        # fresh backends for the idle test: a killed BaseManager client leaves its blocked get
+        # pending in the server, which would swallow a later message
+        idle_backends = {name: Backend(name) for name in group}
+        try:
+            res["idle_cpu"].update(idle_cpu(idle_backends, idle_s))
+        finally:
+            for be in idle_backends.values():
+                be.close()
+            del idle_backends, be  # forked children would re-register their manager proxies
+            gc.collect()
     backends = {name: Backend(name) for name in BACKENDS}
     try:
-        for name, (p50, p99) in round_trips(backends, rtt_n, 10).items():
+        for name, (p50, p99) in round_trips(backends, rtt_n, rounds).items():
             res["rtt_p50_us"][name], res["rtt_p99_us"][name] = p50, p99
         print(f"  round trips done at {time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
         for name, be in backends.items():
@@ -408,17 +528,18 @@ def main() -> None:
     finally:
         for be in backends.values():
             be.close()
-    print(f"IPC benchmark ({'quick' if q else 'full'}; {os.cpu_count()} cores; ~200-byte task message; "
+    print(f"IPC benchmark ({size}; {os.cpu_count()} cores; ~200-byte task message; "
           f"load average {os.getloadavg()[0]:.1f})")
     cols = [("rtt_p50_us", "RTT p50 us", "{:.1f}"), ("rtt_p99_us", "RTT p99 us", "{:.1f}"),
             ("msgs_per_s", "one-way msg/s", "{:,.0f}"), ("busy_delivered", "busy deliv.", "{:.1%}"),
             ("busy_p99_ms", "busy p99 ms", "{:.2f}"), ("busy_slowdown", "cpu slowdown", "{:.1%}"),
             ("idle_cpu", "idle cpu", "{:.2%}")]
-    print(f"{'backend':<12}" + "".join(f"{title:>15}" for _, title, _ in cols))
+    print(f"{'backend':<20}" + "".join(f"{title:>15}" for _, title, _ in cols))
     for name in BACKENDS:
-        print(f"{name:<12}" + "".join(f"{fmt.format(res[k][name]):>15}" for k, _, fmt in cols))
+        print(f"{name:<20}" + "".join(f"{fmt.format(res[k][name]):>15}" for k, _, fmt in cols))
     fk = res["rtt_p50_us"]["fastkv"]
-    print(f"fastkv RTT p50 = 1/{res['rtt_p50_us']['fastdeploy'] / fk:.0f} of fastdeploy, "
+    print(f"fastkv RTT p50 = 1/{res['rtt_p50_us']['fastdeploy'] / fk:.0f} of fastdeploy (simplified), "
+          f"1/{res['rtt_p50_us']['fastdeploy_faithful'] / fk:.0f} of fastdeploy_faithful, "
           f"1/{res['rtt_p50_us']['mp_queue'] / fk:.1f} of mp_queue")
     print(f"fastkv ring alone (pre-encoded 208-byte messages, no decode): {raw_rate:,.0f} msg/s")
     out = {"bench": "ipc"}

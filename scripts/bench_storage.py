@@ -72,7 +72,11 @@ def main() -> None:
     ap.add_argument("--redis-url", help="use this server instead of starting one")
     ap.add_argument("--backends", default="lmdb,redis", help="comma-separated: lmdb,redis")
     ap.add_argument("--tmpdir", help="where the LMDB environment goes (default: the system temp dir)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="small layout, 64 blocks, 1 round (tests: numbers mean nothing)")
     args = ap.parse_args()
+    if args.smoke:
+        args.layout, args.blocks, args.rounds = "small", args.blocks or max(BATCHES), args.rounds or 1
     layout = LAYOUTS[args.layout]
     blocks = args.blocks or (64 if args.quick else 128)
     rounds = args.rounds or (3 if args.quick else 5)

@@ -135,7 +135,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=256)
     parser.add_argument("--reps", type=int, default=None, help="default 20, --quick 8")
     parser.add_argument("--rtt-reps", type=int, default=None, help="task round trips; default 3000, --quick 500")
+    parser.add_argument("--smoke", action="store_true",
+                    help="8 blocks, 1 rep, 20 round trips (tests: numbers mean nothing)")
     args = parser.parse_args()
+    if args.smoke:
+        args.blocks, args.reps, args.rtt_reps = 8, args.reps or 1, args.rtt_reps or 20
     reps = args.reps or (8 if args.quick else 20)
     rtt_reps = args.rtt_reps or (500 if args.quick else 3000)
 

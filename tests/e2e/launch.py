@@ -2,8 +2,9 @@
 
 ``Run(spec, workload)`` creates the namespace, the channels (``create_run``) and both KV
 tiers of every rank, spawns transfer[r], worker[r] and the engine with multiprocessing
-'spawn', and on ``close()`` stops them and unlinks everything (asserting that nothing of
-the run is left in /dev/shm).
+'spawn' (``engine=False``: no engine process, the test attaches one itself), and on
+``close()`` stops them and unlinks everything (asserting that nothing of the run is left in
+/dev/shm).
 """
 from __future__ import annotations
 
@@ -42,9 +43,10 @@ def new_run_id() -> str:
 
 
 class Run:
-    def __init__(self, spec: RunSpec, workload: list[dict]) -> None:
+    def __init__(self, spec: RunSpec, workload: list[dict], engine: bool = True) -> None:
         self.spec = spec
         self.workload = workload
+        self.engine = engine
         self.out = Path(spec.out_dir)
         self.ns: Namespace | None = None
         self.sig: SignalArray | None = None
@@ -81,7 +83,8 @@ class Run:
         for r in range(spec.tp_size):
             self._spawn(f"transfer{r}", TRANSFER, text, r)
             self._spawn(f"worker{r}", "fastkv.engine.worker:main", text, r)
-        self._spawn("engine", "tests.e2e.launch:engine_main", text, str(path))
+        if self.engine:
+            self._spawn("engine", "tests.e2e.launch:engine_main", text, str(path))
 
     def wait_ready(self, names: list[str], timeout: float = 120.0) -> None:
         """(Test code: polls.) Until every process named has said ready."""

@@ -10,8 +10,10 @@ import time
 import pytest
 
 from fastkv.config import KVLayout
+from fastkv.engine import Engine
 from fastkv.engine.runners.synthetic import next_token
 from fastkv.run import RunSpec
+from fastkv.sched import RequestState
 from tests.e2e.launch import Run, new_run_id
 
 VOCAB = 512
@@ -105,3 +107,51 @@ def test_a_storage_tier_that_fails_mid_run_is_counted_and_recomputed(tmp_path):
     check_outputs(results, wl)
     assert summary["preemptions"]["storage"] > 0 and summary["storage_errors"] > 0, summary
     assert summary["hit_ratio"]["storage"] == 0 and summary["corrupt_values"] == 0, summary
+
+
+@pytest.mark.slow
+def test_engine_abort_of_a_running_and_an_offloaded_request(tmp_path):
+    """Engine.abort, in this process, on real worker and transfer processes: one request
+    while it runs (tokens sampled, blocks on the device) and one while it is OFFLOADED (its
+    KV on the host). Both finish "aborted" with a correct prefix of their tokens, the others
+    finish with every token right, and no block or copy is left behind."""
+    wl = workload(12, 24, ["offload"])
+    s = spec(1, tmp_path / "out", num_device_blocks=24, num_host_blocks=64,
+             runner_options={"verify": "all", "vocab": VOCAB},
+             scheduler={"max_num_batched_tokens": 48, "preemption": "offload"})
+    with Run(s, wl, engine=False) as run:
+        engine = Engine.attach(s, check=True)
+        try:
+            engine.wait_until_ready(120)
+            for w in wl:
+                engine.add_request(w["prompt"], w["max_new_tokens"], request_id=w["id"])
+            states = lambda: {ext: engine.sched.get_request(rid) for ext, rid in engine._ids.items()}  # noqa: SLF001
+            aborted: dict[RequestState, str] = {}
+            results = []
+            while engine.has_work():
+                for want in (RequestState.RUNNING, RequestState.OFFLOADED):
+                    ext = next((e for e, q in states().items() if q is not None and q.state is want
+                                and q.output_token_ids), None)
+                    if want not in aborted and ext is not None:
+                        assert engine.abort(ext)
+                        aborted[want] = ext
+                results += engine.step()
+            assert set(aborted) == {RequestState.RUNNING, RequestState.OFFLOADED}, \
+                f"never saw both states to abort in: aborted {aborted}"
+            assert not engine.abort(aborted[RequestState.RUNNING]), "aborting a finished request"
+            cache = engine.cache
+            assert cache.request_ids() == [] and engine.transfer.pending == 0 and not engine.sched.counts()["running"]
+            assert cache.device.num_available == s.num_device_blocks and cache.host.num_available == s.num_host_blocks
+        finally:
+            engine.close()
+        codes = run.close()
+    assert all(c == 0 for c in codes.values()), codes
+    by_id = {r.id: r for r in results}
+    assert sorted(by_id) == sorted(w["id"] for w in wl)
+    for w in wl:
+        r, want = by_id[w["id"]], expected(w["prompt"], w["max_new_tokens"])
+        if w["id"] in aborted.values():
+            assert r.finish == "aborted" and 0 < len(r.output) < len(want) and r.output == want[:len(r.output)], r
+        else:
+            assert r.finish == "length" and r.output == want, r
+    assert by_id[aborted[RequestState.OFFLOADED]].preemptions >= 1

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from fastkv.cache.manager import CacheConfig, CacheManager
+from fastkv.cache.plan import CopyKind
 from fastkv.cache.policy import Policy as CachePolicy
 from fastkv.engine.step import StepOutput
 from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig
@@ -71,7 +72,7 @@ def test_stop_tokens_eos_and_max_model_len():
     assert r.finished[1].state is S.FINISHED_LENGTH and r.finished[1].num_tokens == 12
 
 
-def test_abort_in_every_state_and_during_a_step():
+def _abort_waiting_and_during_a_step() -> None:
     r = rig(dev=4, host=4, max_num_batched_tokens=4, preemption=PreemptionMode.OFFLOAD)
     r.add(0, range(1, 9), max_new_tokens=20)
     r.add(1, range(30, 33), max_new_tokens=20)
@@ -84,6 +85,48 @@ def test_abort_in_every_state_and_during_a_step():
     assert [(q.request_id, q.state) for q in fin] == [(1, S.FINISHED_ABORTED), (0, S.FINISHED_ABORTED)]
     assert r.sched.cache.request_ids() == [] and not r.sched.has_work()
     r.sched.check_integrity()
+
+
+def _abort_with_copies_in_flight(state: RequestState) -> None:
+    """Two requests on a 5-block device: request 1 is preempted by offload, and the fake
+    transfer layer holds its copies in flight (SWAP_OUT for OFFLOADING, SWAP_IN for LOADING)
+    while it is aborted; they complete afterwards, against an aborted request."""
+    cache = CacheManager(CacheConfig(num_device_blocks=5, num_host_blocks=8, block_size=BS,
+                                     policy=CachePolicy.WRITE_THROUGH_SELECTIVE))  # restores swap in
+    r = Rig(Scheduler(cache, SchedulerConfig(preemption=PreemptionMode.OFFLOAD, max_num_batched_tokens=32)))
+    r.add(0, range(1, 9), max_new_tokens=8)
+    q1 = r.add(1, range(20, 30), max_new_tokens=8)
+    for _ in range(20):  # step, then complete the copies, until request 1 is in ``state``
+        r.step()
+        if q1.state is state:
+            break
+        r.complete_all()
+        if q1.state is state:
+            break
+    assert q1.state is state, f"never reached {state.name}: {q1.state.name}"
+    kinds = {p.kind for p, _ in r.transfer.pending}
+    want = {S.OFFLOADING: {CopyKind.SWAP_OUT}, S.LOADING: {CopyKind.SWAP_IN}, S.OFFLOADED: set()}[state]
+    assert want <= kinds and (state is not S.OFFLOADED or not kinds), kinds
+    assert r.sched.abort(1) and r.sched.get_request(1) is None and not r.sched.abort(1)
+    assert 1 not in r.sched.cache.request_ids()
+    r.sched.check_integrity()
+    r.complete_all()  # copies of the aborted request land after it is gone
+    r.run()
+    assert {rid: q.state for rid, q in r.finished.items()} == {0: S.FINISHED_LENGTH, 1: S.FINISHED_ABORTED}
+    assert r.finished[1].finish_time is not None and r.sched.stats.aborted == 1
+    assert r.finished[0].output_token_ids == r.worker.truth[0].tokens[8:]  # the worker checked every slot it read
+    assert r.sched.cache.request_ids() == [] and not r.sched.has_work()
+    assert cache.device.num_available == 5 and cache.host.num_available == 8  # nothing left pinned
+    r.sched.check_integrity()
+
+
+@pytest.mark.parametrize("state", [S.WAITING, S.OFFLOADING, S.OFFLOADED, S.LOADING], ids=lambda s: s.name)
+def test_abort_in_every_state_and_during_a_step(state):
+    """WAITING also covers RUNNING, in the step in flight (deferred) and after it."""
+    if state is S.WAITING:
+        _abort_waiting_and_during_a_step()
+    else:
+        _abort_with_copies_in_flight(state)
 
 
 def test_contract_violations_raise_value_errors():
