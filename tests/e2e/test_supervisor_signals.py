@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.e2e.test_supervisor import SHM, finish, leftovers, run_id, start_cli
+from tests.e2e.test_supervisor import SHM, attach_signals, finish, leftovers, run_id, start_cli, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 STOP_WITHIN_S = 5.0
@@ -49,3 +49,42 @@ def test_sigterm_at_every_moment_of_startup_leaks_nothing(tmp_path):
         proc = start_cli(path, rid, standin_request_s=1.0)
         time.sleep(offset)  # the moment under test
         signal_and_check(path, proc, rid, signal.SIGTERM, f"SIGTERM at {offset:.1f} s")
+
+
+def real_cli(tmp_path, rid: str, arrivals: tuple[float, ...]):
+    """The real engine, worker and transfer processes (synthetic runner, 50 ms steps)."""
+    wl = tmp_path / "slow.jsonl"
+    wl.write_text("".join(json.dumps({"id": f"r{i}", "arrival_s": at, "prompt": list(range(1, 6 + i)),
+                                      "max_new_tokens": 10 if i == 0 else 200}) + "\n"
+                          for i, at in enumerate(arrivals)))
+    return start_cli(tmp_path, rid, "--workload", str(wl), entries=[], step_us=50000.0)
+
+
+@pytest.mark.parametrize("signum, moment", [
+    (signal.SIGTERM, "start-up"), (signal.SIGINT, "ready"), (signal.SIGTERM, "mid-run"),
+    # known: an engine idle between arrivals (after its copies) takes the whole join_timeout_s (15 s)
+    pytest.param(signal.SIGINT, "idle", marks=pytest.mark.xfail(strict=True, reason="idle engine stops in 15 s")),
+])
+def test_signal_at_any_moment_writes_summary_and_results_and_leaks_nothing(tmp_path, signum, moment):
+    rid = run_id()
+    # idle: one short request now, the next in an hour: the engine waits between arrivals
+    proc = real_cli(tmp_path, rid, (0.0, 3600.0) if moment == "idle" else (0.0, 0.0, 0.0))
+    sig = None
+    if moment == "start-up":  # the shared memory is being made, the processes are starting
+        wait_for(lambda: (SHM / f"fkv.{rid}.manifest.json").exists(), "the run's manifest", proc=proc)
+    else:
+        sig = attach_signals(rid, proc)
+        if moment == "mid-run":
+            wait_for(lambda: sig["engine.finished"] >= 1, "a first finished request", proc=proc)
+        if moment == "idle":
+            wait_for(lambda: sig["engine.finished"] >= 1, "the first request", proc=proc)
+    if sig is not None:
+        sig.close()
+    summary = signal_and_check(tmp_path, proc, rid, signum, f"{signum.name} at {moment}")
+    assert summary is not None and summary["status"] == "stopped", summary
+    states = summary["states"]
+    assert states["unfinished"] >= 1, states
+    if moment in ("mid-run", "idle"):
+        assert states["finished"] >= 1, states
+        rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+        assert all(r["output"] for r in rows if r["state"] == "finished")
