@@ -88,3 +88,21 @@ def test_signal_at_any_moment_writes_summary_and_results_and_leaks_nothing(tmp_p
         assert states["finished"] >= 1, states
         rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
         assert all(r["output"] for r in rows if r["state"] == "finished")
+
+
+def test_a_process_that_dies_at_start_up_ends_the_run_at_once(tmp_path):
+    """A worker that never comes up (bogus entry point): the engine waiting for its step 0 and
+    the transfer process must not make the supervisor wait out join_timeout_s (60 s here)."""
+    from fastkv.cli import JobConfig, prepare
+    from fastkv.supervisor import Supervisor
+
+    cfg = JobConfig(layers=1, kv_heads=1, head_dim=16, block_size=4, device_blocks=16, host_blocks=8, quick=True,
+                    out=str(tmp_path / "out"), heartbeat_s=0.1, dead_after_s=1.0)
+    spec, workload = prepare(cfg, run_id())
+    result = Supervisor(spec, workload, entry_points={"worker": "tests.e2e.no_such_module:main"},
+                        join_timeout_s=60.0).run()
+    assert not result.ok and result.message.startswith("worker0")
+    assert result.seconds < 30, f"took {result.seconds:.1f} s"
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"].startswith("failed: worker0") or summary["status"] == "stopped", summary["status"]
+    assert leftovers(spec.run_id) == []
