@@ -15,12 +15,13 @@ import dataclasses
 import json
 import secrets
 import shutil
+import signal
 import sys
 import tomllib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from fastkv.config import KVLayout
 from fastkv.demo import PREEMPTION_MODES, ConversationConfig
@@ -306,6 +307,20 @@ class _Progress:
         self.bar.close()
 
 
+class _Interrupted(KeyboardInterrupt):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signal = signal.Signals(signum)
+
+
+def _interrupted(signum: int, _frame: Any) -> None:
+    raise _Interrupted(signum)
+
+
+def _config_error(parser: argparse.ArgumentParser, exc: ValueError) -> NoReturn:
+    parser.exit(2, f"{parser.prog}: error: {exc}\n")  # one line: the usage is no help here
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -314,22 +329,46 @@ def main(argv: list[str] | None = None) -> int:
             return cleanup(args.run_id)
         entries = _entries(args.entry)
         cfg = JobConfig.from_sources(args.config, _flags(args))
-        spec, workload = prepare(cfg, args.run_id)
-        if spec.storage_url:  # a tier that cannot open would only be logged by the transfer processes
-            from fastkv.storage import probe_store
-
-            probe_store(spec.storage_url, spec.tp_size)
     except ValueError as exc:
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")  # one line: the usage is no help here
-    from fastkv import report
-    from fastkv.supervisor import Supervisor
+        _config_error(parser, exc)
+    from fastkv.engine.engine import write_missing
+    from fastkv.transfer.tiers import _cuda_available
 
     warnings.filterwarnings("ignore", message="No ccache found")  # Paddle's import chatter, not ours
+    # Importing Paddle replaces the C-level SIGTERM handler with one that exits at once (in any
+    # thread); so first Paddle, while nothing of the run exists, then our handlers. Until the
+    # supervisor's own go in, a signal unwinds the start-up and the run ends as stopped.
+    _cuda_available()
+    old_handlers = {signum: signal.signal(signum, _interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
+    spec = workload = None
+    try:
+        try:
+            spec, workload = prepare(cfg, args.run_id)
+            if spec.storage_url:  # a tier that cannot open would only be logged by the transfer processes
+                from fastkv.storage import probe_store
+
+                probe_store(spec.storage_url, spec.tp_size)
+        except ValueError as exc:
+            _config_error(parser, exc)
+        return _run(cfg, spec, workload, entries, not args.no_progress)
+    except _Interrupted as exc:
+        if workload is not None:
+            write_missing(spec.out_dir, workload, "stopped")
+        print(f"fastkv-supervisor: run failed: interrupted by {exc.signal.name}", file=sys.stderr)
+        return 128 + exc.signal
+    finally:
+        for signum, handler in old_handlers.items():
+            signal.signal(signum, handler)
+
+
+def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress_bar: bool) -> int:
+    from fastkv import report
+    from fastkv.supervisor import Supervisor
 
     print(f"fastkv-supervisor: run {spec.run_id}: {spec.tp_size} rank(s), {cfg.runner} runner, "
           f"preemption {cfg.preemption}, {spec.num_device_blocks} device / {spec.num_host_blocks} host blocks, "
           f"storage {spec.storage_url or 'none'}; output in {spec.out_dir}", file=sys.stderr)
-    progress = _Progress(not args.no_progress)
+    progress = _Progress(progress_bar)
     try:
         result = Supervisor(spec, workload, entry_points=entries, progress=progress).run()
     finally:

@@ -20,7 +20,12 @@ sentinels and a self-pipe that the SIGINT/SIGTERM handler writes, with timeout
 - SIGINT/SIGTERM set ``stop``; the children get ``join_timeout_s`` to exit, then SIGKILL (at once
   on a second signal).
 
-Whatever happens, everything is unlinked at the end (tiers, channels, signals, manifest).
+Whatever happens, everything is unlinked at the end (tiers, channels, signals, manifest),
+and ``summary.json`` and ``results.jsonl`` exist: when the engine did not write them, the
+supervisor does (``fastkv.engine.engine.write_missing``: every request unfinished).
+Paddle is imported before the signal handlers go in (its import replaces the C-level SIGTERM
+handler with one that exits at once), so no signal finds shared memory without our handler
+(the CLI imports it earlier still, before it writes anything).
 Children get PR_SET_PDEATHSIG(SIGKILL), so a SIGKILLed supervisor takes its children with it;
 its shared memory is then removed by the next supervisor start or ``fastkv-supervisor --cleanup``.
 Each child's stdout/stderr goes to ``<out_dir>/logs/<name>.log``.
@@ -40,6 +45,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from fastkv.engine.engine import write_missing
 from fastkv.ipc import Namespace, SignalArray, cleanup_stale
 from fastkv.ipc.namespace import SHM_DIR
 from fastkv.run import RunSpec, create_run
@@ -169,23 +175,33 @@ class Supervisor:
     # -- the run -----------------------------------------------------------------------
     def run(self) -> RunResult:
         t0 = time.monotonic()
+        from fastkv.transfer.tiers import _cuda_available
+
+        # Importing Paddle (which this does) replaces the C-level SIGTERM handler with one that
+        # exits at once: ours go in after it, and before any shared memory exists.
+        cuda = _cuda_available()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         old_handlers = self._install_handlers()
+        ok, message = False, "the supervisor failed"
         try:
             try:
-                self._setup()
-                self._install_handlers()  # again: importing Paddle (the device tier) installs its own SIGTERM handler
-                for rank in range(self.spec.tp_size):
-                    self._start("transfer", rank)
-                    self._start("worker", rank)
-                self._start("engine", 0)
+                self._setup(cuda)
+                if self._stop_reason is None:  # a signal during setup: nothing to start
+                    for rank in range(self.spec.tp_size):
+                        self._start("transfer", rank)
+                        self._start("worker", rank)
+                    self._start("engine", 0)
                 ok, message = self._watch()
             finally:  # also on an exception (the caller sees it): stop everything, unlink everything
                 self._shutdown()
                 codes = {c.name: c.process.exitcode for c in self.children.values()}
                 restarts = {c.name: c.restarts for c in self.children.values() if c.role == "transfer"}
                 self._teardown()
+                status = "done" if ok else "stopped" if self._stop_reason else f"failed: {message.splitlines()[0]}"
+                if write_missing(self.out_dir, self.workload_path, status):
+                    print(f"fastkv-supervisor: the engine wrote no summary; wrote {self.out_dir / 'summary.json'} "
+                          f"({status})", file=sys.stderr)
         finally:
             for signum, handler in old_handlers.items():
                 signal.signal(signum, handler)
@@ -204,8 +220,8 @@ class Supervisor:
                 return  # the pipe is full: the watcher has wake-ups queued already
 
     # -- setup and teardown ------------------------------------------------------------
-    def _setup(self) -> None:
-        from fastkv.transfer.tiers import DeviceTier, HostTier, _cuda_available
+    def _setup(self, cuda: bool) -> None:
+        from fastkv.transfer.tiers import DeviceTier, HostTier
 
         removed = cleanup_stale(self.manifest_dir)
         if removed:
@@ -215,7 +231,6 @@ class Supervisor:
         spec = self.spec
         self.ns = Namespace.create(spec.run_id, self.manifest_dir)
         create_run(self.ns, spec)
-        cuda = _cuda_available()
         for r in range(spec.tp_size):
             # Recorded first: a crash between record and create leaves nothing unlisted.
             self.ns.record("shm", f"kvdev{r}")
@@ -330,7 +345,8 @@ class Supervisor:
             self.progress(self.signals["engine.finished"], self.signals["engine.total"])
 
     def _shutdown(self) -> None:
-        """stop = 1, give every child join_timeout_s in all (none if asked to stop twice), SIGKILL the rest."""
+        """stop = 1, SIGTERM to children not ready yet, give every child join_timeout_s in all (none if asked
+        to stop twice), SIGKILL the rest."""
         self._stopping = True
         if self.signals is not None:
             self.signals["stop"] = 1
@@ -338,6 +354,11 @@ class Supervisor:
         # a child whose start failed part-way (pid None) has no sentinel and nothing to join
         started = [c.process for c in self.children.values() if c.process.pid is not None]
         running = [p for p in started if p.exitcode is None]
+        for child in self.children.values():
+            # Still starting (importing, attaching): it holds no work and would see stop only once
+            # up; its default SIGTERM ends it now (what it attached, the supervisor unlinks).
+            if child.process in running and not (self.signals and self.signals[f"{child.name}.ready"]):
+                child.process.terminate()
         while running and not self._kill_now:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -72,14 +72,19 @@ class RequestRejected(ValueError):
         self.request_id, self.reason = request_id, reason
 
 
+class EngineStopped(EngineError):
+    """The supervisor set ``stop`` while the engine waited on a worker or a transfer rank."""
+
+
 class RequestResult(NamedTuple):
     id: str
-    output: list[int]
-    finish: str  # "length" | "stop" | "aborted" | "rejected" (never run: see reason)
+    output: list[int]  # what was sampled, also for a request that did not finish
+    finish: str  # "length" | "stop" | "aborted" | "rejected" | "unfinished"
     ttft_s: float  # arrival to first sampled token (NaN if none)
-    latency_s: float  # arrival to finish
+    latency_s: float  # arrival to finish (to now for an unfinished request; NaN if never admitted)
     preemptions: int
     recomputed_tokens: int
+    state: str = "finished"  # "finished" | "aborted" | "rejected" | "unfinished"
     reason: str = ""  # why it was rejected
 
     def to_json(self) -> dict[str, Any]:
@@ -181,7 +186,8 @@ class Engine:
         """The result of a request ``add_request`` rejected, counted as finished."""
         self.metrics.observe_finished("rejected")
         self._sig.add("engine.finished", 1)
-        return RequestResult(request_id, [], "rejected", float("nan"), time.monotonic() - arrival_time, 0, 0, reason)
+        return RequestResult(request_id, [], "rejected", float("nan"), time.monotonic() - arrival_time, 0, 0,
+                             state="rejected", reason=reason)
 
     def abort(self, request_id: str) -> bool:
         rid = self._ids.get(request_id)
@@ -248,6 +254,7 @@ class Engine:
             if time.monotonic() > deadline:
                 raise EngineError(f"transfer processes not up within {timeout} s")
             self.beat()
+            self._check_stop("waiting for the transfer processes")
             self._pump(self.spec.heartbeat_s)  # blocks on the doorbell: nothing else to do yet
 
     def _run(self, plan: StepPlan, timeout: float | None = None) -> None:
@@ -264,6 +271,7 @@ class Engine:
             msgs = self._recv(self.spec.heartbeat_s)
             if not msgs:
                 self.beat()
+                self._check_stop(f"step {plan.step_id} waited for the workers")
                 self.check_workers()
                 self._check_transfers()
             for msg in msgs:
@@ -313,6 +321,12 @@ class Engine:
         for res in self.transfer.check():
             self._copy_result(res)
 
+    def _check_stop(self, where: str) -> None:
+        # A peer that died before it bound its channel end cannot be seen as dead: the
+        # supervisor saw it and set stop.
+        if self._sig["stop"]:
+            raise EngineStopped(f"stop requested while {where}")
+
     def check_workers(self) -> None:
         """EngineError if a worker process is gone (a rank > 0 has no output channel to say so)."""
         self._last_check = time.monotonic()
@@ -329,10 +343,21 @@ class Engine:
         finish = FINISH[req.state]
         self.metrics.observe_finished(finish)
         self._sig.add("engine.finished", 1)
+        return self._snapshot(ext, req, finish, req.finish_time)
+
+    def unfinished(self) -> list[RequestResult]:
+        """The requests not finished yet, as results (``state`` "unfinished", output so far):
+        what a stopped or failed run reports for them."""
+        now = time.monotonic()
+        return [self._snapshot(self._ext[rid], req, "unfinished", now) for rid, req in self.sched.requests.items()]
+
+    @staticmethod
+    def _snapshot(ext: str, req: Request, finish: str, end: float) -> RequestResult:
         t0 = req.arrival_time
         ttft = req.first_token_time - t0 if req.first_token_time is not None else float("nan")
-        return RequestResult(ext, list(req.output_token_ids), finish, ttft, req.finish_time - t0,
-                             req.num_preemptions, req.num_recomputed_tokens)
+        state = "finished" if finish in ("length", "stop") else finish
+        return RequestResult(ext, list(req.output_token_ids), finish, ttft, end - t0, req.num_preemptions,
+                             req.num_recomputed_tokens, state)
 
     def close(self) -> None:
         """Close this engine's channel ends (workers and transfer processes see a clean

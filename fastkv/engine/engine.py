@@ -8,8 +8,15 @@ It beats ``engine.beat``, sets ``engine.ready`` once attached, and keeps ``engin
 ``engine.finished`` current for the supervisor's progress bar. Between arrivals it blocks
 on the inbox doorbell (copy completions wake it), never in a sleep.
 
-Exit status: 0 when the workload is done or ``stop`` was set (results so far are written);
-1 when a worker died or failed (``EngineError``), with the reason on stderr.
+Every request of the workload gets a line in ``results.jsonl`` whatever happens, with its
+``state``: finished, aborted, rejected (``add_request`` refused it; ``error`` says why) or
+unfinished (the run stopped or failed first; its output so far). ``summary.json`` is always
+written, its ``status`` "done", "stopped" or "failed: <why>" and ``states`` the counts.
+When the engine never got to write them (it was killed, or never started), the supervisor
+writes them with ``write_missing``.
+
+Exit status: 0 when the workload is done or ``stop`` was set; 1 when a worker died or
+failed (``EngineError``), with the reason on stderr.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastkv.demo import arrival_error, prompt_error
-from fastkv.engine.core import Engine, EngineError, RequestRejected, RequestResult
+from fastkv.engine.core import Engine, EngineError, EngineStopped, RequestRejected, RequestResult
 from fastkv.run import RunSpec
 
 MODES = ("recompute", "offload", "storage", "auto")
@@ -67,13 +74,12 @@ def read_workload(path: str | Path) -> list[WorkItem]:
     return items
 
 
-def drive(engine: Engine, items: list[WorkItem]) -> tuple[list[RequestResult], list[list[float]], float]:
-    """Submit at arrival offsets and step until done or ``stop``; returns the results, the
-    timeline ``[t_s, finished, generated_tokens, preemptions]`` and the seconds taken."""
+def drive(engine: Engine, items: list[WorkItem], results: list[RequestResult], timeline: list[list[float]]) -> None:
+    """Submit at arrival offsets and step until done or ``stop``, appending to ``results``
+    and to the timeline ``[t_s, finished, generated_tokens, preemptions]`` (the caller keeps
+    both when this raises)."""
     sig, spec = engine.ends.signals, engine.spec
     start = time.monotonic()
-    results: list[RequestResult] = []
-    timeline: list[list[float]] = [[0.0, 0, 0, 0]]
     next_item, last_point = 0, 0.0
     while next_item < len(items) or engine.has_work():
         if sig["stop"]:
@@ -81,35 +87,46 @@ def drive(engine: Engine, items: list[WorkItem]) -> tuple[list[RequestResult], l
         now = time.monotonic()
         while next_item < len(items) and items[next_item].arrival_s <= now - start:
             it = items[next_item]
+            next_item += 1
             try:
                 engine.add_request(it.prompt, it.max_new_tokens, request_id=it.id, preemption=it.preemption,
                                    arrival_time=start + it.arrival_s)
             except RequestRejected as exc:  # this request alone: the rest of the run goes on
+                print(f"fastkv engine: {exc}", file=sys.stderr, flush=True)
                 results.append(engine.rejected(it.id, exc.reason, start + it.arrival_s))
-            next_item += 1
         if engine.has_work():
             done = engine.step()
-        else:  # nothing to do before the next arrival
+        elif next_item < len(items):  # nothing to do before the next arrival
             engine.wait(min(spec.heartbeat_s, start + items[next_item].arrival_s - now))
             done = []
+        else:
+            break  # the last arrivals were rejected
         results += done
         t = time.monotonic() - start
         if done or t - last_point >= _TIMELINE_EVERY_S:
             timeline.append([round(t, 4), len(results), engine.metrics.tokens_sampled,
                              sum(engine.metrics.preemptions().values())])
             last_point = t
-    seconds = time.monotonic() - start
     engine.check_workers()  # a rank that died after its last step must not pass for a clean run
-    timeline.append([round(seconds, 4), len(results), engine.metrics.tokens_sampled,
-                     sum(engine.metrics.preemptions().values())])
-    return results, timeline, seconds
+
+
+def _not_run(item: WorkItem, state: str, reason: str = "") -> RequestResult:
+    return RequestResult(item.id, [], state, math.nan, math.nan, 0, 0, state, reason)
+
+
+def complete(items: list[WorkItem], results: list[RequestResult]) -> list[RequestResult]:
+    """``results`` plus an "unfinished" result for every item that has none, in workload order."""
+    have = {r.id: r for r in results}
+    return [have.get(it.id) or _not_run(it, "unfinished") for it in items]
 
 
 def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult], timeline: list,
-              seconds: float) -> dict[str, Any]:
+              seconds: float, status: str = "done") -> dict[str, Any]:
     generated = sum(len(r.output) for r in results)
     return {
-        "requests": len(results),
+        "status": status,
+        "states": _states(results),
+        "requests": sum(r.state == "finished" for r in results),
         "prompt_tokens": sum(len(it.prompt) for it in items),
         "generated_tokens": generated,
         "seconds": seconds,
@@ -123,6 +140,13 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
     }
 
 
+def _states(results: list[RequestResult]) -> dict[str, int]:
+    states = {s: 0 for s in ("finished", "aborted", "rejected", "unfinished")}
+    for r in results:
+        states[r.state] += 1
+    return states
+
+
 def write_outputs(out_dir: str | Path, results: list[RequestResult], summary: dict[str, Any]) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -133,11 +157,41 @@ def write_outputs(out_dir: str | Path, results: list[RequestResult], summary: di
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 
+def write_missing(out_dir: str | Path, workload_path: str | Path, status: str) -> bool:
+    """The supervisor's side of "always a summary": when the engine wrote no summary.json
+    (killed, or never started), write one with ``status``, and a results.jsonl keeping the
+    lines the engine did write and listing every other request as unfinished. Returns
+    whether it wrote them."""
+    out = Path(out_dir)
+    if (out / "summary.json").exists():
+        return False
+    items = read_workload(workload_path)
+    results = []
+    if (out / "results.jsonl").exists():
+        known = RequestResult._fields
+        for line in (out / "results.jsonl").read_text().splitlines():
+            try:
+                row = json.loads(line)
+                results.append(RequestResult(**{k: row[k] for k in known if k in row}))
+            except (ValueError, TypeError):
+                continue  # a line cut short by the kill: that request is unfinished
+    results = complete(items, results)
+    write_outputs(out, results, {
+        "status": status, "states": _states(results), "requests": sum(r.state == "finished" for r in results),
+        "prompt_tokens": sum(len(it.prompt) for it in items),
+        "generated_tokens": sum(len(r.output) for r in results), "seconds": 0.0, "tokens_per_s": 0.0,
+        "timeline": []})
+    return True
+
+
 def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Callable | None = None,
                    check: bool = False) -> int:
     """The engine process's body (``client_factory``, ``check``: see ``Engine``)."""
     items = read_workload(workload_path)
     engine = Engine.attach(spec, client_factory, check=check)
+    results: list[RequestResult] = []
+    timeline: list[list[float]] = [[0.0, 0, 0, 0]]
+    status, code, start = "done", 0, time.monotonic()
     try:
         port = engine.metrics.serve(spec.metrics_port)
         if port:
@@ -145,15 +199,27 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
         engine.ends.signals["engine.total"] = len(items)
         engine.wait_until_ready()
         engine.ends.signals["engine.ready"] = 1
-        results, timeline, seconds = drive(engine, items)
-        write_outputs(spec.out_dir, results, summarize(engine, items, results, timeline, seconds))
-        return 0
+        start = time.monotonic()
+        drive(engine, items, results, timeline)
+    except EngineStopped:
+        status = "stopped"
     except EngineError as exc:
         print(f"fastkv engine: {exc}", file=sys.stderr, flush=True)
-        return 1
+        status, code = f"failed: {exc}", 1
+    except BaseException as exc:  # a bug: the traceback goes to the log, the summary says so
+        status, code = f"failed: {type(exc).__name__}: {exc}", 1
+        raise
     finally:
         engine.ends.signals["engine.ready"] = 0
+        results = complete(items, results + engine.unfinished())
         engine.close()
+        seconds = time.monotonic() - start
+        timeline.append([round(seconds, 4), sum(r.state == "finished" for r in results),
+                         engine.metrics.tokens_sampled, sum(engine.metrics.preemptions().values())])
+        if status == "done" and any(r.state == "unfinished" for r in results):
+            status = "stopped"  # drive() returns early only on stop
+        write_outputs(spec.out_dir, results, summarize(engine, items, results, timeline, seconds, status))
+    return code
 
 
 def main(spec_json: str, workload_path: str) -> int:

@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -171,14 +172,21 @@ def _unlink_all(objects: list[tuple[str, str]]) -> list[str]:
 
 
 def list_runs(manifest_dir: str | Path = SHM_DIR) -> list[RunInfo]:
+    """This user's runs. Another user's run (its manifest is theirs, mode 0600) and a manifest
+    that cannot be read or parsed are skipped with a warning: never a reason to fail."""
     runs = []
     for path in sorted(Path(manifest_dir).glob(f"{PREFIX}.*.manifest.json")):
         try:
+            if path.stat().st_uid != os.getuid():
+                warnings.warn(f"skipping {path}: another user's fastkv run", stacklevel=2)
+                continue
             doc = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"unreadable fastkv manifest {path}: {exc}") from exc
-        alive = pid_alive(int(doc["owner_pid"]), int(doc.get("owner_started", 0)))
-        runs.append(RunInfo(doc["run_id"], int(doc["owner_pid"]), alive, path))
+            pid = int(doc["owner_pid"])
+            runs.append(RunInfo(doc["run_id"], pid, pid_alive(pid, int(doc.get("owner_started", 0))), path))
+        except FileNotFoundError:
+            continue  # its owner closed it meanwhile
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            warnings.warn(f"skipping unreadable fastkv manifest {path}: {exc}", stacklevel=2)
     return runs
 
 
@@ -211,8 +219,12 @@ def cleanup(run: str | Path, manifest_dir: str | Path = SHM_DIR, force: bool = F
 
 
 def cleanup_stale(manifest_dir: str | Path = SHM_DIR) -> list[str]:
-    """Cleanup of every run whose owner is dead (the supervisor's ``--cleanup``)."""
+    """Cleanup of every run whose owner is dead (the supervisor's ``--cleanup``), best effort:
+    a run that cannot be cleaned is reported with a warning and the others still are."""
     removed = []
     for run in stale_runs(manifest_dir):
-        removed += cleanup(run.manifest, manifest_dir)
+        try:
+            removed += cleanup(run.manifest, manifest_dir)
+        except (OSError, ValueError, posix_ipc.Error) as exc:
+            warnings.warn(f"could not clean up fastkv run {run.run_id} ({run.manifest}): {exc}", stacklevel=2)
     return removed

@@ -89,3 +89,43 @@ def test_cleanup_by_manifest_path_sweeps_unlisted_leftovers():
     assert f"/fkv.{ns.run_id}.bell" in removed and f"fkv.{ns.run_id}.stray" in removed
     assert run_objects(ns.run_id) == []
     ns.close()  # idempotent after cleanup: nothing left to unlink
+
+
+def _dead_run(manifest_dir, run_id: str) -> None:
+    """A manifest as a crashed owner leaves it (pid 2**22 + 1 is above pid_max: never alive)."""
+    (manifest_dir / f"fkv.{run_id}.manifest.json").write_text(json.dumps(
+        {"run_id": run_id, "owner_pid": 2**22 + 1, "owner_started": 0, "created": 0, "objects": []}))
+
+
+def test_other_users_and_unreadable_runs_are_skipped_with_a_warning(tmp_path):
+    _dead_run(tmp_path, "theirs1")
+    os.chown(tmp_path / "fkv.theirs1.manifest.json", 4242, 4242)  # another uid's run (as root: still readable)
+    os.chmod(tmp_path / "fkv.theirs1.manifest.json", 0o600)
+    (tmp_path / "fkv.garbled1.manifest.json").write_text("{not json")
+    _dead_run(tmp_path, "mine1")
+    with pytest.warns(UserWarning) as caught:
+        runs = list_runs(tmp_path)
+        removed = cleanup_stale(tmp_path)
+    assert [r.run_id for r in runs] == ["mine1"] and removed == []
+    text = " ".join(str(w.message) for w in caught)
+    assert "theirs1" in text and "another user's" in text and "garbled1" in text
+    assert not (tmp_path / "fkv.mine1.manifest.json").exists()  # cleaned
+    assert (tmp_path / "fkv.theirs1.manifest.json").exists()  # never touched
+
+
+def test_one_failing_cleanup_does_not_stop_the_others(tmp_path, monkeypatch):
+    import fastkv.ipc.namespace as namespace
+
+    for run_id in ("stale1", "stale2", "stale3"):
+        _dead_run(tmp_path, run_id)
+    real = namespace.cleanup
+
+    def cleanup(run, manifest_dir, force=False):
+        if "stale2" in str(run):
+            raise PermissionError(13, "Permission denied", str(run))
+        return real(run, manifest_dir, force)
+
+    monkeypatch.setattr(namespace, "cleanup", cleanup)
+    with pytest.warns(UserWarning, match="stale2.*Permission denied"):
+        cleanup_stale(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fkv.stale2.manifest.json"]
