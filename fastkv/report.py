@@ -6,7 +6,9 @@ fixed in SEAMS: summary keys ``SUMMARY_KEYS``; a results line ``{"id", "output",
 "ttft_s", "latency_s", "preemptions", "recomputed_tokens"}``.
 
 report.json = the summary plus ``ttft_s`` / ``latency_s`` percentiles, ``finish`` counts and
-``requests_preempted``. report.png: throughput over time, hit ratio per tier, preemptions by mode.
+``requests_preempted``. Optional summary keys, shown in the table when present: ``verified``
+(what the runner checked, ``fastkv.run.VERIFY_COUNTERS``) and ``host_checksum_mismatches``.
+report.png: throughput over time, hit ratio per tier, preemptions by mode.
 """
 from __future__ import annotations
 
@@ -89,6 +91,13 @@ def table(data: dict[str, Any]) -> str:
         ("step time", f"p50 {data['step_ms_p50']:.2f} ms, p99 {data['step_ms_p99']:.2f} ms"),
         ("copy task time", f"p50 {data['task_ms_p50']:.2f} ms"),
     ]
+    if "verified" in data:  # a runner that checks its KV (the synthetic one): what it checked
+        v = data["verified"]
+        rows.append(("KV verified", f"{v['kv_blocks_verified']} blocks of {v['kv_requests_verified']} resumed "
+                                    f"requests, {v['kv_positions_read']} positions read by the oracle; "
+                                    f"{v['kv_mismatches']} mismatches"))
+    if "host_checksum_mismatches" in data:
+        rows.append(("host checksum mismatches", f"{data['host_checksum_mismatches']} (each recomputed, never served)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

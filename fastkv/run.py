@@ -96,16 +96,24 @@ class RunSpec:
         return cls.from_json(Path(path).read_text())
 
 
+# What a runner verified (``ModelRunner.checks``), published by each worker after every step.
+VERIFY_COUNTERS = ("kv_blocks_verified", "kv_requests_verified", "kv_positions_read", "kv_mismatches")
+
+
 def signal_names(tp_size: int) -> list[str]:
     """Slots of the run's signal array: per process a heartbeat (monotonic ns), its pid and
     a ready flag; ``stop`` asks every process to exit; ``transfer{r}.gen`` counts restarts
     (the supervisor bumps it before starting a replacement); ``engine.total`` (requests in
-    the workload) and ``engine.finished`` (requests done) drive the supervisor's progress bar."""
+    the workload) and ``engine.finished`` (requests done) drive the supervisor's progress bar.
+    Counters for the summary: ``worker{r}.<VERIFY_COUNTERS>`` and
+    ``transfer{r}.host_checksum_mismatches`` (kept across transfer restarts)."""
     names = ["stop"]
     procs = ["engine"] + [f"worker{r}" for r in range(tp_size)] + [f"transfer{r}" for r in range(tp_size)]
     for p in procs:
         names += [f"{p}.beat", f"{p}.pid", f"{p}.ready"]
     names += [f"transfer{r}.gen" for r in range(tp_size)]
+    names += [f"worker{r}.{c}" for r in range(tp_size) for c in VERIFY_COUNTERS]
+    names += [f"transfer{r}.host_checksum_mismatches" for r in range(tp_size)]
     names += ["engine.total", "engine.finished"]
     return names
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastkv.engine.core import Engine, EngineError, RequestResult
-from fastkv.run import RunSpec
+from fastkv.run import VERIFY_COUNTERS, RunSpec
 
 MODES = ("recompute", "offload", "storage", "auto")
 _TIMELINE_EVERY_S = 0.25
@@ -105,6 +105,7 @@ def drive(engine: Engine, items: list[WorkItem]) -> tuple[list[RequestResult], l
 def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult], timeline: list,
               seconds: float) -> dict[str, Any]:
     generated = sum(len(r.output) for r in results)
+    sig, ranks = engine.ends.signals, range(engine.spec.tp_size)
     return {
         "requests": len(results),
         "prompt_tokens": sum(len(it.prompt) for it in items),
@@ -112,6 +113,9 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         "seconds": seconds,
         "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
         **engine.metrics.summary(),
+        # what the workers' runners verified (summed over ranks); a mismatch fails the run
+        "verified": {c: sum(sig[f"worker{r}.{c}"] for r in ranks) for c in VERIFY_COUNTERS},
+        "host_checksum_mismatches": sum(sig[f"transfer{r}.host_checksum_mismatches"] for r in ranks),
         "timeline": timeline,
     }
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from fastkv.config import KVLayout
-from fastkv.engine.runners.synthetic import next_token
+from fastkv.engine.runners.synthetic import reference_output
 from fastkv.run import RunSpec
 from tests.e2e.launch import Run, new_run_id
 
@@ -19,11 +19,7 @@ SYSTEM = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
 
 
 def expected(prompt: list[int], max_new: int) -> list[int]:
-    out, last = [], prompt[-1]
-    for i in range(max_new):
-        last = next_token(last, len(prompt) + i - 1, VOCAB)
-        out.append(last)
-    return out
+    return reference_output(prompt, max_new, VOCAB, "bfloat16")
 
 
 def workload(n: int, max_new: int, modes: list[str | None]) -> list[dict]:
