@@ -46,6 +46,7 @@ class RunSpec:
     cache_policy: str = "write_back"  # fastkv.cache.policy.Policy value
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig keyword arguments
     ops_threads: int = 1  # CPU swap-op threads per transfer process
+    host_checksums: bool = True  # checksum host blocks on arrival, check before they leave (a mismatch: recompute)
     heartbeat_s: float = 0.5  # each process beats at least this often
     dead_after_s: float = 5.0  # a silent heartbeat for this long counts as a dead process
     task_timeout_s: float = 60.0  # a copy task unfinished after this fails (its request recomputes)

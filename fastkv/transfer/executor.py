@@ -3,14 +3,23 @@
 | task     | moves                                         | acknowledged ok when                    |
 |----------|-----------------------------------------------|-----------------------------------------|
 | SWAP_OUT | device blocks ``src`` -> host blocks ``dst``  | the op returned (bytes in place)        |
-| SWAP_IN  | host blocks ``src`` -> device blocks ``dst``  | the op returned                         |
-| STORE    | host blocks ``src`` -> storage ``keys``       | every block was written                 |
+| SWAP_IN  | host blocks ``src`` -> device blocks ``dst``  | every ``src`` passed its checksum       |
+| STORE    | host blocks ``src`` -> storage ``keys``       | every block passed its checksum and     |
+|          |                                               | was written                             |
 | LOAD     | storage ``keys`` -> host blocks ``dst``       | every block was found and verified      |
 | CLEAR    | nothing: quiesce for a weight update          | always (idempotent)                     |
 | RESTORE  | nothing: new weights version in ``keys[0]``   | the device tier re-attached             |
 
 A task that fails (bad ids, a storage miss, anything raised) is acknowledged with
 ``ok=False`` and the exception's text; the executor stays usable for the next task.
+
+Host checksums (``spec.host_checksums``, default on). A block that lands in the host tier
+(SWAP_OUT, LOAD) gets an xxh3-128 of its bytes beside it (``HostTier.seal``); SWAP_IN and
+STORE recheck them (STORE before writing: storage never gets bad bytes under a good
+checksum). Host memory that changed meanwhile fails the task: the engine treats it like any
+failed copy (the request recomputes from that block; a failed STORE leaves storage without
+the key). ``checksum_mismatches``
+counts the bad blocks (the transfer loop publishes it to the run's signals).
 
 Weight updates. The engine sends CLEAR once no request and no copy is left (the cache
 core refuses ``begin_weight_update`` otherwise), then reloads weights, then RESTORE.
@@ -42,6 +51,7 @@ from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.ipc import DoneMsg, TaskMsg
 from fastkv.run import RunSpec
 from fastkv.storage import StorageBackend, open_store
+from fastkv.storage.base import check_batch
 from fastkv.transfer.protocol import storage_namespace
 from fastkv.transfer.tiers import DeviceTier, HostTier
 
@@ -50,6 +60,10 @@ log = logging.getLogger(__name__)
 
 class TaskRefused(RuntimeError):
     """The executor's state does not allow this task now (cleared, no tier, no storage)."""
+
+
+class CorruptHostBlock(RuntimeError):
+    """A host block's bytes no longer match the checksum written when they landed."""
 
 
 class TaskExecutor:
@@ -66,6 +80,7 @@ class TaskExecutor:
         self.store: StorageBackend | None = None
         self.store_error = ""  # why there is no storage backend (empty: none configured, or open)
         self.cleared = False
+        self.checksum_mismatches = 0
         try:
             self._attach_device()
             if spec.num_host_blocks:
@@ -115,7 +130,7 @@ class TaskExecutor:
             nbytes, error = self._run(msg)
         except Exception as exc:  # the task fails alone; reported to the engine, never swallowed
             nbytes, error = 0, f"{type(exc).__name__}: {exc}"
-            if not isinstance(exc, ValueError | TypeError | TaskRefused):
+            if not isinstance(exc, ValueError | TypeError | TaskRefused | CorruptHostBlock):
                 log.exception("transfer[%d]: task %d (kind %d) raised", self.rank, msg.task_id, msg.kind)
         return DoneMsg(msg.task_id, self.rank, not error, nbytes, time.perf_counter() - t0, error)
 
@@ -143,10 +158,29 @@ class TaskExecutor:
         if host is None:
             raise TaskRefused(f"{plan.kind.name} refused: this run has no host tier (num_host_blocks=0)")
         assert device is not None, "executor not cleared but without a device tier"
-        if len(plan.src):
-            swap = ops.swap_out if plan.kind is CopyKind.SWAP_OUT else ops.swap_in
-            swap(device.k, device.v, host.tensor, plan.src, plan.dst, num_threads=self.spec.ops_threads)
+        if not len(plan.src):
+            return 0, ""
+        if plan.kind is CopyKind.SWAP_OUT:
+            ops.swap_out(device.k, device.v, host.tensor, plan.src, plan.dst, num_threads=self.spec.ops_threads)
+            if self.spec.host_checksums:
+                host.seal(plan.dst.tolist())
+        else:
+            # Checked after the copy, so that the op validates the ids first: corruption already
+            # there was copied and is seen here; the task fails and the engine never keys the
+            # failed copy's device blocks (the request recomputes them).
+            ops.swap_in(device.k, device.v, host.tensor, plan.src, plan.dst, num_threads=self.spec.ops_threads)
+            self._check_host(plan.src.tolist())
         return len(plan.src) * self.block_bytes, ""
+
+    def _check_host(self, blocks: list[int]) -> None:
+        """CorruptHostBlock naming the blocks whose bytes changed since they landed."""
+        if not self.spec.host_checksums:
+            return
+        bad = self.host.corrupt(blocks)
+        if bad:
+            self.checksum_mismatches += len(bad)
+            log.error("transfer[%d]: host blocks %s changed since they landed (checksum mismatch)", self.rank, bad)
+            raise CorruptHostBlock(f"host checksum mismatch: host blocks {bad} changed since they landed")
 
     def _storage(self, plan: CopyPlan) -> tuple[int, str]:
         if self.store is None:
@@ -155,11 +189,14 @@ class TaskExecutor:
         if self.host is None:
             raise TaskRefused(f"{plan.kind.name} refused: this run has no host tier (num_host_blocks=0)")
         if plan.kind is CopyKind.STORE:
+            self._check_host(check_batch(plan.keys, plan.src, self.host.num_blocks))
             done = self.store.put(plan.keys, self.host.array, plan.src)
             verb, ids = "stored", plan.src
         else:
             done = self.store.get(plan.keys, self.host.array, plan.dst)
             verb, ids = "loaded", plan.dst
+            if self.spec.host_checksums:
+                self.host.seal([int(b) for b, ok in zip(ids, done, strict=True) if ok])
         n_ok = sum(done)
         if n_ok == len(done):
             return n_ok * self.block_bytes, ""
