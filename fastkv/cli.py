@@ -60,6 +60,7 @@ class JobConfig:
     # host tier: write_through copies full blocks as they fill, so evicting them never waits for a
     # copy (write_back makes the request that evicts wait for the block's copy to the host)
     cache_policy: str = "write_through"
+    host_checksums: bool = True  # checksum host blocks (a corrupt one is recomputed, never served)
     runner: str = "synthetic"
     workload: str = "demo"  # demo | trace | trace:N | path to a workload.jsonl
     seed: int = 0
@@ -193,7 +194,8 @@ class JobConfig:
             run_id=run_id, layout=self.layout(), num_device_blocks=self.device_blocks,
             num_host_blocks=self.host_blocks, storage_url=self.storage_url(out_dir), runner=self.runner,
             runner_options={**DEFAULT_RUNNER_OPTIONS[self.runner], **self.runner_options},
-            cache_policy=self.cache_policy, scheduler=dict(self.scheduler), heartbeat_s=self.heartbeat_s,
+            cache_policy=self.cache_policy, host_checksums=self.host_checksums, scheduler=dict(self.scheduler),
+            heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
             task_timeout_s=self.task_timeout_s, out_dir=str(out_dir), metrics_port=self.metrics_port,
         )

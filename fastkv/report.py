@@ -7,7 +7,9 @@ fixed in SEAMS: summary keys ``SUMMARY_KEYS``; a results line ``{"id", "output",
 request never ran).
 
 report.json = the summary plus ``ttft_s`` / ``latency_s`` percentiles, ``finish`` counts,
-``requests_preempted`` and ``rejected`` (id -> reason of each request that never ran).
+``requests_preempted`` and ``rejected`` (id -> reason of each request that never ran). Optional
+summary keys, shown in the table when present: ``verified`` (what the runner checked,
+``fastkv.run.VERIFY_COUNTERS``) and ``host_checksum_mismatches``.
 report.png: throughput over time, hit ratio per tier, preemptions by mode.
 """
 from __future__ import annotations
@@ -97,6 +99,13 @@ def table(data: dict[str, Any]) -> str:
     if rejected:  # the user must see which requests never ran, and why
         more = f"; {len(rejected) - 3} more in results.jsonl" if len(rejected) > 3 else ""
         rows.insert(1, ("rejected", "; ".join(f"{rid}: {why}" for rid, why in rejected[:3]) + more))
+    if "verified" in data:  # a runner that checks its KV (the synthetic one): what it checked
+        v = data["verified"]
+        rows.append(("KV verified", f"{v['kv_blocks_verified']} blocks of {v['kv_requests_verified']} resumed "
+                                    f"requests, {v['kv_positions_read']} positions read by the oracle; "
+                                    f"{v['kv_mismatches']} mismatches"))
+    if "host_checksum_mismatches" in data:
+        rows.append(("host checksum mismatches", f"{data['host_checksum_mismatches']} (each recomputed, never served)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -46,6 +46,7 @@ class RunSpec:
     cache_policy: str = "write_back"  # fastkv.cache.policy.Policy value
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig keyword arguments
     ops_threads: int = 1  # CPU swap-op threads per transfer process
+    host_checksums: bool = True  # checksum host blocks on arrival, check before they leave (a mismatch: recompute)
     heartbeat_s: float = 0.5  # each process beats at least this often
     dead_after_s: float = 5.0  # a silent heartbeat for this long counts as a dead process
     task_timeout_s: float = 60.0  # a copy task unfinished after this fails (its request recomputes)
@@ -96,18 +97,26 @@ class RunSpec:
         return cls.from_json(Path(path).read_text())
 
 
+# What a runner verified (``ModelRunner.checks``), published by each worker after every step.
+VERIFY_COUNTERS = ("kv_blocks_verified", "kv_requests_verified", "kv_positions_read", "kv_mismatches")
+
+
 def signal_names(tp_size: int) -> list[str]:
     """Slots of the run's signal array: per process a heartbeat (monotonic ns), its pid and
     a ready flag; ``stop`` asks every process to exit; ``transfer{r}.gen`` counts restarts
     (the supervisor bumps it before starting a replacement); ``engine.total`` (requests in
     the workload) and ``engine.finished`` (requests done) drive the supervisor's progress bar;
     ``storage.errors`` and ``storage.corrupt`` count the storage faults of every transfer
-    process (failed operations, values that failed verification) for the engine's summary."""
+    process (failed operations, values that failed verification) for the engine's summary.
+    Counters for the summary: ``worker{r}.<VERIFY_COUNTERS>`` and
+    ``transfer{r}.host_checksum_mismatches`` (kept across transfer restarts)."""
     names = ["stop"]
     procs = ["engine"] + [f"worker{r}" for r in range(tp_size)] + [f"transfer{r}" for r in range(tp_size)]
     for p in procs:
         names += [f"{p}.beat", f"{p}.pid", f"{p}.ready"]
     names += [f"transfer{r}.gen" for r in range(tp_size)]
+    names += [f"worker{r}.{c}" for r in range(tp_size) for c in VERIFY_COUNTERS]
+    names += [f"transfer{r}.host_checksum_mismatches" for r in range(tp_size)]
     names += ["engine.total", "engine.finished", "storage.errors", "storage.corrupt"]
     return names
 

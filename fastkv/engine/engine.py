@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 from fastkv.demo import arrival_error, prompt_error
 from fastkv.engine.core import Engine, EngineError, EngineStopped, RequestRejected, RequestResult
-from fastkv.run import RunSpec
+from fastkv.run import VERIFY_COUNTERS, RunSpec
 
 MODES = ("recompute", "offload", "storage", "auto")
 _TIMELINE_EVERY_S = 0.25
@@ -123,6 +123,7 @@ def complete(items: list[WorkItem], results: list[RequestResult]) -> list[Reques
 def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult], timeline: list,
               seconds: float, status: str = "done") -> dict[str, Any]:
     generated = sum(len(r.output) for r in results)
+    sig, ranks = engine.ends.signals, range(engine.spec.tp_size)
     return {
         "status": status,
         "states": _states(results),
@@ -136,6 +137,9 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         "storage_errors": engine.ends.signals["storage.errors"],
         "corrupt_values": engine.ends.signals["storage.corrupt"],
         "recomputed_because_storage": engine.cache.stats.storage_lost_tokens,
+        # what the workers' runners verified (summed over ranks); a mismatch fails the run
+        "verified": {c: sum(sig[f"worker{r}.{c}"] for r in ranks) for c in VERIFY_COUNTERS},
+        "host_checksum_mismatches": sum(sig[f"transfer{r}.host_checksum_mismatches"] for r in ranks),
         "timeline": timeline,
     }
 

@@ -48,6 +48,8 @@ def runner_options(spec: RunSpec, rank: int) -> tuple[dict[str, Any], ShmCollect
         from fastkv.engine.runners.tiny_decoder import TinyConfig
 
         opts["config"] = TinyConfig(**opts["config"])
+    if "weights_version" in inspect.signature(cls).parameters:
+        opts.setdefault("weights_version", spec.weights_version)
     coll = None
     if spec.tp_size > 1:  # every worker uses it at the end of each step (``_agree``)
         coll = ShmCollective.attach(collective_prefix(spec), rank, timeout_s=spec.task_timeout_s)
@@ -133,6 +135,8 @@ def _loop(spec: RunSpec, rank: int, ends, runner, coll: ShmCollective | None) ->
         except Exception as exc:  # reported to the engine, which fails the run loudly
             error = f"{me} step {msg.step_id}: {type(exc).__name__}: {exc}"
             print(f"fastkv {error}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        for name, value in runner.checks().items():  # before the output: the engine reads them after the last step
+            sig[f"{me}.{name}"] = value
         try:
             error = _agree(coll, error)
         except TimeoutError as exc:  # a peer rank is gone or stuck

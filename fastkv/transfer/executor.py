@@ -3,8 +3,9 @@
 | task     | moves                                         | acknowledged ok when                    |
 |----------|-----------------------------------------------|-----------------------------------------|
 | SWAP_OUT | device blocks ``src`` -> host blocks ``dst``  | the op returned (bytes in place)        |
-| SWAP_IN  | host blocks ``src`` -> device blocks ``dst``  | the op returned                         |
-| STORE    | host blocks ``src`` -> storage ``keys``       | every block was written                 |
+| SWAP_IN  | host blocks ``src`` -> device blocks ``dst``  | every ``src`` passed its checksum       |
+| STORE    | host blocks ``src`` -> storage ``keys``       | every block passed its checksum and     |
+|          |                                               | was written                             |
 | LOAD     | storage ``keys`` -> host blocks ``dst``       | every block was found and verified      |
 | CLEAR    | nothing: quiesce for a weight update          | always (idempotent)                     |
 | RESTORE  | nothing: new weights version in ``keys[0]``   | the device tier re-attached             |
@@ -17,6 +18,14 @@ heartbeat) after each, so a long task on slow but live storage never looks like 
 process. Parts start at one block and double while a part takes under
 ``spec.heartbeat_s / 2`` (halving when slower): a fast tier soon moves large batches, a
 slow one beats about every heartbeat as long as one block is quicker than that.
+
+Host checksums (``spec.host_checksums``, default on). A block that lands in the host tier
+(SWAP_OUT, LOAD) gets an xxh3-128 of its bytes beside it (``HostTier.seal``); SWAP_IN and
+STORE recheck them (STORE before writing: storage never gets bad bytes under a good
+checksum). Host memory that changed meanwhile fails the task: the engine treats it like any
+failed copy (the request recomputes from that block; a failed STORE leaves storage without
+the key). ``checksum_mismatches``
+counts the bad blocks (the transfer loop publishes it to the run's signals).
 
 Weight updates. The engine sends CLEAR once no request and no copy is left (the cache
 core refuses ``begin_weight_update`` otherwise), then reloads weights, then RESTORE.
@@ -61,6 +70,10 @@ class TaskRefused(RuntimeError):
     """The executor's state does not allow this task now (cleared, no tier, no storage)."""
 
 
+class CorruptHostBlock(RuntimeError):
+    """A host block's bytes no longer match the checksum written when they landed."""
+
+
 class TaskExecutor:
     """One rank's tiers and storage backend, and the code that runs each task on them."""
 
@@ -77,6 +90,7 @@ class TaskExecutor:
         self._faults = [0, 0]  # storage errors, corrupt values since the last take_faults()
         self.cleared = False
         self._progress: Callable[[], None] = lambda: None  # of the task running now
+        self.checksum_mismatches = 0
         try:
             self._attach_device()
             if spec.num_host_blocks:
@@ -135,7 +149,7 @@ class TaskExecutor:
             nbytes, error = self._run(msg)
         except Exception as exc:  # the task fails alone; reported to the engine, never swallowed
             nbytes, error = 0, f"{type(exc).__name__}: {exc}"
-            if not isinstance(exc, ValueError | TypeError | TaskRefused):
+            if not isinstance(exc, ValueError | TypeError | TaskRefused | CorruptHostBlock):
                 log.exception("transfer[%d]: task %d (kind %d) raised", self.rank, msg.task_id, msg.kind)
         return DoneMsg(msg.task_id, self.rank, not error, nbytes, time.perf_counter() - t0, error)
 
@@ -169,15 +183,29 @@ class TaskExecutor:
         self._check_ids(plan.dst, nhost if out else ndev, "dst")
         if len(np.unique(plan.dst)) != len(plan.dst):
             raise ValueError(f"{plan.kind.name} dst block ids must be unique, got {plan.dst.tolist()[:16]}")
+        if not out:  # the ids are sound: host bytes that changed since they landed never reach the device
+            self._check_host(plan.src.tolist())
         swap = ops.swap_out if out else ops.swap_in
         self._in_parts(len(plan.src), lambda part: swap(device.k, device.v, host.tensor, plan.src[part],
                                                          plan.dst[part], num_threads=self.spec.ops_threads))
+        if out and self.spec.host_checksums:
+            host.seal(plan.dst.tolist())
         return len(plan.src) * self.block_bytes, ""
 
     def take_faults(self) -> tuple[int, int]:
         """Storage errors and corrupt values since the last call (the engine's summary counts them)."""
         faults, self._faults = tuple(self._faults), [0, 0]
         return faults
+
+    def _check_host(self, blocks: list[int]) -> None:
+        """CorruptHostBlock naming the blocks whose bytes changed since they landed."""
+        if not self.spec.host_checksums:
+            return
+        bad = self.host.corrupt(blocks)
+        if bad:
+            self.checksum_mismatches += len(bad)
+            log.error("transfer[%d]: host blocks %s changed since they landed (checksum mismatch)", self.rank, bad)
+            raise CorruptHostBlock(f"host checksum mismatch: host blocks {bad} changed since they landed")
 
     def _storage(self, plan: CopyPlan) -> tuple[int, str]:
         if self.store is None:
@@ -191,12 +219,15 @@ class TaskExecutor:
         store, host, done = self.store, self.host.array, []
         self._check_ids(plan.src if plan.kind is CopyKind.STORE else plan.dst, self.spec.num_host_blocks, "host")
         if plan.kind is CopyKind.STORE:
+            self._check_host(plan.src.tolist())
             verb, ids, move = "stored", plan.src, store.put
         else:
             verb, ids, move = "loaded", plan.dst, store.get
         self._in_parts(len(ids), lambda part: done.extend(move(plan.keys[part], host, ids[part])))
         self._faults[0] += stats.errors - before[0]
         self._faults[1] += stats.corrupt - before[1]
+        if plan.kind is CopyKind.LOAD and self.spec.host_checksums:
+            self.host.seal([int(b) for b, ok in zip(ids, done, strict=True) if ok])
         n_ok = sum(done)
         if n_ok == len(done):
             return n_ok * self.block_bytes, ""

@@ -54,9 +54,17 @@ class TransferLoop:
         self.beat_slot = f"transfer{rank}.beat"
         self.executed = 0
         self.dropped = 0  # stale tasks left by a predecessor
+        self.published = 0  # host checksum mismatches already added to the signal
 
     def beat(self) -> None:
         self.signals[self.beat_slot] = time.monotonic_ns()
+
+    def publish_mismatches(self) -> None:
+        """Adds the executor's new host checksum mismatches to the run's counter (it outlives this process)."""
+        new = self.executor.checksum_mismatches - self.published
+        if new:
+            self.signals.add(f"transfer{self.rank}.host_checksum_mismatches", new)
+            self.published += new
 
     def run(self) -> int:
         """Serves tasks until ``stop``; returns the exit code."""
@@ -100,6 +108,7 @@ class TransferLoop:
             self.signals.add("storage.errors", errors)
         if corrupt:
             self.signals.add("storage.corrupt", corrupt)
+        self.publish_mismatches()
         self.send(done)
         self.beat()
 

@@ -19,6 +19,10 @@ Byte layout of both segments::
         kind 1: per layer l, K[l] then V[l], each [num_blocks, kv_heads, block_size, head_dim]
         kind 2: JSON list of Paddle's CUDA IPC metadata (``_share_cuda``), K[0], V[0], K[1], ...
         kind 3: [num_blocks, layers, 2, kv_heads, block_size, head_dim]
+    kind 3 only: [4096 + payload, + 16 * num_blocks) one xxh3-128 digest per host block, written
+        by the transfer process when a block lands (SWAP_OUT, LOAD) and checked before it leaves
+        (SWAP_IN, STORE): host memory that changed in between is a miss (DESIGN invariant 4).
+        In the segment, so the digests outlive a transfer-process restart like the blocks.
 
 The creator writes everything, then the magic; an attacher runs after the creator has said
 so over a semaphore-ordered channel, so it sees a complete segment. On a CPU build the
@@ -31,16 +35,19 @@ import json
 import mmap
 import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
 import numpy as np
 import posix_ipc
+import xxhash
 
 from fastkv.config import KVLayout
 
 HEADER_BYTES = 4096
+CHECKSUM_BYTES = 16  # xxh3-128 per host block
 _MAGIC = b"FKVTIER1"
 _HEADER = struct.Struct("<8sIIQ256s")
 _PREFIX_RE = re.compile(r"fkv[A-Za-z0-9_.-]*")
@@ -279,6 +286,7 @@ class HostTier:
     num_blocks: int
     name: str
     array: np.ndarray
+    checksums: np.ndarray  # uint8 [num_blocks, CHECKSUM_BYTES]
     _segment: ShmSegment | None = None
     _tensor: Any = None
     pinned: bool = False
@@ -289,8 +297,10 @@ class HostTier:
         _check_blocks(num_blocks)
         name = host_tier_name(prefix, rank)
         data = num_blocks * layout.block_bytes
-        segment = ShmSegment(name, HEADER_BYTES + data, create=True, populate=populate)
-        tier = cls(layout, num_blocks, name, cls._view(segment, layout, num_blocks), segment)
+        segment = ShmSegment(name, cls._size(layout, num_blocks), create=True, populate=populate)
+        tier = cls(layout, num_blocks, name, *cls._views(segment, layout, num_blocks), segment)
+        # a new segment is zeros: seal them all at once, without touching the data pages
+        tier.checksums[:] = np.frombuffer(xxhash.xxh3_128_digest(bytes(layout.block_bytes)), np.uint8)
         _write_header(segment.buf, TierKind.HOST, num_blocks, data, layout)
         return tier
 
@@ -302,9 +312,9 @@ class HostTier:
         """Maps the rank's host tier (the transfer process). pin: cudaHostRegister it (default: on CUDA builds)."""
         _check_blocks(num_blocks)
         name = host_tier_name(prefix, rank)
-        segment = ShmSegment(name, HEADER_BYTES + num_blocks * layout.block_bytes, create=False, populate=populate)
+        segment = ShmSegment(name, cls._size(layout, num_blocks), create=False, populate=populate)
         _read_header(segment.buf, name, (TierKind.HOST,), num_blocks, layout)
-        tier = cls(layout, num_blocks, name, cls._view(segment, layout, num_blocks), segment)
+        tier = cls(layout, num_blocks, name, *cls._views(segment, layout, num_blocks), segment)
         if pin is None:
             pin = _cuda_available()
         if pin:
@@ -315,10 +325,30 @@ class HostTier:
         return tier
 
     @staticmethod
-    def _view(segment: ShmSegment, layout: KVLayout, num_blocks: int) -> np.ndarray:
-        count = num_blocks * layout.block_bytes // layout.itemsize
-        array = np.frombuffer(segment.buf, layout.numpy_dtype, count, HEADER_BYTES)
-        return array.reshape(layout.host_shape(num_blocks))
+    def _size(layout: KVLayout, num_blocks: int) -> int:
+        return HEADER_BYTES + num_blocks * (layout.block_bytes + CHECKSUM_BYTES)
+
+    @staticmethod
+    def _views(segment: ShmSegment, layout: KVLayout, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+        data = num_blocks * layout.block_bytes
+        array = np.frombuffer(segment.buf, layout.numpy_dtype, data // layout.itemsize, HEADER_BYTES)
+        sums = np.frombuffer(segment.buf, np.uint8, num_blocks * CHECKSUM_BYTES, HEADER_BYTES + data)
+        return array.reshape(layout.host_shape(num_blocks)), sums.reshape(num_blocks, CHECKSUM_BYTES)
+
+    def seal(self, blocks: Iterable[int]) -> None:
+        """Record the checksum of each block's current bytes (it just landed here)."""
+        for b in blocks:
+            self.checksums[b] = np.frombuffer(xxhash.xxh3_128_digest(self.array[b]), np.uint8)
+
+    def corrupt(self, blocks: Iterable[int]) -> list[int]:
+        """The blocks whose bytes no longer match the checksum ``seal`` recorded."""
+        bad = []
+        for b in blocks:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"host block {b} out of range [0, {self.num_blocks})")
+            if xxhash.xxh3_128_digest(self.array[b]) != self.checksums[b].tobytes():
+                bad.append(b)
+        return bad
 
     @property
     def tensor(self) -> Any:
@@ -345,6 +375,7 @@ class HostTier:
             self.pinned = False
         self._tensor = None
         self.array = np.empty(0, self.layout.numpy_dtype)
+        self.checksums = np.empty((0, CHECKSUM_BYTES), np.uint8)
         self._segment = None
 
 

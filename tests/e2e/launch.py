@@ -43,8 +43,9 @@ def new_run_id() -> str:
 
 
 class Run:
-    def __init__(self, spec: RunSpec, workload: list[dict], engine: bool = True) -> None:
+    def __init__(self, spec: RunSpec, workload: list[dict], engine: bool = True, transfer: str = TRANSFER) -> None:
         self.spec = spec
+        self.transfer = transfer  # entry point of the transfer processes
         self.workload = workload
         self.engine = engine
         self.out = Path(spec.out_dir)
@@ -81,7 +82,7 @@ class Run:
         path.write_text("".join(json.dumps(w) + "\n" for w in self.workload))
         text = spec.to_json()
         for r in range(spec.tp_size):
-            self._spawn(f"transfer{r}", TRANSFER, text, r)
+            self._spawn(f"transfer{r}", self.transfer, text, r)
             self._spawn(f"worker{r}", "fastkv.engine.worker:main", text, r)
         if self.engine:
             self._spawn("engine", "tests.e2e.launch:engine_main", text, str(path))
@@ -117,7 +118,7 @@ class Run:
     def restart_transfer(self, rank: int) -> None:
         """What the supervisor does when transfer[rank] died: bump its generation, start a new one."""
         self.sig.add(f"transfer{rank}.gen", 1)
-        self._spawn(f"transfer{rank}", TRANSFER, self.spec.to_json(), rank)
+        self._spawn(f"transfer{rank}", self.transfer, self.spec.to_json(), rank)
 
     def results(self) -> dict[str, dict]:
         rows = [json.loads(line) for line in (self.out / "results.jsonl").read_text().splitlines()]

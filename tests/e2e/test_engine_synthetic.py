@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
+from fastkv.cache.plan import CopyKind
 from fastkv.config import KVLayout
 from fastkv.engine import Engine
-from fastkv.engine.runners.synthetic import next_token
+from fastkv.engine.runners.synthetic import reference_output
 from fastkv.run import RunSpec
 from fastkv.sched import RequestState
 from tests.e2e.launch import Run, new_run_id
@@ -21,11 +23,7 @@ SYSTEM = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
 
 
 def expected(prompt: list[int], max_new: int) -> list[int]:
-    out, last = [], prompt[-1]
-    for i in range(max_new):
-        last = next_token(last, len(prompt) + i - 1, VOCAB)
-        out.append(last)
-    return out
+    return reference_output(prompt, max_new, VOCAB, "bfloat16")
 
 
 def workload(n: int, max_new: int, modes: list[str | None]) -> list[dict]:
@@ -91,6 +89,50 @@ def test_transfer_process_killed_mid_run(tmp_path):
     assert codes["transfer1"] == 0, f"the restarted transfer process failed: {codes}"
     check_outputs(results, wl)
     assert summary["preemptions"]["offload"] > 0, summary
+
+
+def corrupting_transfer_main(spec_json: str, rank: int) -> int:
+    """The transfer process, but host memory goes bad: one bit of every block it swaps out
+    flips right after the copy (and its checksum) landed."""
+    from fastkv.transfer import process
+    from fastkv.transfer.executor import TaskExecutor
+
+    swap = TaskExecutor._swap
+
+    def swap_and_flip(self, plan):
+        done = swap(self, plan)
+        if plan.kind is CopyKind.SWAP_OUT:
+            for b in plan.dst.tolist():
+                self.host.array[b].view(np.uint8).reshape(-1)[100] ^= 0x04
+        return done
+
+    TaskExecutor._swap = swap_and_flip
+    return process.main(spec_json, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checksums", [True, False])
+def test_flipped_host_bytes_are_recomputed_never_served(tmp_path, checksums):
+    """Every block swapped out to the host tier is corrupted there. With host checksums every
+    restore is refused and recomputed: the run finishes with the right tokens and counts the
+    mismatches. Without them the runner's verification meets the bad KV and the run fails."""
+    wl = workload(8, 12, ["offload"])
+    s = spec(1, tmp_path / "out", num_device_blocks=16, num_host_blocks=32, host_checksums=checksums,
+             runner_options={"verify": "resumed", "vocab": VOCAB},
+             scheduler={"max_num_batched_tokens": 48, "preemption": "offload"})
+    with Run(s, wl, transfer="tests.e2e.test_engine_synthetic:corrupting_transfer_main") as run:
+        rc = run.wait(120)
+        if not checksums:
+            assert rc != 0, "corrupt KV was served without anyone noticing"
+            return
+        assert rc == 0, "engine failed: corrupt host KV reached the runner (see stderr)"
+        results, summary = run.results(), run.summary()
+        codes = run.close()
+    assert all(c == 0 for c in codes.values()), codes
+    check_outputs(results, wl)
+    assert summary["preemptions"]["offload"] > 0, summary
+    assert summary["host_checksum_mismatches"] > 0 and summary["recomputed_tokens"] > 0, summary
+    assert summary["verified"]["kv_mismatches"] == 0 and summary["verified"]["kv_positions_read"] > 0, summary
 
 
 def test_a_storage_tier_that_fails_mid_run_is_counted_and_recomputed(tmp_path):

@@ -1,6 +1,7 @@
 """The task executor in-process: every task kind against the tiers, failures as acks, CLEAR/RESTORE."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -172,3 +173,35 @@ def test_restore_fails_while_the_device_tier_is_missing(sup, ex):
     sup.devices[1] = DeviceTier.create(sup.spec.tier_prefix, 1, layout, n, backend="shm")
     expect_ok(ex.run(task(CopyKind.RESTORE, keys=[b"v3"])), 0)
     expect_ok(ex.run(task(CopyKind.SWAP_OUT, [0], [0])), layout.block_bytes)
+
+
+def test_host_blocks_changed_since_they_landed_are_never_copied(sup, ex):
+    """Host checksums: written on SWAP_OUT and LOAD, checked before SWAP_IN and STORE."""
+    rng = np.random.default_rng(3)
+    dev, host = sup.devices[1], sup.hosts[1]
+    fill_random(dev, rng)
+    bb = sup.spec.layout.block_bytes
+    expect_ok(ex.run(task(CopyKind.SWAP_OUT, [0, 1, 2], [4, 5, 6])), 3 * bb)
+    host.array[5].view(np.uint8).reshape(-1)[123] ^= 0x10  # host memory changed under the engine
+    done = ex.run(task(CopyKind.SWAP_IN, [4, 5, 6], [7, 8, 9]))
+    assert not done.ok and done.nbytes == 0
+    assert done.error == "CorruptHostBlock: host checksum mismatch: host blocks [5] changed since they landed"
+    done = ex.run(task(CopyKind.STORE, [4, 5], [], [key(4), key(5)]))
+    assert not done.ok and "host blocks [5]" in done.error
+    assert ex.checksum_mismatches == 2
+    assert not ex.run(task(CopyKind.LOAD, [], [10], [key(4)])).ok, "a STORE with a corrupt block stored something"
+    # good blocks go on; a loaded block is sealed on arrival and swaps in
+    expect_ok(ex.run(task(CopyKind.STORE, [4], [], [key(4)])), bb)
+    expect_ok(ex.run(task(CopyKind.LOAD, [], [10], [key(4)])), bb)
+    expect_ok(ex.run(task(CopyKind.SWAP_IN, [10, 6], [7, 8])), 2 * bb)
+    assert np.array_equal(device_blocks(dev, [7])[0].view(np.uint8), device_blocks(dev, [0])[0].view(np.uint8))
+
+
+def test_host_checksums_can_be_switched_off(sup):
+    ex = TaskExecutor(dataclasses.replace(sup.spec, host_checksums=False), 1)
+    try:
+        sup.hosts[1].array[3] = 1  # never landed by a copy: no checksum to match
+        expect_ok(ex.run(task(CopyKind.SWAP_IN, [3], [0])), sup.spec.layout.block_bytes)
+        assert ex.checksum_mismatches == 0
+    finally:
+        ex.close()

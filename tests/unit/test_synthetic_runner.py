@@ -16,6 +16,7 @@ from fastkv.engine.runners.synthetic import (
     expected_block,
     kv_rows,
     next_token,
+    reference_output,
     verify_block,
     verify_seq,
 )
@@ -107,7 +108,7 @@ def test_step_writes_in_place_expected_bytes_and_samples_the_synthetic_token(pad
     runner, k, v = make(paddle_caches=paddle_caches)
     table = np.array([17, 3])
     out = runner.step(StepPlan(3, [SeqWork(5, np.array([10, 11, 12, 13, 14, 15]), 0, table, True)]))
-    assert out.step_id == 3 and out.sampled == {5: next_token(15, 5, 1024)}
+    assert out.step_id == 3 and out.sampled == {5: next_token([10, 11, 12, 13, 14, 15], 1024, "bfloat16")}
     lay = runner.layout
     for b, (blk, toks) in enumerate([(17, [10, 11, 12, 13]), (3, [14, 15])]):
         want = expected_block(lay, 0, np.array(toks), 4 * b)
@@ -136,9 +137,8 @@ def test_runner_only_writes_new_slots_and_verifies_everything_under_a_random_sch
 
     check.before = [a.copy() for a in k + v]
     got, stats = drive(runner, prompts, 4, rng, max_chunk=5, preempt_prob=0.3, on_step=check)
-    for rid, p in prompts.items():  # the synthetic model: next token from (last token, position)
-        toks = p + got[rid]
-        assert got[rid] == [next_token(toks[i - 1], i - 1, 1024) for i in range(len(p), len(toks))]
+    for rid, p in prompts.items():  # the synthetic model: next token from the whole context
+        assert got[rid] == reference_output(p, 4, 1024, dtype)
 
 
 def test_corruption_in_the_device_cache_is_caught_before_the_next_step():

@@ -97,6 +97,11 @@ class ModelRunner(ABC):
     def step(self, plan: StepPlan) -> StepOutput:
         """Compute one step: write the new tokens' K/V, return greedy next tokens of sampled seqs."""
 
+    def checks(self) -> dict[str, int]:
+        """What this runner verified so far (keys from ``fastkv.run.VERIFY_COUNTERS``); empty
+        for a runner that checks nothing beyond computing from its KV."""
+        return {}
+
     def release(self, request_ids: Iterable[int]) -> None:  # noqa: B027 - optional hook, stateless runners ignore it
         """Forget per-request state of finished or aborted requests (a no-op for stateless runners)."""
 

@@ -1,20 +1,29 @@
-"""A runner whose KV bytes are a pure function of (token, position, layer, head, rank, K or V).
+"""A runner whose KV bytes are a pure function of (token, position, weights version, layer,
+head, rank, K or V), and whose next token is a function of the KV it reads.
 
 It does no model math, so any block's bytes can be recomputed and checked anywhere, any
-time: on the device tier before every step (``verify_seq``), in a host block or a storage
+time: on the device tier before a step (``verify_seq``), in a host block or a storage
 value (``verify_block``), after any number of tier round trips. That is how the end-to-end
 tests prove offload and restore byte-exact.
 
 Row format. Every (layer, K|V, head, position) row of ``head_dim`` elements is
-``[token id: 4 bytes LE][position: 4 bytes LE][head_dim - 8 pseudo-random values]``; each
-header byte is stored as an element holding that small integer exactly (0..255 is exact in
-every supported dtype), so a row names the token and position it was computed for. The
-random values are finite floats in +-[2^-7, 1) for float dtypes (bfloat16 as uint16 bit
-patterns) and raw bytes for int8/uint8, derived by splitmix64 from the token, position,
-layer, K|V, global head (``rank * kv_heads + head``: rank enters here) and element index.
-A slot never written (zeros) or written for other tokens fails verification.
+``[token id: 4 bytes LE][position: 3 bytes LE][check: 1 byte][head_dim - 8 pseudo-random
+values]``; each header byte is stored as an element holding that small integer exactly
+(0..255 is exact in every supported dtype), so a row names the token and position it was
+computed for. The check byte and the random values also depend on the weights version, so
+KV computed under old weights differs from fresh KV. The random values are finite floats in
++-[2^-7, 1) for float dtypes (bfloat16 as uint16 bit patterns) and raw bytes for
+int8/uint8, derived by splitmix64 from the token, position, weights version, layer, K|V,
+global head (``rank * kv_heads + head``: rank enters here) and element index. A slot never
+written (zeros) or written for other tokens or weights fails verification.
 
-The next token is a function of (last token, its position) over ``vocab`` ids.
+The oracle. The next token is a hash of the header elements of layer 0's K, head 0, of
+every position of the context, read from the device cache through the block table after
+the step's own rows are written (``next_token`` computes the same from the token sequence,
+without a cache). A wrong block, a stale block or another prompt's prefix hit changes the
+sampled token even where nothing verifies bytes: the outputs compared with ``next_token``'s
+are the check. Reading one header per position keeps it cheap enough for every sequence of
+every step; ``verify`` adds full byte comparison of the prefix a sequence resumes from.
 """
 from __future__ import annotations
 
@@ -25,13 +34,16 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from fastkv.config import KVLayout
 from fastkv.engine.runners.base import ModelRunner
 from fastkv.engine.step import StepOutput, StepPlan, validate_plan
+from fastkv.run import VERIFY_COUNTERS
 
-HEADER = 8  # elements: 4 token bytes, 4 position bytes
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+HEADER = 8  # elements: 4 token bytes, 3 position bytes, 1 check byte
+MAX_POSITION = 1 << 24
+DEFAULT_VOCAB = 1024
 
 
 class KVMismatch(AssertionError):
@@ -96,23 +108,44 @@ def _elems_to_bytes(e: np.ndarray, dtype: str) -> np.ndarray:
     return e.view(np.uint8).astype(np.int64)
 
 
-def kv_rows(layout: KVLayout, rank: int, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+@lru_cache(maxsize=16)
+def _weights_salt(weights_version: str) -> np.uint64:
+    return np.uint64(xxhash.xxh3_64_intdigest(str(weights_version).encode()))
+
+
+def _check_args(tok: np.ndarray, pos: np.ndarray) -> None:
+    if len(tok) != len(pos):
+        raise ValueError(f"{len(tok)} token ids for {len(pos)} positions")
+    if len(tok) and (tok.min() < 0 or tok.max() >= 2**32 or pos.min() < 0 or pos.max() >= MAX_POSITION):
+        raise ValueError(f"token ids must be in [0, 2**32) and positions in [0, {MAX_POSITION})")
+
+
+def _keys(tok: np.ndarray, pos: np.ndarray, weights_version: str) -> np.ndarray:
+    return _mix(((tok.astype(np.uint64) << np.uint64(32)) | pos.astype(np.uint64)) ^ _weights_salt(weights_version))
+
+
+def _header(tok: np.ndarray, pos: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """int64 [n, HEADER]: the header bytes of rows with these tokens, positions and keys."""
+    check = (_mix(key ^ np.uint64(0xC4EC)) >> np.uint64(56)).astype(np.int64)
+    shifts = np.arange(4, dtype=np.int64) * 8
+    return np.concatenate([(tok[:, None] >> shifts) & 0xFF, (pos[:, None] >> shifts[:3]) & 0xFF, check[:, None]],
+                          axis=1)
+
+
+def kv_rows(
+    layout: KVLayout, rank: int, token_ids: np.ndarray, positions: np.ndarray, weights_version: str = "0"
+) -> np.ndarray:
     """The K/V rows of tokens at positions: [layers, 2, kv_heads, n, head_dim] in ``layout.numpy_dtype``."""
     if layout.head_dim < HEADER + 1:
         raise ValueError(f"the synthetic runner needs head_dim > {HEADER}, got {layout.head_dim}")
     tok = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-    if len(tok) != len(pos):
-        raise ValueError(f"{len(tok)} token ids for {len(pos)} positions")
-    if len(tok) and (tok.min() < 0 or tok.max() >= 2**32 or pos.min() < 0 or pos.max() >= 2**32):
-        raise ValueError("token ids and positions must be in [0, 2**32)")
+    _check_args(tok, pos)
     L, H, D = layout.num_layers, layout.kv_heads, layout.head_dim
     out = np.empty((L, 2, H, len(tok), D), dtype=layout.numpy_dtype)
-    key = _mix((tok.astype(np.uint64) << np.uint64(32)) | pos.astype(np.uint64))
+    key = _keys(tok, pos, weights_version)
     out[..., HEADER:] = _bits_to_values(_mix(_row_salts(layout, rank) ^ key[:, None]), layout.dtype)
-    shifts = np.arange(4, dtype=np.int64) * 8
-    header = np.concatenate([(tok[:, None] >> shifts) & 0xFF, (pos[:, None] >> shifts) & 0xFF], axis=1)
-    out[..., :HEADER] = _bytes_to_elems(header, layout.dtype)
+    out[..., :HEADER] = _bytes_to_elems(_header(tok, pos, key), layout.dtype)
     return out
 
 
@@ -120,16 +153,36 @@ def decode_rows(layout: KVLayout, rows: np.ndarray) -> tuple[np.ndarray, np.ndar
     """(token ids, positions) named by the headers of layer 0 / K / head 0 of ``rows`` [L, 2, H, n, D]."""
     b = _elems_to_bytes(rows[0, 0, 0, :, :HEADER], layout.dtype)
     shifts = np.arange(4, dtype=np.int64) * 8
-    return (b[:, :4] << shifts).sum(axis=1), (b[:, 4:] << shifts).sum(axis=1)
+    return (b[:, :4] << shifts).sum(axis=1), (b[:, 4:7] << shifts[:3]).sum(axis=1)
 
 
-def next_token(last_token: int, position: int, vocab: int) -> int:
-    """The synthetic model's greedy choice after ``last_token`` at ``position``."""
-    x = np.array([(int(last_token) << 32) | int(position)], dtype=np.uint64)
-    return int(_mix(x ^ np.uint64(0xD1CE))[0] % np.uint64(vocab))
+def _oracle(header_elems: np.ndarray, vocab: int) -> int:
+    """The next token after a context whose rows have these header elements, in position order."""
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(header_elems).tobytes()) % vocab
 
 
-def expected_block(layout: KVLayout, rank: int, token_ids_of_block: np.ndarray, start_pos: int) -> np.ndarray:
+def next_token(context: Sequence[int], vocab: int, dtype: str = "float32", weights_version: str = "0") -> int:
+    """The synthetic model's greedy choice after the token sequence ``context`` (positions 0..n-1):
+    what the runner samples when its cache holds exactly this context's KV. Needs no cache."""
+    tok = np.asarray(context, dtype=np.int64).reshape(-1)
+    pos = np.arange(len(tok), dtype=np.int64)
+    _check_args(tok, pos)
+    return _oracle(_bytes_to_elems(_header(tok, pos, _keys(tok, pos, weights_version)), dtype), vocab)
+
+
+def reference_output(
+    prompt: Sequence[int], max_new_tokens: int, vocab: int, dtype: str = "float32", weights_version: str = "0"
+) -> list[int]:
+    """The tokens the synthetic model generates after ``prompt`` (greedy, no stop token)."""
+    context = [int(t) for t in prompt]
+    for _ in range(max_new_tokens):
+        context.append(next_token(context, vocab, dtype, weights_version))
+    return context[len(prompt):]
+
+
+def expected_block(
+    layout: KVLayout, rank: int, token_ids_of_block: np.ndarray, start_pos: int, weights_version: str = "0"
+) -> np.ndarray:
     """A host-tier block [layers, 2, kv_heads, block_size, head_dim] holding these tokens from ``start_pos``.
 
     Slots past ``len(token_ids_of_block)`` (a partial last block) are zero; their content is
@@ -140,7 +193,7 @@ def expected_block(layout: KVLayout, rank: int, token_ids_of_block: np.ndarray, 
     if len(tok) > layout.block_size:
         raise ValueError(f"{len(tok)} tokens do not fit a block of {layout.block_size}")
     out = np.zeros((layout.num_layers, 2, layout.kv_heads, layout.block_size, layout.head_dim), layout.numpy_dtype)
-    out[:, :, :, : len(tok)] = kv_rows(layout, rank, tok, np.arange(start_pos, start_pos + len(tok)))
+    out[:, :, :, : len(tok)] = kv_rows(layout, rank, tok, np.arange(start_pos, start_pos + len(tok)), weights_version)
     return out
 
 
@@ -152,11 +205,12 @@ def _check_rows(
     token_ids: np.ndarray | None,
     where: str,
     blocks: np.ndarray | None = None,
+    weights_version: str = "0",
 ) -> np.ndarray:
     """Check rows [L, 2, H, n, D] computed at ``positions``; return the tokens they name."""
     decoded_tok, decoded_pos = decode_rows(layout, rows)
     tok_ok = decoded_tok.clip(0, 2**32 - 1)
-    want = kv_rows(layout, rank, tok_ok, positions)
+    want = kv_rows(layout, rank, tok_ok, positions, weights_version)
     bad = np.flatnonzero(
         (rows.view(np.uint8).reshape(*rows.shape[:4], -1) != want.view(np.uint8).reshape(*want.shape[:4], -1))
         .any(axis=(0, 1, 2, 4))
@@ -189,6 +243,7 @@ def verify_block(
     num_tokens: int,
     token_ids: np.ndarray | None = None,
     where: str = "host block",
+    weights_version: str = "0",
 ) -> np.ndarray:
     """Check the first ``num_tokens`` slots of a host-layout block computed from ``start_pos``.
 
@@ -199,7 +254,8 @@ def verify_block(
     shape = (layout.num_layers, 2, layout.kv_heads, layout.block_size, layout.head_dim)
     rows = np.ascontiguousarray(block).view(layout.numpy_dtype).reshape(shape)[:, :, :, :num_tokens]
     tok = None if token_ids is None else np.asarray(token_ids, dtype=np.int64).reshape(-1)[:num_tokens]
-    return _check_rows(layout, rank, rows, np.arange(start_pos, start_pos + num_tokens), tok, where)
+    return _check_rows(layout, rank, rows, np.arange(start_pos, start_pos + num_tokens), tok, where,
+                       weights_version=weights_version)
 
 
 def gather_seq_rows(
@@ -223,6 +279,7 @@ def verify_seq(
     block_table: np.ndarray,
     num_tokens: int,
     token_ids: np.ndarray | None = None,
+    weights_version: str = "0",
 ) -> np.ndarray:
     """Check positions 0..num_tokens-1 of a sequence in the device caches (per-layer numpy views).
 
@@ -240,7 +297,7 @@ def verify_seq(
         t = np.asarray(token_ids, dtype=np.int64)[:num_tokens]
         known[: len(t)] = t
     blocks = np.asarray(block_table)[pos // layout.block_size]
-    decoded = _check_rows(layout, rank, rows, pos, None, f"request {request_id}", blocks)
+    decoded = _check_rows(layout, rank, rows, pos, None, f"request {request_id}", blocks, weights_version)
     if known is not None:
         bad = np.flatnonzero((known >= 0) & (decoded != known))
         if len(bad):
@@ -255,10 +312,13 @@ def verify_seq(
 class SyntheticRunner(ModelRunner):
     """The synthetic model on one rank; caches may be numpy arrays or CPU Paddle tensors.
 
-    ``verify``: "all" checks every computed position of every sequence before each step;
-    "resumed" only for a sequence that did not run in this runner's previous step (new,
-    preempted, restored) or whose block table changed; "off" never. ``compute_us_per_token``
-    and ``step_us`` burn CPU (busy math, not sleep) to model prefill and per-step cost.
+    Every sampled token comes from the oracle (module docstring), which reads one header per
+    position of the whole context, whatever ``verify`` says. ``verify``: "all" also checks
+    every byte of every computed position of every sequence before each step; "resumed" only
+    for a sequence that did not run in this runner's previous step (new, with or without a
+    prefix hit, preempted, restored) or whose block table changed; "off" never.
+    ``compute_us_per_token`` and ``step_us`` burn CPU (busy math, not sleep) to model prefill
+    and per-step cost. ``checks()`` counts what was verified and read.
     """
 
     def __init__(
@@ -269,8 +329,9 @@ class SyntheticRunner(ModelRunner):
         k_caches: Sequence[Any],
         v_caches: Sequence[Any],
         *,
-        vocab: int = 1024,
+        vocab: int = DEFAULT_VOCAB,
         verify: str = "all",
+        weights_version: str = "0",
         compute_us_per_token: float = 0.0,
         step_us: float = 0.0,
         max_tracked_requests: int = 65536,
@@ -286,19 +347,30 @@ class SyntheticRunner(ModelRunner):
             raise ValueError(f"vocab must be positive, got {vocab}")
         self.vocab = vocab
         self.verify = verify
+        self.weights_version = str(weights_version)
         self.compute_us_per_token = float(compute_us_per_token)
         self.step_us = float(step_us)
         self.max_tracked_requests = max_tracked_requests
         # request id -> (tokens whose KV this runner knows, block table of its last step)
         self._history: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._last_step_ids: set[int] = set()
+        self._checks = dict.fromkeys(VERIFY_COUNTERS, 0)
         self._burn = np.ones((32, 32), np.float32)
 
+    def checks(self) -> dict[str, int]:
+        return dict(self._checks)
+
     def step(self, plan: StepPlan) -> StepOutput:
+        try:
+            return self._step(plan)
+        except KVMismatch:
+            self._checks["kv_mismatches"] += 1
+            raise
+
+    def _step(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
         validate_plan(plan, self.layout.block_size, self.num_device_blocks)
         L, bs = self.layout.num_layers, self.layout.block_size
-        sampled: dict[int, int] = {}
         toks, poss, blocks, slots = [], [], [], []
         for seq in plan.seqs:
             known = self._check_history(seq)
@@ -309,21 +381,35 @@ class SyntheticRunner(ModelRunner):
             poss.append(pos)
             blocks.append(seq.block_table[pos // bs])
             slots.append(pos % bs)
-            if seq.sample:
-                sampled[seq.request_id] = next_token(int(seq.token_ids[-1]), seq.end_pos - 1, self.vocab)
         while len(self._history) > self.max_tracked_requests:
             self._history.popitem(last=False)
         self._last_step_ids = {s.request_id for s in plan.seqs}
         if plan.seqs:
-            rows = kv_rows(self.layout, self.rank, np.concatenate(toks), np.concatenate(poss))
+            rows = kv_rows(self.layout, self.rank, np.concatenate(toks), np.concatenate(poss), self.weights_version)
             blk, slot = np.concatenate(blocks), np.concatenate(slots)
             for layer in range(L):
                 # rows[layer, kv] is [H, n, D]; the fancy-indexed target is [n, H, D].
                 self.k_views[layer][blk, :, slot, :] = rows[layer, 0].transpose(1, 0, 2)
                 self.v_views[layer][blk, :, slot, :] = rows[layer, 1].transpose(1, 0, 2)
+        sampled = self._sample([s for s in plan.seqs if s.sample])
         n_tokens = sum(len(t) for t in toks)
         self._busy(t0 + (self.step_us + self.compute_us_per_token * n_tokens) * 1e-6)
         return StepOutput(plan.step_id, sampled, time.perf_counter() - t0)
+
+    def _sample(self, seqs: list) -> dict[int, int]:
+        """The oracle over each sequence's whole context, read through its block table (one gather)."""
+        if not seqs:
+            return {}
+        bs = self.layout.block_size
+        n_blocks = [-(-s.end_pos // bs) for s in seqs]
+        table = np.concatenate([s.block_table[:n] for s, n in zip(seqs, n_blocks, strict=True)])
+        headers = self.k_views[0][table, 0, :, :HEADER].reshape(-1, HEADER)  # [blocks * bs, HEADER]
+        sampled, first = {}, 0
+        for s, n in zip(seqs, n_blocks, strict=True):
+            sampled[s.request_id] = _oracle(headers[first : first + s.end_pos], self.vocab)
+            first += n * bs
+        self._checks["kv_positions_read"] += sum(s.end_pos for s in seqs)
+        return sampled
 
     def _check_history(self, seq) -> np.ndarray:
         """Verify the cached prefix and the fed tokens against what this runner knows; return the new history."""
@@ -337,9 +423,10 @@ class SyntheticRunner(ModelRunner):
             or not np.array_equal(last_table[:n_prev], seq.block_table[:n_prev])
         )
         if self.verify == "all" or (self.verify == "resumed" and (resumed or start > len(known))):
-            cached = verify_seq(
-                self.layout, self.rank, self.k_views, self.v_views, rid, seq.block_table, start, known
-            )
+            cached = verify_seq(self.layout, self.rank, self.k_views, self.v_views, rid, seq.block_table, start,
+                                known, self.weights_version)
+            self._checks["kv_blocks_verified"] += n_prev
+            self._checks["kv_requests_verified"] += start > 0
             if len(cached) > len(known):
                 known = cached
         elif start > len(known):  # a prefix this runner never saw; -1 marks its tokens unknown
