@@ -214,15 +214,18 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
         status, code = f"failed: {type(exc).__name__}: {exc}", 1
         raise
     finally:
-        engine.ends.signals["engine.ready"] = 0
-        results = complete(items, results + engine.unfinished())
-        engine.close()
-        seconds = time.monotonic() - start
-        timeline.append([round(seconds, 4), sum(r.state == "finished" for r in results),
-                         engine.metrics.tokens_sampled, sum(engine.metrics.preemptions().values())])
-        if status == "done" and any(r.state == "unfinished" for r in results):
-            status = "stopped"  # drive() returns early only on stop
-        write_outputs(spec.out_dir, results, summarize(engine, items, results, timeline, seconds, status))
+        try:  # the summary reads the run's signals: before the ends close
+            engine.ends.signals["engine.ready"] = 0
+            results = complete(items, results + engine.unfinished())
+            seconds = time.monotonic() - start
+            timeline.append([round(seconds, 4), sum(r.state == "finished" for r in results),
+                             engine.metrics.tokens_sampled, sum(engine.metrics.preemptions().values())])
+            if status == "done" and any(r.state == "unfinished" for r in results):
+                status = "stopped"  # drive() returns early only on stop
+            summary = summarize(engine, items, results, timeline, seconds, status)
+        finally:
+            engine.close()
+        write_outputs(spec.out_dir, results, summary)
     return code
 
 

@@ -233,6 +233,7 @@ def test_a_restarted_process_adopts_the_current_weights_version(tmp_path):
         sup.start(0)
         wait_ready(client)
         sup.hosts[0].array[0] = 3.0
+        sup.hosts[0].seal([0])  # as if it had landed by a copy
         restore, store = run_tasks(sup, client, plan(CopyKind.RESTORE, keys=[b"1"]),
                                    plan(CopyKind.STORE, [0], [], [key(0, "w1")]))
         assert restore.ok and store.ok, (restore.error, store.error)
