@@ -27,7 +27,6 @@ Each child's stdout/stderr goes to ``<out_dir>/logs/<name>.log``.
 """
 from __future__ import annotations
 
-import ctypes
 import importlib
 import multiprocessing as mp
 import os
@@ -42,6 +41,7 @@ from typing import Any, NamedTuple
 
 from fastkv.ipc import Namespace, SignalArray, cleanup_stale
 from fastkv.ipc.namespace import SHM_DIR
+from fastkv.ipc.peers import die_with_parent
 from fastkv.run import RunSpec, create_run
 
 ENTRY_POINTS = {
@@ -49,7 +49,6 @@ ENTRY_POINTS = {
     "worker": "fastkv.engine.worker:main",  # main(spec_json, rank) -> int
     "transfer": "fastkv.transfer.process:main",  # main(spec_json, rank) -> int
 }
-_PR_SET_PDEATHSIG = 1
 
 
 class RunResult(NamedTuple):
@@ -80,11 +79,7 @@ def resolve(target: str) -> Callable[..., int]:
 
 def _child_main(target: str, args: tuple, parent_pid: int, log_path: str) -> None:
     """Runs in the spawned child: die with the supervisor, log to a file, call the entry point."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
-        os._exit(1)
+    die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; only the supervisor decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
