@@ -4,7 +4,9 @@ One ``Supervisor`` is one run::
 
     result = Supervisor(spec, "fastkv-out/workload.jsonl").run()   # blocks until done
 
-``run()`` removes what dead runs left behind (``cleanup_stale``), creates the namespace, the
+``run()`` first builds fastkv's swap ops if this machine has never built them (one line on
+stderr; SIGINT/SIGTERM abort the build, leaving nothing behind), so no child builds them under
+its heartbeat. It then removes what dead runs left behind (``cleanup_stale``), creates the namespace, the
 channels (``fastkv.run.create_run``) and the KV tiers of every rank, starts the engine, one
 worker and one transfer process per rank (``multiprocessing`` spawn; entry points in
 ``ENTRY_POINTS``), and waits. It never sleep-polls: it blocks on the children's process
@@ -49,6 +51,12 @@ ENTRY_POINTS = {
     "worker": "fastkv.engine.worker:main",  # main(spec_json, rank) -> int
     "transfer": "fastkv.transfer.process:main",  # main(spec_json, rank) -> int
 }
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 class RunResult(NamedTuple):
@@ -164,6 +172,9 @@ class Supervisor:
     # -- the run -----------------------------------------------------------------------
     def run(self) -> RunResult:
         t0 = time.monotonic()
+        failed = self._build_ops()
+        if failed is not None:
+            return RunResult(False, failed, {}, {}, time.monotonic() - t0)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         old_handlers = self._install_handlers()
@@ -199,6 +210,35 @@ class Supervisor:
                 return  # the pipe is full: the watcher has wake-ups queued already
 
     # -- setup and teardown ------------------------------------------------------------
+    def _build_ops(self) -> str | None:
+        """Builds the swap ops unless built (first run on a machine), before anything else exists,
+        so no process builds them under its heartbeat; returns why that failed, or None."""
+        from fastkv import ops
+
+        if ops.find() is not None:
+            return None
+        print("fastkv-supervisor: building the swap ops for this machine (first run, ~15 s) ...", end="",
+              file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+
+        def interrupt(signum: int, _frame: Any) -> None:
+            raise _Interrupted(signum)
+
+        old_handlers = self._install_handlers(interrupt)
+        try:
+            ops.build()
+        except _Interrupted as exc:
+            print(" interrupted", file=sys.stderr)
+            return f"interrupted by {signal.Signals(exc.signum).name} while building the swap ops"
+        except Exception as exc:
+            print(" failed", file=sys.stderr)
+            return f"building the swap ops failed: {exc}"
+        finally:
+            for signum, handler in old_handlers.items():
+                signal.signal(signum, handler)
+        print(f" done in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        return None
+
     def _setup(self) -> None:
         from fastkv.transfer.tiers import DeviceTier, HostTier, _cuda_available
 
@@ -238,16 +278,17 @@ class Supervisor:
             if fd >= 0:
                 os.close(fd)
 
-    def _install_handlers(self) -> dict[int, Any]:
+    def _install_handlers(self, handler: Callable[[int, Any], None] | None = None) -> dict[int, Any]:
+        """SIGINT/SIGTERM -> ``handler`` (default: ``request_stop``); returns the old handlers."""
         import threading
 
         if threading.current_thread() is not threading.main_thread():
             return {}  # only the main thread may set handlers; the caller uses request_stop()
 
-        def handler(signum: int, _frame: Any) -> None:
+        def stop(signum: int, _frame: Any) -> None:
             self.request_stop(f"interrupted by {signal.Signals(signum).name}")
 
-        return {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+        return {signum: signal.signal(signum, handler or stop) for signum in (signal.SIGINT, signal.SIGTERM)}
 
     # -- children ----------------------------------------------------------------------
     def _start(self, role: str, rank: int) -> Child:
