@@ -161,8 +161,9 @@ def _compile(root: Path, tag: str, verbose: bool) -> None:
 def _run_build_process(scratch: Path, verbose: bool) -> None:
     """Compiles into ``scratch`` through a watchdog process (``_watch_build``); on an exception
     here (Ctrl-C, the supervisor's SIGTERM) asks the watchdog to kill the compilers and waits."""
-    proc = subprocess.Popen(_ops_command("_watch-build", scratch, os.getpid(), verbose), env=_ops_env(),
-                            process_group=0, text=True,  # a Ctrl-C meant for this process is not its
+    # Its own process group: a terminal's Ctrl-C reaches only this process, which then stops it.
+    proc = subprocess.Popen(_ops_command("_watch-build", scratch, os.getpid(), verbose=verbose), env=_ops_env(),
+                            process_group=0, text=True,
                             stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         output, _ = proc.communicate()
@@ -175,9 +176,8 @@ def _run_build_process(scratch: Path, verbose: bool) -> None:
         raise RuntimeError(f"building fastkv's ops failed (exit {proc.returncode}):\n{tail}")
 
 
-def _ops_command(command: str, scratch: Path, parent_pid: int, verbose: bool) -> list[str]:
-    return [sys.executable, "-m", "fastkv.ops", command, str(scratch), str(parent_pid)] + (
-        ["--verbose"] if verbose else [])
+def _ops_command(command: str, *args: Any, verbose: bool) -> list[str]:
+    return [sys.executable, "-m", "fastkv.ops", command, *map(str, args)] + (["--verbose"] if verbose else [])
 
 
 def _ops_env() -> dict[str, str]:
@@ -205,7 +205,7 @@ def _watch_build(scratch: Path, parent_pid: int, verbose: bool) -> int:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
     proc = None
     try:
-        proc = subprocess.Popen(_ops_command("_compile-into", scratch, os.getpid(), verbose), process_group=0)
+        proc = subprocess.Popen(_ops_command("_compile-into", scratch, verbose=verbose), process_group=0)
         return proc.wait()
     except _Abort:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -382,11 +382,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--dest", type=Path, default=None, help="e.g. fastkv/_prebuilt")
     b.add_argument("--verbose", action="store_true")
     sub.add_parser("where", help="print the library path this process would load")
-    for internal in ("_watch-build", "_compile-into"):  # the processes build() runs; not for users
-        step = sub.add_parser(internal)
+    # the processes build() runs; not for users
+    watch, compile_into = sub.add_parser("_watch-build"), sub.add_parser("_compile-into")
+    for step in (watch, compile_into):
         step.add_argument("scratch", type=Path)
-        step.add_argument("parent_pid", type=int)
         step.add_argument("--verbose", action="store_true")
+    watch.add_argument("parent_pid", type=int)
     args = parser.parse_args(argv)
     if args.command == "_watch-build":
         return _watch_build(args.scratch, args.parent_pid, args.verbose)
