@@ -41,6 +41,8 @@ setup(
     description="KV-cache subsystem for Paddle LLM serving: prefix cache, tiered offload, shm IPC",
     python_requires=">=3.11",
     packages=find_packages(include=["fastkv", "fastkv.*"]),
+    # the Mooncake trace the demo and tests replay, with its license (a wheel carries them too)
+    package_data={"fastkv": ["data/*.jsonl.gz", "data/LICENSE-*", "data/README.md"]},
     install_requires=[
         "numpy>=1.26",
         "posix-ipc>=1.1",

@@ -21,17 +21,19 @@ Two generators, both deterministic for a seed:
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
 PREEMPTION_MODES = ("recompute", "offload", "storage")
 TOKEN_ID_LIMIT = 1 << 31  # token ids are int32 on the way to the model
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+# Package data (setup.py): its license and a description of the fields are beside it in fastkv/data.
+TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_trace.jsonl.gz"
 _TRACE_BLOCK = 512  # tokens per hash id in the trace
 
 
@@ -92,10 +94,8 @@ def trace(
     if n < 1 or tokens_per_id < 1 or max_new_tokens < 1 or speedup <= 0 or start < 0:
         raise ValueError("trace: need n >= 1, tokens_per_id >= 1, max_new_tokens >= 1, speedup > 0, start >= 0")
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"trace file {str(path)!r} not found")
     rows = []
-    with path.open() as f:
+    with open_trace(path) as f:
         for i, line in enumerate(f):
             if i >= start + n:
                 break
@@ -121,6 +121,14 @@ def trace(
             "preemption": None,
         })
     return requests
+
+
+def open_trace(path: str | Path = TRACE) -> TextIO:
+    """The trace's lines (JSON objects), gzip-compressed (``.gz``) or not."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"trace file {str(path)!r} not found")
+    return gzip.open(path, "rt") if path.suffix == ".gz" else path.open()
 
 
 def _id_tokens(hash_id: int, n: int, vocab: int, seed: int) -> list[int]:

@@ -6,7 +6,12 @@ The ops live in ``ops/`` (C++ and CUDA sources). They are loaded, in this order,
    ``python -m fastkv.ops build --dest fastkv/_prebuilt`` put it there);
 2. the build cache ``$FASTKV_OPS_CACHE`` (default ``~/.cache/fastkv/ops``), under a directory
    named by the hash of the sources, Paddle's version and the CUDA flag; missing, it is built
-   just in time (about 15 s), under a file lock so concurrent processes build it once.
+   (about 15 s), under a file lock so concurrent processes build it once.
+
+``fastkv-supervisor`` builds them before it starts any process (``find``/``build``); a transfer
+process loads them before it reports ready. The compiler runs in a build process of its own
+process group that dies with the building process and takes the compilers with it; the
+scratch directory ``.build-<pid>`` goes on any exit, and a build sweeps those of dead pids.
 
 Paddle is imported lazily: ``import fastkv.ops`` works without it; the first op call
 raises ImportError naming the package to install.
@@ -14,11 +19,14 @@ raises ImportError naming the package to install.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import fcntl
 import hashlib
 import os
 import platform
 import shutil
+import signal
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +47,7 @@ _CUDA_FLAGS = ["-O3", "-DFASTKV_WITH_CUDA"]
 # one 2D copy; shorter ones to the gather kernel (GPU only; see ops/swap_cuda.cu).
 DEFAULT_DMA_MIN_BYTES = 2 << 20
 
+_PR_SET_CHILD_SUBREAPER = 36
 _loaded_from: Path | None = None
 
 
@@ -90,6 +99,18 @@ def _prebuilt_library(tag: str | None) -> Path | None:
     return None
 
 
+def _built(root: Path, tag: str) -> Path | None:
+    lib = root / f"{LIB_NAME}.so"
+    tag_file = root / "TAG"
+    return lib if tag_file.is_file() and tag_file.read_text().strip() == tag and lib.is_file() else None
+
+
+def find() -> Path | None:
+    """The library ``load`` would register without building (prebuilt or cached), or None."""
+    tag = build_tag() if OPS_DIR.is_dir() else None
+    return _prebuilt_library(tag) or (_built(cache_root() / tag, tag) if tag else None)
+
+
 def build(dest: Path | None = None, verbose: bool = False) -> Path:
     """Builds the ops library unless it is already there; returns its path.
 
@@ -100,46 +121,120 @@ def build(dest: Path | None = None, verbose: bool = False) -> Path:
         raise FileNotFoundError(f"fastkv's op sources are not at {OPS_DIR}; reinstall fastkv from a source checkout")
     tag = build_tag()
     root = Path(dest) if dest is not None else cache_root() / tag
-    lib = root / f"{LIB_NAME}.so"
-    if (root / "TAG").is_file() and (root / "TAG").read_text().strip() == tag and lib.is_file():
+    lib = _built(root, tag)
+    if lib is not None:
         return lib
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        if (root / "TAG").is_file() and (root / "TAG").read_text().strip() == tag and lib.is_file():
-            return lib
-        _compile(root, tag, verbose)
+        lib = _built(root, tag)
+        if lib is None:
+            _sweep_scratch(root)
+            _compile(root, tag, verbose)
+            lib = root / f"{LIB_NAME}.so"
     return lib
 
 
-def _compile(root: Path, tag: str, verbose: bool) -> None:
-    global _loaded_from
-    from paddle.utils.cpp_extension import load as jit_load
+def _sweep_scratch(root: Path) -> None:
+    """Removes the scratch directories of builds whose process died (SIGKILL leaves them)."""
+    from fastkv.ipc.peers import pid_alive
 
-    with_cuda = _with_cuda()
+    for scratch in root.glob(".build-*"):
+        pid = scratch.name.removeprefix(".build-")
+        if not pid.isdigit() or not pid_alive(int(pid)):
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _compile(root: Path, tag: str, verbose: bool) -> None:
     scratch = root / f".build-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
-    sources = [str(OPS_DIR / name) for name in _CPU_SOURCES + (_CUDA_SOURCES if with_cuda else ())]
-    cxx_flags = _CXX_FLAGS + (["-DFASTKV_WITH_CUDA"] if with_cuda else [])
     try:
-        jit_load(
-            name=LIB_NAME,
-            sources=sources,
-            extra_cxx_cflags=cxx_flags,
-            extra_cuda_cflags=list(_CUDA_FLAGS),
-            extra_include_paths=[str(OPS_DIR)],
-            build_directory=str(scratch),
-            verbose=verbose,
-        )
+        _run_build_process(scratch, verbose)
         # Rename into place so a reader never maps a half-written library.
         os.replace(scratch / LIB_NAME / f"{LIB_NAME}.so", root / f"{LIB_NAME}.so")
         (root / "TAG").write_text(tag + "\n")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    # jit_load registered the ops in this process already.
-    if _loaded_from is None:
-        _loaded_from = root / f"{LIB_NAME}.so"
+
+
+def _run_build_process(scratch: Path, verbose: bool) -> None:
+    """Compiles into ``scratch`` through a watchdog process (``_watch_build``); on an exception
+    here (Ctrl-C, the supervisor's SIGTERM) asks the watchdog to kill the compilers and waits."""
+    # Its own process group: a terminal's Ctrl-C reaches only this process, which then stops it.
+    proc = subprocess.Popen(_ops_command("_watch-build", scratch, os.getpid(), verbose=verbose), env=_ops_env(),
+                            process_group=0, text=True,
+                            stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output, _ = proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            proc.wait()
+    if proc.returncode != 0:
+        tail = "\n".join((output or "").strip().splitlines()[-20:])
+        raise RuntimeError(f"building fastkv's ops failed (exit {proc.returncode}):\n{tail}")
+
+
+def _ops_command(command: str, *args: Any, verbose: bool) -> list[str]:
+    return [sys.executable, "-m", "fastkv.ops", command, *map(str, args)] + (["--verbose"] if verbose else [])
+
+
+def _ops_env() -> dict[str, str]:
+    """This process's environment, with this fastkv first on the path (setup.py runs from a checkout)."""
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
+
+
+class _Abort(Exception):
+    pass
+
+
+def _watch_build(scratch: Path, parent_pid: int, verbose: bool) -> int:
+    """The watchdog: runs ``_compile_into`` in a process group of its own; when the builder dies
+    (PR_SET_PDEATHSIG) or terminates it, kills that group, reaps every compiler and removes ``scratch``."""
+    from fastkv.ipc.peers import die_with_parent
+
+    def abort(*_: Any) -> None:
+        raise _Abort
+
+    signal.signal(signal.SIGTERM, abort)
+    die_with_parent(parent_pid, signal.SIGTERM)
+    # Orphaned compilers become this process's children, so it can wait for the last one.
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+    proc = None
+    try:
+        proc = subprocess.Popen(_ops_command("_compile-into", scratch, verbose=verbose), process_group=0)
+        return proc.wait()
+    except _Abort:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        while True:
+            try:
+                os.wait()
+            except ChildProcessError:
+                break
+        shutil.rmtree(scratch, ignore_errors=True)
+        return 1
+
+
+def _compile_into(scratch: Path, verbose: bool) -> None:
+    from paddle.utils.cpp_extension import load as jit_load
+
+    with_cuda = _with_cuda()
+    sources = [str(OPS_DIR / name) for name in _CPU_SOURCES + (_CUDA_SOURCES if with_cuda else ())]
+    cxx_flags = _CXX_FLAGS + (["-DFASTKV_WITH_CUDA"] if with_cuda else [])
+    jit_load(
+        name=LIB_NAME,
+        sources=sources,
+        extra_cxx_cflags=cxx_flags,
+        extra_cuda_cflags=list(_CUDA_FLAGS),
+        extra_include_paths=[str(OPS_DIR)],
+        build_directory=str(scratch),
+        verbose=verbose,
+    )
 
 
 def load() -> Path:
@@ -148,14 +243,10 @@ def load() -> Path:
     if _loaded_from is not None:
         return _loaded_from
     paddle = _paddle()
-    tag = build_tag() if OPS_DIR.is_dir() else None
-    lib = _prebuilt_library(tag)
-    if lib is None:
-        lib = build()
-    if _loaded_from is None:  # build() may have registered them already
-        paddle.utils.cpp_extension.load_op_meta_info_and_register_op(str(lib))
-        _loaded_from = lib
-    return _loaded_from
+    lib = find() or build()
+    paddle.utils.cpp_extension.load_op_meta_info_and_register_op(str(lib))
+    _loaded_from = lib
+    return lib
 
 
 def default_num_threads() -> int:
@@ -291,8 +382,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--dest", type=Path, default=None, help="e.g. fastkv/_prebuilt")
     b.add_argument("--verbose", action="store_true")
     sub.add_parser("where", help="print the library path this process would load")
+    # the processes build() runs; not for users
+    watch, compile_into = sub.add_parser("_watch-build"), sub.add_parser("_compile-into")
+    for step in (watch, compile_into):
+        step.add_argument("scratch", type=Path)
+        step.add_argument("--verbose", action="store_true")
+    watch.add_argument("parent_pid", type=int)
     args = parser.parse_args(argv)
-    if args.command == "build":
+    if args.command == "_watch-build":
+        return _watch_build(args.scratch, args.parent_pid, args.verbose)
+    if args.command == "_compile-into":
+        _compile_into(args.scratch, args.verbose)
+    elif args.command == "build":
         print(build(args.dest, verbose=args.verbose))
     else:
         print(load())

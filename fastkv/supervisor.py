@@ -4,7 +4,9 @@ One ``Supervisor`` is one run::
 
     result = Supervisor(spec, "fastkv-out/workload.jsonl").run()   # blocks until done
 
-``run()`` removes what dead runs left behind (``cleanup_stale``), creates the namespace, the
+``run()`` first builds fastkv's swap ops if this machine has never built them (one line on
+stderr; SIGINT/SIGTERM abort the build, leaving nothing behind), so no child builds them under
+its heartbeat. It then removes what dead runs left behind (``cleanup_stale``), creates the namespace, the
 channels (``fastkv.run.create_run``) and the KV tiers of every rank, starts the engine, one
 worker and one transfer process per rank (``multiprocessing`` spawn; entry points in
 ``ENTRY_POINTS``), and waits. It never sleep-polls: it blocks on the children's process
@@ -32,7 +34,6 @@ Each child's stdout/stderr goes to ``<out_dir>/logs/<name>.log``.
 """
 from __future__ import annotations
 
-import ctypes
 import importlib
 import multiprocessing as mp
 import os
@@ -48,6 +49,7 @@ from typing import Any, NamedTuple
 from fastkv.engine.engine import write_missing
 from fastkv.ipc import Namespace, SignalArray, cleanup_stale
 from fastkv.ipc.namespace import SHM_DIR
+from fastkv.ipc.peers import die_with_parent
 from fastkv.run import RunSpec, create_run
 
 ENTRY_POINTS = {
@@ -55,7 +57,12 @@ ENTRY_POINTS = {
     "worker": "fastkv.engine.worker:main",  # main(spec_json, rank) -> int
     "transfer": "fastkv.transfer.process:main",  # main(spec_json, rank) -> int
 }
-_PR_SET_PDEATHSIG = 1
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 class RunResult(NamedTuple):
@@ -86,11 +93,7 @@ def resolve(target: str) -> Callable[..., int]:
 
 def _child_main(target: str, args: tuple, parent_pid: int, log_path: str) -> None:
     """Runs in the spawned child: die with the supervisor, log to a file, call the entry point."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
-        os._exit(1)
+    die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; only the supervisor decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -180,6 +183,9 @@ class Supervisor:
         # Importing Paddle (which this does) replaces the C-level SIGTERM handler with one that
         # exits at once: ours go in after it, and before any shared memory exists.
         cuda = _cuda_available()
+        failed = self._build_ops()
+        if failed is not None:
+            return RunResult(False, failed, {}, {}, time.monotonic() - t0)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         old_handlers = self._install_handlers()
@@ -220,6 +226,35 @@ class Supervisor:
                 return  # the pipe is full: the watcher has wake-ups queued already
 
     # -- setup and teardown ------------------------------------------------------------
+    def _build_ops(self) -> str | None:
+        """Builds the swap ops unless built (first run on a machine), before anything else exists,
+        so no process builds them under its heartbeat; returns why that failed, or None."""
+        from fastkv import ops
+
+        if ops.find() is not None:
+            return None
+        print("fastkv-supervisor: building the swap ops for this machine (first run, ~15 s) ...", end="",
+              file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+
+        def interrupt(signum: int, _frame: Any) -> None:
+            raise _Interrupted(signum)
+
+        old_handlers = self._install_handlers(interrupt)
+        try:
+            ops.build()
+        except _Interrupted as exc:
+            print(" interrupted", file=sys.stderr)
+            return f"interrupted by {signal.Signals(exc.signum).name} while building the swap ops"
+        except Exception as exc:
+            print(" failed", file=sys.stderr)
+            return f"building the swap ops failed: {exc}"
+        finally:
+            for signum, handler in old_handlers.items():
+                signal.signal(signum, handler)
+        print(f" done in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        return None
+
     def _setup(self, cuda: bool) -> None:
         from fastkv.transfer.tiers import DeviceTier, HostTier
 
@@ -258,16 +293,17 @@ class Supervisor:
             if fd >= 0:
                 os.close(fd)
 
-    def _install_handlers(self) -> dict[int, Any]:
+    def _install_handlers(self, handler: Callable[[int, Any], None] | None = None) -> dict[int, Any]:
+        """SIGINT/SIGTERM -> ``handler`` (default: ``request_stop``); returns the old handlers."""
         import threading
 
         if threading.current_thread() is not threading.main_thread():
             return {}  # only the main thread may set handlers; the caller uses request_stop()
 
-        def handler(signum: int, _frame: Any) -> None:
+        def stop(signum: int, _frame: Any) -> None:
             self.request_stop(f"interrupted by {signal.Signals(signum).name}")
 
-        return {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+        return {signum: signal.signal(signum, handler or stop) for signum in (signal.SIGINT, signal.SIGTERM)}
 
     # -- children ----------------------------------------------------------------------
     def _start(self, role: str, rank: int) -> Child:

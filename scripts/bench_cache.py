@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from fastkv.cache.manager import CacheConfig, CacheManager  # noqa: E402
 from fastkv.cache.policy import Policy  # noqa: E402
+from fastkv.demo import TRACE, open_trace  # noqa: E402
 
 BLOCK = 64
 README_REFERENCE = {1000: 0.0454, 10000: 0.2153, 50000: 0.3615}  # token hit ratio of 512-token LRU
@@ -42,7 +43,7 @@ README_REFERENCE = {1000: 0.0454, 10000: 0.2153, 50000: 0.3615}  # token hit rat
 
 def load_trace(path: Path, limit: int | None) -> list[tuple[list[int], int]]:
     reqs = []
-    with open(path) as f:
+    with open_trace(path) as f:
         for line in f:
             r = json.loads(line)
             reqs.append((r["hash_ids"], r["input_length"]))
@@ -136,7 +137,7 @@ def replay_floor(reqs, capacity: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", type=Path, default=ROOT.parent / "shared/traces/mooncake_conversation_trace.jsonl")
+    ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--quick", action="store_true", help="replay the first 1,000 requests only")
     ap.add_argument("--smoke", action="store_true",
                     help="--quick on the first 50 requests, one replay (tests: numbers mean nothing)")

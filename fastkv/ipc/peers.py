@@ -8,8 +8,12 @@ start time.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 from typing import NamedTuple
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -66,3 +70,13 @@ class Peer(NamedTuple):
 def me(role: str, rank: int) -> Peer:
     pid = os.getpid()
     return Peer(role, rank, pid, start_time(pid))
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Has the kernel send ``sig`` to this process when ``parent_pid`` (its parent) dies;
+    exits at once if the parent died before this took effect."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os._exit(1)

@@ -1,8 +1,10 @@
 """The cache-transfer process of one tensor-parallel rank: ``main(spec_json, rank)``.
 
 Start-up: attach the run's namespace, the rank's KV tiers (the supervisor created them)
-and the storage backend, and only then bind the task and done channels (a bound rank can
-work at once); write ``transfer{r}.pid`` and ``transfer{r}.ready = 1``.
+and the storage backend, load the swap ops (the supervisor built them; started without one,
+this process builds them here, under the startup timeout, never inside a task under the
+heartbeat), and only then bind the task and done channels (a bound rank can work at once);
+write ``transfer{r}.pid`` and ``transfer{r}.ready = 1``.
 
 Loop: block on the task channel for at most ``spec.heartbeat_s`` (one semaphore wait,
 draining up to 256 tasks per wake-up), beat ``transfer{r}.beat`` (``time.monotonic_ns()``)
@@ -25,6 +27,7 @@ import logging
 import sys
 import time
 
+from fastkv import ops
 from fastkv.ipc import BadMessage, ChannelClosed, DoneMsg, Namespace, PeerDied, PeerTimeout, SignalArray, TaskMsg
 from fastkv.ipc.peers import me
 from fastkv.run import RunSpec, TransferEnds, attach_transfer
@@ -146,6 +149,7 @@ def main(spec_json: str, rank: int) -> int:
     ns = Namespace.attach(spec.run_id)
     executor = TaskExecutor(spec, rank)
     try:
+        ops.load()
         ends = attach_transfer(ns, spec, rank)
     except BaseException:
         executor.close()

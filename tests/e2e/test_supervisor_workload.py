@@ -49,7 +49,7 @@ def test_turn_gap_spaces_waves():
 
 
 def test_trace_slice_keeps_the_traces_prefix_sharing():
-    rows = [json.loads(line) for line, _ in zip(demo.TRACE.open(), range(40), strict=False)]
+    rows = [json.loads(line) for line, _ in zip(demo.open_trace(), range(40), strict=False)]
     reqs = demo.trace(40, tokens_per_id=8)
     assert reqs == demo.trace(40, tokens_per_id=8)
     for i in range(40):

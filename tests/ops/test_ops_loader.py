@@ -1,6 +1,9 @@
-"""Loading the ops: lazy Paddle import, one build under concurrency, prebuilt-library selection."""
+"""Loading the ops: lazy Paddle import, one build under concurrency, prebuilt-library selection,
+and a killed build leaving no compiler and no scratch directory."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -10,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from fastkv import ops
+from tests.e2e.test_supervisor import wait_for
+from tests.procs import processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,6 +53,47 @@ def test_concurrent_builds_compile_once(tmp_path, monkeypatch):
         t.join(30)
     assert calls == ["tag1"], f"compiled {len(calls)} times"
     assert results == [tmp_path / "tag1" / f"{ops.LIB_NAME}.so"] * 4
+
+
+def test_a_build_sweeps_the_scratch_dirs_of_dead_builders(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTKV_OPS_CACHE", str(tmp_path))
+    monkeypatch.setattr(ops, "build_tag", lambda: "tag1")
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    dead, live = tmp_path / "tag1" / f".build-{dead_pid}", tmp_path / "tag1" / f".build-{os.getppid()}"
+    (dead / "fastkv_ops").mkdir(parents=True)
+    live.mkdir()
+
+    def fake_compile(root: Path, tag: str, verbose: bool) -> None:
+        (root / f"{ops.LIB_NAME}.so").write_bytes(b"lib")
+        (root / "TAG").write_text(tag + "\n")
+
+    monkeypatch.setattr(ops, "_compile", fake_compile)
+    ops.build()
+    assert not dead.exists(), "the scratch dir of a SIGKILLed build was left"
+    assert live.exists(), "the scratch dir of a build still running was removed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_a_killed_build_leaves_no_compiler_and_no_scratch_dir(tmp_path, sig):
+    pytest.importorskip("paddle")
+    env = {**os.environ, "FASTKV_OPS_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    builder = subprocess.Popen([sys.executable, "-m", "fastkv.ops", "build"], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: any("cc1plus" in p for p in processes_mentioning(str(tmp_path))), "the compiler",
+                 timeout=300, proc=builder)
+        builder.send_signal(sig)
+        builder.wait(30)
+        # SIGKILL: the build's watchdog notices its parent died and cleans up after it
+        wait_for(lambda: not processes_mentioning(str(tmp_path)), "every build process to end", timeout=30)
+    finally:
+        if builder.poll() is None:
+            builder.kill()
+            builder.wait()
+    assert not list(tmp_path.glob("*/.build-*")), "a killed build left its scratch dir"
 
 
 def test_prebuilt_library_is_used_only_when_its_tag_matches(tmp_path, monkeypatch):
