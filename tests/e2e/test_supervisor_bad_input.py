@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from fastkv.demo import TRACE
-
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
@@ -81,7 +79,6 @@ def test_requests_that_can_never_run_are_rejected_alone(tmp_path):
     assert not list(SHM.glob(f"fkv.{rid}.*"))
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason=f"the Mooncake trace is not at {TRACE}")
 def test_the_trace_runs_with_its_defaults(tmp_path):
     rc, out, err, _, rid = cli(tmp_path, "--workload", "trace:12", "--no-progress")
     assert rc == 0, err
