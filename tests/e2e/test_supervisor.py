@@ -196,7 +196,9 @@ def test_api_request_stop_and_bad_entry_point(tmp_path):
     sup = Supervisor(spec, workload, entry_points=entries, progress=lambda f, t: None)
 
     def stop_when_ready():
-        wait_for(lambda: sup.signals is not None and sup.signals["engine.ready"], "engine ready")
+        # every child up: one still starting is terminated at stop by design (exit -15)
+        wait_for(lambda: sup.signals is not None and all(sup.signals[f"{n}.ready"] for n in
+                                                         ("engine", "worker0", "transfer0")), "all ready")
         sup.request_stop("stopped by the test")
 
     t = threading.Thread(target=stop_when_ready)
