@@ -212,13 +212,14 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
     finally:
         engine.ends.signals["engine.ready"] = 0
         results = complete(items, results + engine.unfinished())
-        engine.close()
         seconds = time.monotonic() - start
         timeline.append([round(seconds, 4), sum(r.state == "finished" for r in results),
                          engine.metrics.tokens_sampled, sum(engine.metrics.preemptions().values())])
         if status == "done" and any(r.state == "unfinished" for r in results):
             status = "stopped"  # drive() returns early only on stop
-        write_outputs(spec.out_dir, results, summarize(engine, items, results, timeline, seconds, status))
+        summary = summarize(engine, items, results, timeline, seconds, status)  # reads the signals: before close
+        engine.close()
+        write_outputs(spec.out_dir, results, summary)
     return code
 
 

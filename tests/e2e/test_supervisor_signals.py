@@ -57,7 +57,8 @@ def real_cli(tmp_path, rid: str, arrivals: tuple[float, ...]):
     wl.write_text("".join(json.dumps({"id": f"r{i}", "arrival_s": at, "prompt": list(range(1, 6 + i)),
                                       "max_new_tokens": 10 if i == 0 else 200}) + "\n"
                           for i, at in enumerate(arrivals)))
-    return start_cli(tmp_path, rid, "--workload", str(wl), entries=[], step_us=50000.0)
+    # 64 device blocks of 4 tokens: the 200-token requests fit (16 would reject them)
+    return start_cli(tmp_path, rid, "--workload", str(wl), "--device-blocks", "64", entries=[], step_us=50000.0)
 
 
 @pytest.mark.parametrize("signum, moment", [
