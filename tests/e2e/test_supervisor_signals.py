@@ -63,8 +63,7 @@ def real_cli(tmp_path, rid: str, arrivals: tuple[float, ...]):
 
 @pytest.mark.parametrize("signum, moment", [
     (signal.SIGTERM, "start-up"), (signal.SIGINT, "ready"), (signal.SIGTERM, "mid-run"),
-    # known: an engine idle between arrivals (after its copies) takes the whole join_timeout_s (15 s)
-    pytest.param(signal.SIGINT, "idle", marks=pytest.mark.xfail(strict=True, reason="idle engine stops in 15 s")),
+    (signal.SIGINT, "idle"), (signal.SIGTERM, "idle"),
 ])
 def test_signal_at_any_moment_writes_summary_and_results_and_leaks_nothing(tmp_path, signum, moment):
     rid = run_id()
