@@ -11,20 +11,23 @@ TOML or JSON, keys = ``JobConfig`` field names; tables ``runner_options``, ``sch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import inspect
 import json
 import secrets
-import shutil
 import signal
 import sys
 import tomllib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
 from fastkv.config import KVLayout
 from fastkv.demo import PREEMPTION_MODES, ConversationConfig
+from fastkv.outdir import OutDir
 
 RUNNERS = ("synthetic", "tiny")
 STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
@@ -110,6 +113,14 @@ class JobConfig:
             raise ValueError(f"the tiny runner needs dtype 'float32', got {self.dtype!r}")
         if self.runner == "synthetic" and self.head_dim <= 8:
             raise ValueError(f"the synthetic runner needs head_dim > 8, got {self.head_dim}")
+        self._check_scheduler()
+        if self.runner == "tiny":
+            try:
+                self.tiny_config().check(self.layout())
+            except ValueError as exc:
+                if isinstance(exc, TableError):
+                    raise
+                raise ValueError(f"the tiny runner cannot run this shape: {exc}") from None
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"setting 'metrics_port' must be in [0, 65536), got {self.metrics_port}")
         if self.heartbeat_s <= 0 or self.dead_after_s <= self.heartbeat_s:
@@ -124,6 +135,39 @@ class JobConfig:
                 raise ValueError(f"workload 'trace:N' needs a positive request count, got {self.workload!r}")
         if not self.device_blocks:
             object.__setattr__(self, "device_blocks", self._default_device_blocks())
+
+    def _check_scheduler(self) -> None:
+        from fastkv.sched.config import SchedulerConfig
+
+        known = {f.name for f in dataclasses.fields(SchedulerConfig)}
+        if unknown := set(self.scheduler) - known:
+            raise TableError(f"unknown scheduler settings {sorted(unknown)}; known: {sorted(known)}")
+
+    def tiny_config(self):
+        """The tiny runner's ``TinyConfig`` (runner option ``config``), without importing Paddle."""
+        from fastkv.engine.runners.tiny_config import TinyConfig
+
+        opts = self.runner_options.get("config", {})
+        known = {f.name for f in dataclasses.fields(TinyConfig)}
+        if not isinstance(opts, dict):
+            raise TableError(f"runner_options.config must be a table of {sorted(known)}, got {opts!r}")
+        if unknown := set(opts) - known:
+            raise TableError(f"unknown runner_options.config settings {sorted(unknown)}; known: {sorted(known)}")
+        return TinyConfig(**opts)
+
+    def check_runner_options(self) -> None:
+        """TableError for a runner option the reference runner does not take. Only for the
+        default worker: a worker given by --entry reads the options its own way."""
+        if self.runner == "synthetic":
+            from fastkv.engine.runners.synthetic import SyntheticRunner
+
+            params = inspect.signature(SyntheticRunner).parameters.values()
+            known = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+        else:
+            known = {"config"}  # the worker passes the collective itself
+        if unknown := set(self.runner_options) - known:
+            raise TableError(f"unknown runner_options {sorted(unknown)} for the {self.runner} runner; "
+                             f"known: {sorted(known)}")
 
     def _default_device_blocks(self) -> int:
         """The demo's device tier is small on purpose. The trace's prompts reach thousands of
@@ -150,7 +194,8 @@ class JobConfig:
         if path is not None:
             values.update(read_config_file(path))
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        return cls(**values)
+        with in_file(path):
+            return cls(**values)
 
     def layout(self) -> KVLayout:
         return KVLayout(num_layers=self.layers, kv_heads=self.kv_heads, block_size=self.block_size,
@@ -199,6 +244,21 @@ class JobConfig:
             dead_after_s=self.dead_after_s,
             task_timeout_s=self.task_timeout_s, out_dir=str(out_dir), metrics_port=self.metrics_port,
         )
+
+
+class TableError(ValueError):
+    """A bad key in a nested table (``scheduler``, ``runner_options``): only a config file sets them."""
+
+
+@contextlib.contextmanager
+def in_file(path: str | Path | None) -> Iterator[None]:
+    """A TableError names the config file the table came from."""
+    try:
+        yield
+    except TableError as exc:
+        if path is None:
+            raise
+        raise ValueError(f"config file {path}: {exc}") from None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -277,19 +337,22 @@ def cleanup(run_id: str | None) -> int:
     return 0
 
 
-def prepare(cfg: JobConfig, run_id: str | None = None):
-    """Output directory, workload.jsonl and spec.json of a job; returns (spec, workload path)."""
+def prepare(cfg: JobConfig, run_id: str | None = None, outdir: OutDir | None = None):
+    """Output directory, workload.jsonl and spec.json of a job; returns (spec, workload path).
+    ``outdir``: ``cfg.out`` as claimed by the caller for run ``outdir.run_id``, held for the
+    run; without one it is claimed for the preparation only (tests, benchmarks), for run
+    ``run_id`` (default: a fresh id)."""
     from fastkv.demo import write_workload
 
-    out = Path(cfg.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in ("results.jsonl", "summary.json", "report.json", "report.png"):
-        (out / stale).unlink(missing_ok=True)
-    if cfg.storage == "default":  # the demo's own store: start empty so runs are comparable
-        shutil.rmtree(out / "store", ignore_errors=True)
-    workload = write_workload(cfg.requests(), out / "workload.jsonl", cfg.preemption)
-    spec = cfg.to_spec(run_id or secrets.token_hex(4), out)
-    spec.save(out / "spec.json")
+    if outdir is None:
+        with OutDir.claim(cfg.out, run_id or secrets.token_hex(4)) as held:
+            return prepare(cfg, outdir=held)
+    outdir.clear_previous()
+    if cfg.storage == "default" and cfg.storage_url(outdir.path):
+        outdir.fresh_store()  # runs start empty, so they are comparable
+    workload = write_workload(cfg.requests(), outdir.path / "workload.jsonl", cfg.preemption)
+    spec = cfg.to_spec(outdir.run_id, outdir.path)
+    spec.save(outdir.path / "spec.json")
     return spec, workload
 
 
@@ -331,8 +394,32 @@ def main(argv: list[str] | None = None) -> int:
             return cleanup(args.run_id)
         entries = _entries(args.entry)
         cfg = JobConfig.from_sources(args.config, _flags(args))
+        if "worker" not in entries:
+            with in_file(args.config):
+                cfg.check_runner_options()
+        # Both before anything is written: a live run's directory or namespace is not ours.
+        run_id = _new_run_id(args.run_id)
+        outdir = OutDir.claim(cfg.out, run_id)
     except ValueError as exc:
         _config_error(parser, exc)
+    with outdir:  # held until the run is over: a second run on this --out is refused
+        return _prepare_and_run(parser, args, cfg, entries, outdir)
+
+
+def _new_run_id(requested: str | None) -> str:
+    from fastkv.ipc import Namespace, list_runs
+
+    if requested is None:
+        return secrets.token_hex(4)
+    Namespace.attach(requested)  # checks the name
+    for run in list_runs():
+        if run.run_id == requested and run.alive:
+            raise ValueError(f"--run-id {requested} is in use by a live run (pid {run.owner_pid})")
+    return requested
+
+
+def _prepare_and_run(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: JobConfig,
+                     entries: dict[str, str], outdir: OutDir) -> int:
     from fastkv.engine.engine import write_missing
     from fastkv.transfer.tiers import _cuda_available
 
@@ -345,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = workload = None
     try:
         try:
-            spec, workload = prepare(cfg, args.run_id)
+            spec, workload = prepare(cfg, outdir=outdir)
             if spec.storage_url:  # a tier that cannot open would only be logged by the transfer processes
                 from fastkv.storage import probe_store
 

@@ -21,13 +21,16 @@ finished reading round ``k``.
 
 The creator (the supervisor, or a test) calls ``ShmCollective.create`` before the workers
 ``attach``; its ``close`` unlinks everything, and ``ShmCollective.unlink`` removes a crashed
-run's objects. A wait that times out raises TimeoutError naming the late rank; the
-collective is then unusable (ranks may be in different rounds).
+run's objects. A wait that times out raises TimeoutError naming the late rank, and so may
+the attacher's ``check`` (a dead peer, a stop); the collective is then unusable (ranks may
+be in different rounds).
 """
 from __future__ import annotations
 
 import mmap
 import struct
+import time
+from collections.abc import Callable
 
 import numpy as np
 import posix_ipc
@@ -49,11 +52,14 @@ def _sem_name(prefix: str, src: int, dst: int) -> str:
 class ShmCollective:
     """One rank's handle (or the creator's, ``rank=None``) on a tp group's collective."""
 
-    def __init__(self, prefix: str, rank: int | None, *, timeout_s: float = 60.0, _create: tuple | None = None):
+    def __init__(self, prefix: str, rank: int | None, *, timeout_s: float = 60.0, _create: tuple | None = None,
+                 slice_s: float | None = None, check: Callable[[int], None] | None = None):
         _check_prefix(prefix)
         self.prefix = prefix
         self.rank = rank
         self.timeout_s = float(timeout_s)
+        self.slice_s = self.timeout_s if slice_s is None else float(slice_s)
+        self.check = check  # check(j) between slices of a wait on rank j: raises if j is gone or the run stops
         self._owner = _create is not None
         self._round = 0
         if _create is not None:
@@ -102,8 +108,11 @@ class ShmCollective:
         return cls(prefix, None, _create=(world_size, slot_bytes))
 
     @classmethod
-    def attach(cls, prefix: str, rank: int, timeout_s: float = 60.0) -> ShmCollective:
-        return cls(prefix, rank, timeout_s=timeout_s)
+    def attach(cls, prefix: str, rank: int, timeout_s: float = 60.0, slice_s: float | None = None,
+               check: Callable[[int], None] | None = None) -> ShmCollective:
+        """A wait on a peer blocks in slices of ``slice_s`` and calls ``check(peer)`` between
+        them, so a dead peer or a stop ends it at once rather than after ``timeout_s``."""
+        return cls(prefix, rank, timeout_s=timeout_s, slice_s=slice_s, check=check)
 
     @staticmethod
     def names(prefix: str, world_size: int) -> list[str]:
@@ -146,17 +155,25 @@ class ShmCollective:
             if j == r:
                 out.append(payload.copy())
                 continue
-            try:
-                self._sems[j, r].acquire(self.timeout_s)
-            except posix_ipc.BusyError as e:
-                raise TimeoutError(
-                    f"collective {self.prefix}: rank {r} waited {self.timeout_s:.0f}s for rank {j} "
-                    f"(round {self._round - 1})"
-                ) from e
+            self._wait(j)
             o = off - (r - j) * (8 + self.slot_bytes)
             (n,) = struct.unpack_from("<Q", self._mm, o)
             out.append(self._buf[o + 8 : o + 8 + n].copy())
         return out
+
+    def _wait(self, j: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"collective {self.prefix}: rank {self.rank} waited {self.timeout_s:.0f}s for "
+                                   f"rank {j} (round {self._round - 1})")
+            try:
+                self._sems[j, self.rank].acquire(min(self.slice_s, left))
+                return
+            except posix_ipc.BusyError:
+                if self.check is not None:
+                    self.check(j)
 
     def all_gather(self, arr: np.ndarray) -> list[np.ndarray]:
         """Every rank's ``arr`` (same shape and dtype on all ranks), in rank order."""

@@ -32,14 +32,25 @@ import numpy as np
 from fastkv.engine import protocol
 from fastkv.engine.collective import ShmCollective
 from fastkv.engine.runners import runner_class
-from fastkv.ipc import ChannelClosed, Namespace, PeerDied
+from fastkv.ipc import ChannelClosed, Namespace, PeerDied, pid_alive
 from fastkv.run import RunSpec, attach_worker, collective_prefix
 from fastkv.transfer.tiers import DeviceTier, _cuda_available
 
 _ERROR_BYTES = 256  # per rank, in the end-of-step agreement
 
 
-def runner_options(spec: RunSpec, rank: int) -> tuple[dict[str, Any], ShmCollective | None]:
+def _check_peer(sig, rank: int, peer: int) -> None:
+    """Between slices of a collective wait: beat (waiting for a peer is no hang), and end the
+    wait at once on a dead peer worker or a stop."""
+    sig[f"worker{rank}.beat"] = time.monotonic_ns()
+    pid = sig[f"worker{peer}.pid"]
+    if pid and not pid_alive(pid):
+        raise TimeoutError(f"worker{peer} (pid {pid}) died")
+    if sig["stop"]:
+        raise TimeoutError(f"stop requested while waiting for worker{peer}")
+
+
+def runner_options(spec: RunSpec, rank: int, sig) -> tuple[dict[str, Any], ShmCollective | None]:
     """``spec.runner_options`` as the runner's keyword arguments (JSON dicts -> config
     objects), plus the tp group's collective when the runner takes one."""
     cls = runner_class(spec.runner)
@@ -52,7 +63,8 @@ def runner_options(spec: RunSpec, rank: int) -> tuple[dict[str, Any], ShmCollect
         opts.setdefault("weights_version", spec.weights_version)
     coll = None
     if spec.tp_size > 1:  # every worker uses it at the end of each step (``_agree``)
-        coll = ShmCollective.attach(collective_prefix(spec), rank, timeout_s=spec.task_timeout_s)
+        coll = ShmCollective.attach(collective_prefix(spec), rank, timeout_s=spec.task_timeout_s,
+                                    slice_s=spec.heartbeat_s, check=lambda peer: _check_peer(sig, rank, peer))
         if "collective" in inspect.signature(cls).parameters:
             opts["collective"] = coll
     return opts, coll
@@ -78,7 +90,7 @@ def main(spec_json: str, rank: int) -> int:
     tier = coll = runner = None
     try:
         tier = _device_tier(spec, rank)
-        opts, coll = runner_options(spec, rank)
+        opts, coll = runner_options(spec, rank, sig)
         # Shared-memory tier: hand the runner numpy views (zero-copy; every reference runner takes
         # them, and Paddle's DLPack cannot export a CPU bfloat16 tensor to numpy). CUDA: the tensors.
         k, v = (tier.k_arrays, tier.v_arrays) if tier.k_arrays else (tier.k, tier.v)

@@ -128,3 +128,19 @@ def engine_main(spec_json: str, workload_path: str) -> int:
 
 
 ENTRIES = [f"--entry={role}=tests.e2e.standins:{role}_main" for role in ("engine", "worker", "transfer")]
+
+
+def worker_rank1_dies(spec_json: str, rank: int) -> int:
+    """The real worker, except rank 1: it exits (code 3) once worker0 is up and has had a
+    half a second to enter the step-0 all-gather, where it then waits for rank 1."""
+    from fastkv.engine import worker
+
+    if rank != 1:
+        return worker.main(spec_json, rank)
+    spec = RunSpec.from_json(spec_json)
+    sig = SignalArray.attach(Namespace.attach(spec.run_id), "signals")
+    sig["worker1.pid"] = os.getpid()
+    while not sig["worker0.ready"]:
+        _idle.wait(0.05)
+    _idle.wait(0.5)
+    return 3

@@ -124,13 +124,14 @@ def test_prepare_writes_workload_with_mode_and_spec(tmp_path):
     wl = tmp_path / "mine.jsonl"
     wl.write_text(json.dumps({"id": "a", "arrival_s": 0, "prompt": [1, 2, 3], "max_new_tokens": 2}) + "\n")
     cfg = JobConfig(workload=str(wl), preemption="storage", out=str(tmp_path / "o"))
-    (tmp_path / "o" / "store").mkdir(parents=True)
+    prepare(cfg, "rid0")  # a previous run: its summary and store are cleared
     (tmp_path / "o" / "summary.json").write_text("{}")
     spec, path = prepare(cfg, "rid1")
     assert json.loads(path.read_text()) == {"id": "a", "arrival_s": 0, "prompt": [1, 2, 3], "max_new_tokens": 2,
                                             "preemption": "storage"}
     assert RunSpec.load(tmp_path / "o" / "spec.json") == spec and spec.run_id == "rid1"
-    assert not (tmp_path / "o" / "summary.json").exists() and not (tmp_path / "o" / "store").exists()
+    assert not (tmp_path / "o" / "summary.json").exists()
+    assert [p.name for p in (tmp_path / "o" / "store").iterdir()] == [".fastkv-store"]
 
 
 def test_console_help_runs():

@@ -55,13 +55,15 @@ def real_cli(tmp_path, rid: str, arrivals: tuple[float, ...]):
     """The real engine, worker and transfer processes (synthetic runner, 50 ms steps)."""
     wl = tmp_path / "slow.jsonl"
     wl.write_text("".join(json.dumps({"id": f"r{i}", "arrival_s": at, "prompt": list(range(1, 6 + i)),
-                                      "max_new_tokens": 10 if i == 0 else 50}) + "\n"
+                                      "max_new_tokens": 10 if i == 0 else 200}) + "\n"
                           for i, at in enumerate(arrivals)))
-    return start_cli(tmp_path, rid, "--workload", str(wl), entries=[], step_us=50000.0)
+    # 64 device blocks of 4 tokens: the 200-token requests fit (16 would reject them)
+    return start_cli(tmp_path, rid, "--workload", str(wl), "--device-blocks", "64", entries=[], step_us=50000.0)
 
 
 @pytest.mark.parametrize("signum, moment", [
-    (signal.SIGTERM, "start-up"), (signal.SIGINT, "ready"), (signal.SIGTERM, "mid-run"), (signal.SIGINT, "idle"),
+    (signal.SIGTERM, "start-up"), (signal.SIGINT, "ready"), (signal.SIGTERM, "mid-run"),
+    (signal.SIGINT, "idle"), (signal.SIGTERM, "idle"),
 ])
 def test_signal_at_any_moment_writes_summary_and_results_and_leaks_nothing(tmp_path, signum, moment):
     rid = run_id()
@@ -103,4 +105,21 @@ def test_a_process_that_dies_at_start_up_ends_the_run_at_once(tmp_path):
     assert result.seconds < 30, f"took {result.seconds:.1f} s"
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["status"].startswith("failed: worker0") or summary["status"] == "stopped", summary["status"]
+    assert leftovers(spec.run_id) == []
+
+
+def test_a_dead_peer_worker_ends_the_collective_wait_at_once(tmp_path):
+    """tp 2, worker1 gone: worker0, waiting for it in the all-gather, must not sit there for
+    task_timeout_s (60 s) nor make the supervisor wait out join_timeout_s (60 s)."""
+    from fastkv.cli import JobConfig, prepare
+    from fastkv.supervisor import Supervisor
+
+    cfg = JobConfig(tp=2, layers=1, kv_heads=1, head_dim=16, block_size=4, device_blocks=16, host_blocks=8,
+                    quick=True, out=str(tmp_path / "out"), heartbeat_s=0.1, dead_after_s=1.0, task_timeout_s=60.0)
+    spec, workload = prepare(cfg, run_id())
+    result = Supervisor(spec, workload, entry_points={"worker": "tests.e2e.standins:worker_rank1_dies"},
+                        join_timeout_s=60.0).run()
+    assert not result.ok and result.message.startswith("worker1 ") and "exited with code 3" in result.message
+    assert result.seconds < 40, f"took {result.seconds:.1f} s"
+    assert result.exit_codes.get("worker0") not in (None, -9), result.exit_codes  # it left on its own, not killed
     assert leftovers(spec.run_id) == []

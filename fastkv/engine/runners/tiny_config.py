@@ -1,0 +1,53 @@
+"""The tiny decoder's hyper-parameters and their checks, apart from the runner so that a job
+is checked before anything imports Paddle (``fastkv.engine.runners.tiny_decoder`` runs it)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fastkv.config import KVLayout
+
+ACT_BITS = 12  # activations, K, V, weights: multiples of 2^-12
+P_BITS = 16  # softmax numerators and sigmoid: multiples of 2^-16 in [0, 1]
+CLIP = 256.0  # activation magnitude bound
+
+
+@dataclass(frozen=True, slots=True)
+class TinyConfig:
+    """Model hyper-parameters; layers, KV heads and head_dim come from the KVLayout (times tp_size)."""
+
+    vocab: int = 1024
+    hidden: int = 256
+    intermediate: int = 512
+    num_q_heads: int | None = None  # default: 4, or the number of KV heads if more
+    max_positions: int = 8192
+    rope_theta: float = 10000.0
+    seed: int = 0
+
+    def q_heads(self, total_kv_heads: int) -> int:
+        return self.num_q_heads or total_kv_heads * max(1, 4 // total_kv_heads)
+
+    def check(self, layout: KVLayout) -> None:
+        kv = layout.kv_heads * layout.tp_size
+        q = self.q_heads(kv)
+        if q % kv:
+            raise ValueError(f"num_q_heads {q} must be a multiple of the {kv} KV heads")
+        if layout.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {layout.head_dim}")
+        if layout.dtype != "float32":
+            raise ValueError(f"the tiny decoder needs a float32 KV layout, got {layout.dtype}")
+        # Exactness budget (bits of grid units, must stay < 53): a reduction of K terms of
+        # a x b units takes bits(a) + bits(b) + log2(K).
+        act = ACT_BITS + int(math.log2(CLIP))  # 20
+        budgets = {
+            "hidden": act + ACT_BITS + math.log2(max(self.hidden, q * layout.head_dim)),
+            "intermediate": act + ACT_BITS + math.log2(self.intermediate),
+            "head_dim": 2 * act + math.log2(layout.head_dim),
+            "max_positions": P_BITS + 1 + act + math.log2(self.max_positions),
+        }
+        for name, bits in budgets.items():
+            if bits > 52:
+                raise ValueError(f"{name} too large for exact fixed-point sums ({bits:.1f} bits > 52)")
+        for name in ("vocab", "hidden", "intermediate", "max_positions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TinyConfig.{name} must be positive")
