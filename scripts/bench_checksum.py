@@ -5,10 +5,15 @@ the synthetic runner's oracle per decode step against the step's simulated compu
 Host checksums (``spec.host_checksums``): xxh3-128 of one host block, written on SWAP_OUT
 and LOAD, checked on SWAP_IN and STORE, against one memcpy of the block (what the CPU swap
 op does per block). Oracle: ``SyntheticRunner`` reads one header per context position of
-every sampled sequence each step. Prints one JSON line per measurement.
+every sampled sequence each step. Prints a table, then one JSON line:
+``{"bench": "checksum", "us_per_block": {...}, "oracle_us": {...}}``.
+
+    python scripts/bench_checksum.py            # 64 KiB (the demo's) and 2 MiB blocks
+    python scripts/bench_checksum.py --smoke    # a few repetitions, for the smoke test
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -34,16 +39,14 @@ def best_us(fn, reps: int = 200) -> float:
     return min(times) * 1e6
 
 
-def checksum_vs_copy(block_bytes: int) -> dict:
+def checksum_vs_copy(block_bytes: int, reps: int) -> tuple[float, float]:
+    """(xxh3-128 of one block, one copy of it), best of 5, in microseconds."""
     src = np.random.default_rng(0).integers(0, 256, block_bytes, np.uint8)
     dst = np.empty_like(src)
-    copy = best_us(lambda: np.copyto(dst, src))
-    digest = best_us(lambda: xxhash.xxh3_128_digest(src))
-    return {"bench": "host_checksum", "block_bytes": block_bytes, "copy_us": round(copy, 2),
-            "xxh3_128_us": round(digest, 2), "ratio": round(digest / copy, 2)}
+    return best_us(lambda: xxhash.xxh3_128_digest(src), reps), best_us(lambda: np.copyto(dst, src), reps)
 
 
-def oracle_per_step(seqs: int, context: int) -> dict:
+def oracle_per_step(seqs: int, context: int, reps: int) -> tuple[float, float]:
     """A decode step of ``seqs`` sequences of ``context`` tokens on the demo's layout."""
     lay = KVLayout(num_layers=4, kv_heads=2, block_size=16, head_dim=64, dtype="float32")
     per_seq = -(-(context + 1) // lay.block_size)
@@ -53,18 +56,29 @@ def oracle_per_step(seqs: int, context: int) -> dict:
     tables = [np.arange(i * per_seq, (i + 1) * per_seq) for i in range(seqs)]
     runner.step(StepPlan(0, [SeqWork(i, np.arange(context) % 1000, 0, tables[i], True) for i in range(seqs)]))
     plan = StepPlan(1, [SeqWork(i, [7], context, tables[i], True) for i in range(seqs)])
-    oracle = best_us(lambda: runner._sample(plan.seqs), reps=20)
-    step = best_us(lambda: runner.step(plan), reps=20)
-    return {"bench": "oracle", "seqs": seqs, "context": context, "oracle_us": round(oracle, 1),
-            "step_us_without_simulated_compute": round(step, 1),
-            "demo_simulated_compute_us": 300 * seqs}
+    return best_us(lambda: runner._sample(plan.seqs), reps), 300.0 * seqs  # the demo charges 300 us/token
 
 
 def main() -> int:
-    for block_bytes in (64 * 1024, 2 * 1024 * 1024):  # the demo's block; the issue's reference block
-        print(json.dumps(checksum_vs_copy(block_bytes)), flush=True)
-    for seqs, context in ((8, 500), (16, 1000), (32, 2000)):
-        print(json.dumps(oracle_per_step(seqs, context)), flush=True)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="a few repetitions: checks the script, not the numbers")
+    args = p.parse_args()
+    blocks = {"64k": 64 << 10, "2m": 2 << 20}  # the demo's block; the issue's reference block
+    steps = ((8, 500), (16, 1000), (32, 2000))
+    reps = 2 if args.smoke else 200
+    us_per_block: dict[str, float] = {}
+    print(f"{'block':>6} {'xxh3-128 us':>12} {'copy us':>9} {'ratio':>6}")
+    for name, nbytes in blocks.items():
+        digest, copy = checksum_vs_copy(nbytes, reps)
+        us_per_block |= {f"checksum_{name}": round(digest, 2), f"copy_{name}": round(copy, 2)}
+        print(f"{name:>6} {digest:12.2f} {copy:9.2f} {digest / copy:6.2f}")
+    oracle_us: dict[str, float] = {}
+    print(f"\n{'seqs x context':>15} {'oracle us':>10} {'simulated compute us':>21} {'share':>6}")
+    for seqs, context in steps:
+        oracle, compute = oracle_per_step(seqs, context, 1 if args.smoke else 20)
+        oracle_us[f"{seqs}x{context}"] = round(oracle, 1)
+        print(f"{f'{seqs} x {context}':>15} {oracle:10.1f} {compute:21.0f} {oracle / compute:6.1%}")
+    print(json.dumps({"bench": "checksum", "us_per_block": us_per_block, "oracle_us": oracle_us}), flush=True)
     return 0
 
 
