@@ -53,7 +53,7 @@ def test_run_id_of_a_live_run(tmp_path):
     ({"scheduler": {"max_seqs": 4}}, "unknown scheduler settings ['max_seqs']; known: ["),
     ({"runner_options": {"verfy": "all"}}, "unknown runner_options ['verfy'] for the synthetic runner; known: "
                                            "['compute_us_per_token', 'max_tracked_requests', 'step_us', 'verify', "
-                                           "'vocab']"),
+                                           "'vocab', 'weights_version']"),
     ({"runner": "tiny", "runner_options": {"config": {"hiden": 64}}}, "unknown runner_options.config settings "
                                                                       "['hiden']; known: ["),
 ])
