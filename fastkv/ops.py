@@ -13,6 +13,16 @@ process loads them before it reports ready. The compiler runs in a build process
 process group that dies with the building process and takes the compilers with it; the
 scratch directory ``.build-<pid>`` goes on any exit, and a build sweeps those of dead pids.
 
+Copy policy. Whether regular or streaming stores copy faster, and on how many threads,
+depends on the machine (its memcpy, cache and memory), not on what cpuid reports: the first
+``load`` on a machine measures every choice per call size with the op's own kernel
+(``measure_copy_methods``, about a second) and caches the winners beside the build, as
+``copy_policy.json`` under ``$FASTKV_OPS_CACHE/<build tag>``; later loads install them.
+
+Hot path. ``BoundSwap`` checks a tier's tensors once through the op and then calls the same
+CPU kernel through its C ABI (``fkv_cpu_swap``): no op dispatch and no DLPack per call, the
+bulk of a small swap's cost. The Paddle op stays the public op (``swap_blocks``).
+
 Paddle is imported lazily: ``import fastkv.ops`` works without it; the first op call
 raises ImportError naming the package to install.
 """
@@ -22,12 +32,14 @@ import argparse
 import ctypes
 import fcntl
 import hashlib
+import json
 import os
 import platform
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +61,16 @@ DEFAULT_DMA_MIN_BYTES = 2 << 20
 
 _PR_SET_CHILD_SUBREAPER = 36
 _loaded_from: Path | None = None
+_cpu_lib: ctypes.CDLL | None = None
+
+# Call sizes the copy policy is measured at (each entry covers calls up to the next size), and
+# the synthetic tiers it is measured on: 32 KiB pages, one layer, arenas several times larger
+# than the biggest call so that most of what a call touches is not in the cache, as in a real
+# host tier.
+CALIBRATION_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)
+_CAL_PAGE = 32 << 10
+_CAL_BLOCKS = 4096
+POLICY_FILE = "copy_policy.json"
 
 
 def _paddle() -> Any:
@@ -238,15 +260,138 @@ def _compile_into(scratch: Path, verbose: bool) -> None:
 
 
 def load() -> Path:
-    """Registers the ops in this process (building them first if needed); returns the library path."""
-    global _loaded_from
+    """Registers the ops in this process (building them first if needed) and installs the
+    machine's copy policy (measuring it first if needed); returns the library path."""
+    global _loaded_from, _cpu_lib
     if _loaded_from is not None:
         return _loaded_from
     paddle = _paddle()
     lib = find() or build()
     paddle.utils.cpp_extension.load_op_meta_info_and_register_op(str(lib))
+    _cpu_lib = _bind_c_abi(ctypes.CDLL(str(lib)))  # the same dlopen handle: one policy for op and ABI
     _loaded_from = lib
+    set_copy_policy(cached_copy_policy())
     return lib
+
+
+def _bind_c_abi(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    lib.fkv_cpu_swap.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32, i32, i32]
+    lib.fkv_cpu_set_copy_policy.argtypes = [i32, ptr, ptr, ptr]
+    lib.fkv_cpu_copy_choice.argtypes = [i64, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)]
+    lib.fkv_cpu_copy_choice.restype = None
+    lib.fkv_cpu_copy_contiguous.argtypes = [ptr, ptr, i64, i32]
+    lib.fkv_cpu_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+def c_abi() -> ctypes.CDLL:
+    """The loaded ops library through ctypes (``fkv_cpu_*`` functions, see ops/swap_op.cc)."""
+    load()
+    return _cpu_lib
+
+
+# ---- copy policy: measured, cached with the build ----
+
+Policy = list[tuple[int, bool, int]]  # (min call bytes, streaming stores, threads), min bytes ascending
+
+
+def _machine_id() -> str:
+    """What the measurements hold for: the CPU model and the cores this machine has."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {model} x{os.cpu_count()}"
+
+
+def set_copy_policy(policy: Policy) -> None:
+    """Installs ``policy`` in the loaded library (the op and ``BoundSwap`` both follow it)."""
+    n = len(policy)
+    sizes = (ctypes.c_int64 * n)(*(p[0] for p in policy))
+    streaming = (ctypes.c_int32 * n)(*(int(p[1]) for p in policy))
+    threads = (ctypes.c_int32 * n)(*(p[2] for p in policy))
+    lib = c_abi()
+    if lib.fkv_cpu_set_copy_policy(n, sizes, streaming, threads) != 0:
+        raise ValueError(f"bad copy policy {policy}: {lib.fkv_cpu_last_error().decode()}")
+
+
+def copy_choice(nbytes: int, max_threads: int) -> tuple[bool, int]:
+    """(streaming, threads) a swap of ``nbytes`` with at most ``max_threads`` threads uses now."""
+    streaming, threads = ctypes.c_int32(), ctypes.c_int32()
+    c_abi().fkv_cpu_copy_choice(nbytes, max_threads, ctypes.byref(streaming), ctypes.byref(threads))
+    return bool(streaming.value), threads.value
+
+
+def _thread_counts(max_threads: int) -> list[int]:
+    return sorted({t for t in (1, 2, 4, 8, 16, 32, 64) if t < max_threads} | {max_threads})
+
+
+def measure_copy_methods(max_threads: int | None = None, sizes: Sequence[int] = CALIBRATION_SIZES,
+                         ) -> dict[tuple[int, bool, int], float]:
+    """Best seconds of a swap out plus a swap in of each size, per (size, streaming, threads),
+    with the op's own kernel on scattered blocks. Choices take turns so that load from other
+    processes hits them alike."""
+    max_threads = max_threads or default_num_threads()
+    lib = c_abi()
+    blocks = max(_CAL_BLOCKS, 2 * max(sizes) // (2 * _CAL_PAGE))
+    k = np.ones((blocks, _CAL_PAGE), np.uint8)  # written: every page mapped before timing
+    v = np.ones_like(k)
+    host = np.ones((blocks, 2 * _CAL_PAGE), np.uint8)
+    k_ptr, v_ptr = (ctypes.c_void_p * 1)(k.ctypes.data), (ctypes.c_void_p * 1)(v.ctypes.data)
+    rng = np.random.default_rng(0)
+    choices = [(s, bool(m), t) for s in sizes for m in (0, 1) for t in _thread_counts(max_threads)]
+    best = dict.fromkeys(choices, float("inf"))
+    for rep in range(15):
+        for size, streaming, threads in choices:
+            if rep >= 5 and size > (1 << 20):  # big copies vary less; small ones get more turns
+                continue
+            n = max(1, size // (2 * _CAL_PAGE))
+            dev_ids, host_ids = (rng.permutation(blocks)[:n].astype(np.int32) for _ in range(2))
+            t0 = time.perf_counter()
+            for to_host, src, dst in ((1, dev_ids, host_ids), (0, host_ids, dev_ids)):
+                if lib.fkv_cpu_swap(k_ptr, v_ptr, 1, host.ctypes.data, _CAL_PAGE, blocks, blocks, src.ctypes.data,
+                                    dst.ctypes.data, n, to_host, threads, int(streaming)) != 0:
+                    raise RuntimeError(lib.fkv_cpu_last_error().decode())
+            key = (size, streaming, threads)
+            best[key] = min(best[key], time.perf_counter() - t0)
+    return best
+
+
+def choose_policy(seconds: dict[tuple[int, bool, int], float]) -> Policy:
+    """The fastest (streaming, threads) per measured size, as policy entries (adjacent equal ones merged)."""
+    policy: Policy = []
+    for size in sorted({key[0] for key in seconds}):
+        _, streaming, threads = min((t, key[1], key[2]) for key, t in seconds.items() if key[0] == size)
+        if not policy or policy[-1][1:] != (streaming, threads):
+            policy.append((0 if not policy else size, streaming, threads))
+    return policy
+
+
+def cached_copy_policy() -> Policy:
+    """This machine's copy policy for the loaded build: from its cache file, else measured now
+    (once: concurrent processes wait for the first) and written there."""
+    root = cache_root() / build_tag() if OPS_DIR.is_dir() else cache_root() / "prebuilt"
+    path = root / POLICY_FILE
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            saved = json.loads(path.read_text())
+            if saved["machine"] == _machine_id():
+                return [(int(b), bool(s), int(t)) for b, s, t in saved["policy"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, another machine's, or unreadable: measure
+        seconds = measure_copy_methods()
+        policy = choose_policy(seconds)
+        record = {"machine": _machine_id(), "policy": policy,
+                  "seconds": [[*key, round(t, 7)] for key, t in sorted(seconds.items())]}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, path)  # readers never see half a file
+        return policy
 
 
 def default_num_threads() -> int:
@@ -338,6 +483,51 @@ def swap_out(k_caches, v_caches, host, device_ids, host_ids, **kwargs) -> None:
 def swap_in(k_caches, v_caches, host, host_ids, device_ids, **kwargs) -> None:
     """Host blocks ``host_ids[i]`` -> device blocks ``device_ids[i]`` (a SWAP_IN plan)."""
     swap_blocks(k_caches, v_caches, host, host_ids, device_ids, to_host=False, **kwargs)
+
+
+class BoundSwap:
+    """One tier's tensors, checked once, swapped many times: the transfer hot path.
+
+    The op checks every tensor (shapes, dtypes, places, overlap) once, with no ids; then each
+    CPU swap calls the same kernel through the C ABI with the ids' memory in place. The
+    tensors must outlive this object (it keeps references). GPU tensors go through the op
+    (it orders the copy after the tensors' stream).
+    """
+
+    def __init__(self, k_caches: Sequence[Any], v_caches: Sequence[Any], host: Any) -> None:
+        self._k, self._v = _check_tensors(k_caches, v_caches, host)
+        self._host = host
+        empty = np.empty(0, np.int32)
+        swap_blocks(self._k, self._v, host, empty, empty, to_host=True)  # the op's checks; nothing moves
+        self.on_gpu = bool(host.place.is_gpu_place() or self._k[0].place.is_gpu_place())
+        layers = len(self._k)
+        self._k_ptrs = (ctypes.c_void_p * layers)(*(t.data_ptr() for t in self._k))
+        self._v_ptrs = (ctypes.c_void_p * layers)(*(t.data_ptr() for t in self._v))
+        shape = host.shape  # [blocks, layers, 2, kv_heads, block_size, head_dim]
+        self._geometry = (layers, host.data_ptr(), int(np.prod(shape[3:])) * host.element_size(),
+                          self._k[0].shape[0], shape[0])
+        self._lib = c_abi()
+
+    def swap(self, src: Any, dst: Any, *, to_host: bool, num_threads: int | None = None) -> None:
+        """As ``swap_blocks`` on the bound tensors; src/dst as there (int32 arrays pass as they are)."""
+        if self.on_gpu:
+            swap_blocks(self._k, self._v, self._host, src, dst, to_host=to_host, num_threads=num_threads)
+            return
+        src, dst = _ids_fast(src, "src"), _ids_fast(dst, "dst")
+        if len(src) != len(dst):
+            raise ValueError(f"got {len(src)} src ids but {len(dst)} dst ids")
+        threads = default_num_threads() if num_threads is None else num_threads
+        layers, host, page, ndev, nhost = self._geometry
+        if self._lib.fkv_cpu_swap(self._k_ptrs, self._v_ptrs, layers, host, page, ndev, nhost, src.ctypes.data,
+                                  dst.ctypes.data, len(src), bool(to_host), threads, -1) != 0:
+            raise ValueError(self._lib.fkv_cpu_last_error().decode())
+
+
+def _ids_fast(ids: Any, what: str) -> np.ndarray:
+    """``ids`` as they are when already a contiguous int32 array (the C side checks the values)."""
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int32 and ids.ndim == 1 and ids.flags.c_contiguous:
+        return ids
+    return _ids(ids, what)
 
 
 def pin_host(host: Any, pin: bool = True) -> None:

@@ -127,8 +127,33 @@ inline void stream_copy(char* d, const char* s, size_t n) { std::memcpy(d, s, n)
 inline void store_fence() {}
 #endif
 
-// Swaps smaller than this use plain memcpy: their bytes may well be read again while cached.
-constexpr int64_t kStreamMinBytes = 1 << 20;
+// How a CPU swap copies: regular stores (memcpy) or streaming stores, on how many threads.
+struct CopyChoice {
+  bool streaming;
+  int threads;
+};
+
+// Below this many bytes per thread, starting a thread costs more than it saves.
+constexpr int64_t kMinBytesPerThread = 2 << 20;
+
+// The copy method by call size. Which stores win depends on the CPU (its memcpy, its cache,
+// its memory), not on what cpuid says it can do, so fastkv/ops.py measures every choice once
+// per machine and installs the winners here (fkv_cpu_set_copy_policy): entry i applies to
+// calls of at least min_bytes[i] bytes. Until then, a guess: streaming from 1 MiB on, one
+// thread per kMinBytesPerThread.
+struct CopyPolicy {
+  static constexpr int kMaxEntries = 16;
+  int n = 0;
+  int64_t min_bytes[kMaxEntries] = {};
+  CopyChoice choice[kMaxEntries] = {};
+
+  CopyChoice pick(int64_t bytes, int max_threads) const {
+    CopyChoice c{bytes >= (1 << 20), static_cast<int>(std::min<int64_t>(bytes / kMinBytesPerThread, 1 << 20))};
+    for (int i = 0; i < n && bytes >= min_bytes[i]; ++i) c = choice[i];
+    c.threads = std::max(1, std::min(c.threads, max_threads));
+    return c;
+  }
+};
 
 // Copies pages [begin, end) of the flattened (pair, layer, kv) space. Pages of one pair are
 // consecutive, so a thread streams through whole host blocks (each one contiguous span).
@@ -158,19 +183,15 @@ inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const
   if (streaming) store_fence();
 }
 
-// Below this many bytes per thread, starting a thread costs more than it saves.
-constexpr int64_t kMinBytesPerThread = 2 << 20;
-
-// The CPU swap: pages split into num_threads equal chunks, one copy per page. Per layer the
+// The CPU swap: pages split into `how.threads` equal chunks, one copy per page. Per layer the
 // host pages of consecutive blocks are block_bytes apart, so coalescing a run cannot merge
 // memcpys on the CPU (it does on the GPU, as one 2D copy per layer).
 inline void swap_cpu(char* const* dev_k, char* const* dev_v, char* host, const SwapGeometry& g, const int32_t* src,
-                     const int32_t* dst, int64_t n, bool to_host, int num_threads) {
+                     const int32_t* dst, int64_t n, bool to_host, CopyChoice how) {
   const int64_t total_pages = n * 2 * g.num_layers;
   if (total_pages == 0) return;
-  const int64_t by_size = std::max<int64_t>(1, total_pages * g.page_bytes / kMinBytesPerThread);
-  const int64_t threads = std::min<int64_t>({static_cast<int64_t>(std::max(num_threads, 1)), by_size, total_pages});
-  const bool streaming = total_pages * g.page_bytes >= kStreamMinBytes;
+  const int64_t threads = std::min<int64_t>(std::max(how.threads, 1), total_pages);
+  const bool streaming = how.streaming;
   if (threads == 1) {
     copy_pages(dev_k, dev_v, host, g, src, dst, to_host, streaming, 0, total_pages);
     return;

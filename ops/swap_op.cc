@@ -6,8 +6,13 @@
 //   (Host: [host_blocks, layers, 2, kv_heads, block_size, head_dim]); to_host picks the direction.
 //   K, V and Host are outputs in place. Every argument is checked before a byte moves; a bad one
 //   raises (Paddle turns PD_CHECK into a Python OSError, fastkv/ops.py into ValueError).
-//   CPU tensors: num_threads threads, one memcpy per page. GPU tensors (built with
+//   CPU tensors: one copy per page, with the stores and at most num_threads threads the
+//   calibrated copy policy picks for the call's size. GPU tensors (built with
 //   FASTKV_WITH_CUDA): the CUDA path of swap_cuda.cu, Host pinned, ids on the CPU.
+//
+// The same CPU swap through a plain C ABI (fkv_cpu_*, bottom of this file): fastkv/ops.py binds
+// a tier's tensors once and calls it through ctypes on the transfer hot path, which skips the
+// ~50 us of a custom-op dispatch; it also measures and installs the copy policy through it.
 //
 // fastkv_pin_host(Host; pin) (CUDA builds only) registers / unregisters Host's memory with
 //   cudaHostRegister so the GPU path can DMA to it and map it into the gather kernel.
@@ -23,6 +28,9 @@
 #endif
 
 namespace {
+
+fkv::CopyPolicy g_policy;  // set once by fkv_cpu_set_copy_policy when the ops load, before any swap
+thread_local std::string g_cpu_error;
 
 constexpr const char* kOp = "fastkv_swap_blocks: ";
 
@@ -140,7 +148,8 @@ std::vector<paddle::Tensor> SwapBlocks(const std::vector<paddle::Tensor>& k, con
     problem = to_host ? fkv::check_ids(src_ids, dst_ids, n, g.num_dev_blocks, g.num_host_blocks)
                       : fkv::check_ids(src_ids, dst_ids, n, g.num_host_blocks, g.num_dev_blocks);
     PD_CHECK(problem.empty(), kOp, problem);
-    fkv::swap_cpu(k_ptrs.data(), v_ptrs.data(), host_ptr, g, src_ids, dst_ids, n, to_host, num_threads);
+    fkv::swap_cpu(k_ptrs.data(), v_ptrs.data(), host_ptr, g, src_ids, dst_ids, n, to_host,
+                  g_policy.pick(n * g.block_bytes(), num_threads));
   }
   return {};
 }
@@ -154,8 +163,64 @@ PD_BUILD_OP(fastkv_swap_blocks)
     .SetInplaceMap({{paddle::Vec("K"), paddle::Vec("KOut")}, {paddle::Vec("V"), paddle::Vec("VOut")}, {"Host", "HostOut"}})
     .SetKernelFn(PD_KERNEL(SwapBlocks));
 
-// For the benchmark's ceiling (through ctypes on this library): the swap's copy routine over one
-// contiguous span.
+// ---- plain C ABI (ctypes); each returns 0, or -1 with fkv_cpu_last_error() naming the problem ----
+
+extern "C" const char* fkv_cpu_last_error() { return g_cpu_error.c_str(); }
+
+// The op's CPU swap on raw tier pointers (the op checked the tensors when fastkv/ops.py bound
+// them; the ids are checked here, before anything moves). method -1: the policy's choice with
+// at most num_threads threads; 0 regular, 1 streaming stores on exactly num_threads (calibration).
+extern "C" int fkv_cpu_swap(char* const* dev_k, char* const* dev_v, int64_t num_layers, char* host, int64_t page_bytes,
+                            int64_t num_dev_blocks, int64_t num_host_blocks, const int32_t* src, const int32_t* dst,
+                            int64_t n, int32_t to_host, int32_t num_threads, int32_t method) {
+  fkv::SwapGeometry g{num_layers, page_bytes, num_dev_blocks, num_host_blocks};
+  std::string problem = fkv::check_geometry(g);
+  if (problem.empty() && (num_threads < 1 || method < -1 || method > 1)) {
+    problem = "num_threads must be >= 1 and method in {-1, 0, 1}";
+  }
+  if (problem.empty()) {
+    problem = to_host ? fkv::check_ids(src, dst, n, num_dev_blocks, num_host_blocks)
+                      : fkv::check_ids(src, dst, n, num_host_blocks, num_dev_blocks);
+  }
+  if (!problem.empty()) {
+    g_cpu_error = problem;
+    return -1;
+  }
+  const fkv::CopyChoice how = method < 0 ? g_policy.pick(n * g.block_bytes(), num_threads)
+                                         : fkv::CopyChoice{method == 1, num_threads};
+  fkv::swap_cpu(dev_k, dev_v, host, g, src, dst, n, to_host != 0, how);
+  return 0;
+}
+
+// Installs the measured policy: entry i (min_bytes ascending) applies to calls of >= min_bytes[i].
+extern "C" int fkv_cpu_set_copy_policy(int32_t n, const int64_t* min_bytes, const int32_t* streaming,
+                                       const int32_t* threads) {
+  if (n < 0 || n > fkv::CopyPolicy::kMaxEntries) {
+    g_cpu_error = "a copy policy has 0 to " + std::to_string(fkv::CopyPolicy::kMaxEntries) + " entries";
+    return -1;
+  }
+  fkv::CopyPolicy policy;
+  for (int32_t i = 0; i < n; ++i) {
+    if (threads[i] < 1 || (i > 0 && min_bytes[i] <= min_bytes[i - 1])) {
+      g_cpu_error = "copy policy entry " + std::to_string(i) + ": threads < 1 or sizes not ascending";
+      return -1;
+    }
+    policy.min_bytes[i] = min_bytes[i];
+    policy.choice[i] = fkv::CopyChoice{streaming[i] != 0, threads[i]};
+  }
+  policy.n = n;
+  g_policy = policy;
+  return 0;
+}
+
+// What a swap of `bytes` with at most max_threads threads would do (for tests and the benchmark).
+extern "C" void fkv_cpu_copy_choice(int64_t bytes, int32_t max_threads, int32_t* streaming, int32_t* threads) {
+  const fkv::CopyChoice c = g_policy.pick(bytes, max_threads);
+  *streaming = c.streaming;
+  *threads = c.threads;
+}
+
+// For the benchmark's ceiling: the swap's streaming copy routine over one contiguous span.
 extern "C" int fkv_cpu_copy_contiguous(void* dst, const void* src, int64_t n, int32_t num_threads) {
   if (dst == nullptr || src == nullptr || n < 0 || num_threads < 1) return -1;
   fkv::copy_contiguous(static_cast<char*>(dst), static_cast<const char*>(src), n, num_threads);

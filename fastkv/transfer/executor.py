@@ -85,6 +85,7 @@ class TaskExecutor:
         self.weights_version = spec.weights_version
         self.device: DeviceTier | None = None
         self.host: HostTier | None = None
+        self._bound = None  # ops.BoundSwap over the tiers, made on the first swap after they attach
         self.store: StorageBackend | None = None
         self.store_error = ""  # why there is no storage backend (empty: none configured, or open)
         self._faults = [0, 0]  # storage errors, corrupt values since the last take_faults()
@@ -102,11 +103,15 @@ class TaskExecutor:
 
     # -- lifetime ----------------------------------------------------------------------
     def _attach_device(self) -> None:
+        self._drop_device()
+        self.device = DeviceTier.attach(self.spec.tier_prefix, self.rank, self.spec.layout,
+                                        self.spec.num_device_blocks)
+
+    def _drop_device(self) -> None:
+        self._bound = None  # before the mapping it points into goes
         if self.device is not None:
             self.device.close()
             self.device = None
-        self.device = DeviceTier.attach(self.spec.tier_prefix, self.rank, self.spec.layout,
-                                        self.spec.num_device_blocks)
 
     def _open_store(self) -> None:
         self._close_store()
@@ -134,10 +139,10 @@ class TaskExecutor:
     def close(self) -> None:
         """Closes the storage backend and drops this process's tier mappings."""
         self._close_store()
-        for tier in (self.device, self.host):
-            if tier is not None:
-                tier.close()
-        self.device = self.host = None
+        self._drop_device()
+        if self.host is not None:
+            self.host.close()
+        self.host = None
 
     # -- tasks -------------------------------------------------------------------------
     def run(self, msg: TaskMsg, progress: Callable[[], None] = lambda: None) -> DoneMsg:
@@ -171,8 +176,6 @@ class TaskExecutor:
         return self._storage(plan)
 
     def _swap(self, plan: CopyPlan) -> tuple[int, str]:
-        from fastkv import ops
-
         device, host = self.device, self.host
         if host is None:
             raise TaskRefused(f"{plan.kind.name} refused: this run has no host tier (num_host_blocks=0)")
@@ -185,9 +188,13 @@ class TaskExecutor:
             raise ValueError(f"{plan.kind.name} dst block ids must be unique, got {plan.dst.tolist()[:16]}")
         if not out:  # the ids are sound: host bytes that changed since they landed never reach the device
             self._check_host(plan.src.tolist())
-        swap = ops.swap_out if out else ops.swap_in
-        self._in_parts(len(plan.src), lambda part: swap(device.k, device.v, host.tensor, plan.src[part],
-                                                         plan.dst[part], num_threads=self.spec.ops_threads))
+        if self._bound is None:
+            from fastkv import ops
+
+            self._bound = ops.BoundSwap(device.k, device.v, host.tensor)
+        swap, threads = self._bound.swap, self.spec.ops_threads
+        self._in_parts(len(plan.src), lambda part: swap(plan.src[part], plan.dst[part], to_host=out,
+                                                        num_threads=threads))
         if out and self.spec.host_checksums:
             host.seal(plan.dst.tolist())
         return len(plan.src) * self.block_bytes, ""
@@ -255,9 +262,7 @@ class TaskExecutor:
 
     def _clear(self) -> tuple[int, str]:
         self._close_store()
-        if self.device is not None:
-            self.device.close()
-            self.device = None
+        self._drop_device()
         self.cleared = True
         return 0, ""
 

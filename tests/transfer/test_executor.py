@@ -205,3 +205,25 @@ def test_host_checksums_can_be_switched_off(sup):
         assert ex.checksum_mismatches == 0
     finally:
         ex.close()
+
+
+def test_swaps_after_restore_reach_the_recreated_device_tier(sup, ex):
+    """The executor binds the tiers' memory once for its swaps: a RESTORE must rebind the new device tier."""
+    from fastkv.transfer.tiers import DeviceTier
+
+    rng = np.random.default_rng(5)
+    fill_random(sup.hosts[1], rng)
+    expect_ok(ex.run(task(CopyKind.SWAP_OUT, [2], [4])), sup.spec.layout.block_bytes)  # binds the old tier
+    expect_ok(ex.run(task(CopyKind.CLEAR)), 0)
+    sup.devices[1].unlink()
+    sup.devices[1].close()
+    sup.devices[1] = DeviceTier.create(sup.spec.tier_prefix, 1, sup.spec.layout, sup.spec.num_device_blocks,
+                                       backend="shm")
+    expect_ok(ex.run(task(CopyKind.RESTORE, keys=[b"v2"])), 0)
+    expect_ok(ex.run(task(CopyKind.SWAP_IN, [3], [6])), sup.spec.layout.block_bytes)
+    layers = sup.spec.layout.num_layers
+    got = device_blocks(sup.devices[1], [6])
+    for layer in range(layers):
+        for kv in (0, 1):
+            want = sup.hosts[1].array[3, layer, kv]
+            assert np.array_equal(got[kv * layers + layer][0].view(np.uint8), want.view(np.uint8))
