@@ -14,14 +14,13 @@ from fastkv.cache.index import Cause
 from fastkv.cache.plan import CopyPlan
 from fastkv.cache.policy import Tier
 from fastkv.cache.pool import BlockState
-from fastkv.cache.requests import ReqState, Request
+from fastkv.cache.requests import NEVER, ReqState, Request
 from fastkv.cache.tiering import store, swap_in
 
 if TYPE_CHECKING:
     from fastkv.cache.manager import CacheManager, Completion, Ready
 
 _CACHED = int(BlockState.CACHED)
-_NEVER = 1 << 62  # "no block failed"
 
 
 def finish(mgr: CacheManager, rec: CopyRecord, ok: bool) -> Completion:
@@ -44,7 +43,7 @@ def finish(mgr: CacheManager, rec: CopyRecord, ok: bool) -> Completion:
             mgr.host.unpin(b)
         for b in rec.dst:
             mgr.device.unpin(b)
-        if not ok and rec.req.alive:
+        if not ok and rec.req is not None and rec.req.alive:
             rec.req.fail_block = min(rec.req.fail_block, rec.positions[0])
         _progress(mgr, rec, plans, ready)
     elif p is Purpose.OFFLOAD:
@@ -161,10 +160,10 @@ def make_ready(mgr: CacheManager, req: Request) -> Ready:
 
     if not req.loading:
         return Ready(req.rid, req.num_computed)
-    req.loading = False
+    req.loading = req.restoring = False
     bs = mgr.block_size
     valid = min(req.target_computed, req.fail_block * bs)
-    req.fail_block = _NEVER
+    req.fail_block = NEVER
     n_full = min(valid // bs, len(req.keys))
     dev = mgr.device
     todo = [i for i in range(req.num_keyed, n_full) if dev.key[req.table[i]] is None]

@@ -185,6 +185,10 @@ class CacheManager:
         req = self._get(request_id)
         return req.state is ReqState.RUNNING and req.pending == 0
 
+    def is_restoring(self, request_id: object) -> bool:
+        """Its restore's copies are in flight: ``offload`` returns it to OFFLOADED with no copy."""
+        return self._get(request_id).restoring
+
     def num_computed_tokens(self, request_id: object) -> int:
         return self._get(request_id).num_computed
 

@@ -4,7 +4,8 @@
 private key, so that no other request can match it); the request is OFFLOADING until the copy
 completes, then OFFLOADED with no device blocks. ``restore`` gives it device blocks again,
 reusing those of its keys still cached on the device and swapping in the rest from its host
-copies. CacheManager.offload / restore delegate here; completions.py finishes the copies.
+copies. Offloading a request whose restore is still loading needs no copy: it is OFFLOADED
+again on the host copies it kept. CacheManager.offload / restore delegate here; completions.py finishes the copies.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from fastkv.cache.copies import Purpose
 from fastkv.cache.keys import private_key
 from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.cache.pool import BlockState
-from fastkv.cache.requests import ReqState
+from fastkv.cache.requests import NEVER, ReqState, Request
 from fastkv.cache.tiering import swap_in, take_device, take_host
 
 if TYPE_CHECKING:
@@ -31,9 +32,12 @@ def _cdiv(a: int, b: int) -> int:
 def offload(mgr: CacheManager, request_id: object) -> tuple[CopyPlan, ...] | None:
     """Copy every block holding computed KV (the partial last one too, under a private key)
     to the host. The device blocks are released when the copy completes
-    (Completion.offloaded). () : nothing needed copying and the request is OFFLOADED now.
-    None: not enough host blocks now."""
+    (Completion.offloaded). () : nothing needed copying (or its restore was still loading)
+    and the request is OFFLOADED now. None: not enough host blocks now."""
     req = mgr._get(request_id, ReqState.RUNNING)
+    if req.restoring:
+        _cancel_restore(mgr, req)
+        return ()
     if req.pending:
         raise ValueError(f"request {request_id!r} has copies in flight: offload it once ready")
     host = mgr.host
@@ -81,6 +85,20 @@ def offload(mgr: CacheManager, request_id: object) -> tuple[CopyPlan, ...] | Non
     return (mgr.copies.open(CopyKind.SWAP_OUT, Purpose.OFFLOAD, src=src, dst=fresh, keys=keys, req=req),)
 
 
+def _cancel_restore(mgr: CacheManager, req: Request) -> None:
+    """Offload during a restore: its host copies are intact, so it is OFFLOADED again at once
+    and nothing is recomputed. Its copies in flight finish for nobody, on blocks it let go of."""
+    for rec in mgr.copies.records.values():
+        if rec.req is req:
+            rec.req = None
+    req.pending = 0
+    req.loading = req.restoring = False
+    req.swap_src = []
+    req.swap_pos = []
+    req.fail_block = NEVER
+    finish_offload(mgr, req)
+
+
 def restore(mgr: CacheManager, request_id: object, reserve_tokens: int = 0) -> Allocation | None:
     """Bring an OFFLOADED request back: device blocks for all its tokens, swapped in from
     its host copies (blocks still cached on the device are reused). None: not now."""
@@ -113,7 +131,7 @@ def restore(mgr: CacheManager, request_id: object, reserve_tokens: int = 0) -> A
     req.swap_src = [req.host_refs[i] for i in req.swap_pos]
     req.target_computed = req.num_computed
     req.num_keyed = 0
-    req.loading = True
+    req.loading = req.restoring = True
     req.state = ReqState.RUNNING
     req.reserved = n_res
     mgr._reserved += n_res

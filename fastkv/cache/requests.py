@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+NEVER = 1 << 62  # fail_block when no block failed
+
 
 class ReqState(IntEnum):
     """Cache-side state. RUNNING requests may still wait for copies (``pending``)."""
@@ -27,11 +29,12 @@ class Request:
     num_keyed: int = 0  # leading blocks whose keys were inserted (a duplicate stays unkeyed)
     dup_pos: list[int] = field(default_factory=list)  # keyed positions left unkeyed: another block held the key
     loading: bool = False  # copies will bring tokens up to target_computed
+    restoring: bool = False  # loading a restore: its host copies still hold all its computed KV
     target_computed: int = 0
     swap_src: list[int] = field(default_factory=list)  # host blocks waiting to be swapped in
     swap_pos: list[int] = field(default_factory=list)  # their positions in the table
     planned_hits: tuple[int, int] = (0, 0)  # host and storage hit blocks of its load, counted once it lands
-    fail_block: int = 1 << 62  # first block whose copy failed (recompute from there)
+    fail_block: int = NEVER  # first block whose copy failed (recompute from there)
     pending: int = 0  # plans this request waits for
     reserved: int = 0  # device blocks reserved for growth
     private_block: int = -1  # host block holding the partial last block under a private key

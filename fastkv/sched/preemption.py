@@ -6,7 +6,8 @@ release the device blocks only when the copy completes: until then the request i
 OFFLOADING and the blocks are IN_FLIGHT; nobody waits, a request that needs those blocks
 stalls a bounded number of steps (``copy_patience_steps``; an empty step counts only when no copy
 completed since the previous one, since an engine idling on its inbox calls ``step()`` on every
-completion) and then preempts by recompute.
+completion) and then preempts by recompute. A request whose restore is still loading goes back
+to OFFLOADED with no copy: its host copies still hold its KV.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def choose_mode(s: Scheduler, req: Request, force_recompute: bool) -> PreemptionMode:
+    if req.state is S.LOADING and s.cache.is_restoring(req.request_id):
+        return M.OFFLOAD  # its host copies still hold all its KV: OFFLOADED again, nothing recomputed
     mode = req.preemption if req.preemption is not None else s.config.preemption
     if (mode is M.RECOMPUTE or force_recompute or req.state is not S.RUNNING or req.num_computed_tokens == 0
             or not s.cache.host.capacity):

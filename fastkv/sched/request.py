@@ -14,7 +14,8 @@ the caller expects and the table of legal transitions, and only the scheduler ca
 
 A LOADING request holds device blocks while copies fill them (a prefix from host or storage,
 a restore, a write-back of a block it evicted, or a prefilled request's KV from another
-instance); it can be preempted (to recompute) or aborted like any other.
+instance); it can be preempted (to recompute; a restore back to OFFLOADED, on the host copies it
+kept) or aborted like any other.
 """
 from __future__ import annotations
 

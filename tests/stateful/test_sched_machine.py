@@ -66,7 +66,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.unwritable: dict[int, Reservation] = {}
         self.versions = 0
         self.offloaded: dict[int, tuple[int, int]] = {}  # rid -> (computed at offload, restores then)
-        self.restoring: dict[int, int] = {}  # rid -> failures seen when its restore began
+        self.restoring: dict[int, tuple[int, int]] = {}  # rid -> (its restores, failures seen) when it began
         self.swap_in_failures: list[set[int]] = []
 
     # ------------------------------------------------------------------ helpers
@@ -188,17 +188,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             if st_ is S.OFFLOADING or st_ is S.OFFLOADED:
                 rec = self.offloaded.setdefault(rid, (req.num_computed_tokens, req.num_restores))
                 assert req.num_computed_tokens == rec[0], f"request {rid}: computed tokens changed while offloaded"
+                self.offloaded[rid] = (rec[0], req.num_restores)  # again after a restore preempted while loading
             elif rid in self.offloaded:
                 computed, restores = self.offloaded[rid]
                 if st_ is S.WAITING:
                     del self.offloaded[rid]
                     self.restoring.pop(rid, None)
                     continue
-                assert req.num_restores == restores + 1, f"request {rid} left OFFLOADED without a restore"
-                self.restoring.setdefault(rid, len(self.swap_in_failures))
+                # more than one when a restore was preempted while loading and began again in one step
+                assert req.num_restores > restores, f"request {rid} left OFFLOADED without a restore"
+                if self.restoring.get(rid, (0, 0))[0] != req.num_restores:
+                    self.restoring[rid] = (req.num_restores, len(self.swap_in_failures))
                 if st_ is S.RUNNING:
                     table = self.cache.block_table(rid).tolist()
-                    spoiled = set().union(*self.swap_in_failures[self.restoring.pop(rid):])
+                    spoiled = set().union(*self.swap_in_failures[self.restoring.pop(rid)[1]:])
                     bad = [i for i, b in enumerate(table) if b in spoiled]
                     want = min(computed, bad[0] * BS) if bad else computed
                     assert req.num_computed_tokens == want, \

@@ -246,6 +246,27 @@ def test_restore_reuses_blocks_still_cached_on_the_device():
     assert m.num_computed_tokens("a") == 2 * BS + 1
 
 
+@pytest.mark.parametrize("swap_in_ok", [True, False])
+def test_offload_during_a_restore_keeps_the_host_copies_and_copies_nothing(swap_in_ok):
+    m = mk(dev=4, host=4)
+    run_prompt(m, "a", toks(1, 2, extra=2), free=False)
+    drain(m, m.offload("a"))
+    run_prompt(m, "x", toks(5, 6, 7, 8))  # evicts a's device copies
+    r = m.restore("a")
+    (swap,) = m.complete(r.plans[0], True).plans  # the write-back of one of x's blocks, then a's swap-in
+    assert m.is_restoring("a") and not m.is_ready("a")
+    assert m.offload("a") == ()  # preempted while its swap-in is in flight
+    assert m.request_state("a") is ReqState.OFFLOADED and m.num_computed_tokens("a") == 2 * BS + 2
+    m.check_integrity()
+    c = m.complete(swap, swap_in_ok)  # lands in blocks a let go of: for nobody
+    assert not c.ready and not c.plans
+    m.check_integrity()
+    assert m.request_state("a") is ReqState.OFFLOADED and not m.is_restoring("a")
+    r = m.restore("a")
+    drain(m, r.plans)
+    assert m.is_ready("a") and m.num_computed_tokens("a") == 2 * BS + 2
+
+
 def test_failed_offload_leaves_the_request_running():
     m = mk(dev=4, host=4)
     run_prompt(m, "a", toks(1, extra=1), free=False)

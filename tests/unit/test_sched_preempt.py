@@ -201,3 +201,36 @@ def test_stalls_for_an_offload_that_never_completes_are_bounded_by_patience():
     assert set(r.finished) == {0, 1, 2}
     for i, n in ((0, 8), (1, 10), (2, 10)):
         assert r.finished[i].output_token_ids == r.worker.truth[i].tokens[n:]
+
+
+def test_a_restore_preempted_while_loading_goes_back_to_offloaded_and_resumes_exactly():
+    """Request 1 is offloaded, then restored; while its swap-in is in flight, the more important
+    request 2 needs a block and picks 1 as the victim. 1's host copies are intact: it goes back to
+    OFFLOADED (no copy, nothing recomputed) instead of dropping its KV and recomputing."""
+    r = rig(dev=7, preemption=M.OFFLOAD, policy=Policy.PRIORITY, cache_policy=CachePolicy.WRITE_THROUGH_SELECTIVE)
+    r.add(0, range(1, 9), max_new_tokens=12)
+    r.add(1, range(20, 30), max_new_tokens=8, priority=1)
+    q1 = r.sched.get_request(1)
+    for _ in range(30):  # offloaded under 0's growth, restored once 0 is done
+        r.step()
+        if q1.state is S.LOADING:
+            break
+        r.complete_all()
+    computed = q1.num_computed_tokens
+    assert q1.num_restores == 1 and computed % BS
+    (swap_in,) = [p for p, _ in r.transfer.pending]
+    assert swap_in.kind is CopyKind.SWAP_IN
+    r.add(2, range(40, 51), max_new_tokens=8)  # 3 blocks now, a 4th at its second decode
+    for _ in range(5):
+        r.step()
+        if q1.state is not S.LOADING:
+            break
+    assert q1.state is S.OFFLOADED and q1.num_computed_tokens == computed
+    assert r.sched.cache.num_computed_tokens(1) == computed
+    r.complete(0)  # the cancelled swap-in lands in blocks 1 no longer holds: nothing changes for 1
+    assert q1.state is S.OFFLOADED
+    r.run()
+    assert q1.num_restores == 2
+    assert r.finished[1].num_recomputed_tokens == 0 and r.sched.stats.recomputed_tokens == 0
+    for i, n in ((0, 8), (1, 10), (2, 11)):
+        assert r.finished[i].output_token_ids == r.worker.truth[i].tokens[n:]
