@@ -60,11 +60,10 @@ from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.ipc import DoneMsg, TaskMsg
 from fastkv.run import RunSpec
 from fastkv.storage import StorageBackend, open_store
-from fastkv.transfer.protocol import storage_namespace
-from fastkv.transfer.tiers import DeviceTier, HostTier
+from fastkv.transfer.protocol import FREE, storage_namespace
+from fastkv.transfer.tiers import DeviceTier, HostTier, resident_bytes
 
 log = logging.getLogger(__name__)
-FREE = b"free"  # CLEAR's only key: release the host tier's memory as well
 
 
 class TaskRefused(RuntimeError):
@@ -92,6 +91,7 @@ class TaskExecutor:
         self.cleared = False
         self._progress: Callable[[], None] = lambda: None  # of the task running now
         self.checksum_mismatches = 0
+        self.released_bytes = 0  # host tier memory given back by CLEAR with FREE
         try:
             self._attach_device()
             self._attach_host()
@@ -268,8 +268,7 @@ class TaskExecutor:
             self.device.close()
             self.device = None
         if free and self.host is not None:
-            held = self.host.release()
-            log.info("transfer[%d]: host tier released (%d bytes held before)", self.rank, held)
+            self.released_bytes += self.host.release() - resident_bytes(self.host.name)
         self.cleared = True
         return 0, ""
 

@@ -57,17 +57,19 @@ class TransferLoop:
         self.beat_slot = f"transfer{rank}.beat"
         self.executed = 0
         self.dropped = 0  # stale tasks left by a predecessor
-        self.published = 0  # host checksum mismatches already added to the signal
+        self.published = {"host_checksum_mismatches": 0, "released_bytes": 0}  # already added to the signals
 
     def beat(self) -> None:
         self.signals[self.beat_slot] = time.monotonic_ns()
 
-    def publish_mismatches(self) -> None:
-        """Adds the executor's new host checksum mismatches to the run's counter (it outlives this process)."""
-        new = self.executor.checksum_mismatches - self.published
-        if new:
-            self.signals.add(f"transfer{self.rank}.host_checksum_mismatches", new)
-            self.published += new
+    def publish_counters(self) -> None:
+        """Adds the executor's new host checksum mismatches and released bytes to the run's
+        counters (they outlive this process)."""
+        for name, done in self.published.items():
+            new = getattr(self.executor, name.removeprefix("host_")) - done
+            if new:
+                self.signals.add(f"transfer{self.rank}.{name}", new)
+                self.published[name] += new
 
     def run(self) -> int:
         """Serves tasks until ``stop``; returns the exit code."""
@@ -111,7 +113,7 @@ class TransferLoop:
             self.signals.add("storage.errors", errors)
         if corrupt:
             self.signals.add("storage.corrupt", corrupt)
-        self.publish_mismatches()
+        self.publish_counters()
         self.send(done)
         self.beat()
 

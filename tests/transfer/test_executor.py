@@ -208,7 +208,7 @@ def test_host_checksums_can_be_switched_off(sup):
 
 
 def test_clear_with_free_releases_the_host_tier_and_restore_serves_again(sup, ex):
-    from fastkv.transfer.executor import FREE
+    from fastkv.transfer.protocol import FREE
     from fastkv.transfer.tiers import resident_bytes
 
     fill_random(sup.hosts[1], np.random.default_rng(5))
