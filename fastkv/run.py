@@ -47,6 +47,7 @@ class RunSpec:
     update_weights_at: tuple[str, ...] = ()
     free_memory_on_update: bool = False  # release the device and host tiers' memory during each update
     enable_prefix_caching: bool = True  # False: a request only ever hits its own KV (after a preemption)
+    device_ids: tuple[int, ...] = ()  # accelerator of each rank (``device_id``); empty: rank r uses device r
     cache_policy: str = "write_back"  # fastkv.cache.policy.Policy value
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig keyword arguments
     ops_threads: int = 1  # CPU swap-op threads per transfer process
@@ -67,7 +68,18 @@ class RunSpec:
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"RunSpec: metrics_port must be in [0, 65536), got {self.metrics_port}")
         object.__setattr__(self, "update_weights_at", tuple(self.update_weights_at))
+        object.__setattr__(self, "device_ids", tuple(self.device_ids))
+        if self.device_ids and (len(self.device_ids) != self.tp_size or len(set(self.device_ids)) != self.tp_size
+                                or min(self.device_ids) < 0):
+            raise ValueError(f"RunSpec: device_ids must name {self.tp_size} distinct devices >= 0, "
+                             f"got {list(self.device_ids)}")
         self.weight_updates()
+
+    def device_id(self, rank: int) -> int:
+        """The accelerator rank ``rank`` of this node uses: ``device_ids[rank]``, else ``rank``. An
+        index among the visible devices, so ``CUDA_VISIBLE_DEVICES`` decides which physical ones."""
+        _check_rank(self, rank)
+        return self.device_ids[rank] if self.device_ids else rank
 
     def weight_updates(self) -> list[tuple[int, str]]:
         """``update_weights_at`` as (finished requests, version), in order; ValueError naming a bad entry."""

@@ -42,7 +42,7 @@ from fastkv.engine.collective import ShmCollective
 from fastkv.engine.runners import runner_class
 from fastkv.ipc import ChannelClosed, Namespace, OutputMsg, PeerDied
 from fastkv.run import RunSpec, attach_worker, collective_prefix
-from fastkv.transfer.tiers import DeviceTier, TierKind, _cuda_available, resident_bytes
+from fastkv.transfer.tiers import DeviceTier, TierKind, resident_bytes, select_device
 
 _ERROR_BYTES = 256  # per rank, in the end-of-step agreement
 
@@ -70,7 +70,7 @@ def _device_tier(spec: RunSpec, rank: int) -> DeviceTier:
     """CPU build: the supervisor created the tier in shm, attach it. GPU build: allocate it
     here and publish its CUDA IPC handles under the name the supervisor listed in the run's
     manifest (the transfer process of this rank attaches it; the supervisor unlinks it)."""
-    if _cuda_available():
+    if select_device(spec.device_id(rank)):
         return DeviceTier.create(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks, backend="cuda")
     return DeviceTier.attach(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks)
 

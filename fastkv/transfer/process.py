@@ -33,6 +33,7 @@ from fastkv.ipc.peers import me
 from fastkv.run import RunSpec, TransferEnds, attach_transfer
 from fastkv.transfer.executor import TaskExecutor
 from fastkv.transfer.protocol import BAD_TASK_ID, FENCE, fence_names, fence_weights_version
+from fastkv.transfer.tiers import select_device
 
 log = logging.getLogger(__name__)
 BATCH = 256
@@ -148,6 +149,7 @@ def main(spec_json: str, rank: int) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     spec = RunSpec.from_json(spec_json)
+    select_device(spec.device_id(rank))  # the worker's device: CUDA IPC handles open there
     ns = Namespace.attach(spec.run_id)
     executor = TaskExecutor(spec, rank)
     try:

@@ -478,6 +478,20 @@ def _cuda_available() -> bool:
     return bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0
 
 
+def select_device(device_id: int) -> bool:
+    """Make accelerator ``device_id`` (among the visible ones) this process's device, on a CUDA
+    build; the worker and the transfer process of a rank both call it. Returns whether it did."""
+    if not _cuda_available():
+        return False
+    import paddle
+
+    count = paddle.device.cuda.device_count()
+    if not 0 <= device_id < count:
+        raise ValueError(f"device {device_id} is not one of the {count} visible GPUs (CUDA_VISIBLE_DEVICES)")
+    paddle.set_device(f"gpu:{device_id}")
+    return True
+
+
 def _encode_meta(value: Any) -> Any:
     if isinstance(value, bytes):
         return {"bytes": value.hex()}
