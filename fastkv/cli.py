@@ -73,6 +73,15 @@ class JobConfig:
     dead_after_s: float = 5.0
     task_timeout_s: float = 60.0
     quick: bool = False
+    weights_version: str = "0"  # the weights the run starts with (the tiny runner hashes it to a seed)
+    update_weights_at: str = ""  # "N:VERSION[,N:VERSION...]": switch weights after N requests finished
+    free_memory_on_update: bool = False  # release the device and host tiers' memory during each update
+    enable_prefix_caching: bool = True
+    device_ids: str = ""  # "0,1": the device of each rank (default rank r -> device r, of CUDA_VISIBLE_DEVICES)
+    # FastDeploy's names (README "Settings"): the host tier in GiB or in blocks, the storage backend
+    swap_space: float = 0.0
+    num_cpu_blocks: int = 0
+    kvcache_storage_backend: str = ""
     runner_options: dict[str, Any] = field(default_factory=dict)
     scheduler: dict[str, Any] = field(default_factory=dict)
     demo: dict[str, Any] = field(default_factory=dict)  # ConversationConfig fields
@@ -85,6 +94,7 @@ class JobConfig:
                 kind is float and isinstance(value, int) and not isinstance(value, bool))
             if not ok:
                 raise ValueError(f"setting {f.name!r} must be of type {kind.__name__}, got {value!r}")
+        self._fastdeploy_names()
         for name in ("tp", "block_size", "layers", "kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"setting {name!r} must be >= 1, got {getattr(self, name)}")
@@ -135,6 +145,29 @@ class JobConfig:
                 raise ValueError(f"workload 'trace:N' needs a positive request count, got {self.workload!r}")
         if not self.device_blocks:
             object.__setattr__(self, "device_blocks", self._default_device_blocks())
+        if self.device_ids and not all(d.strip().isdigit() for d in self.device_ids.split(",")):
+            raise ValueError(f"setting 'device_ids' must be comma-separated device numbers, got {self.device_ids!r}")
+        self.to_spec("check", Path(self.out))  # weights_version, update_weights_at, device_ids
+
+    def _fastdeploy_names(self) -> None:
+        """FastDeploy's settings, mapped onto fastkv's own: swap_space (GiB per rank) or
+        num_cpu_blocks -> host_blocks; kvcache_storage_backend -> storage."""
+        if self.swap_space < 0 or self.num_cpu_blocks < 0:
+            raise ValueError("settings 'swap_space' and 'num_cpu_blocks' must be >= 0")
+        if self.swap_space and self.num_cpu_blocks:
+            raise ValueError("give the host tier as 'swap_space' (GiB) or as 'num_cpu_blocks', not both")
+        if self.swap_space:
+            block = self.layout().block_bytes
+            blocks = int(self.swap_space * 2**30) // block
+            if blocks < 1:
+                raise ValueError(f"swap_space {self.swap_space} GiB holds no block of {block} bytes")
+            object.__setattr__(self, "host_blocks", blocks)
+        elif self.num_cpu_blocks:
+            object.__setattr__(self, "host_blocks", self.num_cpu_blocks)
+        if self.kvcache_storage_backend:
+            if self.storage != "default":
+                raise ValueError("give the storage tier as 'storage' or as 'kvcache_storage_backend', not both")
+            object.__setattr__(self, "storage", self.kvcache_storage_backend)
 
     def _check_scheduler(self) -> None:
         from fastkv.sched.config import SchedulerConfig
@@ -243,6 +276,10 @@ class JobConfig:
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
             task_timeout_s=self.task_timeout_s, out_dir=str(out_dir), metrics_port=self.metrics_port,
+            weights_version=self.weights_version,
+            update_weights_at=tuple(u.strip() for u in self.update_weights_at.split(",") if u.strip()),
+            free_memory_on_update=self.free_memory_on_update, enable_prefix_caching=self.enable_prefix_caching,
+            device_ids=tuple(int(d) for d in self.device_ids.split(",") if d.strip()),
         )
 
 
@@ -302,6 +339,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--out", help="output directory (default ./fastkv-out)")
     a("--metrics-port", type=int, help="engine Prometheus port, 0 = off (default 0)")
     a("--quick", action="store_true", default=None, help="a smaller demo workload")
+    a("--weights-version", help="weights the run starts with, any string (default 0)")
+    a("--update-weights-at", action="append", metavar="N:VERSION",
+      help="switch to the weights VERSION once N requests have finished (repeatable)")
+    a("--free-memory-on-update", action="store_true", default=None,
+      help="release the device and host tiers' memory during each weight update")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+      help="reuse KV across requests that share a prefix (default on)")
+    a("--device-ids", metavar="D0,D1,..", help="device of each rank (default: rank r uses device r)")
+    a("--swap-space", type=float, metavar="GIB", help="FastDeploy's name: host tier in GiB per rank")
+    a("--num-cpu-blocks", type=int, help="FastDeploy's name: host tier in blocks per rank")
+    a("--kvcache-storage-backend", metavar="URL", help="FastDeploy's name: the storage tier (as --storage)")
     a("--run-id", help="name of the run's shared-memory namespace (default: random)")
     a("--entry", action="append", default=[], metavar="ROLE=MODULE:FUNC",
       help="replace a process's entry point (roles: engine, worker, transfer), e.g. your own worker")
@@ -313,7 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(JobConfig)}
-    return {k: v for k, v in vars(args).items() if k in names}
+    flags = {k: v for k, v in vars(args).items() if k in names}
+    if flags.get("update_weights_at"):
+        flags["update_weights_at"] = ",".join(flags["update_weights_at"])
+    return flags
 
 
 def _entries(items: list[str]) -> dict[str, str]:

@@ -42,7 +42,12 @@ class RunSpec:
     runner: str = "synthetic"  # fastkv.engine.runners.runner_class name
     runner_options: dict[str, Any] = field(default_factory=dict)
     model_id: str = "fastkv-demo"
-    weights_version: str = "0"
+    weights_version: str = "0"  # the weights the run starts with (any string; the tiny runner hashes it to a seed)
+    # weight updates the engine process makes: "N:VERSION" = after N requests finished, switch to VERSION
+    update_weights_at: tuple[str, ...] = ()
+    free_memory_on_update: bool = False  # release the device and host tiers' memory during each update
+    enable_prefix_caching: bool = True  # False: a request only ever hits its own KV (after a preemption)
+    device_ids: tuple[int, ...] = ()  # accelerator of each rank (``device_id``); empty: rank r uses device r
     cache_policy: str = "write_back"  # fastkv.cache.policy.Policy value
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig keyword arguments
     ops_threads: int = 1  # CPU swap-op threads per transfer process
@@ -62,6 +67,33 @@ class RunSpec:
             raise ValueError("RunSpec: need heartbeat_s > 0, dead_after_s > heartbeat_s, task_timeout_s > 0")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"RunSpec: metrics_port must be in [0, 65536), got {self.metrics_port}")
+        object.__setattr__(self, "update_weights_at", tuple(self.update_weights_at))
+        object.__setattr__(self, "device_ids", tuple(self.device_ids))
+        if self.device_ids and (len(self.device_ids) != self.tp_size or len(set(self.device_ids)) != self.tp_size
+                                or min(self.device_ids) < 0):
+            raise ValueError(f"RunSpec: device_ids must name {self.tp_size} distinct devices >= 0, "
+                             f"got {list(self.device_ids)}")
+        self.weight_updates()
+
+    def device_id(self, rank: int) -> int:
+        """The accelerator rank ``rank`` of this node uses: ``device_ids[rank]``, else ``rank``. An
+        index among the visible devices, so ``CUDA_VISIBLE_DEVICES`` decides which physical ones."""
+        _check_rank(self, rank)
+        return self.device_ids[rank] if self.device_ids else rank
+
+    def weight_updates(self) -> list[tuple[int, str]]:
+        """``update_weights_at`` as (finished requests, version), in order; ValueError naming a bad entry."""
+        out, version = [], self.weights_version
+        for item in self.update_weights_at:
+            n, sep, new = str(item).partition(":")
+            if not sep or not n.isdigit() or not new or new == version:
+                raise ValueError(f"update_weights_at: expected N:VERSION with N >= 0 and a VERSION other than the "
+                                 f"one before ({version!r}), got {item!r}")
+            if out and int(n) < out[-1][0]:
+                raise ValueError(f"update_weights_at: {item!r} comes after {out[-1][0]} finished requests")
+            out.append((int(n), new))
+            version = new
+        return out
 
     @property
     def tp_size(self) -> int:
@@ -98,7 +130,9 @@ class RunSpec:
 
 
 # What a runner verified (``ModelRunner.checks``), published by each worker after every step.
-VERIFY_COUNTERS = ("kv_blocks_verified", "kv_requests_verified", "kv_positions_read", "kv_mismatches")
+# kv_stale_hits: KV read under the current weights that was computed under older ones.
+VERIFY_COUNTERS = ("kv_blocks_verified", "kv_requests_verified", "kv_positions_read", "kv_mismatches",
+                   "kv_stale_hits")
 
 
 def signal_names(tp_size: int) -> list[str]:
@@ -109,7 +143,9 @@ def signal_names(tp_size: int) -> list[str]:
     ``storage.errors`` and ``storage.corrupt`` count the storage faults of every transfer
     process (failed operations, values that failed verification) for the engine's summary.
     Counters for the summary: ``worker{r}.<VERIFY_COUNTERS>`` and
-    ``transfer{r}.host_checksum_mismatches`` (kept across transfer restarts)."""
+    ``transfer{r}.host_checksum_mismatches`` (kept across transfer restarts), and the bytes
+    of memory each worker (device tier) and transfer process (host tier) gave back during
+    weight updates with free_memory (``{worker,transfer}{r}.released_bytes``)."""
     names = ["stop"]
     procs = ["engine"] + [f"worker{r}" for r in range(tp_size)] + [f"transfer{r}" for r in range(tp_size)]
     for p in procs:
@@ -117,6 +153,7 @@ def signal_names(tp_size: int) -> list[str]:
     names += [f"transfer{r}.gen" for r in range(tp_size)]
     names += [f"worker{r}.{c}" for r in range(tp_size) for c in VERIFY_COUNTERS]
     names += [f"transfer{r}.host_checksum_mismatches" for r in range(tp_size)]
+    names += [f"{p}{r}.released_bytes" for p in ("worker", "transfer") for r in range(tp_size)]
     names += ["engine.total", "engine.finished", "storage.errors", "storage.corrupt"]
     return names
 

@@ -7,7 +7,13 @@ swap-out (device -> host) and swap-in (host -> device) of --blocks blocks, all l
   dma      scattered blocks, one DMA copy per page (dma_min_bytes=0)
   runs     consecutive blocks, one 2D DMA copy per layer and K/V (the coalesced path)
 The ceiling is one cudaMemcpyAsync of the same bytes between device memory and pinned host memory.
-The last line is one JSON object.
+
+With paddlepaddle-gpu installed it also checks the deployment path of a weight update
+(``adopt_and_update``): per-layer K/V tensors the "model runner" allocated itself are adopted
+(``DeviceTier.adopt``, CUDA IPC), a transfer process (``TaskExecutor``, its own process) swaps
+blocks out of them, CLEAR with free_memory drops its mappings and releases the host tier, the
+runner frees its caches (GPU memory reserved must drop) and allocates new ones, RESTORE attaches
+those, and a swap-in lands in the new tensors byte for byte. The last line is one JSON object.
 """
 from __future__ import annotations
 
@@ -100,6 +106,88 @@ def measure(lib: cuda_abi.CudaSwapLib, blocks: int, reps: int) -> dict[str, floa
     return results
 
 
+def _transfer(spec_json: str, tasks, done) -> None:
+    """The transfer side of ``adopt_and_update``, in its own process (CUDA IPC needs one)."""
+    from fastkv.ipc import TaskMsg
+    from fastkv.run import RunSpec
+    from fastkv.transfer.executor import TaskExecutor
+
+    spec = RunSpec.from_json(spec_json)
+    ops.load()
+    executor = TaskExecutor(spec, 0)
+    try:
+        while (task := tasks.get()) is not None:
+            msg = executor.run(TaskMsg(*task))
+            done.put((msg.ok, msg.error))
+    finally:
+        executor.close()
+
+
+def adopt_and_update() -> dict | None:
+    """One weight-update cycle on adopted CUDA caches (module docstring); None without paddlepaddle-gpu."""
+    import multiprocessing as mp
+    import uuid
+
+    try:
+        import paddle
+    except ImportError:
+        return None
+    if not paddle.is_compiled_with_cuda() or paddle.device.cuda.device_count() == 0:
+        return None
+    from fastkv.cache.plan import CopyKind
+    from fastkv.run import RunSpec
+    from fastkv.transfer.protocol import FREE
+    from fastkv.transfer.tiers import DeviceTier, HostTier, resident_bytes
+
+    layout = KVLayout(num_layers=4, kv_heads=4, block_size=16, head_dim=128, dtype="bfloat16")
+    n = 512
+    spec = RunSpec(f"gpuchk{uuid.uuid4().hex[:6]}", layout, num_device_blocks=n, num_host_blocks=64)
+    paddle.set_device("gpu:0")
+    shape = list(layout.device_shape(n))
+    k = [paddle.randint(-1000, 1000, shape).astype("bfloat16") for _ in range(layout.num_layers)]
+    v = [paddle.randint(-1000, 1000, shape).astype("bfloat16") for _ in range(layout.num_layers)]
+    host = HostTier.create(spec.tier_prefix, 0, layout, 64)
+    tier = DeviceTier.adopt(spec.tier_prefix, 0, layout, k, v)
+    ctx = mp.get_context("spawn")
+    tasks, done = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_transfer, args=(spec.to_json(), tasks, done))
+    proc.start()
+    out: dict = {}
+
+    def run(kind: CopyKind, src=(), dst=(), keys=()) -> None:
+        tasks.put((1, int(kind), np.asarray(src, np.int32), np.asarray(dst, np.int32), tuple(keys)))
+        ok, error = done.get(timeout=120)
+        assert ok, f"{kind.name} failed: {error}"
+
+    try:
+        run(CopyKind.SWAP_OUT, [3, 7], [0, 1])
+        out["adopted_swap_out_exact"] = bool(np.array_equal(
+            np.from_dlpack(k[1][7].cpu().view(paddle.int16)).view(np.uint16), host.array[1, 1, 0]))
+        host_held = resident_bytes(host.name)
+        run(CopyKind.CLEAR, keys=(FREE,))
+        out["host_released_bytes"] = host_held - resident_bytes(host.name)
+        held = paddle.device.cuda.memory_reserved()
+        del k, v
+        tier.close()
+        tier.unlink()
+        paddle.device.cuda.empty_cache()
+        out["device_released_bytes"] = held - paddle.device.cuda.memory_reserved()
+        tier = DeviceTier.create(spec.tier_prefix, 0, layout, n, backend="cuda")  # the new caches
+        run(CopyKind.RESTORE, keys=(b"v2",))
+        host.array[2] = 5
+        host.seal([2])
+        run(CopyKind.SWAP_IN, [2], [9])
+        out["restored_swap_in_exact"] = bool((tier.k[0][9].cpu().astype("float32").numpy() != 0).all())
+    finally:
+        tasks.put(None)
+        proc.join(60)
+        tier.close()
+        tier.unlink()
+        host.close()
+        host.unlink()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -116,12 +204,18 @@ def main() -> int:
             return 2
         exact = check_exact(lib)
         gbps = measure(lib, args.blocks, reps)
+    update = adopt_and_update()
+    if update is None:
+        print("adopt + weight update: skipped (needs paddlepaddle-gpu)")
+    else:
+        print(f"adopt + weight update: {update}")
+        exact = exact and update["adopted_swap_out_exact"] and update["restored_swap_in_exact"]
     print(f"{args.blocks} blocks, 8 layers, K and V, 8 x 64 x 128 bf16 pages; best of {reps}")
     print(f"{'what':<16} {'GB/s':>8} {'vs memcpy':>10}")
     for name, rate in gbps.items():
         ceiling = gbps["memcpy_d2h" if name.startswith(("d2h", "memcpy_d2h")) else "memcpy_h2d"]
         print(f"{name:<16} {rate:>8.2f} {rate / ceiling:>10.2f}")
-    print(json.dumps({"bench": "gpu_swap", "exact": exact, "gbps": gbps}))
+    print(json.dumps({"bench": "gpu_swap", "exact": exact, "gbps": gbps, "weight_update": update}))
     return 0 if exact else 1
 
 

@@ -82,6 +82,9 @@ class FakeWorker:
         self.dev = Slots.empty(num_blocks, block_size)
         self.truth: dict[int, Truth] = {}
         self.reads = 0  # slots verified
+        # the weights the fake model runs: stamped into every digest it writes, so a read of KV
+        # computed under older weights (a stale hit) fails check_prefix like wrong tokens
+        self.weights_version = 0
 
     def add(self, rid: int, prompt, outputs=()) -> None:
         t = Truth(prompt)
@@ -99,13 +102,15 @@ class FakeWorker:
         slot = pos % self.bs
         tok, p, dig = self.dev.tok[blk, slot], self.dev.pos[blk, slot], self.dev.dig[blk, slot]
         want_tok = np.asarray(t.tokens[:n], np.int64)
-        want_dig = np.asarray(t.digests[:n], np.int64)
+        want_dig = np.asarray(t.digests[:n], np.int64) ^ self._stamp()
         bad = np.flatnonzero((tok != want_tok) | (p != pos) | (dig != want_dig))
         if len(bad):
             i = int(bad[0])
+            stale = tok[i] == want_tok[i] and p[i] == i and dig[i] != want_dig[i]
             raise AssertionError(f"{what}: request {rid} position {i} (block {int(blk[i])} slot {i % self.bs}) "
                                  f"holds token {int(tok[i])} at position {int(p[i])}, expected token "
-                                 f"{int(want_tok[i])}; {len(bad)} bad slots")
+                                 f"{int(want_tok[i])}{' (computed under older weights)' if stale else ''}; "
+                                 f"{len(bad)} bad slots")
         self.reads += n
 
     def write(self, rid: int, table: np.ndarray, start: int, end: int) -> None:
@@ -115,7 +120,10 @@ class FakeWorker:
         slot = pos % self.bs
         self.dev.tok[blk, slot] = t.tokens[start:end]
         self.dev.pos[blk, slot] = pos
-        self.dev.dig[blk, slot] = t.digests[start:end]
+        self.dev.dig[blk, slot] = np.asarray(t.digests[start:end], np.int64) ^ self._stamp()
+
+    def _stamp(self) -> int:
+        return self.weights_version << 40
 
     def step(self, plan: StepPlan, busy: set[int] = frozenset()) -> StepOutput:
         validate_plan(plan, self.bs, self.num_blocks)
@@ -152,6 +160,7 @@ class FakeTransfer:
         self.storage: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.pending: list[tuple[CopyPlan, tuple | None]] = []
         self.failed_swap_in_dst: set[int] = set()  # device blocks a failed SWAP_IN left garbage in
+        self.free_on_clear = True  # CLEAR releases both tiers (their old KV is gone); False: it stays readable
 
     def dispatch(self, plans) -> None:
         for p in plans:
@@ -204,7 +213,7 @@ class FakeTransfer:
                     self.host.put([hb], tuple(a[None] for a in self.storage[key]))
             else:
                 self.host.spoil(p.dst)
-        elif k is CopyKind.CLEAR:
+        elif k is CopyKind.CLEAR and self.free_on_clear:  # free_memory: the tiers' pages come back as zeros
             self.worker.dev.spoil(np.arange(self.worker.num_blocks))
             self.host.spoil(np.arange(len(self.host.tok)))
         return p, ok

@@ -47,6 +47,7 @@ class Cause(IntEnum):
     DROPPED = 4  # its request was freed with cache=False
     STORAGE_MISS = 5  # a LOAD found it gone from storage
     WEIGHT_UPDATE = 6  # cleared by a weight update (the namespace changed)
+    RESET = 7  # dropped by reset_prefix_cache
 
 
 class MissReason(IntEnum):

@@ -440,6 +440,22 @@ class CacheManager:
         if key not in self.index.stored:
             self._gone(key, tier, cause)
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request holds, in every tier (vLLM's reset_prefix_cache):
+        CACHED device and host blocks, and every key the index knows in storage. Held and
+        in-flight blocks keep their keys: their requests still use them. Returns the count."""
+        dropped = 0
+        for pool, tier in ((self.device, Tier.DEVICE), (self.host, Tier.HOST)):
+            keys = [pool.evict(b) for b in list(pool.lru)]
+            for k in keys:
+                self._hits.pop(k, None)
+            self.index.gone_many(keys, tier, Cause.RESET)
+            dropped += len(keys)
+        self.index.gone_many(self.index.stored, Tier.STORAGE, Cause.RESET)
+        dropped += len(self.index.stored)
+        self.index.stored.clear()
+        return dropped
+
     # ================================================================== weight updates
     def begin_weight_update(self) -> CopyPlan:
         """Drop every cached block (its KV belongs to the old weights) and pause admission.

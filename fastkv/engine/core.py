@@ -45,15 +45,18 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
+from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.cache.policy import Policy as CachePolicy
 from fastkv.engine import protocol
 from fastkv.engine.step import StepPlan
-from fastkv.ipc import Broadcast, DoneMsg, Namespace, OutputMsg, PeerDied, PeerTimeout, pid_alive
+from fastkv.ipc import Broadcast, DoneMsg, Namespace, OutputMsg, PeerDied, PeerTimeout, PlanMsg, pid_alive
 from fastkv.metrics import EngineMetrics
 from fastkv.run import EngineEnds, RunSpec, attach_engine
-from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig
+from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig, WeightUpdate
 from fastkv.sched.queues import Policy as QueuePolicy
+from fastkv.transfer.protocol import FREE
 
 FINISH = {RequestState.FINISHED_LENGTH: "length", RequestState.FINISHED_STOPPED: "stop",
           RequestState.FINISHED_ABORTED: "aborted"}
@@ -86,6 +89,8 @@ class RequestResult(NamedTuple):
     recomputed_tokens: int
     state: str = "finished"  # "finished" | "aborted" | "rejected" | "unfinished"
     reason: str = ""  # why it was rejected
+    # the weights that sampled its output: one version, or "v1+v2" when an update came in the middle
+    weights_version: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return self._asdict()
@@ -137,6 +142,10 @@ class Engine:
         self._idle = 0
         self._last_check = 0.0  # last look at the workers' pids
         self._ns: Namespace | None = None
+        self.weights_version = spec.weights_version
+        self.weight_updates = 0
+        self._free_memory = False  # of the weight update in progress
+        self._sampled_by: dict[int, list[str]] = {}  # scheduler id -> weights versions that sampled its tokens
         self._sig["engine.pid"] = os.getpid()
         self.beat()
 
@@ -171,8 +180,11 @@ class Engine:
                 raise ValueError(f"prompt {len(tokens)} + max_new_tokens {max_new_tokens} = {need} tokens exceed "
                                  f"max_model_len {cap} ({cap // bs} device blocks of {bs} tokens)")
             mode = None if preemption is None else _enum(PreemptionMode, preemption)
+            # Prefix caching off: keys salted per request, so only its own KV (after a preemption) hits.
+            extra = None if self.spec.enable_prefix_caching else ExtraKeys(tenant_salt=f"{self.spec.run_id}/{rid}")
             req = Request(rid, tokens, max_new_tokens, eos_token_id=eos_token_id,
-                          stop_token_ids=frozenset(stop_token_ids), preemption=mode, arrival_time=arrival_time)
+                          stop_token_ids=frozenset(stop_token_ids), preemption=mode, arrival_time=arrival_time,
+                          extra=extra)
             self.sched.add_request(req)
         except (TypeError, ValueError) as exc:
             # The scheduler names its own sequence number; the caller knows the request by ``ext``.
@@ -214,6 +226,8 @@ class Engine:
         self._check_transfers()  # cheap when nothing is due; adopts restarted transfer processes
         out = self.sched.step()
         for plan in out.copies:
+            if plan.kind is CopyKind.CLEAR and self._free_memory:
+                plan = CopyPlan(plan.plan_id, CopyKind.CLEAR, keys=(FREE,))
             self.transfer.submit(plan)
         results = [self._result(r) for r in out.finished]
         if out.plan.seqs:
@@ -243,6 +257,41 @@ class Engine:
         self.beat()
         self._pump(timeout)
 
+    # ================================================================== control
+    def update_weights(self, version: str, *, free_memory: bool = False) -> list[RequestResult]:
+        """Switch the deployment to the weights ``version`` (RL: many times an hour); returns
+        the requests that finished meanwhile. Admission pauses; running requests are
+        preempted (their KV belongs to the old weights: they re-prefill under the new ones)
+        and copies in flight finish; then every transfer rank clears (acks, no barrier: a
+        rank's CLEAR ack means its earlier copies are done), the workers load ``version``
+        (``protocol.load_weights_msg``), and admission resumes under the new storage
+        namespace (RESTORE). ``free_memory``: the device tier's memory (workers) and the
+        host tier's (transfer processes) go back to the system while the weights load
+        (FastDeploy's FD_ENABLE_SWAP_SPACE_CLEARING); ``{worker,transfer}{r}.released_bytes``
+        count it. EngineError if a worker fails to load; ValueError for the version in use."""
+        version = str(version)
+        if not version or version == self.weights_version:
+            raise ValueError(f"weights version {version!r} is empty or the one in use")
+        self.sched.begin_weight_update(drain=False)
+        self._free_memory = bool(free_memory)
+        results: list[RequestResult] = []
+        try:
+            while self.sched.weight_update_state is not WeightUpdate.READY:
+                results += self.step()
+        finally:
+            self._free_memory = False
+        self._run(StepPlan(0, []), control=protocol.load_weights_msg(version, free_memory))
+        self.sched.finish_weight_update(version)  # RESTORE goes out with the next step's copies
+        self.weights_version = version
+        self.weight_updates += 1
+        return results
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block, in every tier, that no request holds (vLLM's call):
+        later requests miss until the cache fills again. Running and preempted requests keep
+        their KV. Returns the number of blocks dropped."""
+        return self.cache.reset_prefix_cache()
+
     def wait_until_ready(self, timeout: float = 300.0) -> None:
         """Block until the run can serve: an empty plan (step 0) went through the workers
         (attached, runners built: the first real step's latency is the model's, not the
@@ -257,13 +306,15 @@ class Engine:
             self._check_stop("waiting for the transfer processes")
             self._pump(self.spec.heartbeat_s)  # blocks on the doorbell: nothing else to do yet
 
-    def _run(self, plan: StepPlan, timeout: float | None = None) -> None:
+    def _run(self, plan: StepPlan, timeout: float | None = None, control: PlanMsg | None = None) -> None:
+        """One step (or ``control``, a request to every rank) through the workers."""
         t0 = time.perf_counter()
         try:
-            self._broadcast.send(protocol.plan_to_msg(plan, self._release), timeout=self.spec.dead_after_s)
+            self._broadcast.send(control or protocol.plan_to_msg(plan, self._release), timeout=self.spec.dead_after_s)
         except (PeerDied, PeerTimeout) as exc:
             raise EngineError(f"cannot send step {plan.step_id}: {exc}") from exc
-        self._release = []
+        if control is None:
+            self._release = []
         out: OutputMsg | None = None
         while out is None:
             if timeout is not None and time.perf_counter() - t0 > timeout:
@@ -279,11 +330,16 @@ class Engine:
                     self._on_done(msg)
                     continue
                 if msg.error:
-                    raise EngineError(f"step {plan.step_id} failed: {msg.error}")
+                    raise EngineError(f"{'weight update' if control else f'step {plan.step_id}'} failed: {msg.error}")
                 assert msg.step_id == plan.step_id, f"output of step {msg.step_id} while step {plan.step_id} runs"
                 out = msg
         if plan.step_id:
-            self.sched.on_step_output(protocol.msg_to_output(out))
+            output = protocol.msg_to_output(out)
+            for rid in output.sampled:
+                seen = self._sampled_by.setdefault(rid, [])
+                if not seen or seen[-1] != self.weights_version:
+                    seen.append(self.weights_version)
+            self.sched.on_step_output(output)
             self.metrics.observe_step(time.perf_counter() - t0, len(out.tokens))
 
     def _pump(self, timeout: float) -> None:
@@ -343,7 +399,9 @@ class Engine:
         finish = FINISH[req.state]
         self.metrics.observe_finished(finish)
         self._sig.add("engine.finished", 1)
-        return self._snapshot(ext, req, finish, req.finish_time)
+        result = self._snapshot(ext, req, finish, req.finish_time)
+        self._sampled_by.pop(req.request_id, None)
+        return result
 
     def unfinished(self) -> list[RequestResult]:
         """The requests not finished yet, as results (``state`` "unfinished", output so far):
@@ -351,13 +409,13 @@ class Engine:
         now = time.monotonic()
         return [self._snapshot(self._ext[rid], req, "unfinished", now) for rid, req in self.sched.requests.items()]
 
-    @staticmethod
-    def _snapshot(ext: str, req: Request, finish: str, end: float) -> RequestResult:
+    def _snapshot(self, ext: str, req: Request, finish: str, end: float) -> RequestResult:
         t0 = req.arrival_time
         ttft = req.first_token_time - t0 if req.first_token_time is not None else float("nan")
         state = "finished" if finish in ("length", "stop") else finish
         return RequestResult(ext, list(req.output_token_ids), finish, ttft, end - t0, req.num_preemptions,
-                             req.num_recomputed_tokens, state)
+                             req.num_recomputed_tokens, state,
+                             weights_version="+".join(self._sampled_by.get(req.request_id, ())))
 
     def close(self) -> None:
         """Close this engine's channel ends (workers and transfer processes see a clean

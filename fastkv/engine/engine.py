@@ -79,6 +79,7 @@ def drive(engine: Engine, items: list[WorkItem], results: list[RequestResult], t
     and to the timeline ``[t_s, finished, generated_tokens, preemptions]`` (the caller keeps
     both when this raises)."""
     sig, spec = engine.ends.signals, engine.spec
+    updates = spec.weight_updates()
     start = time.monotonic()
     next_item, last_point = 0, 0.0
     while next_item < len(items) or engine.has_work():
@@ -102,6 +103,8 @@ def drive(engine: Engine, items: list[WorkItem], results: list[RequestResult], t
         else:
             break  # the last arrivals were rejected
         results += done
+        while updates and sum(r.state == "finished" for r in results) >= updates[0][0]:
+            results += engine.update_weights(updates.pop(0)[1], free_memory=spec.free_memory_on_update)
         t = time.monotonic() - start
         if done or t - last_point >= _TIMELINE_EVERY_S:
             timeline.append([round(t, 4), len(results), engine.metrics.tokens_sampled,
@@ -140,6 +143,12 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         # what the workers' runners verified (summed over ranks); a mismatch fails the run
         "verified": {c: sum(sig[f"worker{r}.{c}"] for r in ranks) for c in VERIFY_COUNTERS},
         "host_checksum_mismatches": sum(sig[f"transfer{r}.host_checksum_mismatches"] for r in ranks),
+        "weight_updates": engine.weight_updates,
+        # KV computed under older weights that a request read (the synthetic runner checks): must be 0
+        "stale_hits": sum(sig[f"worker{r}.kv_stale_hits"] for r in ranks),
+        # memory the weight updates gave back (free_memory_on_update), measured as each tier's resident bytes
+        "released_bytes": {"device": sum(sig[f"worker{r}.released_bytes"] for r in ranks),
+                           "host": sum(sig[f"transfer{r}.released_bytes"] for r in ranks)},
         "timeline": timeline,
     }
 

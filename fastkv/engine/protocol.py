@@ -2,13 +2,18 @@
 
 The engine turns each ``StepPlan`` into one ``PlanMsg`` (the same bytes to every rank);
 a worker turns it back into a ``StepPlan`` for its runner, and rank 0 answers with one
-``OutputMsg``. Request ids are the scheduler's ints, sent as decimal strings. These four
-functions are all a deployment's own worker needs besides its model (see
-``fastkv.engine.core`` for the embedding example).
+``OutputMsg``. A ``PlanMsg`` whose ``control`` is set is not a step but a request to every
+rank: ``load_weights_msg`` is the weight-update hook (``weights_request`` reads it back;
+rank 0 answers with an empty ``OutputMsg`` once every rank has loaded, or with the error).
+Request ids are the scheduler's ints, sent as decimal strings. These functions are all a
+deployment's own worker needs besides its model (see ``fastkv.engine.core`` for the
+embedding example).
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -58,3 +63,20 @@ def error_msg(step_id: int, error: str) -> OutputMsg:
 def msg_to_output(msg: OutputMsg) -> StepOutput:
     return StepOutput(msg.step_id, {int(r): int(t) for r, t in zip(msg.request_ids, msg.tokens, strict=True)},
                       msg.seconds)
+
+
+class LoadWeights(NamedTuple):
+    version: str
+    free_memory: bool  # release the device tier while the weights load, re-create it after
+
+
+def load_weights_msg(version: str, free_memory: bool = False) -> PlanMsg:
+    return PlanMsg(0, control=json.dumps({"load_weights": str(version), "free_memory": bool(free_memory)}))
+
+
+def weights_request(msg: PlanMsg) -> LoadWeights:
+    """The hook a control ``PlanMsg`` asks for (ValueError naming what is not understood)."""
+    doc = json.loads(msg.control)
+    if not isinstance(doc, dict) or not isinstance(doc.get("load_weights"), str):
+        raise ValueError(f"unknown control request {msg.control[:200]!r}")
+    return LoadWeights(doc["load_weights"], bool(doc.get("free_memory")))

@@ -15,6 +15,13 @@ named by ``spec.runner`` and loops:
 4. rank 0 sends the ``OutputMsg``: sampled tokens, or ``error`` naming the ranks that
    failed and why (the engine fails the run loudly; never a silent death).
 
+A control plan (``protocol.weights_request``) is the weight-update hook, sent once the
+transfer processes have cleared (they hold no copy in flight and no mapping of a CUDA tier):
+the runner loads the new weights; with ``free_memory`` the device tier's memory goes first
+(shm: ``DeviceTier.release``, the pages return as zeros when written; CUDA: every reference
+dropped, the allocator's cache emptied, the tier allocated again under the same name for
+RESTORE to attach). The ranks agree on it as on a step, so rank 0 acks when all are done.
+
 Exit 0 on ``stop`` or when the engine closed the plan channel (its clean shutdown); 1 when
 the engine died, a peer rank vanished mid-step, or the runner could not be built.
 """
@@ -25,6 +32,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,9 +40,9 @@ import numpy as np
 from fastkv.engine import protocol
 from fastkv.engine.collective import ShmCollective
 from fastkv.engine.runners import runner_class
-from fastkv.ipc import ChannelClosed, Namespace, PeerDied, pid_alive
+from fastkv.ipc import ChannelClosed, Namespace, OutputMsg, PeerDied, pid_alive
 from fastkv.run import RunSpec, attach_worker, collective_prefix
-from fastkv.transfer.tiers import DeviceTier, _cuda_available
+from fastkv.transfer.tiers import DeviceTier, TierKind, resident_bytes, select_device
 
 _ERROR_BYTES = 256  # per rank, in the end-of-step agreement
 
@@ -74,7 +82,7 @@ def _device_tier(spec: RunSpec, rank: int) -> DeviceTier:
     """CPU build: the supervisor created the tier in shm, attach it. GPU build: allocate it
     here and publish its CUDA IPC handles under the name the supervisor listed in the run's
     manifest (the transfer process of this rank attaches it; the supervisor unlinks it)."""
-    if _cuda_available():
+    if select_device(spec.device_id(rank)):
         return DeviceTier.create(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks, backend="cuda")
     return DeviceTier.attach(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks)
 
@@ -96,7 +104,12 @@ def main(spec_json: str, rank: int) -> int:
         k, v = (tier.k_arrays, tier.v_arrays) if tier.k_arrays else (tier.k, tier.v)
         runner = runner_class(spec.runner)(spec.layout, rank, spec.tp_size, k, v, **opts)
         sig[f"{me}.ready"] = 1
-        return _loop(spec, rank, ends, runner, coll)
+
+        def load_weights(req: protocol.LoadWeights) -> None:
+            nonlocal tier
+            tier, released = _load_weights(spec, rank, tier, runner, req)
+            sig.add(f"{me}.released_bytes", released)
+        return _loop(spec, rank, ends, runner, coll, load_weights)
     except Exception:
         print(f"fastkv {me}: fatal error\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return 1
@@ -109,6 +122,32 @@ def main(spec_json: str, rank: int) -> int:
         if tier is not None:
             tier.close()
         ends.close()
+
+
+def _load_weights(spec: RunSpec, rank: int, tier: DeviceTier, runner,
+                  req: protocol.LoadWeights) -> tuple[DeviceTier, int]:
+    """The weight-update hook on one rank (module docstring); returns the rank's device tier
+    and the bytes of memory it gave back meanwhile."""
+    if not req.free_memory:
+        runner.load_weights(req.version)
+        return tier, 0
+    if tier.kind is TierKind.DEVICE_SHM:
+        held = tier.release()
+        released = held - resident_bytes(tier.name)  # measured before the new weights touch anything
+        runner.load_weights(req.version)
+        return tier, released
+    import paddle
+
+    held = paddle.device.cuda.memory_reserved()
+    runner.drop_caches()
+    tier.close()
+    tier.unlink()
+    paddle.device.cuda.empty_cache()
+    released = held - paddle.device.cuda.memory_reserved()
+    runner.load_weights(req.version)
+    tier = _device_tier(spec, rank)
+    runner.set_caches(tier.k, tier.v)
+    return tier, released
 
 
 def _agree(coll: ShmCollective | None, error: str) -> str:
@@ -124,7 +163,8 @@ def _agree(coll: ShmCollective | None, error: str) -> str:
     return "; ".join(bytes(p).rstrip(b"\0").decode(errors="replace") for p in parts if p.any())
 
 
-def _loop(spec: RunSpec, rank: int, ends, runner, coll: ShmCollective | None) -> int:
+def _loop(spec: RunSpec, rank: int, ends, runner, coll: ShmCollective | None,
+          load_weights: Callable[[protocol.LoadWeights], None]) -> int:
     me, sig = f"worker{rank}", ends.signals
     beat = f"{me}.beat"
     while True:
@@ -142,10 +182,15 @@ def _loop(spec: RunSpec, rank: int, ends, runner, coll: ShmCollective | None) ->
             continue
         error, reply = "", None
         try:
-            out = runner.step(protocol.msg_to_plan(msg))
-            reply = protocol.output_to_msg(out, sum(len(t) for t in msg.token_ids))
+            if msg.control:
+                load_weights(protocol.weights_request(msg))
+                reply = OutputMsg(msg.step_id)
+            else:
+                out = runner.step(protocol.msg_to_plan(msg))
+                reply = protocol.output_to_msg(out, sum(len(t) for t in msg.token_ids))
         except Exception as exc:  # reported to the engine, which fails the run loudly
-            error = f"{me} step {msg.step_id}: {type(exc).__name__}: {exc}"
+            what = "loading weights" if msg.control else f"step {msg.step_id}"
+            error = f"{me} {what}: {type(exc).__name__}: {exc}"
             print(f"fastkv {error}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         for name, value in runner.checks().items():  # before the output: the engine reads them after the last step
             sig[f"{me}.{name}"] = value

@@ -73,10 +73,12 @@ class PlanMsg:
     ``sample``: per request 1 if this step ends its known tokens (sample the next one),
     else 0 (a prefill chunk); empty means every request samples (a pure decode step, the
     common case, costs no bytes). ``release``: requests finished since the last plan,
-    whose per-request runner state may go (``ModelRunner.release``)."""
+    whose per-request runner state may go (``ModelRunner.release``). ``control``: a
+    request to every rank instead of a step (JSON, ``fastkv.engine.protocol``: the
+    weight-update hook); empty for a step."""
 
     WIRE: ClassVar[str] = ("step_id:i64 request_ids:str[] token_ids:i32[][] block_tables:i32[][] num_computed:i32[] "
-                           "sample:i32[] release:str[]")
+                           "sample:i32[] release:str[] control:str")
     step_id: int
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[np.ndarray] = field(default_factory=list)
@@ -84,6 +86,7 @@ class PlanMsg:
     num_computed: np.ndarray = field(default_factory=_empty)
     sample: np.ndarray = field(default_factory=_empty)
     release: list[str] = field(default_factory=list)
+    control: str = ""
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)

@@ -28,25 +28,25 @@ the key). ``checksum_mismatches``
 counts the bad blocks (the transfer loop publishes it to the run's signals).
 
 Weight updates. The engine sends CLEAR once no request and no copy is left (the cache
-core refuses ``begin_weight_update`` otherwise), then reloads weights, then RESTORE.
+core refuses ``begin_weight_update`` otherwise), then has the workers load the new weights,
+then sends RESTORE.
 
 * CLEAR: a rank executes its tasks in order, so its CLEAR ack means every earlier task of
   that rank has finished; CLEAR acked by every rank = no copy in flight anywhere. The
   executor then refuses every task but RESTORE (no STORE/LOAD can reach the storage tier
   under the old namespace), closes its storage backend and drops its mapping of the device
-  tier. It frees nothing itself: the tiers belong to their creators. On a CPU build the
-  device tier is a shm segment the supervisor owns, and "clearing the caches" only means
-  their contents are dead (the engine dropped every cached key; nothing references a
-  block); nothing is worth zeroing. On a GPU build the worker owns the device tensors and
-  this process holds CUDA IPC mappings of them: dropping those is what lets the worker
-  really free the GPU memory for the new weights (FastDeploy frees its caches there).
-  The host tier stays mapped (and pinned): it is host memory, outlives any process, and
-  the engine decides which of its blocks are garbage.
+  tier: on a GPU build the worker owns the device tensors and this process holds CUDA IPC
+  mappings of them, and dropping those is what lets the worker really free the GPU memory
+  for the new weights (FastDeploy frees its caches there). The engine dropped every cached
+  key, so the contents of both tiers are dead. ``keys == (b"free",)`` (the engine's
+  ``free_memory``): the host tier's memory goes back to the OS too (``HostTier.release``,
+  unpinned first; FastDeploy's FD_ENABLE_SWAP_SPACE_CLEARING); without it the host tier
+  stays mapped and pinned, ready for the next swap.
 * RESTORE: ``keys[0]`` is the new weights version (UTF-8). The executor re-attaches the
-  device tier (the worker may have re-allocated it) and reopens the storage backend under
-  ``storage_namespace(spec, version)``: values written under the old weights fail
-  verification (a miss), never load as KV of the new ones. RESTORE also works without a
-  preceding CLEAR (a plain version switch).
+  device tier (the worker may have re-allocated it) and the host tier (pinning it again),
+  and reopens the storage backend under ``storage_namespace(spec, version)``: values
+  written under the old weights fail verification (a miss), never load as KV of the new
+  ones. RESTORE also works without a preceding CLEAR (a plain version switch).
 """
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.ipc import DoneMsg, TaskMsg
 from fastkv.run import RunSpec
 from fastkv.storage import StorageBackend, open_store
-from fastkv.transfer.protocol import storage_namespace
-from fastkv.transfer.tiers import DeviceTier, HostTier
+from fastkv.transfer.protocol import FREE, storage_namespace
+from fastkv.transfer.tiers import DeviceTier, HostTier, resident_bytes
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,10 @@ class TaskExecutor:
         self.cleared = False
         self._progress: Callable[[], None] = lambda: None  # of the task running now
         self.checksum_mismatches = 0
+        self.released_bytes = 0  # host tier memory given back by CLEAR with FREE
         try:
             self._attach_device()
-            if spec.num_host_blocks:
-                self.host = HostTier.attach(spec.tier_prefix, rank, spec.layout, spec.num_host_blocks)
+            self._attach_host()
             self._open_store()
         except BaseException:
             self.close()
@@ -112,6 +112,14 @@ class TaskExecutor:
         if self.device is not None:
             self.device.close()
             self.device = None
+
+    def _attach_host(self) -> None:
+        self._bound = None  # it points into the host mapping too
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+        if self.spec.num_host_blocks:
+            self.host = HostTier.attach(self.spec.tier_prefix, self.rank, self.spec.layout, self.spec.num_host_blocks)
 
     def _open_store(self) -> None:
         self._close_store()
@@ -165,7 +173,9 @@ class TaskExecutor:
             raise ValueError(f"unknown task kind {msg.kind}") from None
         plan = msg.to_plan()  # CopyPlan checks src/dst/keys counts
         if kind is CopyKind.CLEAR:
-            return self._clear()
+            if plan.keys not in ((), (FREE,)):
+                raise ValueError(f"CLEAR takes no keys or {FREE!r}, got {plan.keys[:2]!r}")
+            return self._clear(free=plan.keys == (FREE,))
         if kind is CopyKind.RESTORE:
             return self._restore(plan)
         if self.cleared:
@@ -260,9 +270,11 @@ class TaskExecutor:
             i += size
             size = size * 2 if time.monotonic() - t0 < target else max(1, size // 2)
 
-    def _clear(self) -> tuple[int, str]:
+    def _clear(self, free: bool = False) -> tuple[int, str]:
         self._close_store()
         self._drop_device()
+        if free and self.host is not None:
+            self.released_bytes += self.host.release() - resident_bytes(self.host.name)
         self.cleared = True
         return 0, ""
 
@@ -274,6 +286,7 @@ class TaskExecutor:
             raise ValueError("RESTORE: the weights version in keys[0] is empty")
         self._clear()  # until this RESTORE succeeds, nothing runs under either version
         self._attach_device()  # raises (the task fails, still cleared) if the worker has not re-created it
+        self._attach_host()  # pinned again if CLEAR released it
         self.weights_version = version
         self._open_store()
         self.cleared = False

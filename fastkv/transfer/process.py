@@ -33,6 +33,7 @@ from fastkv.ipc.peers import me
 from fastkv.run import RunSpec, TransferEnds, attach_transfer
 from fastkv.transfer.executor import TaskExecutor
 from fastkv.transfer.protocol import BAD_TASK_ID, FENCE, fence_names, fence_weights_version
+from fastkv.transfer.tiers import select_device
 
 log = logging.getLogger(__name__)
 BATCH = 256
@@ -57,17 +58,19 @@ class TransferLoop:
         self.beat_slot = f"transfer{rank}.beat"
         self.executed = 0
         self.dropped = 0  # stale tasks left by a predecessor
-        self.published = 0  # host checksum mismatches already added to the signal
+        self.published = {"host_checksum_mismatches": 0, "released_bytes": 0}  # already added to the signals
 
     def beat(self) -> None:
         self.signals[self.beat_slot] = time.monotonic_ns()
 
-    def publish_mismatches(self) -> None:
-        """Adds the executor's new host checksum mismatches to the run's counter (it outlives this process)."""
-        new = self.executor.checksum_mismatches - self.published
-        if new:
-            self.signals.add(f"transfer{self.rank}.host_checksum_mismatches", new)
-            self.published += new
+    def publish_counters(self) -> None:
+        """Adds the executor's new host checksum mismatches and released bytes to the run's
+        counters (they outlive this process)."""
+        for name, done in self.published.items():
+            new = getattr(self.executor, name.removeprefix("host_")) - done
+            if new:
+                self.signals.add(f"transfer{self.rank}.{name}", new)
+                self.published[name] += new
 
     def run(self) -> int:
         """Serves tasks until ``stop``; returns the exit code."""
@@ -111,7 +114,7 @@ class TransferLoop:
             self.signals.add("storage.errors", errors)
         if corrupt:
             self.signals.add("storage.corrupt", corrupt)
-        self.publish_mismatches()
+        self.publish_counters()
         self.send(done)
         self.beat()
 
@@ -146,6 +149,7 @@ def main(spec_json: str, rank: int) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     spec = RunSpec.from_json(spec_json)
+    select_device(spec.device_id(rank))  # the worker's device: CUDA IPC handles open there
     ns = Namespace.attach(spec.run_id)
     executor = TaskExecutor(spec, rank)
     try:

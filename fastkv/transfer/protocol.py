@@ -37,6 +37,7 @@ from fastkv.storage import namespace_fingerprint
 FENCE = 0  # TaskMsg.kind of a fence (CopyKind starts at 1)
 FENCE_ID = -1
 BAD_TASK_ID = -2  # DoneMsg.task_id of the ack of a task message that could not be read
+FREE = b"free"  # CLEAR's only key: release the host tier's memory as well (``fastkv.transfer.executor``)
 
 
 def fence_for(peer: Peer, weights_version: str) -> TaskMsg:

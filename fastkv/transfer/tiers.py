@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import re
 import struct
 from collections.abc import Iterable
@@ -106,6 +107,21 @@ class ShmSegment:
     def unlink(self) -> None:
         """Removes the name; mappings (here and in other processes) stay valid until dropped."""
         unlink_segment(self.name)
+
+    def release(self, offset: int, length: int) -> None:
+        """Give the pages of [offset, offset + length) back to the OS (MADV_REMOVE punches them
+        out of the shm object): every process's mapping stays valid and reads zeros there, and
+        the memory comes back page by page as it is written again."""
+        assert offset % mmap.PAGESIZE == 0, f"release offset {offset} is not page-aligned"
+        whole = length - length % mmap.PAGESIZE
+        if whole > 0:
+            self.buf.madvise(mmap.MADV_REMOVE, offset, whole)
+        self.buf[offset + whole : offset + length] = bytes(length - whole)  # a partial last page stays: zero it
+
+
+def resident_bytes(name: str) -> int:
+    """Bytes of memory the shm object ``name`` holds now (its allocated pages, not its size)."""
+    return os.stat(f"/dev/shm/{name}").st_blocks * 512
 
 
 def unlink_segment(name: str) -> bool:
@@ -247,6 +263,12 @@ class DeviceTier:
 
         shape = list(layout.device_shape(num_blocks))
         tensors = [paddle.zeros(shape, dtype=layout.dtype) for _ in range(2 * layout.num_layers)]
+        return cls._publish_cuda(name, layout, num_blocks, tensors[0::2], tensors[1::2])
+
+    @classmethod
+    def _publish_cuda(cls, name: str, layout: KVLayout, num_blocks: int, k: list, v: list) -> DeviceTier:
+        """Writes the CUDA IPC handles of ``k``/``v`` (interleaved K[0], V[0], ...) under ``name``."""
+        tensors = [t for pair in zip(k, v, strict=True) for t in pair]
         metas = [t.value().get_tensor()._share_cuda() for t in tensors]
         if any(len(m) != 7 for m in metas):
             raise RuntimeError(
@@ -257,8 +279,29 @@ class DeviceTier:
         segment = ShmSegment(name, HEADER_BYTES + len(payload), create=True)
         segment.buf[HEADER_BYTES : HEADER_BYTES + len(payload)] = payload
         _write_header(segment.buf, TierKind.DEVICE_CUDA_IPC, num_blocks, len(payload), layout)
-        return cls(layout, num_blocks, name, TierKind.DEVICE_CUDA_IPC, k=tensors[0::2], v=tensors[1::2],
-                   _segment=segment)
+        return cls(layout, num_blocks, name, TierKind.DEVICE_CUDA_IPC, k=list(k), v=list(v), _segment=segment)
+
+    @classmethod
+    def adopt(cls, prefix: str, rank: int, layout: KVLayout, k_caches: list, v_caches: list) -> DeviceTier:
+        """The deployment's own per-layer K/V caches (each ``layout.device_shape(n)``) as rank
+        ``rank``'s device tier, for a model runner that allocates them itself (FastDeploy's does).
+
+        CUDA tensors are shared as they are (zero copy: their IPC handles go under the tier's
+        name; the deployment keeps using its tensors, the transfer process attaches them).
+        CPU memory cannot be shared with another process after it was allocated, so CPU caches
+        (Paddle tensors or numpy arrays) move: their contents are copied into a new shm tier,
+        and the deployment must use ``tier.k``/``tier.v`` (or the numpy views) from then on."""
+        num_blocks = _check_caches(layout, k_caches, v_caches)
+        name = device_tier_name(prefix, rank)
+        if not isinstance(k_caches[0], np.ndarray) and not k_caches[0].place.is_cpu_place():
+            return cls._publish_cuda(name, layout, num_blocks, list(k_caches), list(v_caches))
+        arrays = [c if isinstance(c, np.ndarray) else paddle_to_numpy(c) for c in [*k_caches, *v_caches]]
+        if any(a.dtype != layout.numpy_dtype for a in arrays):
+            raise ValueError(f"caches of dtype {arrays[0].dtype} for a layout of {layout.dtype}")
+        tier = cls.create(prefix, rank, layout, num_blocks, backend="shm")
+        for dst, src in zip([*tier.k_arrays, *tier.v_arrays], arrays, strict=True):
+            dst[...] = src
+        return tier
 
     def _open_cuda(self, metas: list) -> None:
         import paddle
@@ -271,6 +314,17 @@ class DeviceTier:
     def unlink(self) -> None:
         """Removes the name (the creator, at shutdown); attached processes keep their mappings."""
         unlink_segment(self.name)
+
+    def release(self) -> int:
+        """Frees the memory of a shm tier's contents (a weight update with free_memory: they
+        are dead) while every process keeps its mapping; written pages come back as zeros.
+        Returns the bytes the segment held before. A CUDA tier is freed by dropping every
+        reference to its tensors instead (``fastkv.engine.worker``)."""
+        if self.kind is not TierKind.DEVICE_SHM or self._segment is None:
+            raise ValueError(f"{self.name!r}: only a mapped shm device tier can be released in place")
+        held = resident_bytes(self.name)
+        self._segment.release(HEADER_BYTES, self._segment.size - HEADER_BYTES)
+        return held
 
     def close(self) -> None:
         """Drops this process's tensors and views; the memory goes when the last reference does."""
@@ -366,6 +420,23 @@ class HostTier:
     def unlink(self) -> None:
         unlink_segment(self.name)
 
+    def release(self) -> int:
+        """Frees the memory of every block (their contents are dead: a weight update with
+        free_memory) and seals them as the zeros they read from now on; the mapping stays.
+        Pinned memory is unpinned first (the pages must be free to go) and pinned again
+        when the tier is attached anew. Returns the bytes the segment held before."""
+        if self._segment is None:
+            raise ValueError(f"{self.name!r} is closed")
+        if self.pinned:
+            from fastkv import ops
+
+            ops.pin_host(self.tensor, pin=False)
+            self.pinned = False
+        held = resident_bytes(self.name)
+        self._segment.release(HEADER_BYTES, self.num_blocks * self.layout.block_bytes)
+        self.checksums[:] = np.frombuffer(xxhash.xxh3_128_digest(bytes(self.layout.block_bytes)), np.uint8)
+        return held
+
     def close(self) -> None:
         """Unpins (if pinned here) and drops this process's views."""
         if self.pinned:
@@ -379,6 +450,21 @@ class HostTier:
         self._segment = None
 
 
+def _check_caches(layout: KVLayout, k_caches: list, v_caches: list) -> int:
+    """How many blocks caches of ``layout``'s shape hold (ValueError naming the first cache that differs)."""
+    if len(k_caches) != layout.num_layers or len(v_caches) != layout.num_layers:
+        raise ValueError(f"need {layout.num_layers} K and V caches (one per layer), got {len(k_caches)} and "
+                         f"{len(v_caches)}")
+    num_blocks = int(k_caches[0].shape[0])
+    _check_blocks(num_blocks)
+    want = tuple(layout.device_shape(num_blocks))
+    for i, cache in enumerate([*k_caches, *v_caches]):
+        if tuple(cache.shape) != want:
+            which = f"{'KV'[i // layout.num_layers]} cache of layer {i % layout.num_layers}"
+            raise ValueError(f"{which} has shape {tuple(cache.shape)}, expected {want}")
+    return num_blocks
+
+
 def _check_blocks(num_blocks: int) -> None:
     if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
         raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
@@ -390,6 +476,20 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0
+
+
+def select_device(device_id: int) -> bool:
+    """Make accelerator ``device_id`` (among the visible ones) this process's device, on a CUDA
+    build; the worker and the transfer process of a rank both call it. Returns whether it did."""
+    if not _cuda_available():
+        return False
+    import paddle
+
+    count = paddle.device.cuda.device_count()
+    if not 0 <= device_id < count:
+        raise ValueError(f"device {device_id} is not one of the {count} visible GPUs (CUDA_VISIBLE_DEVICES)")
+    paddle.set_device(f"gpu:{device_id}")
+    return True
 
 
 def _encode_meta(value: Any) -> Any:

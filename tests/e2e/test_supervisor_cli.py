@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from fastkv.cli import JobConfig, build_parser, main, prepare, read_config_file
+from fastkv.cli import JobConfig, _flags, build_parser, main, prepare, read_config_file
 from fastkv.run import RunSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def flags(*argv: str) -> dict:
-    args = build_parser().parse_args(list(argv))
-    return {k: v for k, v in vars(args).items() if k in JobConfig.__dataclass_fields__}
+    return _flags(build_parser().parse_args(list(argv)))  # what main() hands JobConfig
 
 
 def test_defaults_are_the_main_job(tmp_path):
@@ -176,3 +175,40 @@ def test_a_read_only_lmdb_directory_stops_the_run(tmp_path):
     store.mkdir(mode=0o500)
     rc, err, _ = _cli_error(tmp_path, "--preemption", "storage", "--storage", f"lmdb://{store}")
     assert rc == 2 and f"storage tier 'lmdb://{store}' cannot be used" in err and err.count("\n") == 1
+
+
+def test_fastdeploy_names_map_onto_fastkvs_settings(tmp_path):
+    """swap_space (GiB) / num_cpu_blocks -> host_blocks, kvcache_storage_backend -> storage; in files and flags."""
+    path = tmp_path / "fd.toml"
+    path.write_text('swap_space = 0.5\nkvcache_storage_backend = "redis://127.0.0.1:6379"\nblock_size = 32\n'
+                    'enable_prefix_caching = false\n')
+    cfg = JobConfig.from_sources(path)
+    block = cfg.layout().block_bytes
+    assert cfg.block_size == 32 and cfg.host_blocks == 2**29 // block
+    spec = cfg.to_spec("fd", tmp_path)
+    assert spec.num_host_blocks == 2**29 // block and spec.storage_url == "redis://127.0.0.1:6379"
+    assert spec.enable_prefix_caching is False
+    cfg = JobConfig.from_sources(None, flags("--num-cpu-blocks", "77", "--weights-version", "rl-3",
+                                             "--update-weights-at", "8:v2", "--update-weights-at", "20:v3",
+                                             "--free-memory-on-update", "--no-enable-prefix-caching",
+                                             "--tp", "2", "--device-ids", "1,0"))
+    spec = cfg.to_spec("fd2", tmp_path)
+    assert spec.num_host_blocks == 77 and spec.weights_version == "rl-3" and spec.free_memory_on_update
+    assert spec.weight_updates() == [(8, "v2"), (20, "v3")] and not spec.enable_prefix_caching
+    assert [spec.device_id(r) for r in range(2)] == [1, 0]
+    assert [JobConfig(tp=2).to_spec("d", tmp_path).device_id(r) for r in range(2)] == [0, 1]
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"swap_space": 1.0, "num_cpu_blocks": 4}, "not both"),
+    ({"storage": "none", "kvcache_storage_backend": "lmdb:///tmp/x"}, "not both"),
+    ({"swap_space": -1.0}, "must be >= 0"),
+    ({"update_weights_at": "8"}, "expected N:VERSION"),
+    ({"update_weights_at": "8:v2,4:v3"}, "comes after 8 finished"),
+    ({"update_weights_at": "8:0"}, "other than the one before"),
+    ({"tp": 2, "device_ids": "0"}, "device_ids must name 2 distinct devices"),
+    ({"device_ids": "gpu0"}, "comma-separated device numbers"),
+])
+def test_bad_control_settings_are_named(values, message):
+    with pytest.raises(ValueError, match=message):
+        JobConfig(**values)

@@ -186,3 +186,53 @@ def test_prefix_must_be_a_plain_fkv_name(bad):
 def test_block_counts_are_checked(prefix, blocks):
     with pytest.raises(ValueError, match="num_blocks"):
         HostTier.create(prefix, 0, LAYOUT, blocks)
+
+
+def test_release_gives_the_memory_back_and_every_mapping_reads_zeros(prefix):
+    from fastkv.transfer.tiers import resident_bytes
+
+    dev = DeviceTier.create(prefix, 0, LAYOUT, NUM_DEV, backend="shm")
+    host = HostTier.create(prefix, 0, LAYOUT, NUM_HOST)
+    try:
+        _fill(dev, 1)
+        host.array[:] = 7
+        host.seal(range(NUM_HOST))
+        other = DeviceTier.attach(prefix, 0, LAYOUT, NUM_DEV)  # another process's mapping, as the transfer's
+        payload = 2 * LAYOUT.num_layers * NUM_DEV * LAYOUT.page_bytes
+        held = resident_bytes(dev.name)
+        assert held >= payload
+        assert dev.release() == held
+        assert resident_bytes(dev.name) < held - payload // 2, "the device tier's pages were not given back"
+        assert not any(a.any() for a in (*other.k_arrays, *other.v_arrays)), "a mapping still sees the old KV"
+        other.k_arrays[0][3] = 5  # written again: the pages come back
+        assert dev.k_arrays[0][3].min() == 5
+        before = resident_bytes(host.name)
+        assert host.release() == before
+        assert resident_bytes(host.name) < before - NUM_HOST * LAYOUT.block_bytes // 2
+        assert not host.array.any() and host.corrupt(range(NUM_HOST)) == [], "released blocks must read as sealed zeros"
+        other.close()
+    finally:
+        dev.close(), host.close()
+        dev.unlink(), host.unlink()
+
+
+def test_adopt_takes_the_deployments_own_caches(prefix):
+    """A deployment that allocated its caches itself: on CPU their contents move into the shared tier."""
+    rng = np.random.default_rng(4)
+    shape = LAYOUT.device_shape(NUM_DEV)
+    k = [rng.integers(0, 2**16, shape, dtype=np.uint16) for _ in range(LAYOUT.num_layers)]
+    v = [rng.integers(0, 2**16, shape, dtype=np.uint16) for _ in range(LAYOUT.num_layers)]
+    tier = DeviceTier.adopt(prefix, 0, LAYOUT, k, v)
+    try:
+        assert tier.num_blocks == NUM_DEV
+        seen = DeviceTier.attach(prefix, 0, LAYOUT, NUM_DEV)  # what the transfer process maps
+        for a, b in zip([*k, *v], [*seen.k_arrays, *seen.v_arrays], strict=True):
+            assert np.array_equal(a, b)
+        seen.close()
+        with pytest.raises(ValueError, match="V cache of layer 1 has shape"):
+            DeviceTier.adopt(prefix + "b", 0, LAYOUT, k, v[:1] + [v[1][:4]] + v[2:])
+        with pytest.raises(ValueError, match="dtype float32"):
+            DeviceTier.adopt(prefix + "c", 0, LAYOUT, [a.astype(np.float32) for a in k], v)
+    finally:
+        tier.close()
+        tier.unlink()

@@ -131,15 +131,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.sched.abort(rid)
 
     @precondition(lambda self: self.sched.weight_update_state is WeightUpdate.NONE)
-    @rule(go=st.integers(0, 9), drain=st.booleans())
-    def begin_weight_update(self, go, drain):
+    @rule(go=st.integers(0, 9), drain=st.booleans(), free=st.booleans())
+    def begin_weight_update(self, go, drain, free):
+        """Any moment, in any request and copy state. Without ``free`` (free_memory) the old KV
+        stays in the tiers, readable: only the cache's namespace switch keeps it from being hit."""
         if go == 7:
+            self.transfer.free_on_clear = free
             self.sched.begin_weight_update(drain=drain)
 
     @precondition(lambda self: self.sched.weight_update_state is WeightUpdate.READY)
     @rule()
     def finish_weight_update(self):
+        """What ``Engine.update_weights`` does once READY: the workers load the new weights
+        (from now on the fake worker's KV carries the new version: reading older KV fails)."""
         self.versions += 1
+        self.worker.weights_version = self.versions
         self.sched.finish_weight_update(f"w{self.versions}")
 
     @precondition(lambda self: self.output is None)

@@ -227,3 +227,21 @@ def test_swaps_after_restore_reach_the_recreated_device_tier(sup, ex):
         for kv in (0, 1):
             want = sup.hosts[1].array[3, layer, kv]
             assert np.array_equal(got[kv * layers + layer][0].view(np.uint8), want.view(np.uint8))
+
+
+def test_clear_with_free_releases_the_host_tier_and_restore_serves_again(sup, ex):
+    from fastkv.transfer.protocol import FREE
+    from fastkv.transfer.tiers import resident_bytes
+
+    fill_random(sup.hosts[1], np.random.default_rng(5))
+    name = sup.hosts[1].name
+    held = resident_bytes(name)
+    expect_ok(ex.run(task(CopyKind.CLEAR)), 0)
+    assert resident_bytes(name) == held, "a plain CLEAR keeps the host tier's memory"
+    expect_ok(ex.run(task(CopyKind.CLEAR, keys=[FREE])), 0)
+    data = sup.spec.num_host_blocks * sup.spec.layout.block_bytes
+    assert resident_bytes(name) <= held - data, f"{resident_bytes(name)} bytes still held of {held}"
+    assert not ex.run(task(CopyKind.CLEAR, keys=[b"bogus"])).ok
+    expect_ok(ex.run(task(CopyKind.RESTORE, keys=[b"v2"])), 0)
+    expect_ok(ex.run(task(CopyKind.SWAP_OUT, [1, 2], [3, 4])), 2 * sup.spec.layout.block_bytes)
+    expect_ok(ex.run(task(CopyKind.SWAP_IN, [3, 4], [5, 6])), 2 * sup.spec.layout.block_bytes)

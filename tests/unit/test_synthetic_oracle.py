@@ -105,8 +105,18 @@ def test_checks_count_what_was_verified_and_read():
     prefill(runner)
     runner.step(HIT)
     assert runner.checks() == {"kv_blocks_verified": 2, "kv_requests_verified": 1, "kv_positions_read": 8 + 8 + 9,
-                               "kv_mismatches": 0}
+                               "kv_mismatches": 0, "kv_stale_hits": 0}
     runner.weights_version = "1"
     with pytest.raises(KVMismatch):
         runner.step(StepPlan(2, [SeqWork(4, [6], 8, [0, 1, 5], True)]))
-    assert runner.checks()["kv_mismatches"] == 1
+    assert runner.checks()["kv_mismatches"] == 1 and runner.checks()["kv_stale_hits"] == 0
+
+
+def test_kv_of_older_weights_is_a_stale_hit():
+    """After load_weights, a prefix computed under the old weights fails verification as stale."""
+    runner, _, _ = make("resumed")
+    prefill(runner)
+    runner.load_weights("v2")
+    with pytest.raises(KVMismatch, match="computed under weights '0'.*stale"):
+        runner.step(HIT)
+    assert runner.checks()["kv_stale_hits"] == 1 and runner.checks()["kv_mismatches"] == 1

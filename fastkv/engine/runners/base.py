@@ -70,6 +70,15 @@ class ModelRunner(ABC):
             raise ValueError(f"tp_size {tp_size} disagrees with layout.tp_size {layout.tp_size}")
         if not 0 <= rank < tp_size:
             raise ValueError(f"rank must be in [0, {tp_size}), got {rank}")
+        self.layout = layout
+        self.rank = rank
+        self.tp_size = tp_size
+        self.set_caches(k_caches, v_caches)
+
+    def set_caches(self, k_caches: Sequence[Any], v_caches: Sequence[Any]) -> None:
+        """(Re)bind the per-layer caches: at construction, and when the worker re-created its
+        device tier after a weight update that freed it."""
+        layout = self.layout
         if len(k_caches) != layout.num_layers or len(v_caches) != layout.num_layers:
             raise ValueError(
                 f"need {layout.num_layers} K and V caches (one per layer), got {len(k_caches)} and {len(v_caches)}"
@@ -83,15 +92,22 @@ class ModelRunner(ABC):
                 raise ValueError(f"{which} has shape {tuple(cache.shape)}, expected {shape0}")
             if _dtype_name(cache) not in _PADDLE_DTYPES[layout.dtype]:
                 raise ValueError(f"{which} has dtype {_dtype_name(cache)}, layout says {layout.dtype}")
-        self.layout = layout
-        self.rank = rank
-        self.tp_size = tp_size
         self.num_device_blocks = shape0[0]
         self.k_caches = list(k_caches)
         self.v_caches = list(v_caches)
         # Zero-copy host views (None on an accelerator): the in-place write path.
         self.k_views = [host_view(c) for c in self.k_caches]
         self.v_views = [host_view(c) for c in self.v_caches]
+
+    def drop_caches(self) -> None:
+        """Let go of every reference to the caches (their memory is about to be freed); no
+        step runs until ``set_caches``."""
+        self.k_caches, self.v_caches, self.k_views, self.v_views = [], [], [], []
+
+    def load_weights(self, weights_version: str) -> None:
+        """Load the weights of ``weights_version`` (the weight-update hook; the caches' contents
+        are dead by then). A runner that cannot reload raises: the update fails loudly."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load new weights")
 
     @abstractmethod
     def step(self, plan: StepPlan) -> StepOutput:

@@ -355,6 +355,7 @@ class SyntheticRunner(ModelRunner):
         self._history: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._last_step_ids: set[int] = set()
         self._checks = dict.fromkeys(VERIFY_COUNTERS, 0)
+        self._old_versions: list[str] = []  # served before, newest first: what a stale hit would match
         self._burn = np.ones((32, 32), np.float32)
 
     def checks(self) -> dict[str, int]:
@@ -423,8 +424,7 @@ class SyntheticRunner(ModelRunner):
             or not np.array_equal(last_table[:n_prev], seq.block_table[:n_prev])
         )
         if self.verify == "all" or (self.verify == "resumed" and (resumed or start > len(known))):
-            cached = verify_seq(self.layout, self.rank, self.k_views, self.v_views, rid, seq.block_table, start,
-                                known, self.weights_version)
+            cached = self._verify(rid, seq.block_table, start, known)
             self._checks["kv_blocks_verified"] += n_prev
             self._checks["kv_requests_verified"] += start > 0
             if len(cached) > len(known):
@@ -441,6 +441,29 @@ class SyntheticRunner(ModelRunner):
                 f"but the request's token there was {int(overlap[i])}"
             )
         return np.concatenate([known[:start], seq.token_ids.astype(np.int64)])
+
+    def _verify(self, rid: int, table: np.ndarray, start: int, known: np.ndarray) -> np.ndarray:
+        """``verify_seq`` under the current weights; KV that verifies under weights this runner
+        served before is a stale hit (counted, and named in the error)."""
+        try:
+            return verify_seq(self.layout, self.rank, self.k_views, self.v_views, rid, table, start, known,
+                              self.weights_version)
+        except KVMismatch as exc:
+            for old in self._old_versions:
+                try:
+                    verify_seq(self.layout, self.rank, self.k_views, self.v_views, rid, table, start, known, old)
+                except KVMismatch:
+                    continue
+                self._checks["kv_stale_hits"] += 1
+                raise KVMismatch(f"request {rid}: its KV was computed under weights {old!r}, the model now runs "
+                                 f"{self.weights_version!r} (a stale hit)") from exc
+            raise
+
+    def load_weights(self, weights_version: str) -> None:
+        """The synthetic model has no weights: its KV bytes and oracle are salted by the version."""
+        if str(weights_version) != self.weights_version:
+            self._old_versions = [self.weights_version, *self._old_versions[:7]]
+            self.weights_version = str(weights_version)
 
     def _busy(self, deadline: float) -> None:
         """Burn CPU until ``deadline`` (perf_counter seconds) with small matmuls: simulated model compute."""

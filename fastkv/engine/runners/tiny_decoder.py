@@ -17,13 +17,15 @@ no float16 kernel.
 
 The model: token embedding, ``num_layers`` blocks of RMSNorm -> GQA attention with RoPE ->
 residual -> RMSNorm -> SwiGLU MLP -> residual, final RMSNorm, untied LM head; weights
-drawn from ``seed``. Tensor parallel over KV heads: rank r owns KV heads [r*h, (r+1)*h)
+drawn from ``seed`` and the weights version (``weights_seed``; ``load_weights`` switches).
+Tensor parallel over KV heads: rank r owns KV heads [r*h, (r+1)*h)
 and their query heads, writes only its KV shard, and the ranks all-gather per-head
 attention outputs before the (replicated) output projection; exact arithmetic makes
 tp=2 bit-identical to tp=1.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -31,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import paddle
+import xxhash
 
 from fastkv.config import KVLayout
 from fastkv.engine.collective import ShmCollective
@@ -75,6 +78,18 @@ def full_weights(cfg: TinyConfig, num_layers: int, total_kv_heads: int, head_dim
     return w
 
 
+def weights_seed(seed: int, weights_version: str) -> int:
+    """The seed of ``weights_version``'s weights: any string, hashed with the config's seed;
+    version "0" (the default) keeps ``seed`` itself."""
+    if str(weights_version) == "0":
+        return seed
+    return xxhash.xxh3_64_intdigest(f"{seed}/{weights_version}".encode()) >> 1
+
+
+def _t(a: np.ndarray) -> paddle.Tensor:
+    return paddle.to_tensor(np.ascontiguousarray(a), dtype="float64")
+
+
 def rope_tables(cfg: TinyConfig, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [max_positions, head_dim // 2] on the 2^-14 grid."""
     inv = cfg.rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
@@ -113,6 +128,7 @@ class TinyDecoderRunner(ModelRunner):
         *,
         config: TinyConfig | None = None,
         collective: ShmCollective | None = None,
+        weights_version: str = "0",
     ) -> None:
         super().__init__(layout, rank, tp_size, k_caches, v_caches)
         self.config = cfg = config or TinyConfig()
@@ -120,30 +136,39 @@ class TinyDecoderRunner(ModelRunner):
         if tp_size > 1 and (collective is None or collective.rank != rank or collective.world_size != tp_size):
             raise ValueError(f"tp_size {tp_size} needs a collective attached as rank {rank} of {tp_size}")
         self.collective = collective
+        D, h = layout.head_dim, layout.kv_heads
+        self.total_kv_heads = h * tp_size
+        self.q_heads = cfg.q_heads(self.total_kv_heads) // tp_size  # this rank's
+        cos, sin = rope_tables(cfg, D)
+        self.cos, self.sin = _t(cos), _t(sin)
+        self.scale = 1.0 / math.sqrt(D)
+        self.load_weights(weights_version)
+
+    def set_caches(self, k_caches: Sequence[Any], v_caches: Sequence[Any]) -> None:
+        super().set_caches(k_caches, v_caches)
         # Numpy caches are wrapped zero-copy so attention can gather blocks in Paddle.
         wrap = lambda c: paddle.utils.dlpack.from_dlpack(c.__dlpack__()) if isinstance(c, np.ndarray) else c
         self.k_caches = [wrap(c) for c in self.k_caches]
         self.v_caches = [wrap(c) for c in self.v_caches]
-        D, h = layout.head_dim, layout.kv_heads
-        self.total_kv_heads = h * tp_size
-        self.q_heads = cfg.q_heads(self.total_kv_heads) // tp_size  # this rank's
+
+    def load_weights(self, weights_version: str) -> None:
+        """This rank's shard of the weights drawn from ``weights_seed(config.seed, weights_version)``."""
+        layout, D, h, rank = self.layout, self.layout.head_dim, self.layout.kv_heads, self.rank
         kv_cols = slice(rank * h * D, (rank + 1) * h * D)
         q_cols = slice(rank * self.q_heads * D, (rank + 1) * self.q_heads * D)
+        cfg = dataclasses.replace(self.config, seed=weights_seed(self.config.seed, weights_version))
         full = full_weights(cfg, layout.num_layers, self.total_kv_heads, D)
-        t = lambda a: paddle.to_tensor(np.ascontiguousarray(a), dtype="float64")
-        self.embed, self.norm, self.lm_head = t(full["embed"]), t(full["norm"]), t(full["lm_head"])
+        self.embed, self.norm, self.lm_head = _t(full["embed"]), _t(full["norm"]), _t(full["lm_head"])
         self.layers = []
         for i in range(layout.num_layers):
             wq, wk, wv = full[f"{i}.wq"][:, q_cols], full[f"{i}.wk"][:, kv_cols], full[f"{i}.wv"][:, kv_cols]
             qkv = np.concatenate([wq, wk, wv], axis=1)
             gate_up = np.concatenate([full[f"{i}.wg"], full[f"{i}.wu"]], axis=1)
             self.layers.append(
-                dict(ln1=t(full[f"{i}.ln1"]), qkv=t(qkv), wo=t(full[f"{i}.wo"]), ln2=t(full[f"{i}.ln2"]),
-                     gate_up=t(gate_up), wd=t(full[f"{i}.wd"]))
+                dict(ln1=_t(full[f"{i}.ln1"]), qkv=_t(qkv), wo=_t(full[f"{i}.wo"]), ln2=_t(full[f"{i}.ln2"]),
+                     gate_up=_t(gate_up), wd=_t(full[f"{i}.wd"]))
             )
-        cos, sin = rope_tables(cfg, D)
-        self.cos, self.sin = t(cos), t(sin)
-        self.scale = 1.0 / math.sqrt(D)
+        self.weights_version = str(weights_version)
 
     # -- one step ---------------------------------------------------------------------
     def step(self, plan: StepPlan) -> StepOutput:
