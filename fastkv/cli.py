@@ -318,6 +318,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fastkv-supervisor", description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,  # a typo such as --storag is an error, never silently another flag
         epilog="Writes <out>/summary.json, results.jsonl, report.json, report.png and logs/.")
     a = p.add_argument
     a("--config", metavar="FILE", help="TOML or JSON file of settings (flags override it)")

@@ -119,6 +119,13 @@ def test_cli_reports_bad_values_as_usage_errors(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
+def test_a_misspelt_flag_is_an_error_not_another_flag(tmp_path, capsys):
+    """argparse would take --storag for --storage; a typo must be named, not guessed."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--storag", "none", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "unrecognized arguments: --storag none" in capsys.readouterr().err
+
+
 def test_prepare_writes_workload_with_mode_and_spec(tmp_path):
     wl = tmp_path / "mine.jsonl"
     wl.write_text(json.dumps({"id": "a", "arrival_s": 0, "prompt": [1, 2, 3], "max_new_tokens": 2}) + "\n")
