@@ -29,7 +29,7 @@ with the same tokens whatever the preemption mode and tiers; ``outputs_correct``
 synthetic runner, every run's outputs equal the synthetic model's, computed from the prompts
 without any cache (its next token depends on the KV it reads, so wrong KV shows here); null
 with another runner. ``--quick``: the quick demo. ``--workload``: another workload (as
-fastkv-supervisor's), e.g. the mixed short/long one of ``scripts/mixed_workload.py``.
+fastkv-supervisor's ``--workload``).
 """
 from __future__ import annotations
 
