@@ -124,6 +124,10 @@ class JobConfig:
         if self.runner == "synthetic" and self.head_dim <= 8:
             raise ValueError(f"the synthetic runner needs head_dim > 8, got {self.head_dim}")
         self._check_scheduler()
+        if self.runner == "synthetic" and self.runner_options.get("cost_model"):
+            from fastkv.engine.runners.cost_model import deployment
+
+            deployment(self.runner_options["cost_model"])  # an unknown name fails here, naming the choices
         if self.runner == "tiny":
             try:
                 self.tiny_config().check(self.layout())
@@ -265,13 +269,21 @@ class JobConfig:
             demo.check_request(req, self.vocab())
         return requests
 
+    def full_runner_options(self) -> dict[str, Any]:
+        """The runner's defaults under the job's options; a cost model replaces the default
+        flat cost per token."""
+        defaults = dict(DEFAULT_RUNNER_OPTIONS[self.runner])
+        if self.runner_options.get("cost_model"):
+            defaults.pop("compute_us_per_token", None)
+        return {**defaults, **self.runner_options}
+
     def to_spec(self, run_id: str, out_dir: Path):
         from fastkv.run import RunSpec
 
         return RunSpec(
             run_id=run_id, layout=self.layout(), num_device_blocks=self.device_blocks,
             num_host_blocks=self.host_blocks, storage_url=self.storage_url(out_dir), runner=self.runner,
-            runner_options={**DEFAULT_RUNNER_OPTIONS[self.runner], **self.runner_options},
+            runner_options=self.full_runner_options(),
             cache_policy=self.cache_policy, host_checksums=self.host_checksums, scheduler=dict(self.scheduler),
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,

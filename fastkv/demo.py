@@ -30,7 +30,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-PREEMPTION_MODES = ("recompute", "offload", "storage")
+PREEMPTION_MODES = ("recompute", "offload", "storage", "auto")
 TOKEN_ID_LIMIT = 1 << 31  # token ids are int32 on the way to the model
 # Package data (setup.py): its license and a description of the fields are beside it in fastkv/data.
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_trace.jsonl.gz"

@@ -1,28 +1,35 @@
 #!/usr/bin/env python
 """End to end: the demo workload under memory pressure through the whole system (supervisor,
-engine, workers, transfer processes), once per preemption mode, side by side.
+engine, workers, transfer processes), once per preemption mode, side by side, under a cost
+model of a named GPU deployment.
 
 Runs (same workload, same capacities, fresh LMDB store each):
 
-- ``recompute``: preemption by recompute as the prior art does it (FastDeploy's ResourceManagerV1,
-  vLLM v1): prefix reuse only from the device tier (``host_blocks 0``, no storage tier);
-- ``offload`` and ``storage``: fastkv's preemption modes, with the host tier (and LMDB);
-- ``recompute + host cache``: fastkv's recompute beside its host prefix cache, for reference
-  (re-admission swaps the preempted request's full blocks back in; only partial blocks recompute).
+- ``recompute_device_only``: recompute as vLLM v1 does it: prefix reuse from the device tier only
+  (``host_blocks 0``, no storage tier);
+- ``recompute``: the best recompute, beside the same host and storage tiers as the other modes
+  (FastDeploy's way: re-admission swaps the victim's cached blocks back in, only the rest recomputes);
+- ``offload``, ``storage``, ``auto``: fastkv's preemption modes, with the same tiers.
+
+The synthetic runner burns the step time of ``--cost-model`` (``fastkv.engine.runners.cost_model``:
+a roofline of Llama-3-8B on an H100 SXM, scaled so that compute per token against this machine's
+copy time per token of KV is the deployment's compute against its PCIe copy). The copy bandwidth
+it scales by is measured once here and given to every run, so that all runs simulate the same
+compute. ``--cost-model flat`` keeps the runner's flat 300 us per token.
 
 Prints tokens/s, recomputed tokens, time to first token, hit ratio per tier and preemptions
 per run, then, as the LAST line:
 
-    {"bench": "e2e", "tokens_per_s": {"recompute": ..., "offload": ..., "storage": ...},
-     "recomputed_tokens": {...same keys}, "outputs_identical": true|false, "outputs_correct": true|false|null,
-     "verified": {...same keys: what the runner verified}}
+    {"bench": "e2e", "cost_model": NAME, "copy_gbps": ..., "tokens_per_s": {"recompute_device_only": ...,
+     "recompute": ..., "offload": ..., "storage": ..., "auto": ...}, "recomputed_tokens": {...same keys},
+     "outputs_identical": true|false, "outputs_correct": true|false|null, "verified": {...same keys}}
 
 with ``outputs_identical`` over every run: every request finished
 with the same tokens whatever the preemption mode and tiers; ``outputs_correct``: with the
 synthetic runner, every run's outputs equal the synthetic model's, computed from the prompts
 without any cache (its next token depends on the KV it reads, so wrong KV shows here); null
-with another runner. ``--quick``: the quick demo
-(target: < 3 minutes on the development machine).
+with another runner. ``--quick``: the quick demo. ``--workload``: another workload (as
+fastkv-supervisor's ``--workload``).
 """
 from __future__ import annotations
 
@@ -39,19 +46,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fastkv import report  # noqa: E402
 from fastkv.cli import JobConfig, prepare  # noqa: E402
 from fastkv.demo import read_workload  # noqa: E402
+from fastkv.engine.runners.cost_model import DEPLOYMENTS, LLAMA3_8B_H100, measure_copy_bandwidth  # noqa: E402
 from fastkv.supervisor import Supervisor  # noqa: E402
 
-MODES = ("recompute", "offload", "storage")
 SMOKE_DEMO = {"conversations": 2, "turns": 2, "system_tokens": 32, "user_tokens": (8, 16), "reply_tokens": 8,
               "max_new_tokens": 16}
 
+# label (the JSON key) -> (preemption mode, host and storage tiers on)
+RUNS = {"recompute_device_only": ("recompute", False), "recompute": ("recompute", True),
+        "offload": ("offload", True), "storage": ("storage", True), "auto": ("auto", True)}
 
-# (label, preemption mode, host tier on); the first three labels are the JSON keys (MODES)
-RUNS = [("recompute", "recompute", False), ("offload", "offload", True), ("storage", "storage", True),
-        ("recompute + host cache", "recompute", True)]
 
-
-def run_one(base: JobConfig, label: str, mode: str, host: bool, out: Path, entries: dict[str, str]) -> dict:
+def run_one(base: JobConfig, label: str, out: Path, entries: dict[str, str]) -> dict:
+    mode, host = RUNS[label]
     cfg = JobConfig(**{**base.__dict__, "preemption": mode, "host_blocks": base.host_blocks if host else 0,
                        "storage": base.storage if host else "none", "out": str(out)})
     spec, workload = prepare(cfg)
@@ -90,22 +97,31 @@ def main() -> int:
     p.add_argument("--device-blocks", type=int, default=JobConfig.device_blocks)
     p.add_argument("--host-blocks", type=int, default=JobConfig.host_blocks)
     p.add_argument("--storage", default="default", help="storage URL for every run (default: fresh LMDB per run)")
+    p.add_argument("--cost-model", default=LLAMA3_8B_H100.name, choices=[*DEPLOYMENTS, "flat"],
+                   help="the deployment the synthetic runner simulates (flat: 300 us per token)")
+    p.add_argument("--copy-gbps", type=float, default=0.0, help="this machine's copy bandwidth (0: measure it)")
+    p.add_argument("--workload", default="demo", help="as fastkv-supervisor's --workload")
     p.add_argument("--out", help="keep each run's output here (default: a temporary directory, removed)")
     p.add_argument("--entry", action="append", default=[], metavar="ROLE=MODULE:FUNC", help="as fastkv-supervisor")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message="No ccache found")
     entries = dict(e.split("=", 1) for e in args.entry)
+    options: dict = {}
+    if args.runner == "synthetic" and args.cost_model != "flat":
+        gbps = args.copy_gbps or round(measure_copy_bandwidth() / 1e9, 2)
+        options = {"cost_model": args.cost_model, "copy_gbps": gbps}
     base = JobConfig(runner=args.runner, tp=args.tp, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-                     storage=args.storage, quick=args.quick or args.smoke, demo=SMOKE_DEMO if args.smoke else {})
+                     storage=args.storage, quick=args.quick or args.smoke, demo=SMOKE_DEMO if args.smoke else {},
+                     workload=args.workload, runner_options=options)
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fastkv-bench-e2e-"))
     print(f"demo workload: {len(base.requests())} requests; {args.runner} runner, tp {args.tp}, "
-          f"{args.device_blocks} device / {args.host_blocks} host blocks per rank", flush=True)
+          f"{base.device_blocks} device / {args.host_blocks} host blocks per rank; cost model "
+          f"{options.get('cost_model', 'flat')} at {options.get('copy_gbps', '-')} GB/s of copies here", flush=True)
     results: dict[str, dict] = {}
     try:
-        for label, mode, host in RUNS:
+        for label in RUNS:
             print(f"running {label} ...", flush=True)
-            results[label] = run_one(base, label, mode, host, root / label.replace(" + ", "-").replace(" ", "-"),
-                                     entries)
+            results[label] = run_one(base, label, root / label, entries)
     finally:
         if not args.out:
             shutil.rmtree(root, ignore_errors=True)
@@ -119,16 +135,21 @@ def main() -> int:
     identical = finished and all(o == outputs[0] for o in outputs)
     correct = [d.get("outputs_correct") for d in results.values()]
     correct = None if None in correct else all(correct)
-    speedup = results["offload"]["tokens_per_s"] / max(results["recompute"]["tokens_per_s"], 1e-9)
-    print(f"\noffload / recompute throughput: {speedup:.2f}x; outputs identical across runs: {identical}; "
+    tps = {m: round(d["tokens_per_s"], 1) for m, d in results.items()}
+    best_fixed = max(v for m, v in tps.items() if m != "auto")
+    print(f"\noffload / recompute {tps['offload'] / max(tps['recompute'], 1e-9):.2f}x, / recompute_device_only "
+          f"{tps['offload'] / max(tps['recompute_device_only'], 1e-9):.2f}x; auto / best fixed mode "
+          f"{tps['auto'] / max(best_fixed, 1e-9):.2f}x; outputs identical across runs: {identical}; "
           f"equal to the synthetic model's (computed without a cache): {correct}")
     print(json.dumps({
         "bench": "e2e",
-        "tokens_per_s": {m: round(results[m]["tokens_per_s"], 1) for m in MODES},
-        "recomputed_tokens": {m: results[m]["recomputed_tokens"] for m in MODES},
+        "cost_model": options.get("cost_model", "flat"),
+        "copy_gbps": options.get("copy_gbps", 0.0),
+        "tokens_per_s": tps,
+        "recomputed_tokens": {m: d["recomputed_tokens"] for m, d in results.items()},
         "outputs_identical": identical,
         "outputs_correct": correct,
-        "verified": {m: results[m].get("verified") for m in MODES},
+        "verified": {m: d.get("verified") for m, d in results.items()},
     }))
     return 0
 

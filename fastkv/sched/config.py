@@ -32,6 +32,7 @@ class SchedulerConfig:
     block_bytes: int | None = None  # None: the cache layout's block_bytes
     copy_bandwidth: float = 16e9  # bytes / s
     prefill_rate: float = 8000.0  # tokens / s
+    copy_latency_s: float = 1e-4  # per copy task: bench_swap's empty task round trip on the dev machine
     cost_alpha: float = 0.2
 
     def __post_init__(self) -> None:
@@ -49,5 +50,6 @@ class SchedulerConfig:
             raise ValueError("SchedulerConfig: need 0 <= reserve_min_blocks <= reserve_init_blocks")
         if not 0 < self.reserve_decay <= 1:
             raise ValueError(f"SchedulerConfig.reserve_decay must be in (0, 1], got {self.reserve_decay}")
-        if self.copy_bandwidth <= 0 or self.prefill_rate <= 0 or not 0 < self.cost_alpha <= 1:
-            raise ValueError("SchedulerConfig: copy_bandwidth and prefill_rate must be > 0, cost_alpha in (0, 1]")
+        if min(self.copy_bandwidth, self.prefill_rate) <= 0 or not 0 < self.cost_alpha <= 1 or self.copy_latency_s < 0:
+            raise ValueError("SchedulerConfig: copy_bandwidth and prefill_rate must be > 0, cost_alpha in (0, 1], "
+                             "copy_latency_s >= 0")

@@ -4,6 +4,11 @@ Offloading a victim costs two copies of its blocks (out now, in at resume); reco
 costs a prefill of its computed tokens. Both rates are exponentially weighted moving
 averages of what the engine measured (``observe_copy`` from transfer completions,
 ``observe_prefill`` from steps), starting from configured priors.
+
+A copy also costs a fixed ``copy_latency`` per task (the transfer path's round trip, which
+bench_swap measures as ``empty_task_rtt_us``): that is what makes the choice depend on the
+victim's context. A short context recomputes in less time than two round trips; a long one
+copies faster than it recomputes. The bandwidth estimate leaves the latency out.
 """
 from __future__ import annotations
 
@@ -18,17 +23,19 @@ class CostModel:
     alpha: float = 0.2  # weight of a new measurement
     copy_samples: int = 0
     prefill_samples: int = 0
+    copy_latency: float = 0.0  # seconds per copy task, whatever its size
 
     def __post_init__(self) -> None:
-        if self.copy_bandwidth <= 0 or self.prefill_rate <= 0 or not 0 < self.alpha <= 1:
+        if self.copy_bandwidth <= 0 or self.prefill_rate <= 0 or not 0 < self.alpha <= 1 or self.copy_latency < 0:
             raise ValueError(f"CostModel: bandwidth {self.copy_bandwidth} and prefill rate {self.prefill_rate} "
-                             f"must be > 0 and alpha {self.alpha} in (0, 1]")
+                             f"must be > 0, alpha {self.alpha} in (0, 1] and copy latency {self.copy_latency} >= 0")
 
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         if nbytes < 0 or seconds < 0:
             raise ValueError(f"observe_copy: negative bytes {nbytes} or seconds {seconds}")
-        if nbytes == 0 or seconds == 0:
-            return  # nothing measurable (a control task, or a clock too coarse)
+        seconds -= self.copy_latency
+        if nbytes == 0 or seconds <= 0:
+            return  # nothing measurable (a control task, a clock too coarse, or all latency)
         a = self.alpha if self.copy_samples else 1.0  # the first measurement replaces the prior
         self.copy_bandwidth += a * (nbytes / seconds - self.copy_bandwidth)
         self.copy_samples += 1
@@ -43,7 +50,7 @@ class CostModel:
         self.prefill_samples += 1
 
     def offload_seconds(self, num_blocks: int) -> float:
-        return 2.0 * num_blocks * self.block_bytes / self.copy_bandwidth
+        return 2.0 * (self.copy_latency + num_blocks * self.block_bytes / self.copy_bandwidth)
 
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_rate

@@ -64,7 +64,8 @@ class Scheduler:
         block_bytes = cfg.block_bytes or (layout.block_bytes if layout is not None else 0)
         if cfg.preemption is PreemptionMode.AUTO and not block_bytes:
             raise ValueError("auto preemption needs block_bytes (SchedulerConfig.block_bytes or a cache layout)")
-        self.cost = CostModel(block_bytes, cfg.copy_bandwidth, cfg.prefill_rate, cfg.cost_alpha)
+        self.cost = CostModel(block_bytes, cfg.copy_bandwidth, cfg.prefill_rate, cfg.cost_alpha,
+                              copy_latency=cfg.copy_latency_s)
         self.stats = SchedulerStats()
         self.requests: dict[int, Request] = {}  # every unfinished request
         self.waiting = WaitingQueue(cfg.policy)  # WAITING and OFFLOADED

@@ -52,8 +52,9 @@ def test_run_id_of_a_live_run(tmp_path):
 @pytest.mark.parametrize("table, message", [
     ({"scheduler": {"max_seqs": 4}}, "unknown scheduler settings ['max_seqs']; known: ["),
     ({"runner_options": {"verfy": "all"}}, "unknown runner_options ['verfy'] for the synthetic runner; known: "
-                                           "['compute_us_per_token', 'max_tracked_requests', 'step_us', 'verify', "
-                                           "'vocab', 'weights_version']"),
+                                           "['compute_us_per_token', 'copy_gbps', 'cost_model', "
+                                           "'max_tracked_requests', 'step_us', 'verify', 'vocab', "
+                                           "'weights_version']"),
     ({"runner": "tiny", "runner_options": {"config": {"hiden": 64}}}, "unknown runner_options.config settings "
                                                                       "['hiden']; known: ["),
 ])

@@ -107,7 +107,7 @@ def test_auto_offloads_when_copies_are_cheaper_and_recomputes_when_not():
     assert fast.sched.stats.preempt_offload == 1
     slow = rig(preemption=M.AUTO, copy_bandwidth=1e12, prefill_rate=1e3)
     slow.sched.observe_copy(1 << 20, 1.0)  # measured: 1 MiB/s, so 2 x 3 blocks of 1 MiB take 6 s
-    assert slow.sched.cost.copy_bandwidth == 1 << 20
+    assert slow.sched.cost.copy_bandwidth == pytest.approx(1 << 20, rel=1e-3)  # less the task latency
     two_requests(slow)
     step_until_preempted(slow)
     assert slow.sched.stats.preempt_recompute == 1 and slow.sched.stats.preempt_offload == 0

@@ -38,6 +38,7 @@ import xxhash
 
 from fastkv.config import KVLayout
 from fastkv.engine.runners.base import ModelRunner
+from fastkv.engine.runners.cost_model import ScaledCostModel, deployment, measure_copy_bandwidth
 from fastkv.engine.step import StepOutput, StepPlan, validate_plan
 from fastkv.run import VERIFY_COUNTERS
 
@@ -318,7 +319,10 @@ class SyntheticRunner(ModelRunner):
     for a sequence that did not run in this runner's previous step (new, with or without a
     prefix hit, preempted, restored) or whose block table changed; "off" never.
     ``compute_us_per_token`` and ``step_us`` burn CPU (busy math, not sleep) to model prefill
-    and per-step cost. ``checks()`` counts what was verified and read.
+    and per-step cost; ``cost_model`` names a GPU deployment (``cost_model.DEPLOYMENTS``) whose
+    roofline step time, scaled to this machine's copy bandwidth (``copy_gbps``, 0: measured
+    here), is burnt instead of ``compute_us_per_token``. ``checks()`` counts what was verified
+    and read.
     """
 
     def __init__(
@@ -334,6 +338,8 @@ class SyntheticRunner(ModelRunner):
         weights_version: str = "0",
         compute_us_per_token: float = 0.0,
         step_us: float = 0.0,
+        cost_model: str = "",
+        copy_gbps: float = 0.0,
         max_tracked_requests: int = 65536,
     ) -> None:
         super().__init__(layout, rank, tp_size, k_caches, v_caches)
@@ -350,6 +356,12 @@ class SyntheticRunner(ModelRunner):
         self.weights_version = str(weights_version)
         self.compute_us_per_token = float(compute_us_per_token)
         self.step_us = float(step_us)
+        self.cost = None
+        if cost_model:
+            if self.compute_us_per_token:
+                raise ValueError("give the synthetic runner compute_us_per_token or cost_model, not both")
+            self.cost = ScaledCostModel.calibrate(deployment(cost_model), layout.block_bytes // layout.block_size,
+                                                  copy_gbps * 1e9 if copy_gbps > 0 else measure_copy_bandwidth())
         self.max_tracked_requests = max_tracked_requests
         # request id -> (tokens whose KV this runner knows, block table of its last step)
         self._history: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
@@ -393,9 +405,13 @@ class SyntheticRunner(ModelRunner):
                 self.k_views[layer][blk, :, slot, :] = rows[layer, 0].transpose(1, 0, 2)
                 self.v_views[layer][blk, :, slot, :] = rows[layer, 1].transpose(1, 0, 2)
         sampled = self._sample([s for s in plan.seqs if s.sample])
-        n_tokens = sum(len(t) for t in toks)
-        self._busy(t0 + (self.step_us + self.compute_us_per_token * n_tokens) * 1e-6)
+        self._busy(t0 + self.step_us * 1e-6 + self._compute_seconds(plan))
         return StepOutput(plan.step_id, sampled, time.perf_counter() - t0)
+
+    def _compute_seconds(self, plan: StepPlan) -> float:
+        if self.cost is not None:
+            return self.cost.step_seconds((s.start_pos, s.end_pos) for s in plan.seqs)
+        return self.compute_us_per_token * 1e-6 * sum(s.end_pos - s.start_pos for s in plan.seqs)
 
     def _sample(self, seqs: list) -> dict[int, int]:
         """The oracle over each sequence's whole context, read through its block table (one gather)."""

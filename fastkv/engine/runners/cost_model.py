@@ -1,0 +1,140 @@
+"""A roofline cost model of a named GPU deployment, for the synthetic runner's simulated compute.
+
+The synthetic runner burns CPU to stand for model compute. A flat cost per token says nothing
+about a GPU: a GPU prefills tokens in parallel (compute bound), while a decode step reads all
+the weights and the KV it attends over (bandwidth bound). This model times a step as
+
+    max(FLOPs / achievable compute, bytes / achievable HBM bandwidth)
+
+with FLOPs = 2 x matmul parameters per new token, plus attention (QK^T and AV) over each new
+token's context; bytes = the weights once per step, plus the KV each sequence reads.
+
+Copies are not simulated: the engine's host <-> device copies are this machine's real copies.
+So that compute and copies keep the deployment's proportions, the runner multiplies the GPU's
+step time by ``scale``: (this machine's copy time per token of KV) / (the deployment's PCIe
+copy time per token of KV). Then simulated compute per token / local copy time per token =
+GPU compute per token / PCIe copy time per token, which is what decides recompute against
+offload.
+
+Public constants (dense bf16, no sparsity):
+
+- Llama-3-8B (Meta's model card and config.json): 32 layers, hidden 4096, 32 query heads and 8
+  KV heads of 128 (GQA), MLP 14336 (SwiGLU, three matrices), vocab 128256, untied embeddings;
+  8.03 B parameters. KV per token: 2 x 32 x 8 x 128 x 2 bytes = 128 KiB.
+- H100 SXM5 (NVIDIA H100 datasheet): 989 TFLOPS dense BF16 tensor core, 3.35 TB/s HBM3, host
+  link PCIe Gen5 x16 at 64 GB/s per direction.
+- Achievable fractions (assumptions, not specs): 50 % of peak FLOPs in prefill (the MFU large
+  prefill batches reach), 80 % of HBM and of PCIe bandwidth. They put a prefill token at
+  ~30 us and its KV copy at ~2.6 us each way, the figures issue 15 quotes.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A dense GQA transformer in bf16 on one GPU (tensor parallel 1)."""
+
+    name: str
+    layers: int
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    peak_flops: float  # FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    pcie_bandwidth: float  # bytes/s, one direction
+    mfu: float = 0.5
+    hbm_efficiency: float = 0.8
+    pcie_efficiency: float = 0.8
+    dtype_bytes: int = 2
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters a token multiplies through: every layer's projections and the LM head."""
+        attn = self.hidden * self.head_dim * (2 * self.q_heads + 2 * self.kv_heads)
+        return self.layers * (attn + 3 * self.hidden * self.ffn) + self.vocab * self.hidden
+
+    @property
+    def weight_bytes(self) -> int:
+        """All parameters (input embedding included: a decode step reads rows of it, counted whole)."""
+        return (self.matmul_params + self.vocab * self.hidden) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def step_seconds(self, seqs: Iterable[tuple[int, int]]) -> float:
+        """GPU time of one step over sequences given as (start_pos, end_pos): positions
+        start..end-1 are computed, attending over 0..end-1. An empty step costs nothing."""
+        flops = 0.0
+        kv_read = 0
+        for start, end in seqs:
+            n = end - start
+            if n <= 0:
+                continue
+            # Each new token at position p attends to p + 1 positions: 4 FLOPs per (query head, dim).
+            attended = n * (start + end + 1) / 2
+            flops += 2.0 * self.matmul_params * n + 4.0 * self.layers * self.q_heads * self.head_dim * attended
+            kv_read += end * self.kv_bytes_per_token
+        if not flops:
+            return 0.0
+        return max(flops / (self.peak_flops * self.mfu),
+                   (self.weight_bytes + kv_read) / (self.hbm_bandwidth * self.hbm_efficiency))
+
+    def copy_seconds_per_token(self) -> float:
+        """One direction of one token's KV over the host link."""
+        return self.kv_bytes_per_token / (self.pcie_bandwidth * self.pcie_efficiency)
+
+
+LLAMA3_8B_H100 = Deployment(
+    name="llama3-8b-h100-sxm", layers=32, hidden=4096, q_heads=32, kv_heads=8, head_dim=128, ffn=14336,
+    vocab=128256, peak_flops=989e12, hbm_bandwidth=3.35e12, pcie_bandwidth=64e9,
+)
+DEPLOYMENTS = {d.name: d for d in (LLAMA3_8B_H100,)}
+
+
+def deployment(name: str) -> Deployment:
+    if name not in DEPLOYMENTS:
+        raise ValueError(f"unknown cost model {name!r}; choose one of {sorted(DEPLOYMENTS)}")
+    return DEPLOYMENTS[name]
+
+
+def measure_copy_bandwidth(nbytes: int = 16 << 20, repeats: int = 5) -> float:
+    """This machine's contiguous copy bandwidth (bytes/s, best of ``repeats``): the ceiling the
+    swap op reaches within 10 % (bench_swap). Best-of, so load from other processes lowers it
+    less; pass a fixed figure (runner option ``copy_gbps``) to compare runs."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+@dataclass(frozen=True)
+class ScaledCostModel:
+    """A deployment's step times, scaled to this machine's copies (module docstring)."""
+
+    deployment: Deployment
+    scale: float
+
+    @classmethod
+    def calibrate(cls, dep: Deployment, local_kv_bytes_per_token: int, copy_bandwidth: float) -> ScaledCostModel:
+        if local_kv_bytes_per_token <= 0 or copy_bandwidth <= 0:
+            raise ValueError(f"need KV bytes per token ({local_kv_bytes_per_token}) and copy bandwidth "
+                             f"({copy_bandwidth}) > 0")
+        local = local_kv_bytes_per_token / copy_bandwidth
+        return cls(dep, local / dep.copy_seconds_per_token())
+
+    def step_seconds(self, seqs: Iterable[tuple[int, int]]) -> float:
+        return self.scale * self.deployment.step_seconds(seqs)

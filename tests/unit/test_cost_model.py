@@ -1,0 +1,67 @@
+"""The roofline cost model of a named deployment, and the synthetic runner burning its scaled step time."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastkv.cli import JobConfig
+from fastkv.engine.runners.cost_model import LLAMA3_8B_H100, ScaledCostModel, deployment
+from fastkv.engine.step import SeqWork, StepPlan
+from tests.unit.test_synthetic_runner import layout, make
+
+D = LLAMA3_8B_H100
+
+
+def test_deployment_matches_the_public_model_card():
+    assert D.weight_bytes / 2 == pytest.approx(8.03e9, rel=0.01)  # Llama-3-8B: 8.03 B parameters
+    assert D.kv_bytes_per_token == 128 * 1024
+    assert deployment("llama3-8b-h100-sxm") is D
+    with pytest.raises(ValueError, match="unknown cost model 'a100'; choose one of"):
+        deployment("a100")
+
+
+def test_prefill_is_compute_bound_and_decode_bandwidth_bound():
+    per_prefill_token = D.step_seconds([(0, 2048)]) / 2048
+    assert 25e-6 < per_prefill_token < 40e-6  # the ~30 us issue 15 quotes for an 8B GQA model on an H100
+    # A decode step reads every weight: batch 1 and batch 8 cost about the same, weights / HBM.
+    one = D.step_seconds([(999, 1000)])
+    eight = D.step_seconds([(999, 1000)] * 8)
+    assert one == pytest.approx(D.weight_bytes / (D.hbm_bandwidth * D.hbm_efficiency), rel=0.01)
+    assert one < eight < 1.1 * one
+    # Attention: the same chunk costs more late in a long context than at its start.
+    assert D.step_seconds([(16000, 18048)]) > 1.2 * D.step_seconds([(0, 2048)])
+    assert D.step_seconds([]) == 0.0
+
+
+def test_scaling_keeps_the_ratio_of_compute_to_copy_per_token():
+    local_bytes, local_bw = 4096, 8e9
+    m = ScaledCostModel.calibrate(D, local_bytes, local_bw)
+    prefill = [(0, 1024)]
+    local_ratio = m.step_seconds(prefill) / 1024 / (local_bytes / local_bw)
+    gpu_ratio = D.step_seconds(prefill) / 1024 / (D.kv_bytes_per_token / (D.pcie_bandwidth * D.pcie_efficiency))
+    assert local_ratio == pytest.approx(gpu_ratio)
+    assert 8 < gpu_ratio < 16  # ~30 us of compute against ~2.6 us of PCIe per token
+    with pytest.raises(ValueError, match="copy bandwidth"):
+        ScaledCostModel.calibrate(D, local_bytes, 0)
+
+
+def test_runner_burns_the_scaled_step_time():
+    runner, _, _ = make(layout("float32"), cost_model=D.name, copy_gbps=0.05)
+    plan = StepPlan(0, [SeqWork(1, np.arange(40) % 7, 0, np.arange(10), True)])
+    want = runner.cost.step_seconds([(0, 40)])
+    assert want > 0.02  # a slow copy makes compute slow too
+    out = runner.step(plan)
+    assert out.seconds >= want
+
+
+def test_runner_takes_a_cost_model_or_a_flat_cost_not_both():
+    with pytest.raises(ValueError, match="compute_us_per_token or cost_model, not both"):
+        make(cost_model=D.name, compute_us_per_token=300.0)
+
+
+def test_job_config_replaces_the_flat_default_and_rejects_unknown_names():
+    opts = JobConfig(runner_options={"cost_model": D.name}).full_runner_options()
+    assert opts["cost_model"] == D.name and "compute_us_per_token" not in opts
+    assert JobConfig().full_runner_options()["compute_us_per_token"] == 300.0
+    with pytest.raises(ValueError, match="unknown cost model 'h100'"):
+        JobConfig(runner_options={"cost_model": "h100"})

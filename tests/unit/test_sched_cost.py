@@ -1,0 +1,43 @@
+"""Auto preemption's cost model chooses per request: short contexts recompute, long ones copy."""
+from __future__ import annotations
+
+import pytest
+
+from fastkv.sched.config import SchedulerConfig
+from fastkv.sched.cost import CostModel
+
+BLOCK = 16
+BLOCK_BYTES = 64 << 10
+
+
+def model(**kw) -> CostModel:
+    # ~5 us of prefill per token, 10 GB/s copies, 200 us per copy task: the cost-model runner here
+    return CostModel(BLOCK_BYTES, 10e9, 200_000.0, copy_latency=200e-6, **kw)
+
+
+def choice(m: CostModel, tokens: int) -> bool:
+    return m.prefer_offload(tokens, -(-tokens // BLOCK))
+
+
+def test_short_contexts_recompute_and_long_ones_offload():
+    m = model()
+    assert not choice(m, 32)  # 160 us of prefill against two 200 us round trips
+    assert choice(m, 2048)  # 10 ms of prefill against ~1.1 ms of copies
+    # The break-even point lies between, and the choice flips once.
+    flips = [choice(m, n) for n in range(16, 2048, 16)]
+    assert flips == sorted(flips)
+
+
+def test_bandwidth_estimate_leaves_the_per_task_latency_out():
+    m = model()
+    nbytes = 1 << 20
+    m.observe_copy(nbytes, 200e-6 + nbytes / 4e9)
+    assert m.copy_bandwidth == pytest.approx(4e9)
+    m.observe_copy(nbytes, 150e-6)  # faster than the latency: nothing to learn about bandwidth
+    assert m.copy_bandwidth == pytest.approx(4e9) and m.copy_samples == 1
+
+
+def test_scheduler_config_carries_the_latency_prior():
+    assert SchedulerConfig().copy_latency_s > 0
+    with pytest.raises(ValueError, match="copy_latency_s >= 0"):
+        SchedulerConfig(copy_latency_s=-1.0)
