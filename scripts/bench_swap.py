@@ -14,6 +14,11 @@ inbox until the ack completes it, again and again. ``task_rtt_us`` is the median
 of a 1-block SWAP_OUT (2 MiB moved); the table adds an empty task (the IPC and dispatch
 cost alone) and p99s.
 
+Lanes: ``lane_p99_ratio`` is the p99 of a 1-block SWAP_IN while a 64 MiB STORE to a
+throttled backend (LMDB behind a 256 MB/s limit, as a remote store is slow) runs in the
+same rank, resubmitted whenever it completes, over the p99 of the same SWAP_IN alone. With
+one loop per rank a SWAP_IN waits for the whole STORE; with lanes it runs beside it.
+
 The last line is the issue's JSON.
 """
 from __future__ import annotations
@@ -23,8 +28,10 @@ import ctypes
 import json
 import multiprocessing as mp
 import os
+import tempfile
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -69,50 +76,70 @@ def copy_loop(device: DeviceTier, host: HostTier, src: np.ndarray, dst: np.ndarr
             host.array[d, layer, 1] = device.v_arrays[layer][s]
 
 
-def task_rtt(layout: KVLayout, reps: int) -> dict[str, float]:
-    """Round trips (us) of tasks through one real transfer process: p50/p99 of a 1-block
-    SWAP_OUT and of an empty task."""
+class Throttled:
+    """A storage backend limited to ``bytes_per_s`` (sleeping after each batch, as a
+    network round trip waits: the GIL is free meanwhile)."""
+
+    def __init__(self, store, bytes_per_s: float) -> None:
+        self.store, self.bytes_per_s = store, bytes_per_s
+
+    def _throttle(self, t0: float, blocks: int, block_bytes: int) -> None:
+        time.sleep(max(0.0, blocks * block_bytes / self.bytes_per_s - (time.perf_counter() - t0)))
+
+    def put(self, keys, host, block_ids):
+        t0 = time.perf_counter()
+        out = self.store.put(keys, host, block_ids)
+        self._throttle(t0, len(keys), host[0].nbytes)
+        return out
+
+    def get(self, keys, host, block_ids):
+        t0 = time.perf_counter()
+        out = self.store.get(keys, host, block_ids)
+        self._throttle(t0, len(keys), host[0].nbytes)
+        return out
+
+    @property
+    def stats(self):
+        return self.store.stats
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def throttled_transfer_main(spec_json: str, rank: int, bytes_per_s: float) -> int:
+    """transfer[rank] whose storage backend is ``Throttled``."""
+    from fastkv.transfer import executor
+
+    opened = executor.open_store
+    executor.open_store = lambda *a, **kw: Throttled(opened(*a, **kw), bytes_per_s)
+    return process.main(spec_json, rank)
+
+
+@contextmanager
+def transfer_rank(layout: KVLayout, num_host_blocks: int = 8, storage_url: str = "", bytes_per_s: float = 0.0):
+    """(spec, ends, client) of a run with one real transfer process (spawned as the supervisor starts it)."""
     ns = Namespace.create()
-    spec = RunSpec(run_id=ns.run_id, layout=layout, num_device_blocks=8, num_host_blocks=8, ops_threads=1)
+    spec = RunSpec(run_id=ns.run_id, layout=layout, num_device_blocks=8, num_host_blocks=num_host_blocks,
+                   ops_threads=1, storage_url=storage_url)
     tiers, proc, ends = [], None, None
     try:
         create_run(ns, spec)
         ns.record("shm", "kvdev0")
         tiers.append(DeviceTier.create(spec.tier_prefix, 0, layout, 8, backend="shm", populate=True))
         ns.record("shm", "kvhost0")
-        tiers.append(HostTier.create(spec.tier_prefix, 0, layout, 8, populate=True))
+        tiers.append(HostTier.create(spec.tier_prefix, 0, layout, num_host_blocks, populate=True))
         ends = attach_engine(ns, spec)
         client = TransferClient(ends, spec)
-        proc = mp.get_context("spawn").Process(target=process.main, args=(spec.to_json(), 0), daemon=True)
+        target, args = ((throttled_transfer_main, (spec.to_json(), 0, bytes_per_s)) if bytes_per_s
+                        else (process.main, (spec.to_json(), 0)))
+        proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
         proc.start()
         deadline = time.monotonic() + 120
         while not client.ready():  # start-up (Paddle import): a benchmark may wait crudely
             if time.monotonic() > deadline or not proc.is_alive():
                 raise RuntimeError("the transfer process did not come up")
             time.sleep(0.05)
-        ids = iter(range(1, 1 << 62))
-
-        def one(blocks: int) -> float:
-            p = CopyPlan(next(ids), CopyKind.SWAP_OUT, np.arange(blocks), np.arange(blocks)[::-1])
-            t0 = time.perf_counter()
-            client.submit(p)
-            while True:
-                msgs = ends.inbox.recv_many(16, timeout=spec.task_timeout_s)
-                if not msgs:
-                    raise RuntimeError("no ack within the task timeout")
-                done = [r for m in msgs if isinstance(m, DoneMsg) for r in client.on_done(m)]
-                if done:
-                    assert done[0].ok, done[0].error
-                    return (time.perf_counter() - t0) * 1e6
-
-        out: dict[str, float] = {}
-        for blocks, name in ((1, "1-block SWAP_OUT"), (0, "empty task")):
-            for _ in range(20):
-                one(blocks)  # warm-up
-            samples = np.array([one(blocks) for _ in range(reps)])
-            out[f"{name} p50"] = float(np.percentile(samples, 50))
-            out[f"{name} p99"] = float(np.percentile(samples, 99))
-        return out
+        yield spec, ends, client
     finally:
         if ends is not None:
             ends.signals["stop"] = 1
@@ -129,6 +156,75 @@ def task_rtt(layout: KVLayout, reps: int) -> dict[str, float]:
         ns.close()
 
 
+def wait_for(spec: RunSpec, ends, client: TransferClient, task_id: int, on_other=lambda res: None) -> None:
+    """Blocks on the inbox until task ``task_id`` completes (ok); hands other results to ``on_other``."""
+    done = False
+    while not done:
+        msgs = ends.inbox.recv_many(16, timeout=spec.task_timeout_s)
+        if not msgs:
+            raise RuntimeError("no ack within the task timeout")
+        for res in (r for m in msgs if isinstance(m, DoneMsg) for r in client.on_done(m)):
+            assert res.ok, res.error
+            if res.plan.plan_id == task_id:
+                done = True
+            else:
+                on_other(res)
+
+
+def task_rtt(layout: KVLayout, reps: int) -> dict[str, float]:
+    """Round trips (us) of tasks through one real transfer process: p50/p99 of a 1-block
+    SWAP_OUT and of an empty task."""
+    with transfer_rank(layout) as (spec, ends, client):
+        ids = iter(range(1, 1 << 62))
+
+        def one(blocks: int) -> float:
+            p = CopyPlan(next(ids), CopyKind.SWAP_OUT, np.arange(blocks), np.arange(blocks)[::-1])
+            t0 = time.perf_counter()
+            client.submit(p)
+            wait_for(spec, ends, client, p.plan_id)
+            return (time.perf_counter() - t0) * 1e6
+
+        out: dict[str, float] = {}
+        for blocks, name in ((1, "1-block SWAP_OUT"), (0, "empty task")):
+            for _ in range(20):
+                one(blocks)  # warm-up
+            samples = np.array([one(blocks) for _ in range(reps)])
+            out[f"{name} p50"] = float(np.percentile(samples, 50))
+            out[f"{name} p99"] = float(np.percentile(samples, 99))
+        return out
+
+
+def lane_p99(layout: KVLayout, reps: int, store_bytes: int = 64 << 20, bytes_per_s: float = 256e6) -> dict[str, float]:
+    """p99 (us) of a 1-block SWAP_IN alone and beside a ``store_bytes`` STORE to a backend
+    throttled to ``bytes_per_s``, kept running by resubmitting it whenever it completes."""
+    n = store_bytes // layout.block_bytes
+    with tempfile.TemporaryDirectory(prefix="fkvlanes") as tmp, \
+            transfer_rank(layout, n + 1, f"lmdb://{tmp}", bytes_per_s) as (spec, ends, client):
+        ids = iter(range(1, 1 << 62))
+        keys = [i.to_bytes(32, "little") for i in range(n)]
+        store: list[CopyPlan] = []
+
+        def resubmit_store(_res=None) -> None:
+            store.append(CopyPlan(next(ids), CopyKind.STORE, np.arange(n), np.empty(0, np.int32), tuple(keys)))
+            client.submit(store[-1])
+
+        def swap_in(on_other) -> float:
+            p = CopyPlan(next(ids), CopyKind.SWAP_IN, np.array([n]), np.array([0]))
+            t0 = time.perf_counter()
+            client.submit(p)
+            wait_for(spec, ends, client, p.plan_id, on_other)
+            return (time.perf_counter() - t0) * 1e6
+
+        alone = [swap_in(lambda res: None) for _ in range(20 + reps)][20:]
+        resubmit_store()
+        beside = [swap_in(resubmit_store) for _ in range(reps)]
+        stores = len(store)
+        wait_for(spec, ends, client, store[-1].plan_id)
+        return {"SWAP_IN alone p99": float(np.percentile(alone, 99)),
+                "SWAP_IN beside the STORE p99": float(np.percentile(beside, 99)),
+                "STOREs completed meanwhile": float(stores - 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (well under a minute)")
@@ -142,6 +238,7 @@ def main() -> None:
         args.blocks, args.reps, args.rtt_reps = 8, args.reps or 1, args.rtt_reps or 20
     reps = args.reps or (8 if args.quick else 20)
     rtt_reps = args.rtt_reps or (500 if args.quick else 3000)
+    lane_reps = 20 if args.smoke else 300 if args.quick else 1000
 
     layout = KVLayout(num_layers=8, kv_heads=8, block_size=64, head_dim=128, dtype="bfloat16")
     n = args.blocks
@@ -214,7 +311,14 @@ def main() -> None:
     print(f"task round trip through a transfer process ({rtt_reps} each; engine submit -> ack completes it):")
     for name, us in rtt.items():
         print(f"  {name:<24} {us:>9.1f} us")
-    print(json.dumps({"bench": "swap", "gbps": gbps, "task_rtt_us": round(rtt["1-block SWAP_OUT p50"], 1)}))
+    lanes = lane_p99(layout, lane_reps)
+    ratio = lanes["SWAP_IN beside the STORE p99"] / lanes["SWAP_IN alone p99"]
+    print(f"lanes ({lane_reps} SWAP_INs each; a 64 MiB STORE to LMDB throttled to 256 MB/s beside them):")
+    for name, us in lanes.items():
+        print(f"  {name:<30} {us:>9.1f}{'' if name.startswith('STORE') else ' us'}")
+    print(f"  lane_p99_ratio {ratio:.2f} (at most 2)")
+    print(json.dumps({"bench": "swap", "gbps": gbps, "task_rtt_us": round(rtt["1-block SWAP_OUT p50"], 1),
+                      "lane_p99_ratio": round(ratio, 2)}))
 
 
 if __name__ == "__main__":
