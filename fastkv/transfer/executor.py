@@ -16,9 +16,10 @@ A task that fails (bad ids, a storage miss, anything raised) is acknowledged wit
 Lanes. The transfer process runs swaps and storage tasks side by side
 (``fastkv.transfer.lanes``): ``run`` is called from two threads, each with its own
 ``progress``; a storage task passes the ``Hold`` on its host blocks, released part by
-part, and a swap waits, part by part, until ``holds`` has no storage task on its host
-blocks. So a SWAP_IN checks its host checksums per part (after that wait), and a block a
-LOAD failed to fill is unsealed: its stale bytes fail a SWAP_IN or STORE that reads it.
+part, and a swap waits, part by part, until ``holds`` has no storage task in its way on
+its host blocks (a LOAD filling what it reads, any task on what it writes). So a SWAP_IN
+checks its host checksums per part (after that wait), and a block a LOAD failed to fill is
+unsealed: its stale bytes fail a SWAP_IN or STORE that reads it.
 
 Progress. A swap, STORE or LOAD runs in parts and calls ``progress()`` (the process's
 heartbeat) after each, so a long task on slow but live storage never looks like a dead
@@ -204,7 +205,7 @@ class TaskExecutor:
 
         def part(p: slice) -> None:
             # storage tasks read before this one may still be on these host blocks (fastkv.transfer.lanes)
-            self.holds.wait(host_ids[p], self._task.progress, self.spec.heartbeat_s)
+            self.holds.wait(host_ids[p], out, self._task.progress, self.spec.heartbeat_s)
             if not out:  # host bytes that changed since they landed never reach the device
                 self._check_host(plan.src[p].tolist())
             swap(device.k, device.v, host.tensor, plan.src[p], plan.dst[p], num_threads=self.spec.ops_threads)

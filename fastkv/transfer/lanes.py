@@ -16,10 +16,13 @@ Order. The loop reads tasks in the order the client sent them and dispatches the
 time, so a storage task is dispatched only once every swap sent before it has finished: a
 STORE after the SWAP_OUT that fills its host blocks sees the swapped bytes. The other way
 round a swap can meet host blocks that an earlier storage task is still on (a SWAP_IN of
-blocks a LOAD is filling, a SWAP_OUT over blocks a STORE is still reading). ``HostHolds``
-counts, per host block, the storage tasks dispatched on it and not yet done with it; a
-swap waits, part by part, until its blocks are free. A storage task frees its blocks part
-by part, so a SWAP_IN right behind a LOAD copies block i while block i+1 loads.
+blocks a LOAD is filling, a SWAP_OUT over blocks a STORE or LOAD is still on). ``HostHolds``
+counts, per host block, the storage tasks dispatched on it and not yet done with it, the
+LOADs (writers) apart from the STOREs (readers); a swap waits, part by part, until no
+writer holds the blocks it reads (SWAP_IN) and no task at all holds the blocks it writes
+(SWAP_OUT). A SWAP_IN of blocks a STORE is reading runs at once: both only read. A storage
+task frees its blocks part by part, so a SWAP_IN right behind a LOAD copies block i while
+block i+1 loads.
 """
 from __future__ import annotations
 
@@ -33,10 +36,10 @@ from fastkv.ipc import TaskMsg
 class Hold:
     """The host blocks one storage task has not yet finished with."""
 
-    __slots__ = ("_holds", "_blocks")
+    __slots__ = ("_holds", "_blocks", "_counts")
 
-    def __init__(self, holds: HostHolds, blocks: set[int]) -> None:
-        self._holds, self._blocks = holds, blocks
+    def __init__(self, holds: HostHolds, blocks: set[int], counts: dict[int, int]) -> None:
+        self._holds, self._blocks, self._counts = holds, blocks, counts
 
     def release(self, blocks: Iterable[int] | None = None) -> None:
         """The task is done with ``blocks`` (default: all it still holds)."""
@@ -48,37 +51,40 @@ class HostHolds:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._held: dict[int, int] = {}  # host block -> storage tasks on it
+        self._writers: dict[int, int] = {}  # host block -> LOADs on it
+        self._readers: dict[int, int] = {}  # host block -> STOREs on it
 
-    def hold(self, blocks: Iterable[int]) -> Hold:
+    def hold(self, blocks: Iterable[int], writes: bool) -> Hold:
         """Called by the loop thread as it dispatches a storage task on ``blocks``."""
-        mine = set(blocks)
+        mine, counts = set(blocks), self._writers if writes else self._readers
         with self._cond:
             for b in mine:
-                self._held[b] = self._held.get(b, 0) + 1
-        return Hold(self, mine)
+                counts[b] = counts.get(b, 0) + 1
+        return Hold(self, mine, counts)
 
     def _release(self, hold: Hold, blocks: Iterable[int]) -> None:
         with self._cond:
             for b in blocks:
                 if b in hold._blocks:
                     hold._blocks.discard(b)
-                    left = self._held[b] - 1
+                    counts = hold._counts
+                    left = counts[b] - 1
                     if left:
-                        self._held[b] = left
+                        counts[b] = left
                     else:
-                        del self._held[b]
+                        del counts[b]
             self._cond.notify_all()
 
-    def wait(self, blocks: Iterable[int], progress: Callable[[], None], slice_s: float) -> None:
-        """Returns once no storage task holds any of ``blocks``, calling ``progress()``
-        every ``slice_s`` meanwhile. Only the loop thread adds holds, and it is the one
-        waiting here, so holds can only go: an empty table needs no lock."""
-        if not self._held:
+    def wait(self, blocks: Iterable[int], writes: bool, progress: Callable[[], None], slice_s: float) -> None:
+        """Returns once no LOAD holds any of ``blocks`` (nor a STORE, if the caller
+        ``writes`` them), calling ``progress()`` every ``slice_s`` meanwhile. Only the loop
+        thread adds holds, and it is the one waiting here, so holds can only go: empty
+        tables need no lock."""
+        if not self._writers and not (writes and self._readers):
             return
         blocks = [int(b) for b in blocks]
         with self._cond:
-            while any(b in self._held for b in blocks):
+            while any(b in self._writers or (writes and b in self._readers) for b in blocks):
                 if not self._cond.wait(slice_s):
                     progress()
 

@@ -118,7 +118,8 @@ class TransferLoop:
             return
         on = STORAGE_HOST_IDS.get(msg.kind)
         if on is not None:
-            self.storage.submit(msg, self.executor.holds.hold(getattr(msg, on).tolist()))
+            hold = self.executor.holds.hold(getattr(msg, on).tolist(), writes=msg.kind == CopyKind.LOAD)
+            self.storage.submit(msg, hold)
             return
         if msg.kind not in SWAPS:  # CLEAR, RESTORE (and unknown kinds, which fail)
             self.barrier()

@@ -110,6 +110,18 @@ def test_a_slow_store_does_not_hold_up_a_swap_in_and_acks_come_out_of_order(tmp_
         assert same(dev.k_arrays[0][3], host.array[8, 0, 0])
 
 
+def test_a_swap_in_of_host_blocks_a_slow_store_is_reading_does_not_wait_for_it(tmp_path):
+    """Both only read the host blocks: nothing to order."""
+    with serving(tmp_path) as (sup, client, slow, _):
+        slow.per_block_s = 0.5
+        store = plan(CopyKind.STORE, range(4), [], [key(i, "rr") for i in range(4)])
+        swap_in = plan(CopyKind.SWAP_IN, [3], [3])  # block 3 is the STORE's last part, read at ~1.5 s
+        results, order = finish_order(sup, client, [store, swap_in])
+        assert all(r.ok for r in results), [r.error for r in results]
+        assert order == [swap_in.plan_id, store.plan_id]
+        assert same(sup.devices[0].k_arrays[0][3], sup.hosts[0].array[3, 0, 0])
+
+
 def test_a_store_after_the_swap_out_that_fills_its_blocks_stores_the_swapped_bytes(tmp_path):
     with serving(tmp_path) as (sup, client, slow, _):
         slow.per_block_s = 0.1
