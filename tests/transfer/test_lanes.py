@@ -15,11 +15,13 @@ import pytest
 
 from fastkv.cache.plan import CopyKind
 from fastkv.config import KVLayout
+from fastkv.ipc import TaskMsg
 from fastkv.ipc.native import A
 from fastkv.ipc.ring import HEADER, OFF_HEAD
 from fastkv.run import attach_transfer
 from fastkv.transfer.executor import TaskExecutor
-from fastkv.transfer.process import TransferLoop
+from fastkv.transfer.lanes import HostHolds, StorageLane
+from fastkv.transfer.process import EngineGone, TransferLoop
 from tests.transfer.helpers import (
     SlowStore,
     Supervisor,
@@ -254,3 +256,27 @@ def test_a_killed_process_fails_exactly_the_tasks_in_both_lanes_and_a_restart_se
     finally:
         codes = sup.close()  # asserts the run left nothing in /dev/shm
     assert codes == {0: 0}, codes
+
+
+def test_a_storage_lane_that_fails_drops_its_queue_frees_its_holds_and_reraises_in_the_loop():
+    holds, ran, gate = HostHolds(), [], threading.Event()
+
+    def run(msg, hold):
+        ran.append(msg.task_id)
+        gate.wait(10)
+        raise EngineGone(0, "the engine closed the done channel")
+
+    lane = StorageLane(run, "test-storage")
+    try:
+        for i in range(3):
+            lane.submit(TaskMsg(i, int(CopyKind.LOAD)), holds.hold([i], writes=True))
+        waiter = threading.Thread(target=holds.wait, args=([0, 1, 2], False, lambda: None, 0.05))
+        waiter.start()
+        gate.set()
+        waiter.join(10)
+        assert not waiter.is_alive(), "a swap still waits for holds of tasks the lane dropped"
+        assert ran == [0], "the lane ran tasks after its error"
+        with pytest.raises(EngineGone):
+            lane.drain(lambda: None, 0.05)
+    finally:
+        lane.close()
