@@ -8,6 +8,10 @@ round is reported. LMDB runs in a temporary directory (removed afterwards; its r
 from the page cache, as they would for a recently stored block); Redis is the server at
 ``--redis-url`` or a redis-server started here on 127.0.0.1 without persistence.
 
+``--backends redis,redis-py`` adds the peer of fastkv's hand-written RESP path (issue 15):
+the same ``RedisStore`` with its SET and GET pipelines through redis-py's own client, which
+packs and parses with ``hiredis`` when it is installed (``pip install 'redis[hiredis]'``).
+
 The last line is the issue's JSON: {"bench": "storage", "mbps": {...}} at batch 64.
 """
 from __future__ import annotations
@@ -28,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastkv.config import KVLayout  # noqa: E402
 from fastkv.storage import StorageBackend, namespace_fingerprint, open_store  # noqa: E402
+from fastkv.storage.base import HEADER_BYTES, Verdict  # noqa: E402
 from fastkv.storage.local_redis import LocalRedis  # noqa: E402
+from fastkv.storage.redis_store import _FAILURES, RedisStore  # noqa: E402
 
 LAYOUTS = {
     # 64-token blocks across 8 layers: 2 MiB per block (the issue's reference block).
@@ -37,6 +43,43 @@ LAYOUTS = {
     "small": KVLayout(num_layers=2, kv_heads=4, block_size=64, head_dim=128, dtype="bfloat16"),
 }
 BATCHES = (1, 64)
+BACKENDS = ("lmdb", "redis", "redis-py")
+
+
+class RedisPyStore(RedisStore):
+    """``RedisStore`` with its block SET/GET pipelines through redis-py (hiredis when installed)."""
+
+    def _put_chunk(self, keys, blocks, ids, lo: int, hi: int, results: list[bool]) -> bool:
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for k, b in zip(keys[lo:hi], ids[lo:hi], strict=True):
+                payload = memoryview(blocks[b])
+                pipe.set(self._rkey(k), self.codec.header(k, payload) + payload, ex=self.ttl)
+            replies = pipe.execute(raise_on_error=False)
+        except _FAILURES as e:
+            self._failed("put", e)
+            return False
+        self._ok()
+        for i, r in enumerate(replies, lo):
+            results[i] = r is True
+        return True
+
+    def _get_chunk(self, keys, blocks, ids, lo: int, hi: int, results: list[bool]) -> bool:
+        payload_bytes = blocks.shape[1]
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys[lo:hi]:
+                pipe.get(self._rkey(k))
+            values = pipe.execute(raise_on_error=False)
+        except _FAILURES as e:
+            self._failed("get", e)
+            return False
+        self._ok()
+        for i, value in enumerate(values, lo):
+            if isinstance(value, bytes) and self.codec.verify(keys[i], value, payload_bytes) is Verdict.OK:
+                blocks[ids[i]] = np.frombuffer(value, np.uint8, payload_bytes, HEADER_BYTES)
+                results[i] = True
+        return True
 
 
 def measure(store: StorageBackend, host: np.ndarray, out: np.ndarray, batch: int, rounds: int) -> tuple[float, float]:
@@ -70,7 +113,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, help="blocks per round (default 128, quick 64)")
     ap.add_argument("--rounds", type=int, help="rounds per measurement (default 5, quick 3)")
     ap.add_argument("--redis-url", help="use this server instead of starting one")
-    ap.add_argument("--backends", default="lmdb,redis", help="comma-separated: lmdb,redis")
+    ap.add_argument("--backends", default="lmdb,redis", help=f"comma-separated: {','.join(BACKENDS)}")
     ap.add_argument("--tmpdir", help="where the LMDB environment goes (default: the system temp dir)")
     ap.add_argument("--smoke", action="store_true",
                     help="small layout, 64 blocks, 1 round (tests: numbers mean nothing)")
@@ -82,7 +125,7 @@ def main() -> None:
     rounds = args.rounds or (3 if args.quick else 5)
     backends = [b for b in args.backends.split(",") if b]
     for b in backends:
-        if b not in ("lmdb", "redis"):
+        if b not in BACKENDS:
             raise SystemExit(f"unknown backend {b!r}")
     if blocks < max(BATCHES):
         raise SystemExit(f"--blocks must be at least {max(BATCHES)}")
@@ -108,7 +151,9 @@ def main() -> None:
                     server.start()
                     args.redis_url = server.url
                 url = f"{args.redis_url}{'&' if '?' in args.redis_url else '?'}timeout=10"
-            with open_store(url, namespace) as store:
+            store = (RedisPyStore(args.redis_url, namespace, timeout=10) if backend == "redis-py"
+                     else open_store(url, namespace))
+            with store:
                 for batch in BATCHES:
                     results[backend, batch] = measure(store, host, out, batch, rounds)
     finally:
@@ -125,8 +170,8 @@ def main() -> None:
     mbps = {}
     for backend in backends:
         put, get = results[backend, 64]
-        mbps[f"{backend}_put"] = round(put, 1)
-        mbps[f"{backend}_get"] = round(get, 1)
+        mbps[f"{backend.replace('-', '_')}_put"] = round(put, 1)
+        mbps[f"{backend.replace('-', '_')}_get"] = round(get, 1)
     print(json.dumps({"bench": "storage", "mbps": mbps}))
 
 

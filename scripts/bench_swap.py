@@ -17,6 +17,11 @@ of a 1-block SWAP_OUT (``block_bytes`` moved), ``empty_task_rtt_us`` that of an 
 through a pair of fastkv channels and an echo process (bench_ipc's fastkv backend): the floor
 the transfer path runs on, measured in the same run.
 
+Lanes: ``lane_p99_ratio`` is the p99 of a 1-block SWAP_IN while a 64 MiB STORE to a
+throttled backend (LMDB behind a 256 MB/s limit, as a remote store is slow) runs in the
+same rank, over the p99 of the same SWAP_IN alone, in rounds that take turns (``lane_p99``).
+With one loop per rank a SWAP_IN waits for the whole STORE; with lanes it runs beside it.
+
 The last line is the issue's JSON.
 """
 from __future__ import annotations
@@ -26,8 +31,10 @@ import ctypes
 import json
 import multiprocessing as mp
 import os
+import tempfile
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 from bench_ipc import kv_msg  # scripts/ is on the path of a script run from it
@@ -73,59 +80,71 @@ def copy_loop(device: DeviceTier, host: HostTier, src: np.ndarray, dst: np.ndarr
             host.array[d, layer, 1] = device.v_arrays[layer][s]
 
 
-def task_rtt(layout: KVLayout, reps: int) -> dict[str, float]:
-    """Round trips (us) of tasks through one real transfer process: p50/p99 of a 1-block
-    SWAP_OUT and of an empty task, and of a bare IPC round trip (``EchoPeer``), taken in
-    turns so that load from other processes hits all three alike."""
+class Throttled:
+    """A storage backend limited to ``bytes_per_s`` (sleeping after each batch, as a
+    network round trip waits: the GIL is free meanwhile)."""
+
+    def __init__(self, store, bytes_per_s: float) -> None:
+        self.store, self.bytes_per_s = store, bytes_per_s
+
+    def _throttle(self, t0: float, blocks: int, block_bytes: int) -> None:
+        time.sleep(max(0.0, blocks * block_bytes / self.bytes_per_s - (time.perf_counter() - t0)))
+
+    def put(self, keys, host, block_ids):
+        t0 = time.perf_counter()
+        out = self.store.put(keys, host, block_ids)
+        self._throttle(t0, len(keys), host[0].nbytes)
+        return out
+
+    def get(self, keys, host, block_ids):
+        t0 = time.perf_counter()
+        out = self.store.get(keys, host, block_ids)
+        self._throttle(t0, len(keys), host[0].nbytes)
+        return out
+
+    @property
+    def stats(self):
+        return self.store.stats
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def throttled_transfer_main(spec_json: str, rank: int, bytes_per_s: float) -> int:
+    """transfer[rank] whose storage backend is ``Throttled``."""
+    from fastkv.transfer import executor
+
+    opened = executor.open_store
+    executor.open_store = lambda *a, **kw: Throttled(opened(*a, **kw), bytes_per_s)
+    return process.main(spec_json, rank)
+
+
+@contextmanager
+def transfer_rank(layout: KVLayout, num_host_blocks: int = 8, storage_url: str = "", bytes_per_s: float = 0.0):
+    """(spec, ends, client) of a run with one real transfer process (spawned as the supervisor starts it)."""
     ns = Namespace.create()
-    echo = EchoPeer()
-    spec = RunSpec(run_id=ns.run_id, layout=layout, num_device_blocks=8, num_host_blocks=8, ops_threads=1)
+    spec = RunSpec(run_id=ns.run_id, layout=layout, num_device_blocks=8, num_host_blocks=num_host_blocks,
+                   ops_threads=1, storage_url=storage_url)
     tiers, proc, ends = [], None, None
     try:
         create_run(ns, spec)
         ns.record("shm", "kvdev0")
         tiers.append(DeviceTier.create(spec.tier_prefix, 0, layout, 8, backend="shm", populate=True))
         ns.record("shm", "kvhost0")
-        tiers.append(HostTier.create(spec.tier_prefix, 0, layout, 8, populate=True))
+        tiers.append(HostTier.create(spec.tier_prefix, 0, layout, num_host_blocks, populate=True))
         ends = attach_engine(ns, spec)
         client = TransferClient(ends, spec)
-        proc = mp.get_context("spawn").Process(target=process.main, args=(spec.to_json(), 0), daemon=True)
+        target, args = ((throttled_transfer_main, (spec.to_json(), 0, bytes_per_s)) if bytes_per_s
+                        else (process.main, (spec.to_json(), 0)))
+        proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
         proc.start()
         deadline = time.monotonic() + 120
         while not client.ready():  # start-up (Paddle import): a benchmark may wait crudely
             if time.monotonic() > deadline or not proc.is_alive():
                 raise RuntimeError("the transfer process did not come up")
             time.sleep(0.05)
-        ids = iter(range(1, 1 << 62))
-
-        def one(blocks: int) -> float:
-            p = CopyPlan(next(ids), CopyKind.SWAP_OUT, np.arange(blocks), np.arange(blocks)[::-1])
-            t0 = time.perf_counter()
-            client.submit(p)
-            while True:
-                msgs = ends.inbox.recv_many(16, timeout=spec.task_timeout_s)
-                if not msgs:
-                    raise RuntimeError("no ack within the task timeout")
-                done = [r for m in msgs if isinstance(m, DoneMsg) for r in client.on_done(m)]
-                if done:
-                    assert done[0].ok, done[0].error
-                    return (time.perf_counter() - t0) * 1e6
-
-        kinds = {"1-block SWAP_OUT": lambda: one(1), "empty task": lambda: one(0),
-                  "IPC round trip": lambda: echo.ping() * 1e6}
-        samples: dict[str, list[float]] = {name: [] for name in kinds}
-        for turn in range(max(1, reps // 25) + 1):
-            for name, fn in kinds.items():
-                got = [fn() for _ in range(25)]
-                if turn:  # the first turn warms up
-                    samples[name] += got
-        out: dict[str, float] = {}
-        for name, got in samples.items():
-            out[f"{name} p50"] = float(np.percentile(got, 50))
-            out[f"{name} p99"] = float(np.percentile(got, 99))
-        return out
+        yield spec, ends, client
     finally:
-        echo.close()
         if ends is not None:
             ends.signals["stop"] = 1
         if proc is not None:
@@ -194,6 +213,92 @@ def copy_ceilings(lib: ctypes.CDLL, dst: int, src: int, nbytes: int) -> dict[str
     return fns
 
 
+def wait_for(spec: RunSpec, ends, client: TransferClient, task_id: int, on_other=lambda res: None) -> None:
+    """Blocks on the inbox until task ``task_id`` completes (ok); hands other results to ``on_other``."""
+    done = False
+    while not done:
+        msgs = ends.inbox.recv_many(16, timeout=spec.task_timeout_s)
+        if not msgs:
+            raise RuntimeError("no ack within the task timeout")
+        for res in (r for m in msgs if isinstance(m, DoneMsg) for r in client.on_done(m)):
+            assert res.ok, res.error
+            if res.plan.plan_id == task_id:
+                done = True
+            else:
+                on_other(res)
+
+
+def task_rtt(layout: KVLayout, reps: int) -> dict[str, float]:
+    """Round trips (us) of tasks through one real transfer process: p50/p99 of a 1-block
+    SWAP_OUT and of an empty task, and of a bare IPC round trip (``EchoPeer``), taken in
+    turns so that load from other processes hits all three alike."""
+    echo = EchoPeer()
+    try:
+        with transfer_rank(layout) as (spec, ends, client):
+            ids = iter(range(1, 1 << 62))
+
+            def one(blocks: int) -> float:
+                p = CopyPlan(next(ids), CopyKind.SWAP_OUT, np.arange(blocks), np.arange(blocks)[::-1])
+                t0 = time.perf_counter()
+                client.submit(p)
+                wait_for(spec, ends, client, p.plan_id)
+                return (time.perf_counter() - t0) * 1e6
+
+            kinds = {"1-block SWAP_OUT": lambda: one(1), "empty task": lambda: one(0),
+                     "IPC round trip": lambda: echo.ping() * 1e6}
+            samples: dict[str, list[float]] = {name: [] for name in kinds}
+            for turn in range(max(1, reps // 25) + 1):
+                for name, fn in kinds.items():
+                    got = [fn() for _ in range(25)]
+                    if turn:  # the first turn warms up
+                        samples[name] += got
+    finally:
+        echo.close()
+    out: dict[str, float] = {}
+    for name, got in samples.items():
+        out[f"{name} p50"] = float(np.percentile(got, 50))
+        out[f"{name} p99"] = float(np.percentile(got, 99))
+    return out
+
+
+def lane_p99(layout: KVLayout, reps: int, store_bytes: int = 64 << 20, bytes_per_s: float = 256e6,
+             per_round: int = 30) -> dict[str, float]:
+    """p99 (us) of a 1-block SWAP_IN alone and beside a ``store_bytes`` STORE to a backend
+    throttled to ``bytes_per_s``. Rounds take turns, so that load from other processes hits
+    both alike: submit the STORE, ``per_round`` SWAP_INs beside it (well within its time),
+    wait for it, ``per_round`` SWAP_INs alone."""
+    n = store_bytes // layout.block_bytes
+    with tempfile.TemporaryDirectory(prefix="fkvlanes") as tmp, \
+            transfer_rank(layout, n + 1, f"lmdb://{tmp}", bytes_per_s) as (spec, ends, client):
+        ids = iter(range(1, 1 << 62))
+        keys = tuple(i.to_bytes(32, "little") for i in range(n))
+        pending: set[int] = set()
+
+        def swap_in() -> float:
+            p = CopyPlan(next(ids), CopyKind.SWAP_IN, np.array([n]), np.array([0]))
+            t0 = time.perf_counter()
+            client.submit(p)
+            wait_for(spec, ends, client, p.plan_id, lambda res: pending.discard(res.plan.plan_id))
+            return (time.perf_counter() - t0) * 1e6
+
+        for _ in range(20):
+            swap_in()  # warm-up
+        alone, beside, late = [], [], 0
+        for _ in range(max(1, reps // per_round)):
+            store = CopyPlan(next(ids), CopyKind.STORE, np.arange(n), np.empty(0, np.int32), keys)
+            client.submit(store)
+            pending.add(store.plan_id)
+            beside += [swap_in() for _ in range(per_round)]
+            late += store.plan_id not in pending  # the STORE ended before the round did: fewer samples beside it
+            if store.plan_id in pending:
+                wait_for(spec, ends, client, store.plan_id)
+                pending.discard(store.plan_id)
+            alone += [swap_in() for _ in range(per_round)]
+        return {"SWAP_IN alone p99": float(np.percentile(alone, 99)),
+                "SWAP_IN beside the STORE p99": float(np.percentile(beside, 99)),
+                "rounds where the STORE ended first": float(late)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (well under a minute)")
@@ -207,6 +312,7 @@ def main() -> None:
         args.blocks, args.reps, args.rtt_reps = 8, args.reps or 1, args.rtt_reps or 20
     reps = args.reps or (8 if args.quick else 20)
     rtt_reps = args.rtt_reps or (500 if args.quick else 3000)
+    lane_reps = 20 if args.smoke else 300 if args.quick else 1000
 
     layout = KVLayout(num_layers=8, kv_heads=8, block_size=64, head_dim=128, dtype="bfloat16")
     n = args.blocks
@@ -280,9 +386,15 @@ def main() -> None:
     copy_us = layout.block_bytes / (gbps["op_1t"] * 1e9) * 1e6
     print(f"empty task / IPC RTT {empty_us / ipc_us:.2f} (goal <= 3); 1-block swap - empty task - copy at op_1t "
           f"({copy_us:.0f} us) = {task_us - empty_us - copy_us:.0f} us (goal <= 30)")
+    lanes = lane_p99(layout, lane_reps)
+    ratio = lanes["SWAP_IN beside the STORE p99"] / lanes["SWAP_IN alone p99"]
+    print(f"lanes ({lane_reps} SWAP_INs each; a 64 MiB STORE to LMDB throttled to 256 MB/s beside them):")
+    for name, us in lanes.items():
+        print(f"  {name:<34} {us:>9.1f}{' us' if name.startswith('SWAP_IN') else ''}")
+    print(f"  lane_p99_ratio {ratio:.2f} (at most 2)")
     print(json.dumps({"bench": "swap", "gbps": gbps, "task_rtt_us": round(task_us, 1),
                       "empty_task_rtt_us": round(empty_us, 1), "ipc_rtt_us": round(ipc_us, 1),
-                      "block_bytes": layout.block_bytes}))
+                      "block_bytes": layout.block_bytes, "lane_p99_ratio": round(ratio, 2)}))
 
 
 if __name__ == "__main__":

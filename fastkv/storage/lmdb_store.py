@@ -335,6 +335,7 @@ class LMDBStore(StorageBackend):
 
     def _put_txn(self, keys, headers, payloads) -> set[bytes] | None:
         scratch = self._scratch
+        payload_at = np.frombuffer(scratch, np.uint8, offset=HEADER_BYTES)  # numpy copies without the GIL
 
         def body(txn, used: int) -> int:
             # The tick is taken under the write lock: taken before it, a process that waited
@@ -344,7 +345,7 @@ class LMDBStore(StorageBackend):
             sh = self._shared
             for k, header, payload in zip(keys, headers, payloads, strict=True):
                 scratch[:HEADER_BYTES] = header
-                scratch[HEADER_BYTES:] = payload
+                payload_at[:] = payload  # a bytearray slice copy would hold the GIL (and the swap lane) for it
                 shard = self.shard_key(k)
                 old = txn.get(shard, db=sh.blocks)
                 delta = len(scratch) - (len(old) if old is not None else 0)

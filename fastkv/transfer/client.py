@@ -43,8 +43,9 @@ wait raise). When the supervisor restarts transfer[r], the new process re-binds 
 ends; the client adopts it on its next call: fence, back into the inbox, UP. The
 restarted process drops every task queued before its fence unexecuted (the client failed
 them all), and stale acks a dead process left in ``done.{r}`` are discarded at adoption
-(``stale``). A ``BAD_TASK_ID`` ack (a task message the process could not read) fails the
-oldest task that rank still owes (``fastkv.transfer.protocol``).
+(``stale``). Acks of one rank come in the order its tasks finish (two lanes), matched by
+task id; a ``BAD_TASK_ID`` ack (a task message the process could not read) fails the
+oldest task that rank still owes (``fastkv.transfer.protocol`` says why that is the one).
 
 Results of tasks that fail inside ``submit`` (every rank down) are returned by the next
 ``check``/``on_done``/``on_peer_died``.
@@ -168,7 +169,7 @@ class TransferClient:
         out = self._take_ready()
         if not 0 <= msg.rank < self.tp:
             raise ValueError(f"ack of task {msg.task_id} from rank {msg.rank}, not in [0, {self.tp})")
-        if msg.task_id == BAD_TASK_ID:  # acks come in send order: it is the oldest task the rank owes
+        if msg.task_id == BAD_TASK_ID:  # acked after every task before it, before any after it: the oldest owed
             owed = next((t for t in self._plans if msg.rank in self._gather.missing(t)), None)
             if owed is None:
                 self.stale += 1

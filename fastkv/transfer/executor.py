@@ -13,6 +13,14 @@
 A task that fails (bad ids, a storage miss, anything raised) is acknowledged with
 ``ok=False`` and the exception's text; the executor stays usable for the next task.
 
+Lanes. The transfer process runs swaps and storage tasks side by side
+(``fastkv.transfer.lanes``): ``run`` is called from two threads, each with its own
+``progress``; a storage task passes the ``Hold`` on its host blocks, released part by
+part, and a swap waits, part by part, until ``holds`` has no storage task in its way on
+its host blocks (a LOAD filling what it reads, any task on what it writes). So a SWAP_IN
+checks its host checksums per part (after that wait), and a block a LOAD failed to fill is
+unsealed: its stale bytes fail a SWAP_IN or STORE that reads it.
+
 Progress. A swap, STORE or LOAD runs in parts and calls ``progress()`` (the process's
 heartbeat) after each, so a long task on slow but live storage never looks like a dead
 process. Parts start at one block and double while a part takes under
@@ -31,8 +39,9 @@ Weight updates. The engine sends CLEAR once no request and no copy is left (the 
 core refuses ``begin_weight_update`` otherwise), then has the workers load the new weights,
 then sends RESTORE.
 
-* CLEAR: a rank executes its tasks in order, so its CLEAR ack means every earlier task of
-  that rank has finished; CLEAR acked by every rank = no copy in flight anywhere. The
+* CLEAR: a barrier across a rank's lanes (``fastkv.transfer.lanes``): it runs once every
+  earlier task of that rank has finished, so its ack means none is left; CLEAR acked by
+  every rank = no copy in flight anywhere. The
   executor then refuses every task but RESTORE (no STORE/LOAD can reach the storage tier
   under the old namespace), closes its storage backend and drops its mapping of the device
   tier: on a GPU build the worker owns the device tensors and this process holds CUDA IPC
@@ -51,6 +60,7 @@ then sends RESTORE.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -60,6 +70,7 @@ from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.ipc import DoneMsg, TaskMsg
 from fastkv.run import RunSpec
 from fastkv.storage import StorageBackend, open_store
+from fastkv.transfer.lanes import Hold, HostHolds
 from fastkv.transfer.protocol import FREE, storage_namespace
 from fastkv.transfer.tiers import DeviceTier, HostTier, resident_bytes
 
@@ -89,8 +100,10 @@ class TaskExecutor:
         self.store: StorageBackend | None = None
         self.store_error = ""  # why there is no storage backend (empty: none configured, or open)
         self._faults = [0, 0]  # storage errors, corrupt values since the last take_faults()
+        self._counting = threading.Lock()  # both lanes count faults and mismatches
         self.cleared = False
-        self._progress: Callable[[], None] = lambda: None  # of the task running now
+        self._task = threading.local()  # progress() of the task each lane is running
+        self.holds = HostHolds()  # host blocks storage tasks are on (fastkv.transfer.lanes)
         self.checksum_mismatches = 0
         self.released_bytes = 0  # host tier memory given back by CLEAR with FREE
         try:
@@ -153,17 +166,21 @@ class TaskExecutor:
         self.host = None
 
     # -- tasks -------------------------------------------------------------------------
-    def run(self, msg: TaskMsg, progress: Callable[[], None] = lambda: None) -> DoneMsg:
+    def run(self, msg: TaskMsg, progress: Callable[[], None] = lambda: None, hold: Hold | None = None) -> DoneMsg:
         """Executes one task, calling ``progress()`` as its parts complete; never raises
-        for a bad or failed task."""
+        for a bad or failed task. ``hold``: the host blocks a storage task was dispatched
+        on, released part by part and all at the end."""
         t0 = time.perf_counter()
-        self._progress = progress
+        self._task.progress, self._task.hold = progress, hold
         try:
             nbytes, error = self._run(msg)
         except Exception as exc:  # the task fails alone; reported to the engine, never swallowed
             nbytes, error = 0, f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, ValueError | TypeError | TaskRefused | CorruptHostBlock):
                 log.exception("transfer[%d]: task %d (kind %d) raised", self.rank, msg.task_id, msg.kind)
+        finally:
+            if hold is not None:
+                hold.release()
         return DoneMsg(msg.task_id, self.rank, not error, nbytes, time.perf_counter() - t0, error)
 
     def _run(self, msg: TaskMsg) -> tuple[int, str]:
@@ -196,23 +213,35 @@ class TaskExecutor:
         self._check_ids(plan.dst, nhost if out else ndev, "dst")
         if len(np.unique(plan.dst)) != len(plan.dst):
             raise ValueError(f"{plan.kind.name} dst block ids must be unique, got {plan.dst.tolist()[:16]}")
-        if not out:  # the ids are sound: host bytes that changed since they landed never reach the device
-            self._check_host(plan.src.tolist())
         if self._bound is None:
             from fastkv import ops
 
             self._bound = ops.BoundSwap(device.k, device.v, host.tensor)
         swap, threads = self._bound.swap, self.spec.ops_threads
-        self._in_parts(len(plan.src), lambda part: swap(plan.src[part], plan.dst[part], to_host=out,
-                                                        num_threads=threads))
+        host_ids = plan.dst if out else plan.src
+
+        def part(p: slice) -> None:
+            # storage tasks read before this one may still be on these host blocks (fastkv.transfer.lanes)
+            self.holds.wait(host_ids[p], out, self._task.progress, self.spec.heartbeat_s)
+            if not out:  # host bytes that changed since they landed never reach the device
+                self._check_host(plan.src[p].tolist())
+            swap(plan.src[p], plan.dst[p], to_host=out, num_threads=threads)
+
+        self._in_parts(len(plan.src), part)
         if out and self.spec.host_checksums:
             host.seal(plan.dst.tolist())
         return len(plan.src) * self.block_bytes, ""
 
     def take_faults(self) -> tuple[int, int]:
         """Storage errors and corrupt values since the last call (the engine's summary counts them)."""
-        faults, self._faults = tuple(self._faults), [0, 0]
+        with self._counting:
+            faults, self._faults = tuple(self._faults), [0, 0]
         return faults
+
+    def _count_faults(self, errors: int, corrupt: int) -> None:
+        with self._counting:
+            self._faults[0] += errors
+            self._faults[1] += corrupt
 
     def _check_host(self, blocks: list[int]) -> None:
         """CorruptHostBlock naming the blocks whose bytes changed since they landed."""
@@ -220,13 +249,14 @@ class TaskExecutor:
             return
         bad = self.host.corrupt(blocks)
         if bad:
-            self.checksum_mismatches += len(bad)
+            with self._counting:
+                self.checksum_mismatches += len(bad)
             log.error("transfer[%d]: host blocks %s changed since they landed (checksum mismatch)", self.rank, bad)
             raise CorruptHostBlock(f"host checksum mismatch: host blocks {bad} changed since they landed")
 
     def _storage(self, plan: CopyPlan) -> tuple[int, str]:
         if self.store is None:
-            self._faults[0] += bool(self.store_error)  # configured but unavailable: a fault, not a setting
+            self._count_faults(bool(self.store_error), 0)  # configured but unavailable: a fault, not a setting
             raise TaskRefused(f"{plan.kind.name} refused: " + (self.store_error or "this run has no storage tier "
                                                                 "(spec.storage_url is empty)"))
         if self.host is None:
@@ -235,16 +265,26 @@ class TaskExecutor:
         before = stats.errors, stats.corrupt
         store, host, done = self.store, self.host.array, []
         self._check_ids(plan.src if plan.kind is CopyKind.STORE else plan.dst, self.spec.num_host_blocks, "host")
-        if plan.kind is CopyKind.STORE:
+        load = plan.kind is CopyKind.LOAD
+        if load:
+            verb, ids, move = "loaded", plan.dst, store.get
+        else:
             self._check_host(plan.src.tolist())
             verb, ids, move = "stored", plan.src, store.put
-        else:
-            verb, ids, move = "loaded", plan.dst, store.get
-        self._in_parts(len(ids), lambda part: done.extend(move(plan.keys[part], host, ids[part])))
-        self._faults[0] += stats.errors - before[0]
-        self._faults[1] += stats.corrupt - before[1]
-        if plan.kind is CopyKind.LOAD and self.spec.host_checksums:
-            self.host.seal([int(b) for b, ok in zip(ids, done, strict=True) if ok])
+        hold = self._task.hold
+
+        def part(p: slice) -> None:
+            oks = move(plan.keys[p], host, ids[p])
+            done.extend(oks)
+            if load:  # sealed before a swap waiting for these blocks may read them
+                self._landed(ids[p].tolist(), oks)
+            if hold is not None:
+                hold.release(ids[p].tolist())
+
+        try:
+            self._in_parts(len(ids), part)
+        finally:
+            self._count_faults(stats.errors - before[0], stats.corrupt - before[1])
         n_ok = sum(done)
         if n_ok == len(done):
             return n_ok * self.block_bytes, ""
@@ -260,13 +300,20 @@ class TaskExecutor:
         if len(bad):
             raise ValueError(f"{what} block id {int(bad[0])} out of range [0, {n})")
 
+    def _landed(self, blocks: list[int], oks: list[bool]) -> None:
+        """Seals the loaded blocks; a block whose LOAD failed holds stale bytes under a
+        checksum that still matches them: ``unseal`` it, so no SWAP_IN or STORE reads it."""
+        if self.spec.host_checksums:
+            self.host.seal([b for b, ok in zip(blocks, oks, strict=True) if ok])
+            self.host.unseal([b for b, ok in zip(blocks, oks, strict=True) if not ok])
+
     def _in_parts(self, n: int, step: Callable[[slice], None]) -> None:
         """``step`` over blocks [0, n) in parts, reporting progress after each (module docstring)."""
-        target, size, i = self.spec.heartbeat_s / 2, 1, 0
+        target, size, i, progress = self.spec.heartbeat_s / 2, 1, 0, self._task.progress
         while i < n:
             t0 = time.monotonic()
             step(slice(i, i + size))
-            self._progress()
+            progress()
             i += size
             size = size * 2 if time.monotonic() - t0 < target else max(1, size // 2)
 

@@ -8,11 +8,14 @@ write ``transfer{r}.pid`` and ``transfer{r}.ready = 1``.
 
 Loop: block on the task channel for at most ``spec.heartbeat_s`` (one semaphore wait,
 draining up to 256 tasks per wake-up), beat ``transfer{r}.beat`` (``time.monotonic_ns()``)
-on every wake-up and after every task, execute tasks in order and post one ``DoneMsg`` per
-task. Tasks before the FENCE addressed to this process are dropped unexecuted: they were
-sent to a predecessor and the client has failed them (``fastkv.transfer.protocol``). A task
-message that cannot be read (a corrupt frame, undecodable bytes) is acked as failed under
-``BAD_TASK_ID``; the tasks around it run.
+on every wake-up and after every task, and post one ``DoneMsg`` per task. Swaps run on this
+thread, STORE and LOAD on the storage lane's; CLEAR, RESTORE and the fence wait for the
+storage lane to drain (``fastkv.transfer.lanes``), so acks of the two lanes interleave and
+the client matches them by task id. Tasks before the FENCE addressed to this process are
+dropped unexecuted: they were sent to a predecessor and the client has failed them
+(``fastkv.transfer.protocol``). A task message that cannot be read (a corrupt frame,
+undecodable bytes) is a barrier too, then acked as failed under ``BAD_TASK_ID``: every
+task read before it has been acked, none after it, so it is the oldest task the rank owes.
 
 Exit: 0 when signal ``stop`` is set or the engine closed the task channel; 1 when the
 engine died. ``ready`` goes back to 0 and the ring ends are closed on the way out.
@@ -25,18 +28,23 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 
 from fastkv import ops
+from fastkv.cache.plan import CopyKind
 from fastkv.ipc import BadMessage, ChannelClosed, DoneMsg, Namespace, PeerDied, PeerTimeout, SignalArray, TaskMsg
 from fastkv.ipc.peers import me
 from fastkv.run import RunSpec, TransferEnds, attach_transfer
 from fastkv.transfer.executor import TaskExecutor
+from fastkv.transfer.lanes import Hold, StorageLane
 from fastkv.transfer.protocol import BAD_TASK_ID, FENCE, fence_names, fence_weights_version
 from fastkv.transfer.tiers import select_device
 
 log = logging.getLogger(__name__)
 BATCH = 256
+SWAPS = frozenset((int(CopyKind.SWAP_OUT), int(CopyKind.SWAP_IN)))
+STORAGE_HOST_IDS = {int(CopyKind.STORE): "src", int(CopyKind.LOAD): "dst"}  # the host blocks each is on
 
 
 class EngineGone(Exception):
@@ -59,6 +67,8 @@ class TransferLoop:
         self.executed = 0
         self.dropped = 0  # stale tasks left by a predecessor
         self.published = {"host_checksum_mismatches": 0, "released_bytes": 0}  # already added to the signals
+        self.storage = StorageLane(self._run_stored, f"transfer{rank}-storage")
+        self._acking = threading.Lock()  # both lanes ack on the one done ring
 
     def beat(self) -> None:
         self.signals[self.beat_slot] = time.monotonic_ns()
@@ -86,6 +96,7 @@ class TransferLoop:
                 except PeerDied as exc:
                     raise EngineGone(1, str(exc)) from None
                 self.beat()
+                self.storage.check()
                 for msg in msgs:
                     self.handle(msg)
         except EngineGone as gone:
@@ -101,21 +112,39 @@ class TransferLoop:
                 log.error("transfer[%d]: ignoring %s", self.rank, exc)
                 return
             if mine:
+                self.barrier()
                 self.fenced = True
                 self.executor.adopt_weights(fence_weights_version(msg))
             return
         if not self.fenced:
             self.dropped += 1
             return
-        done = self.executor.run(msg, progress=self.beat)
-        self.executed += 1
-        errors, corrupt = self.executor.take_faults()  # published before the ack: the engine reads them after
-        if errors:
-            self.signals.add("storage.errors", errors)
-        if corrupt:
-            self.signals.add("storage.corrupt", corrupt)
-        self.publish_counters()
-        self.send(done)
+        on = STORAGE_HOST_IDS.get(msg.kind)
+        if on is not None:
+            hold = self.executor.holds.hold(getattr(msg, on).tolist(), writes=msg.kind == CopyKind.LOAD)
+            self.storage.submit(msg, hold)
+            return
+        if msg.kind not in SWAPS:  # CLEAR, RESTORE (and unknown kinds, which fail)
+            self.barrier()
+        self.finish(self.executor.run(msg, progress=self.beat))
+
+    def _run_stored(self, msg: TaskMsg, hold: Hold) -> None:
+        self.finish(self.executor.run(msg, progress=self.beat, hold=hold))
+
+    def barrier(self) -> None:
+        """Returns once every task dispatched so far has finished and been acked."""
+        self.storage.drain(self.beat, self.spec.heartbeat_s)
+
+    def finish(self, done: DoneMsg) -> None:
+        with self._acking:
+            self.executed += 1
+            errors, corrupt = self.executor.take_faults()  # published before the ack: the engine reads them after
+            if errors:
+                self.signals.add("storage.errors", errors)
+            if corrupt:
+                self.signals.add("storage.corrupt", corrupt)
+            self.publish_counters()
+            self.send(done)
         self.beat()
 
     def reject(self, exc: BadMessage) -> None:
@@ -126,10 +155,18 @@ class TransferLoop:
             self.dropped += 1
             return
         log.error("transfer[%d]: bad task message, acked as failed: %s", self.rank, exc)
-        self.send(DoneMsg(BAD_TASK_ID, self.rank, False, error=f"bad task message: {exc}"))
+        self.barrier()  # the client fails the oldest task the rank owes: acks of all before it go first
+        with self._acking:
+            self.send(DoneMsg(BAD_TASK_ID, self.rank, False, error=f"bad task message: {exc}"))
+
+    def close(self) -> None:
+        """Stops the storage lane after its running task (queued ones are dropped unacked:
+        the engine is gone or stopping)."""
+        self.storage.close()
 
     def send(self, done: DoneMsg) -> None:
-        """Posts an ack; while the engine's ring is full, keeps beating and watching ``stop``."""
+        """Posts an ack (the caller holds ``_acking``); while the engine's ring is full,
+        keeps beating and watching ``stop``."""
         while True:
             try:
                 self.ends.done.send(done, timeout=self.spec.heartbeat_s)
@@ -169,6 +206,7 @@ def main(spec_json: str, rank: int) -> int:
         log.info("transfer[%d]: executed %d tasks, dropped %d stale ones", rank, loop.executed, loop.dropped)
         return code
     finally:
+        loop.close()
         signals[f"{prefix}.ready"] = 0
         ends.close()
         executor.close()

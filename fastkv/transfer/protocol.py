@@ -21,12 +21,16 @@ run waits for its fence as well (the client sends it on first contact).
 Every process acknowledges each copy task it executes with exactly one ``DoneMsg``;
 dropped stale tasks and fences get none.
 
+Acks come in the order tasks finish, not the order they were sent: swaps and storage I/O
+run in separate lanes (``fastkv.transfer.lanes``); the client matches each ack by task id.
+
 A bad task message (a corrupt ring frame, bytes that do not decode) read after the
 process's fence is acknowledged as failed with ``task_id == BAD_TASK_ID`` (its own id
-cannot be trusted). A process executes and acknowledges its tasks in the order the
-client sent them, on one FIFO done ring, so that ack belongs to the oldest task the
-rank still owes; the client fails just that task's share. Acks a dead predecessor left
-behind are discarded when its successor is adopted, before its fence is sent.
+cannot be trusted, and a dropped frame has none). The process treats it as a barrier:
+it acks it only once every task read before it has been acked, and reads nothing after
+it until then, so on the FIFO done ring that ack belongs to the oldest task the rank
+still owes; the client fails just that task's share. Acks a dead predecessor left behind
+are discarded when its successor is adopted, before its fence is sent.
 """
 from __future__ import annotations
 

@@ -394,6 +394,12 @@ class HostTier:
         for b in blocks:
             self.checksums[b] = np.frombuffer(xxhash.xxh3_128_digest(self.array[b]), np.uint8)
 
+    def unseal(self, blocks: Iterable[int]) -> None:
+        """Mark each block's bytes as not landed: zero its checksum, which a block's bytes
+        match with probability 2**-128, so ``corrupt`` reports it until it is sealed again."""
+        for b in blocks:
+            self.checksums[b] = 0
+
     def corrupt(self, blocks: Iterable[int]) -> list[int]:
         """The blocks whose bytes no longer match the checksum ``seal`` recorded."""
         bad = []

@@ -23,10 +23,40 @@ SMALL = KVLayout(num_layers=2, kv_heads=2, block_size=16, head_dim=32, dtype="bf
 _ids = itertools.count(1)
 
 
-def transfer_main(spec_json: str, rank: int) -> None:
+def transfer_main(spec_json: str, rank: int, per_block_s: float = 0.0) -> None:
+    """A transfer process; ``per_block_s`` > 0: its storage backend is a ``SlowStore``."""
+    from fastkv.transfer import executor
     from fastkv.transfer.process import main
 
+    if per_block_s:
+        opened = executor.open_store
+        executor.open_store = lambda *a, **kw: SlowStore(opened(*a, **kw), per_block_s)
     sys.exit(main(spec_json, rank))
+
+
+class SlowStore:
+    """A live but slow storage backend: every block put or got takes ``per_block_s`` more
+    (sleeping, as a network round trip waits); ``before_get(block_ids)`` runs first."""
+
+    def __init__(self, store, per_block_s: float, before_get=None) -> None:
+        self.store, self.per_block_s, self.before_get = store, per_block_s, before_get
+
+    def put(self, keys, host, block_ids):
+        time.sleep(self.per_block_s * len(keys))
+        return self.store.put(keys, host, block_ids)
+
+    def get(self, keys, host, block_ids):
+        if self.before_get is not None:
+            self.before_get(block_ids)
+        time.sleep(self.per_block_s * len(keys))
+        return self.store.get(keys, host, block_ids)
+
+    @property
+    def stats(self):
+        return self.store.stats
+
+    def close(self) -> None:
+        self.store.close()
 
 
 def plan(kind: CopyKind, src: Iterable[int] = (), dst: Iterable[int] = (), keys: Iterable[bytes] = ()) -> CopyPlan:
@@ -70,13 +100,13 @@ class Supervisor:
         self.ends = attach_engine(self.ns, self.spec)
         return TransferClient(self.ends, self.spec, **kw)
 
-    def start(self, rank: int) -> mp.Process:
+    def start(self, rank: int, per_block_s: float = 0.0) -> mp.Process:
         if rank in self.procs:  # a restart: the old one must be gone
             old = self.procs[rank]
             old.join(10)
             assert not old.is_alive(), f"transfer[{rank}] pid {old.pid} still alive"
             self.signals[f"transfer{rank}.gen"] += 1
-        p = CTX.Process(target=transfer_main, args=(self.spec.to_json(), rank), daemon=True)
+        p = CTX.Process(target=transfer_main, args=(self.spec.to_json(), rank, per_block_s), daemon=True)
         p.start()
         self.procs[rank] = p
         return p

@@ -16,14 +16,14 @@ from fastkv.run import attach_transfer
 from fastkv.transfer.executor import TaskExecutor
 from fastkv.transfer.process import TransferLoop
 from fastkv.transfer.protocol import FENCE, FENCE_ID, fence_for
-from tests.transfer.helpers import Supervisor, key, plan, pump
+from tests.transfer.helpers import SlowStore, Supervisor, key, plan, pump
 
 pytest.importorskip("paddle")
 
 
 def test_loop_drops_everything_before_its_fence_then_serves_and_stops():
     sup = Supervisor(layout=KVLayout(1, 1, 16, 16, "float32", tp_size=1), num_device_blocks=4, num_host_blocks=4)
-    ends = executor = None
+    ends = executor = loop = None
     try:
         client = sup.engine(kill_late=False)
         ends = attach_transfer(sup.ns, sup.spec, 0)
@@ -54,6 +54,8 @@ def test_loop_drops_everything_before_its_fence_then_serves_and_stops():
         sup.ends.tasks[0].close()  # the engine is done: its end closed
         assert loop.run() == 0
     finally:
+        if loop is not None:
+            loop.close()
         if ends is not None:
             ends.close()
         if executor is not None:
@@ -66,7 +68,7 @@ def test_a_corrupt_task_fails_alone_and_the_tasks_around_it_run(corrupt):
     """One damaged task message (a torn ring frame, or bytes that no longer decode) fails
     just that task, acknowledged as bad by the process; the tasks before and after it run."""
     sup = Supervisor(layout=KVLayout(1, 1, 16, 16, "float32", tp_size=1), num_device_blocks=4, num_host_blocks=4)
-    ends = executor = None
+    ends = executor = loop = None
     try:
         client = sup.engine(kill_late=False)
         ends = attach_transfer(sup.ns, sup.spec, 0)
@@ -92,6 +94,8 @@ def test_a_corrupt_task_fails_alone_and_the_tasks_around_it_run(corrupt):
         assert loop.executed == 2
         assert ring.dropped == (corrupt == "frame")
     finally:
+        if loop is not None:
+            loop.close()
         if ends is not None:
             ends.close()
         if executor is not None:
@@ -99,30 +103,12 @@ def test_a_corrupt_task_fails_alone_and_the_tasks_around_it_run(corrupt):
         sup.close()
 
 
-class SlowStore:
-    """A live but slow storage backend: every block takes ``per_block_s``."""
-
-    def __init__(self, store, per_block_s: float) -> None:
-        self.store, self.per_block_s = store, per_block_s
-
-    def put(self, keys, host, block_ids):
-        time.sleep(self.per_block_s * len(keys))
-        return self.store.put(keys, host, block_ids)
-
-    @property
-    def stats(self):
-        return self.store.stats
-
-    def close(self) -> None:
-        self.store.close()
-
-
 def test_a_long_store_on_slow_storage_keeps_the_heartbeat(tmp_path):
     """A STORE that takes longer than dead_after_s on a backend that is slow but making
     progress beats as it goes: the supervisor's rule never finds the rank silent."""
     sup = Supervisor(layout=KVLayout(1, 1, 16, 16, "float32", tp_size=1), num_device_blocks=4, num_host_blocks=64,
                      storage_url=f"lmdb://{tmp_path}")
-    ends = executor = None
+    ends = executor = loop = None
     try:
         client = sup.engine(kill_late=False)
         ends = attach_transfer(sup.ns, sup.spec, 0)
@@ -156,6 +142,8 @@ def test_a_long_store_on_slow_storage_keeps_the_heartbeat(tmp_path):
         assert took > sup.spec.dead_after_s, took
         assert max(silences) < sup.spec.dead_after_s * 1e9 / 2, f"heartbeat silent for {max(silences) / 1e9:.2f} s"
     finally:
+        if loop is not None:
+            loop.close()
         if ends is not None:
             ends.close()
         if executor is not None:

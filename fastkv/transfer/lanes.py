@@ -1,0 +1,166 @@
+"""The lanes of a transfer process: swaps on the loop thread, storage I/O on a thread of its own.
+
+One loop running every task in turn let a slow STORE hold up a SWAP_IN that a running
+request waits for. So each rank has two lanes:
+
+* the swap lane (SWAP_OUT, SWAP_IN) is the loop thread itself: a swap pays no thread
+  hand-off, and the loop reads the next tasks as soon as it is done;
+* the storage lane (STORE, LOAD) is ``StorageLane``, one thread that runs them in order.
+  The backends (LMDB, redis sockets), the value checksums and the copies release the
+  GIL, so storage I/O runs beside the swaps; the thread blocks on a condition when idle.
+
+Barriers (CLEAR, RESTORE, a fence, a bad task message): the loop ``drain``\\ s the storage
+lane first, so every task read before the barrier has finished and been acked.
+
+Order. The loop reads tasks in the order the client sent them and dispatches them one at a
+time, so a storage task is dispatched only once every swap sent before it has finished: a
+STORE after the SWAP_OUT that fills its host blocks sees the swapped bytes. The other way
+round a swap can meet host blocks that an earlier storage task is still on (a SWAP_IN of
+blocks a LOAD is filling, a SWAP_OUT over blocks a STORE or LOAD is still on). ``HostHolds``
+counts, per host block, the storage tasks dispatched on it and not yet done with it, the
+LOADs (writers) apart from the STOREs (readers); a swap waits, part by part, until no
+writer holds the blocks it reads (SWAP_IN) and no task at all holds the blocks it writes
+(SWAP_OUT). A SWAP_IN of blocks a STORE is reading runs at once: both only read. A storage
+task frees its blocks part by part, so a SWAP_IN right behind a LOAD copies block i while
+block i+1 loads.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from fastkv.ipc import TaskMsg
+
+
+class Hold:
+    """The host blocks one storage task has not yet finished with."""
+
+    __slots__ = ("_holds", "_blocks", "_counts")
+
+    def __init__(self, holds: HostHolds, blocks: set[int], counts: dict[int, int]) -> None:
+        self._holds, self._blocks, self._counts = holds, blocks, counts
+
+    def release(self, blocks: Iterable[int] | None = None) -> None:
+        """The task is done with ``blocks`` (default: all it still holds)."""
+        self._holds._release(self, self._blocks.copy() if blocks is None else blocks)
+
+
+class HostHolds:
+    """Host blocks that storage tasks are on; swaps wait for them (module docstring)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._writers: dict[int, int] = {}  # host block -> LOADs on it
+        self._readers: dict[int, int] = {}  # host block -> STOREs on it
+
+    def hold(self, blocks: Iterable[int], writes: bool) -> Hold:
+        """Called by the loop thread as it dispatches a storage task on ``blocks``."""
+        mine, counts = set(blocks), self._writers if writes else self._readers
+        with self._cond:
+            for b in mine:
+                counts[b] = counts.get(b, 0) + 1
+        return Hold(self, mine, counts)
+
+    def _release(self, hold: Hold, blocks: Iterable[int]) -> None:
+        with self._cond:
+            for b in blocks:
+                if b in hold._blocks:
+                    hold._blocks.discard(b)
+                    counts = hold._counts
+                    left = counts[b] - 1
+                    if left:
+                        counts[b] = left
+                    else:
+                        del counts[b]
+            self._cond.notify_all()
+
+    def wait(self, blocks: Iterable[int], writes: bool, progress: Callable[[], None], slice_s: float) -> None:
+        """Returns once no LOAD holds any of ``blocks`` (nor a STORE, if the caller
+        ``writes`` them), calling ``progress()`` every ``slice_s`` meanwhile. Only the loop
+        thread adds holds, and it is the one waiting here, so holds can only go: empty
+        tables need no lock."""
+        if not self._writers and not (writes and self._readers):
+            return
+        blocks = [int(b) for b in blocks]
+        with self._cond:
+            while any(b in self._writers or (writes and b in self._readers) for b in blocks):
+                if not self._cond.wait(slice_s):
+                    progress()
+
+
+class StorageLane:
+    """One thread running storage tasks in the order they were submitted.
+
+    ``run(msg, hold)`` executes and acks one task. An exception out of it (the engine is
+    gone, or a bug) ends the lane: the tasks still queued are dropped, their holds released,
+    and ``check``/``drain`` re-raise it in the loop thread."""
+
+    def __init__(self, run: Callable[[TaskMsg, Hold], None], name: str) -> None:
+        self._run, self._name = run, name
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[TaskMsg, Hold]] = deque()
+        self._busy = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def submit(self, msg: TaskMsg, hold: Hold) -> None:
+        with self._cond:
+            if self._error is not None or self._closed:
+                hold.release()
+                self.check()
+                return
+            self._queue.append((msg, hold))
+            self._cond.notify()
+        if self._thread is None:  # started on the first storage task: runs without storage have none
+            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+            self._thread.start()
+
+    def check(self) -> None:
+        """Re-raises what ended the lane, if anything did."""
+        if self._error is not None:
+            raise self._error
+
+    def drain(self, progress: Callable[[], None], slice_s: float) -> None:
+        """Returns once every submitted task has run, calling ``progress()`` every ``slice_s``."""
+        with self._cond:
+            while self._queue or self._busy:
+                if not self._cond.wait(slice_s):
+                    progress()
+        self.check()
+
+    def close(self) -> None:
+        """Finishes the running task, drops the queued ones and joins the thread."""
+        with self._cond:
+            self._closed = True
+            self._drop()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _drop(self) -> None:
+        while self._queue:
+            self._queue.popleft()[1].release()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                msg, hold = self._queue.popleft()
+                self._busy = True
+            try:
+                self._run(msg, hold)
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop thread, which raises it
+                self._error = exc
+                hold.release()
+            with self._cond:
+                self._busy = False
+                if self._error is not None:
+                    self._drop()
+                self._cond.notify_all()
+                if self._error is not None:
+                    return
