@@ -32,3 +32,31 @@ def test_restarted_engine_hits_what_the_first_one_stored(tmp_path, tp):
     lk = b["storage_lookup"]
     assert lk["keys_found"] > 0 and lk["failed"] == 0, lk
     assert b["recomputed_because_storage"] == 0 and b["corrupt_values"] == 0, b
+
+
+def corrupt_every_value(store_dir) -> int:
+    import lmdb
+
+    env = lmdb.open(str(store_dir), subdir=True, max_dbs=4)
+    n = 0
+    try:
+        with env.begin(db=env.open_db(b"blocks"), write=True) as txn:
+            for k, v in list(txn.cursor()):
+                flipped = bytearray(v)
+                flipped[-1] ^= 0xFF  # the last payload byte: only the checksum can tell
+                txn.put(k, bytes(flipped))
+                n += 1
+    finally:
+        env.close()
+    return n
+
+
+@pytest.mark.slow
+def test_corrupt_store_is_detected_recomputed_and_never_served(tmp_path):
+    wl = workload(12, 6, ["offload"])
+    url = f"lmdb://{tmp_path}/store?max_bytes=64M"
+    run_once(tmp_path, "a", url, wl)
+    assert corrupt_every_value(tmp_path / "store") > 0
+    _, b = run_once(tmp_path, "b", url, wl)  # check_outputs: every token right, the runner verified every block
+    assert b["corrupt_values"] > 0 and b["recomputed_because_storage"] > 0, b
+    assert b["hit_ratio"]["storage"] == 0 and b["storage_lookup"]["bytes_loaded"] == 0, b
