@@ -72,6 +72,7 @@ class JobConfig:
     heartbeat_s: float = 0.5
     dead_after_s: float = 5.0
     task_timeout_s: float = 60.0
+    storage_lookup_timeout_s: float = 0.2  # a new request waits at most this long for its storage lookup
     quick: bool = False
     weights_version: str = "0"  # the weights the run starts with (the tiny runner hashes it to a seed)
     update_weights_at: str = ""  # "N:VERSION[,N:VERSION...]": switch weights after N requests finished
@@ -287,7 +288,8 @@ class JobConfig:
             cache_policy=self.cache_policy, host_checksums=self.host_checksums, scheduler=dict(self.scheduler),
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
-            task_timeout_s=self.task_timeout_s, out_dir=str(out_dir), metrics_port=self.metrics_port,
+            task_timeout_s=self.task_timeout_s, storage_lookup_timeout_s=self.storage_lookup_timeout_s,
+            out_dir=str(out_dir), metrics_port=self.metrics_port,
             weights_version=self.weights_version,
             update_weights_at=tuple(u.strip() for u in self.update_weights_at.split(",") if u.strip()),
             free_memory_on_update=self.free_memory_on_update, enable_prefix_caching=self.enable_prefix_caching,

@@ -104,6 +104,11 @@ def table(data: dict[str, Any]) -> str:
         rows.append(("KV verified", f"{v['kv_blocks_verified']} blocks of {v['kv_requests_verified']} resumed "
                                     f"requests, {v['kv_positions_read']} positions read by the oracle; "
                                     f"{v['kv_mismatches']} mismatches"))
+    if data.get("storage_lookup"):
+        lk = data["storage_lookup"]
+        rows.append(("storage lookups", f"{lk['lookups']} for {lk['requests']} requests, {lk['keys_found']} of "
+                                        f"{lk['keys_asked']} blocks found, {lk['latency_ms_mean']:.2f} ms mean, "
+                                        f"{lk['timed_out']} timed out; {lk['bytes_loaded'] / 1e6:.1f} MB loaded"))
     if "host_checksum_mismatches" in data:
         rows.append(("host checksum mismatches", f"{data['host_checksum_mismatches']} (each recomputed, never served)"))
     width = max(len(k) for k, _ in rows)

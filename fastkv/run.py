@@ -55,6 +55,8 @@ class RunSpec:
     heartbeat_s: float = 0.5  # each process beats at least this often
     dead_after_s: float = 5.0  # a silent heartbeat for this long counts as a dead process
     task_timeout_s: float = 60.0  # a copy task unfinished after this fails (its request recomputes)
+    # a new request waits at most this long for the storage tier to say what it holds (fastkv.engine.lookup)
+    storage_lookup_timeout_s: float = 0.2
     slot_size: int = 512  # ring slot bytes; larger messages span slots
     nslots: int = 4096
     out_dir: str = "fastkv-out"
@@ -65,6 +67,8 @@ class RunSpec:
             raise ValueError("RunSpec: num_device_blocks must be > 0 and num_host_blocks >= 0")
         if self.heartbeat_s <= 0 or self.dead_after_s <= self.heartbeat_s or self.task_timeout_s <= 0:
             raise ValueError("RunSpec: need heartbeat_s > 0, dead_after_s > heartbeat_s, task_timeout_s > 0")
+        if not self.storage_lookup_timeout_s >= 0:
+            raise ValueError(f"RunSpec: storage_lookup_timeout_s must be >= 0, got {self.storage_lookup_timeout_s!r}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"RunSpec: metrics_port must be in [0, 65536), got {self.metrics_port}")
         object.__setattr__(self, "update_weights_at", tuple(self.update_weights_at))

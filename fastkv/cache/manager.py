@@ -143,6 +143,13 @@ class CacheManager:
         root, extras = self._chain(extra)
         return block_keys(as_tokens(tokens), self.block_size, root, 0, extras)
 
+    def confirm_stored(self, keys: list[bytes]) -> None:
+        """The storage tier holds ``keys`` (a lookup found them, maybe another engine's writes):
+        ``allocate`` plans LOADs for them, and a LOAD that misses drops them again."""
+        if self.index.storage:
+            for k in keys:
+                self.index.remember_stored(k)
+
     def match(self, tokens: object, extra: ExtraKeys | None = None) -> MatchResult:
         """The longest cached prefix of ``tokens`` (read-only: touches nothing, counts nothing).
 

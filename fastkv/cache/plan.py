@@ -19,6 +19,7 @@ class CopyKind(IntEnum):
     LOAD = 4  # storage -> host: dst host ids, keys
     CLEAR = 5  # weight update: drop device/host contents
     RESTORE = 6  # weight update done: re-attach and accept work again
+    LOOKUP = 7  # which keys storage holds: src = key counts of consecutive chains, keys (fastkv.storage.lookup)
 
 
 @dataclass(slots=True)
@@ -39,6 +40,9 @@ class CopyPlan:
             raise ValueError(f"STORE plan needs one key per src block: {len(self.keys)} != {len(self.src)}")
         if self.kind is CopyKind.LOAD and len(self.keys) != len(self.dst):
             raise ValueError(f"LOAD plan needs one key per dst block: {len(self.keys)} != {len(self.dst)}")
+        if self.kind is CopyKind.LOOKUP and (self.src < 0).any() | (int(self.src.sum()) != len(self.keys)):
+            raise ValueError(f"LOOKUP plan's chain lengths {self.src.tolist()[:8]} must be >= 0 and sum to its "
+                             f"{len(self.keys)} keys")
 
     @property
     def num_blocks(self) -> int:

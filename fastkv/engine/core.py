@@ -50,6 +50,7 @@ from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.cache.policy import Policy as CachePolicy
 from fastkv.engine import protocol
+from fastkv.engine.lookup import StorageLookup
 from fastkv.engine.step import StepPlan
 from fastkv.ipc import Broadcast, DoneMsg, Namespace, OutputMsg, PeerDied, PeerTimeout, PlanMsg, pid_alive
 from fastkv.metrics import EngineMetrics
@@ -132,6 +133,11 @@ class Engine:
             from fastkv.transfer.client import TransferClient as client_factory
         self.transfer = client_factory(ends, spec)
         self.metrics = EngineMetrics(self.sched)
+        # with a storage tier, new requests first ask it what it holds (fastkv.engine.lookup)
+        self.lookups = None
+        if spec.storage_url:  # a LOOKUP's keys take at most a quarter of the task ring
+            self.lookups = StorageLookup(self.cache, spec.storage_lookup_timeout_s,
+                                         spec.slot_size * spec.nslots // (4 * 40))
         self.check = check  # check_integrity of scheduler and cache after every step (tests)
         self._broadcast = Broadcast(ends.plans)
         self._sig = ends.signals
@@ -185,7 +191,11 @@ class Engine:
             req = Request(rid, tokens, max_new_tokens, eos_token_id=eos_token_id,
                           stop_token_ids=frozenset(stop_token_ids), preemption=mode, arrival_time=arrival_time,
                           extra=extra)
-            self.sched.add_request(req)
+            if self.lookups is None:
+                self.sched.add_request(req)
+            else:
+                self.sched.check_request(req)
+                self.lookups.park(req)
         except (TypeError, ValueError) as exc:
             # The scheduler names its own sequence number; the caller knows the request by ``ext``.
             raise RequestRejected(ext, str(exc).removeprefix(f"request {rid}: ")) from None
@@ -203,6 +213,8 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         rid = self._ids.get(request_id)
+        if rid is not None and self.lookups is not None and self.lookups.abort(rid):
+            return True
         return rid is not None and self.sched.abort(rid)
 
     @property
@@ -210,7 +222,7 @@ class Engine:
         return len(self._ids)
 
     def has_work(self) -> bool:
-        return self.sched.has_work() or self.transfer.pending > 0
+        return self.sched.has_work() or self.transfer.pending > 0 or bool(self.lookups)
 
     # ================================================================== the loop
     def beat(self) -> None:
@@ -224,6 +236,8 @@ class Engine:
         if time.monotonic() - self._last_check >= self.spec.heartbeat_s:
             self.check_workers()
         self._check_transfers()  # cheap when nothing is due; adopts restarted transfer processes
+        if self.lookups is not None:
+            self._lookup_wave()
         out = self.sched.step()
         for plan in out.copies:
             if plan.kind is CopyKind.CLEAR and self._free_memory:
@@ -235,7 +249,7 @@ class Engine:
             self._run(out.plan)
         elif self.transfer.pending:
             self._idle = 0
-            self._pump(self.spec.heartbeat_s)
+            self._pump(self.spec.heartbeat_s if self.lookups is None else self.lookups.wait_s(self.spec.heartbeat_s))
         elif self.sched.requests and not out.copies and not out.finished:
             self._idle += 1
             assert self._idle < _STALL_STEPS, f"scheduler stalled with no copy in flight: {self.sched.counts()}"
@@ -364,11 +378,25 @@ class Engine:
             return []
 
     # ================================================================== copies
+    def _lookup_wave(self) -> None:
+        """Ask storage about the requests parked since the last step; queue the answered ones."""
+        for plan in self.lookups.wave():
+            self.transfer.submit(plan)
+        for req, aborted in self.lookups.release():
+            self.sched.add_request(req)
+            if aborted:
+                self.sched.abort(req.request_id)
+
     def _on_done(self, msg: DoneMsg) -> None:
+        if self.lookups is not None:
+            self.lookups.on_ack(msg)
         for res in self.transfer.on_done(msg):
             self._copy_result(res)
 
     def _copy_result(self, res: Any) -> None:
+        if self.lookups is not None and self.lookups.owns(res.plan.plan_id):
+            self.lookups.complete(res.plan.plan_id, res.ok, self.spec.tp_size)
+            return
         # The scheduler's cost model wants per-rank bytes; the client reports all ranks'.
         self.sched.on_copy_complete(res.plan.plan_id, res.ok, res.nbytes // self.spec.tp_size, res.seconds)
         self.metrics.observe_copy(res.plan.kind.name.lower(), res.ok, res.nbytes, res.seconds)
@@ -407,7 +435,9 @@ class Engine:
         """The requests not finished yet, as results (``state`` "unfinished", output so far):
         what a stopped or failed run reports for them."""
         now = time.monotonic()
-        return [self._snapshot(self._ext[rid], req, "unfinished", now) for rid, req in self.sched.requests.items()]
+        parked = self.lookups.requests() if self.lookups is not None else []
+        return [self._snapshot(self._ext[req.request_id], req, "unfinished", now)
+                for req in [*self.sched.requests.values(), *parked]]
 
     def _snapshot(self, ext: str, req: Request, finish: str, end: float) -> RequestResult:
         t0 = req.arrival_time

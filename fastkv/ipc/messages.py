@@ -54,13 +54,19 @@ class TaskMsg:
 class DoneMsg:
     """One rank's acknowledgement of a task."""
 
-    WIRE: ClassVar[str] = "task_id:i64 rank:i32 ok:bool nbytes:i64 seconds:f64 error:str"
+    WIRE: ClassVar[str] = "task_id:i64 rank:i32 ok:bool nbytes:i64 seconds:f64 error:str found:bytes"
     task_id: int
     rank: int
     ok: bool
     nbytes: int = 0
     seconds: float = 0.0
     error: str = ""
+    # LOOKUP: per key chain, how many leading keys this rank holds (raw int32, so acks still compare with ==)
+    found: bytes = b""
+
+    @property
+    def found_counts(self) -> np.ndarray:
+        return np.frombuffer(self.found, np.int32)
 
 
 @message(3)

@@ -99,6 +99,10 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.push(req)
 
+    def check_request(self, request: Request) -> None:
+        """Raises as ``add_request`` would, without queueing (for a caller that holds it first)."""
+        self._validate(request)
+
     def _validate(self, req: Request) -> Request:
         if not isinstance(req, Request):
             raise TypeError(f"expected a Request, got {type(req).__name__}")

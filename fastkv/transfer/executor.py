@@ -9,6 +9,8 @@
 | LOAD     | storage ``keys`` -> host blocks ``dst``       | every block was found and verified      |
 | CLEAR    | nothing: quiesce for a weight update          | always (idempotent)                     |
 | RESTORE  | nothing: new weights version in ``keys[0]``   | the device tier re-attached             |
+| LOOKUP   | nothing: which ``keys`` storage holds; the ack | the store answered (``found``: per key  |
+|          | carries them (``fastkv.storage.lookup``)      | chain in ``src``, its present prefix)   |
 
 A task that fails (bad ids, a storage miss, anything raised) is acknowledged with
 ``ok=False`` and the exception's text; the executor stays usable for the next task.
@@ -70,6 +72,7 @@ from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.ipc import DoneMsg, TaskMsg
 from fastkv.run import RunSpec
 from fastkv.storage import StorageBackend, open_store
+from fastkv.storage.lookup import found_prefixes
 from fastkv.transfer.lanes import Hold, HostHolds
 from fastkv.transfer.protocol import FREE, storage_namespace
 from fastkv.transfer.tiers import DeviceTier, HostTier, resident_bytes
@@ -172,8 +175,12 @@ class TaskExecutor:
         on, released part by part and all at the end."""
         t0 = time.perf_counter()
         self._task.progress, self._task.hold = progress, hold
+        found = None
         try:
-            nbytes, error = self._run(msg)
+            if msg.kind == CopyKind.LOOKUP:
+                found, nbytes, error = self._lookup(msg.to_plan()), 0, ""
+            else:
+                nbytes, error = self._run(msg)
         except Exception as exc:  # the task fails alone; reported to the engine, never swallowed
             nbytes, error = 0, f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, ValueError | TypeError | TaskRefused | CorruptHostBlock):
@@ -181,7 +188,16 @@ class TaskExecutor:
         finally:
             if hold is not None:
                 hold.release()
-        return DoneMsg(msg.task_id, self.rank, not error, nbytes, time.perf_counter() - t0, error)
+        done = DoneMsg(msg.task_id, self.rank, not error, nbytes, time.perf_counter() - t0, error)
+        if found is not None and not error:
+            done.found = found.astype(np.int32).tobytes()
+        return done
+
+    def _lookup(self, plan: CopyPlan) -> np.ndarray:
+        if self.cleared or self.store is None:
+            raise TaskRefused("LOOKUP refused: " + (self.store_error or "no storage tier open (not configured, "
+                                                    "or cleared for a weight update)"))
+        return found_prefixes(self.store, plan.keys, plan.src)
 
     def _run(self, msg: TaskMsg) -> tuple[int, str]:
         try:

@@ -124,6 +124,9 @@ class TransferLoop:
             hold = self.executor.holds.hold(getattr(msg, on).tolist(), writes=msg.kind == CopyKind.LOAD)
             self.storage.submit(msg, hold)
             return
+        if msg.kind == CopyKind.LOOKUP:  # storage I/O on no host block: never behind a swap, nor a barrier
+            self.storage.submit(msg, self.executor.holds.hold((), writes=False))
+            return
         if msg.kind not in SWAPS:  # CLEAR, RESTORE (and unknown kinds, which fail)
             self.barrier()
         self.finish(self.executor.run(msg, progress=self.beat))

@@ -108,7 +108,8 @@ def test_decode_rejects_malformed_bytes():
         decode(bytes(corrupt))
     with pytest.raises(BadMessage, match="UTF-8"):
         done = bytearray(encode(DoneMsg(1, 0, False, error="ab")))
-        done[-8:-6] = b"\xff\xfe"
+        at = done.index(b"ab")  # the error text's bytes (not the last field since DoneMsg.found)
+        done[at:at + 2] = b"\xff\xfe"
         decode(bytes(done))
 
 
@@ -266,3 +267,9 @@ def test_class_validation_on_decode_is_a_bad_message():
     for dec in (decode, decode_py):
         with pytest.raises(BadMessage, match="per-request lists differ"):
             dec(buf)
+
+
+def test_done_carries_lookup_counts():
+    msg = DoneMsg(7, 1, True, found=np.array([3, 0, 2], np.int32).tobytes())
+    back = decode(encode(msg))
+    assert back == msg and back.found_counts.tolist() == [3, 0, 2]

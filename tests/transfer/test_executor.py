@@ -245,3 +245,34 @@ def test_clear_with_free_releases_the_host_tier_and_restore_serves_again(sup, ex
     expect_ok(ex.run(task(CopyKind.RESTORE, keys=[b"v2"])), 0)
     expect_ok(ex.run(task(CopyKind.SWAP_OUT, [1, 2], [3, 4])), 2 * sup.spec.layout.block_bytes)
     expect_ok(ex.run(task(CopyKind.SWAP_IN, [3, 4], [5, 6])), 2 * sup.spec.layout.block_bytes)
+
+
+def test_lookup_answers_each_chains_stored_prefix(sup, ex):
+    """LOOKUP: per key chain, the run of leading keys this rank's shard holds (a hole ends it)."""
+    bb = sup.spec.layout.block_bytes
+    stored = [key(i, "lk") for i in (0, 1, 2, 5)]
+    expect_ok(ex.run(task(CopyKind.STORE, [3, 4, 5, 6], [], stored)), 4 * bb)
+    chains = [[key(0, "lk"), key(1, "lk"), key(2, "lk"), key(3, "lk")],  # 3, then a hole
+              [key(5, "lk"), key(1, "lk")],  # both present
+              [key(9, "lk"), key(0, "lk")],  # absent first key: nothing usable
+              []]
+    keys = [k for c in chains for k in c]
+    done = ex.run(task(CopyKind.LOOKUP, [len(c) for c in chains], [], keys))
+    expect_ok(done, 0)
+    assert done.found_counts.tolist() == [3, 2, 0, 0]
+    other = TaskExecutor(sup.spec, 0)  # rank 0 stored nothing: its shard holds none of them
+    try:
+        assert other.run(task(CopyKind.LOOKUP, [len(keys)], [], keys)).found_counts.tolist() == [0]
+    finally:
+        other.close()
+
+
+def test_lookup_without_a_store_fails_with_the_reason(tmp_path):
+    sup = Supervisor()
+    try:
+        ex = TaskExecutor(sup.spec, 0)
+        done = ex.run(task(CopyKind.LOOKUP, [1], [], [key(0)]))
+        ex.close()
+    finally:
+        sup.close()
+    assert not done.ok and "LOOKUP refused" in done.error and done.found == b""

@@ -1,0 +1,75 @@
+"""The engine's storage lookup lane without processes: waves, per-rank answers, deadlines, order."""
+from __future__ import annotations
+
+import numpy as np
+
+from fastkv.cache.manager import CacheConfig, CacheManager
+from fastkv.cache.plan import CopyKind
+from fastkv.engine.lookup import StorageLookup
+from fastkv.ipc import DoneMsg
+from fastkv.sched.request import Request
+
+BS = 4
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def setup(timeout: float = 0.5):
+    cache = CacheManager(CacheConfig(num_device_blocks=64, num_host_blocks=16, block_size=BS, storage=True))
+    clock = Clock()
+    return cache, clock, StorageLookup(cache, timeout, clock=clock)
+
+
+def ack(task_id: int, rank: int, found: list[int], ok: bool = True) -> DoneMsg:
+    return DoneMsg(task_id, rank, ok, found=np.array(found, np.int32).tobytes())
+
+
+def test_one_wave_and_the_prefix_every_rank_confirms():
+    cache, clock, lk = setup()
+    a, b = Request(0, list(range(17)), 4), Request(1, list(range(100, 109)), 4)
+    lk.park(a)
+    lk.park(b)
+    plans = lk.wave()
+    assert len(plans) == 1 and plans[0].kind is CopyKind.LOOKUP  # one task for the whole wave
+    assert plans[0].src.tolist() == [4, 2]  # full blocks before the last token: 16//4, 8//4
+    assert lk.release() == [] and lk.wave() == []  # nobody asked twice; both wait for the answer
+    tid = plans[0].plan_id
+    lk.on_ack(ack(tid, 0, [4, 1]))
+    lk.on_ack(ack(tid, 1, [2, 2]))
+    lk.complete(tid, True, 2)
+    assert [r.request_id for r, aborted in lk.release()] == [0, 1]
+    assert len(cache.match(a.token_ids).storage_keys) == 2 and len(cache.match(b.token_ids).storage_keys) == 1
+    assert lk.stats.keys_found == 3 and lk.stats.keys_asked == 6
+
+
+def test_a_failed_lookup_confirms_nothing_and_a_late_one_is_bounded():
+    cache, clock, lk = setup(timeout=0.5)
+    a = Request(0, list(range(9)), 4)
+    lk.park(a)
+    (plan,) = lk.wave()
+    clock.t += 0.4
+    assert lk.release() == [] and 0 < lk.wait_s(1.0) <= 0.1 + 1e-9
+    clock.t += 0.2  # past its deadline: it goes with what is confirmed (nothing)
+    assert [r for r, _ in lk.release()] == [a] and lk.stats.timed_out == 1
+    lk.on_ack(ack(plan.plan_id, 0, [2]))
+    lk.complete(plan.plan_id, False, 1)  # one rank failed: nothing confirmed
+    assert cache.match(a.token_ids).storage_keys == () and lk.stats.failed == 1
+
+
+def test_arrival_order_holds_and_aborts_while_parked_are_reported():
+    cache, clock, lk = setup()
+    cache.confirm_stored(cache.keys_for(list(range(9)))[:2])  # already known: nothing to ask for it
+    slow, known = Request(0, list(range(50, 59)), 4), Request(1, list(range(9)), 4)
+    lk.park(slow)
+    lk.park(known)
+    (plan,) = lk.wave()
+    assert plan.src.tolist() == [2]  # only the unknown request is asked about
+    assert lk.abort(1) and not lk.abort(7)
+    assert lk.release() == []  # the known one waits behind the earlier arrival
+    lk.complete(plan.plan_id, True, 0)
+    assert [(r.request_id, ab) for r, ab in lk.release()] == [(0, False), (1, True)]
