@@ -44,6 +44,7 @@ class RunSpec:
     model_id: str = "fastkv-demo"
     weights_version: str = "0"
     cache_policy: str = "write_back"  # fastkv.cache.policy.Policy value
+    eviction: str = "lru"  # fastkv.cache.eviction.POLICIES name
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig keyword arguments
     ops_threads: int = 1  # CPU swap-op threads per transfer process
     host_checksums: bool = True  # checksum host blocks on arrival, check before they leave (a mismatch: recompute)

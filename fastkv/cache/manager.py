@@ -30,6 +30,7 @@ import numpy as np
 
 from fastkv.cache.completions import finish
 from fastkv.cache.copies import CopyBook, Purpose
+from fastkv.cache.eviction import POLICIES
 from fastkv.cache.index import Cause, MatchResult, MissExplanation, MissReason, PrefixIndex
 from fastkv.cache.integrity import check
 from fastkv.cache.keys import ExtraKeys, Namespace, as_tokens, block_keys, root_key
@@ -52,6 +53,7 @@ class CacheConfig:
     num_host_blocks: int = 0
     block_size: int = 64
     policy: Policy = Policy.WRITE_BACK
+    eviction: str = "lru"  # a fastkv.cache.eviction.POLICIES name: the order CACHED blocks leave each tier
     selective_hits: int = 2  # WRITE_THROUGH_SELECTIVE: copy to host on this many hits
     storage: bool = False  # a storage tier exists: host blocks are STOREd, prefixes LOADed
     storage_keys: int = 1 << 22  # how many stored keys to remember
@@ -69,6 +71,8 @@ class CacheConfig:
         if self.block_size <= 0 or self.num_device_blocks <= 0:
             raise ValueError("CacheConfig: block_size and num_device_blocks must be positive")
         object.__setattr__(self, "policy", Policy(self.policy))
+        if self.eviction not in POLICIES:
+            raise ValueError(f"CacheConfig.eviction must be one of {sorted(POLICIES)}, got {self.eviction!r}")
         if self.layout is not None and self.layout.block_size != self.block_size:
             raise ValueError(f"CacheConfig.block_size {self.block_size} != layout.block_size {self.layout.block_size}")
 
@@ -114,8 +118,8 @@ class CacheManager:
         self.config = config
         self.block_size = config.block_size
         self.policy = config.policy
-        self.device = BlockPool("device", config.num_device_blocks)
-        self.host = BlockPool("host", config.num_host_blocks)
+        self.device = BlockPool("device", config.num_device_blocks, config.eviction)
+        self.host = BlockPool("host", config.num_host_blocks, config.eviction)
         self.index = PrefixIndex(self.device, self.host, config.storage, config.storage_keys, config.history)
         self.copies = CopyBook()
         self.stats = CacheStats()

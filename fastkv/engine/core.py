@@ -98,8 +98,8 @@ def _enum(cls: type, value: Any) -> Any:
 def cache_config(spec: RunSpec) -> CacheConfig:
     return CacheConfig(num_device_blocks=spec.num_device_blocks, num_host_blocks=spec.num_host_blocks,
                        block_size=spec.layout.block_size, policy=_enum(CachePolicy, spec.cache_policy),
-                       storage=bool(spec.storage_url), model_id=spec.model_id, weights_version=spec.weights_version,
-                       layout=spec.layout)
+                       eviction=spec.eviction, storage=bool(spec.storage_url), model_id=spec.model_id,
+                       weights_version=spec.weights_version, layout=spec.layout)
 
 
 def scheduler_config(spec: RunSpec) -> SchedulerConfig:

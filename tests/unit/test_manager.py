@@ -50,7 +50,7 @@ def test_prefix_hit_reuses_block_ids_vllm_style():
     assert a.block_table == (0, 1, 2, 3) and a.num_cached_tokens == 0 and a.ready
     # blocks 0-2 are CACHED (keyed), block 3 (partial) FREE; freed last to first
     assert [m.device.block_state(b) for b in range(4)] == [BlockState.CACHED] * 3 + [BlockState.FREE]
-    assert list(m.device.lru) == [2, 1, 0]
+    assert list(m.device.evictable) == [2, 1, 0]
     b = m.allocate("b", toks(1, 2, 7))
     assert b.block_table[:2] == (0, 1) and b.num_cached_tokens == 2 * BS
     assert b.block_table[2] == 3  # the FREE block goes before evicting a CACHED one
@@ -86,7 +86,7 @@ def test_write_back_copies_victims_before_their_new_owner_runs():
     (done,) = drain(m, c.plans)
     assert done.ready[0].request_id == "c" and done.ready[0].num_computed_tokens == 0
     assert m.host.lookup == {keys[2]: 0, keys[1]: 1}
-    assert list(m.host.lru) == [0, 1]  # the child is older than its parent on the host too
+    assert list(m.host.evictable) == [0, 1]  # the child is older than its parent on the host too
     drain(m, m.mark_computed("c", 2 * BS))
     m.free("c")
     # a prefix hit across tiers: key 0 on the device (block 0), key 1 on the host (block 1)
@@ -342,7 +342,7 @@ def test_duplicate_blocks_computed_concurrently():
     assert m.stats.duplicate_blocks == 2 and m.device.lookup[m.keys_for(toks(1))[0]] == a.block_table[0]
     m.free("a")
     m.free("b")  # refreshes a's blocks: the keyed ones stay the youngest
-    assert list(m.device.lru)[-2:] == [a.block_table[1], a.block_table[0]]
+    assert list(m.device.evictable)[-2:] == [a.block_table[1], a.block_table[0]]
     assert b.block_table[0] in m.device.free
 
 
