@@ -43,7 +43,7 @@ class RunSpec:
     runner_options: dict[str, Any] = field(default_factory=dict)
     model_id: str = "fastkv-demo"
     weights_version: str = "0"
-    cache_policy: str = "write_back"  # fastkv.cache.policy.Policy value
+    cache_policy: str = "write_back"  # fastkv.cache.write_policy.WritePolicy value
     eviction: str = "lru"  # fastkv.cache.eviction.POLICIES name
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig keyword arguments
     ops_threads: int = 1  # CPU swap-op threads per transfer process

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 from fastkv.cache.copies import CopyRecord, Purpose
 from fastkv.cache.index import Cause
 from fastkv.cache.plan import CopyPlan
-from fastkv.cache.policy import Tier
 from fastkv.cache.pool import BlockState
-from fastkv.cache.requests import NEVER, ReqState, Request
+from fastkv.cache.requests import NEVER, CacheRecord, ReqState
 from fastkv.cache.tiering import store, swap_in
+from fastkv.cache.write_policy import Tier
 
 if TYPE_CHECKING:
     from fastkv.cache.manager import CacheManager, Completion, Ready
@@ -153,7 +153,7 @@ def _offloaded(mgr: CacheManager, rec: CopyRecord, ok: bool, offloaded: list, fa
     return []
 
 
-def make_ready(mgr: CacheManager, req: Request) -> Ready:
+def make_ready(mgr: CacheManager, req: CacheRecord) -> Ready:
     """All copies ``req`` waited for are done. After a load or restore, key the blocks that
     arrived, up to the first failed one, and let go of the host copies."""
     from fastkv.cache.manager import Ready
@@ -184,7 +184,7 @@ def make_ready(mgr: CacheManager, req: Request) -> Ready:
     return Ready(req.rid, valid)
 
 
-def _count_served_hits(mgr: CacheManager, req: Request, valid: int) -> None:
+def _count_served_hits(mgr: CacheManager, req: CacheRecord, valid: int) -> None:
     """Credits the host and storage hits of a prefix load with the tokens that arrived: they
     follow the device hits in that order, and ``valid`` ends at the first failed block."""
     nh, ns = req.planned_hits
@@ -200,7 +200,7 @@ def _count_served_hits(mgr: CacheManager, req: Request, valid: int) -> None:
     st.storage_lost_tokens += ns * bs - storage
 
 
-def finish_offload(mgr: CacheManager, req: Request) -> None:
+def finish_offload(mgr: CacheManager, req: CacheRecord) -> None:
     """The offload copy landed (or nothing needed copying): the device blocks go back."""
     mgr._release_table(req, True)
     mgr._reserved -= req.reserved

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from fastkv.cache.copies import Purpose
 from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import ReqState
+from fastkv.config import cdiv
 
 if TYPE_CHECKING:
     from fastkv.cache.manager import CacheManager
@@ -43,9 +44,9 @@ def check(mgr: CacheManager) -> None:
         reserved += req.reserved
         if req.state is ReqState.OFFLOADED:
             assert not req.table and req.pending == 0, f"request {rid!r}: OFFLOADED but holds device blocks"
-            assert len(req.host_refs) == -(-req.num_computed // bs), f"request {rid!r}: host table length"
+            assert len(req.host_refs) == cdiv(req.num_computed, bs), f"request {rid!r}: host table length"
         else:
-            assert len(req.table) == -(-req.num_tokens // bs), \
+            assert len(req.table) == cdiv(req.num_tokens, bs), \
                 f"request {rid!r}: {len(req.table)} blocks for {req.num_tokens} tokens"
         if req.state is ReqState.OFFLOADING:
             assert req.pending == 1, f"request {rid!r}: OFFLOADING with {req.pending} pending copies"

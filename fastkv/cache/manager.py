@@ -33,16 +33,16 @@ from fastkv.cache.copies import CopyBook, Purpose
 from fastkv.cache.eviction import POLICIES
 from fastkv.cache.index import Cause, MatchResult, MissExplanation, MissReason, PrefixIndex
 from fastkv.cache.integrity import check
-from fastkv.cache.keys import ExtraKeys, Namespace, as_tokens, block_keys, root_key
+from fastkv.cache.keys import ExtraKeys, KeyNamespace, as_tokens, block_keys, root_key
 from fastkv.cache.offload import offload as offload_request
 from fastkv.cache.offload import restore as restore_request
 from fastkv.cache.plan import CopyKind, CopyPlan
-from fastkv.cache.policy import Policy, Tier
 from fastkv.cache.pool import BlockPool, BlockState
-from fastkv.cache.requests import ReqState, Request
+from fastkv.cache.requests import CacheRecord, ReqState
 from fastkv.cache.stats import CacheStats
 from fastkv.cache.tiering import count_hits, host_copies, swap_in, take_device, take_host
-from fastkv.config import KVLayout
+from fastkv.cache.write_policy import Tier, WritePolicy
+from fastkv.config import KVLayout, cdiv
 
 _CACHED = int(BlockState.CACHED)
 
@@ -52,7 +52,7 @@ class CacheConfig:
     num_device_blocks: int
     num_host_blocks: int = 0
     block_size: int = 64
-    policy: Policy = Policy.WRITE_BACK
+    policy: WritePolicy = WritePolicy.WRITE_BACK
     eviction: str = "lru"  # a fastkv.cache.eviction.POLICIES name: the order CACHED blocks leave each tier
     selective_hits: int = 2  # WRITE_THROUGH_SELECTIVE: copy to host on this many hits
     storage: bool = False  # a storage tier exists: host blocks are STOREd, prefixes LOADed
@@ -70,17 +70,17 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.{name} must be an int >= 0, got {value!r}")
         if self.block_size <= 0 or self.num_device_blocks <= 0:
             raise ValueError("CacheConfig: block_size and num_device_blocks must be positive")
-        object.__setattr__(self, "policy", Policy(self.policy))
+        object.__setattr__(self, "policy", WritePolicy(self.policy))
         if self.eviction not in POLICIES:
             raise ValueError(f"CacheConfig.eviction must be one of {sorted(POLICIES)}, got {self.eviction!r}")
         if self.layout is not None and self.layout.block_size != self.block_size:
             raise ValueError(f"CacheConfig.block_size {self.block_size} != layout.block_size {self.layout.block_size}")
 
-    def namespace(self, weights_version: str | None = None) -> Namespace:
+    def namespace(self, weights_version: str | None = None) -> KeyNamespace:
         version = self.weights_version if weights_version is None else str(weights_version)
         if self.layout is not None:
-            return Namespace.for_layout(self.model_id, version, self.layout)
-        return Namespace(self.model_id, version, f"block={self.block_size}", "unspecified", self.block_size, 1)
+            return KeyNamespace.for_layout(self.model_id, version, self.layout)
+        return KeyNamespace(self.model_id, version, f"block={self.block_size}", "unspecified", self.block_size, 1)
 
 
 class Allocation(NamedTuple):
@@ -109,10 +109,6 @@ class Completion(NamedTuple):
     offload_failed: tuple[object, ...] = ()  # offload failed: still RUNNING on its device blocks
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class CacheManager:
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
@@ -125,8 +121,8 @@ class CacheManager:
         self.stats = CacheStats()
         self.namespace = config.namespace()
         self._root = root_key(self.namespace)
-        self._retired: list[Namespace] = []
-        self._reqs: dict[object, Request] = {}
+        self._retired: list[KeyNamespace] = []
+        self._reqs: dict[object, CacheRecord] = {}
         self._reserved = 0  # device blocks promised to requests for decode growth
         self._hits: dict[bytes, int] = {}  # WRITE_THROUGH_SELECTIVE hit counts of device keys
         self._epoch = 0
@@ -166,7 +162,7 @@ class CacheManager:
         """Device blocks allocatable now: free + evictable, minus reservations."""
         return self.device.num_available - self._reserved
 
-    def _get(self, request_id: object, *states: ReqState) -> Request:
+    def _get(self, request_id: object, *states: ReqState) -> CacheRecord:
         req = self._reqs.get(request_id)
         if req is None:
             raise ValueError(f"unknown request {request_id!r}")
@@ -219,8 +215,8 @@ class CacheManager:
         dev_hits, host_hits, sto_keys = self.index.match(keys, (n - 1) // bs)
         dev, host = self.device, self.host
         nd, nh = len(dev_hits), len(host_hits)
-        n_blocks = _cdiv(n, bs)
-        n_res = _cdiv(n + reserve_tokens, bs) - n_blocks
+        n_blocks = cdiv(n, bs)
+        n_res = cdiv(n + reserve_tokens, bs) - n_blocks
         dstate = dev.state
         cached_hits = 0
         for b in dev_hits:
@@ -240,7 +236,7 @@ class CacheManager:
         st.prompt_blocks += len(keys)
         st.device_hit_tokens += nd * bs
 
-        req = Request(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n)
+        req = CacheRecord(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n)
         self._reqs[request_id] = req
         # Hits leave the LRU queues first, so the fresh blocks taken below cannot evict them.
         for b in dev_hits:
@@ -281,7 +277,7 @@ class CacheManager:
         req = self._get(request_id, ReqState.RUNNING)
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        need = _cdiv(req.num_tokens + num_tokens, self.block_size) - len(req.table) - req.reserved
+        need = cdiv(req.num_tokens + num_tokens, self.block_size) - len(req.table) - req.reserved
         if need <= 0:
             return True
         if self.device.num_available - self._reserved < need:
@@ -296,7 +292,7 @@ class CacheManager:
         req = self._get(request_id, ReqState.RUNNING)
         toks = as_tokens(tokens)
         bs = self.block_size
-        need = _cdiv(req.num_tokens + len(toks), bs) - len(req.table)
+        need = cdiv(req.num_tokens + len(toks), bs) - len(req.table)
         plans: tuple[CopyPlan, ...] = ()
         new: list[int] = []
         if need > 0:
@@ -353,7 +349,7 @@ class CacheManager:
             return host_copies(self, mine)
         return []
 
-    def _repair_dups(self, req: Request) -> None:
+    def _repair_dups(self, req: CacheRecord) -> None:
         """Key the request's duplicate blocks whose original holder has been evicted or is only
         cached, so that the children it inserts next hang under a present parent."""
         dev = self.device
@@ -374,7 +370,7 @@ class CacheManager:
         self._release_table(req, cache)
         self._release_host_refs(req, cache)
 
-    def _release_table(self, req: Request, cache: bool) -> None:
+    def _release_table(self, req: CacheRecord, cache: bool) -> None:
         """Release device blocks last to first, so children enter the LRU queue before parents."""
         dev = self.device
         if cache and not req.dup_pos and not self._touch_host:
@@ -407,7 +403,7 @@ class CacheManager:
                 release(b, cache)
         req.table = []
 
-    def _release_host_refs(self, req: Request, cache: bool = True) -> None:
+    def _release_host_refs(self, req: CacheRecord, cache: bool = True) -> None:
         host = self.host
         for b in reversed(req.host_refs):
             host.release(b, cache and b != req.private_block)

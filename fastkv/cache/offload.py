@@ -16,17 +16,14 @@ from fastkv.cache.copies import Purpose
 from fastkv.cache.keys import private_key
 from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.cache.pool import BlockState
-from fastkv.cache.requests import NEVER, ReqState, Request
+from fastkv.cache.requests import NEVER, CacheRecord, ReqState
 from fastkv.cache.tiering import swap_in, take_device, take_host
+from fastkv.config import cdiv
 
 if TYPE_CHECKING:
     from fastkv.cache.manager import Allocation, CacheManager
 
 _CACHED = int(BlockState.CACHED)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def offload(mgr: CacheManager, request_id: object) -> tuple[CopyPlan, ...] | None:
@@ -44,7 +41,7 @@ def offload(mgr: CacheManager, request_id: object) -> tuple[CopyPlan, ...] | Non
     if not host.capacity:
         raise ValueError("offload needs a host tier (num_host_blocks > 0)")
     bs = mgr.block_size
-    n_blocks = _cdiv(req.num_computed, bs)
+    n_blocks = cdiv(req.num_computed, bs)
     n_full = min(req.num_computed // bs, len(req.keys))
     hget, hstate = host.lookup.get, host.state
     host_table = [-1] * n_blocks
@@ -85,7 +82,7 @@ def offload(mgr: CacheManager, request_id: object) -> tuple[CopyPlan, ...] | Non
     return (mgr.copies.open(CopyKind.SWAP_OUT, Purpose.OFFLOAD, src=src, dst=fresh, keys=keys, req=req),)
 
 
-def _cancel_restore(mgr: CacheManager, req: Request) -> None:
+def _cancel_restore(mgr: CacheManager, req: CacheRecord) -> None:
     """Offload during a restore: its host copies are intact, so it is OFFLOADED again at once
     and nothing is recomputed. Its copies in flight finish for nobody, on blocks it let go of."""
     for rec in mgr.copies.records.values():
@@ -108,8 +105,8 @@ def restore(mgr: CacheManager, request_id: object, reserve_tokens: int = 0) -> A
     if mgr._paused:
         raise ValueError("restore during a weight update")
     bs = mgr.block_size
-    n_blocks = _cdiv(req.num_tokens, bs)
-    n_res = _cdiv(req.num_tokens + reserve_tokens, bs) - n_blocks
+    n_blocks = cdiv(req.num_tokens, bs)
+    n_res = cdiv(req.num_tokens + reserve_tokens, bs) - n_blocks
     n_full = min(req.num_computed // bs, len(req.keys))
     dev = mgr.device
     table = [-1] * n_blocks

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 from fastkv.cache.copies import Purpose
 from fastkv.cache.index import Cause
 from fastkv.cache.plan import CopyKind, CopyPlan
-from fastkv.cache.policy import Tier
-from fastkv.cache.requests import Request
+from fastkv.cache.requests import CacheRecord
+from fastkv.cache.write_policy import Tier
 
 if TYPE_CHECKING:
     from fastkv.cache.manager import CacheManager
 
 
-def take_device(mgr: CacheManager, n: int, owner: Request) -> tuple[list[int], CopyPlan | None]:
+def take_device(mgr: CacheManager, n: int, owner: CacheRecord) -> tuple[list[int], CopyPlan | None]:
     """Fresh device blocks for ``owner``; evicted blocks without another copy are written back
     (WRITE_BACK) in a plan ``owner`` waits for, since it will overwrite them."""
     victims: list[tuple[int, bytes]] = []
@@ -98,7 +98,7 @@ def host_copies(mgr: CacheManager, pairs: list[tuple[int, bytes]]) -> list[CopyP
     return [mgr.copies.open(CopyKind.SWAP_OUT, Purpose.WRITE_THROUGH, src=src, dst=dst, keys=keys)]
 
 
-def count_hits(mgr: CacheManager, req: Request, nd: int) -> list[CopyPlan]:
+def count_hits(mgr: CacheManager, req: CacheRecord, nd: int) -> list[CopyPlan]:
     hits, threshold, hot = mgr._hits, mgr.config.selective_hits, []
     for i in range(nd):
         k = req.keys[i]
@@ -109,7 +109,7 @@ def count_hits(mgr: CacheManager, req: Request, nd: int) -> list[CopyPlan]:
     return host_copies(mgr, hot) if hot else []
 
 
-def swap_in(mgr: CacheManager, req: Request) -> CopyPlan:
+def swap_in(mgr: CacheManager, req: CacheRecord) -> CopyPlan:
     """Phase two of a prefix hit or a restore: host -> device, once loads and write-backs
     of this request are done (its SWAP_IN may overwrite a block a write-back was reading)."""
     dst = [req.table[i] for i in req.swap_pos[:len(req.swap_src)]]

@@ -46,14 +46,14 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from fastkv.cache.manager import CacheConfig, CacheManager
-from fastkv.cache.policy import Policy as CachePolicy
+from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.engine import protocol
 from fastkv.engine.step import StepPlan
 from fastkv.ipc import Broadcast, DoneMsg, Namespace, OutputMsg, PeerDied, PeerTimeout, pid_alive
 from fastkv.metrics import EngineMetrics
 from fastkv.run import EngineEnds, RunSpec, attach_engine
 from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig
-from fastkv.sched.queues import Policy as QueuePolicy
+from fastkv.sched.queues import QueuePolicy
 
 FINISH = {RequestState.FINISHED_LENGTH: "length", RequestState.FINISHED_STOPPED: "stop",
           RequestState.FINISHED_ABORTED: "aborted"}

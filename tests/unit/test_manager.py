@@ -6,14 +6,14 @@ from fastkv.cache.index import Cause, MissReason
 from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
-from fastkv.cache.policy import Policy, Tier
 from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import ReqState
+from fastkv.cache.write_policy import Tier, WritePolicy
 
 BS = 4
 
 
-def mk(dev=8, host=0, policy=Policy.WRITE_BACK, **kw):
+def mk(dev=8, host=0, policy=WritePolicy.WRITE_BACK, **kw):
     return CacheManager(CacheConfig(num_device_blocks=dev, num_host_blocks=host, block_size=BS, policy=policy, **kw))
 
 
@@ -105,7 +105,7 @@ def test_write_back_copies_victims_before_their_new_owner_runs():
 
 
 def test_write_through_copies_full_blocks_and_drops_on_eviction():
-    m = mk(dev=3, host=8, policy=Policy.WRITE_THROUGH)
+    m = mk(dev=3, host=8, policy=WritePolicy.WRITE_THROUGH)
     a = m.allocate("a", toks(1, 2, extra=1))
     plans = m.mark_computed("a", 2 * BS + 1)
     assert [(p.kind, p.src.tolist(), p.dst.tolist()) for p in plans] == [(CopyKind.SWAP_OUT, [0, 1], [0, 1])]
@@ -123,7 +123,7 @@ def test_write_through_copies_full_blocks_and_drops_on_eviction():
 
 
 def test_write_through_selective_copies_after_n_hits():
-    m = mk(dev=6, host=4, policy=Policy.WRITE_THROUGH_SELECTIVE, selective_hits=2)
+    m = mk(dev=6, host=4, policy=WritePolicy.WRITE_THROUGH_SELECTIVE, selective_hits=2)
     run_prompt(m, "a", toks(1, 2, extra=1))
     a1 = m.allocate("b", toks(1, 2, extra=1))
     assert a1.plans == ()  # first hit
@@ -156,7 +156,7 @@ def test_failed_copies_never_leave_keys_on_bad_bytes():
 
 
 def test_storage_store_and_load_including_a_load_that_misses():
-    m = mk(dev=2, host=1, storage=True, policy=Policy.WRITE_THROUGH)
+    m = mk(dev=2, host=1, storage=True, policy=WritePolicy.WRITE_THROUGH)
     a = m.allocate("a", toks(1, extra=1))
     plans = m.mark_computed("a", BS + 1)
     done = drain(m, plans)
@@ -184,7 +184,7 @@ def test_storage_store_and_load_including_a_load_that_misses():
 
 
 def test_tier_hits_count_only_tokens_whose_copy_landed():
-    m = mk(dev=2, host=1, storage=True, policy=Policy.WRITE_THROUGH)
+    m = mk(dev=2, host=1, storage=True, policy=WritePolicy.WRITE_THROUGH)
     run_prompt(m, "a", toks(1, extra=1))  # block 1 lands on device, host and storage
     run_prompt(m, "b", toks(5, extra=1))  # evicts it from device and host: storage only
     g = m.allocate("g", toks(1, extra=1))
@@ -199,7 +199,7 @@ def test_tier_hits_count_only_tokens_whose_copy_landed():
     assert (m.stats.storage_hit_tokens, m.stats.storage_lost_tokens) == (BS, BS)
     m.free("d")
     # a host hit whose SWAP_IN fails is no hit either
-    h = mk(dev=2, host=2, policy=Policy.WRITE_THROUGH)
+    h = mk(dev=2, host=2, policy=WritePolicy.WRITE_THROUGH)
     run_prompt(h, "a", toks(1, extra=1))
     run_prompt(h, "b", toks(5, extra=1))  # device evicts block 1; the host keeps it
     c = h.allocate("c", toks(1, extra=1))
