@@ -22,7 +22,7 @@ Embedding (a Paddle deployment with its own workers)::
 
     # each worker rank r, in the deployment's own process:
     from fastkv.engine import protocol
-from fastkv.engine.step import StepPlan
+from fastkv.sched.output import StepPlan
     ends = attach_worker(Namespace.attach(spec.run_id), spec, r)
     tier = DeviceTier.attach(spec.tier_prefix, r, spec.layout, spec.num_device_blocks)
     while not ends.signals["stop"]:
@@ -48,11 +48,11 @@ from typing import Any, NamedTuple
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.engine import protocol
-from fastkv.engine.step import StepPlan
 from fastkv.ipc import Broadcast, DoneMsg, Namespace, OutputMsg, PeerDied, PeerTimeout, pid_alive
 from fastkv.metrics import EngineMetrics
 from fastkv.run import EngineEnds, RunSpec, attach_engine
 from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig
+from fastkv.sched.output import StepPlan
 from fastkv.sched.queues import QueuePolicy
 
 FINISH = {RequestState.FINISHED_LENGTH: "length", RequestState.FINISHED_STOPPED: "stop",

@@ -60,7 +60,7 @@ from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.ipc import DoneMsg, TaskMsg
 from fastkv.run import RunSpec
 from fastkv.storage import StorageBackend, open_store
-from fastkv.transfer.protocol import storage_namespace
+from fastkv.transfer.protocol import storage_namespace, task_plan
 from fastkv.transfer.tiers import DeviceTier, HostTier
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class TaskExecutor:
             kind = CopyKind(msg.kind)
         except ValueError:
             raise ValueError(f"unknown task kind {msg.kind}") from None
-        plan = msg.to_plan()  # CopyPlan checks src/dst/keys counts
+        plan = task_plan(msg)  # CopyPlan checks src/dst/keys counts
         if kind is CopyKind.CLEAR:
             return self._clear()
         if kind is CopyKind.RESTORE:
