@@ -21,8 +21,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from fastkv.cache.manager import CacheManager, Ready
+from fastkv.cache.manager import CacheManager
 from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.results import Ready
 from fastkv.sched import admission, preemption, reservation, weights
 from fastkv.sched.config import SchedulerConfig
 from fastkv.sched.cost import CostModel
