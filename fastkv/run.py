@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from fastkv.config import KVLayout
 from fastkv.ipc import Channel, DoneMsg, Doorbell, Inbox, Namespace, OutputMsg, PlanMsg, SignalArray, TaskMsg
+from fastkv.ipc.collective import ShmCollective
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,6 @@ def create_run(ns: Namespace, spec: RunSpec) -> None:
                    Channel.create(ns, f"plan.{r}", **kw)]
     opened.append(Channel.create(ns, "output", bell=bell, **kw))
     if spec.tp_size > 1:  # the tensor-parallel workers' all-gather; listed first, so cleanup finds it
-        from fastkv.engine.collective import ShmCollective  # (fastkv.engine imports this module)
-
         ns.record("shm", "coll")
         for name in ShmCollective.names(collective_prefix(spec), spec.tp_size)[1:]:
             ns.record("sem", name.removeprefix(f"/{ns.prefix}."))

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from fastkv.engine import protocol
-from fastkv.engine.collective import ShmCollective
 from fastkv.engine.runners import runner_class
 from fastkv.ipc import ChannelClosed, Namespace, PeerDied, pid_alive
+from fastkv.ipc.collective import ShmCollective
 from fastkv.run import RunSpec, attach_worker, collective_prefix
 from fastkv.transfer.tiers import DeviceTier, _cuda_available
 
