@@ -35,7 +35,7 @@ SCHED_UNFINISHED = pytest.mark.xfail(strict=True, reason="sched role modules sti
 def _modules() -> dict[str, tuple[Path, ast.Module]]:
     out = {}
     for path in ROOT.rglob("*.py"):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        parts = ["fastkv", *path.relative_to(ROOT).with_suffix("").parts]
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = (path, ast.parse(path.read_text(), str(path)))
