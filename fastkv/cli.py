@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from fastkv.cache.eviction import POLICIES
 from fastkv.config import KVLayout
 from fastkv.demo import PREEMPTION_MODES, ConversationConfig
 from fastkv.outdir import OutDir
@@ -63,6 +64,7 @@ class JobConfig:
     # host tier: write_through copies full blocks as they fill, so evicting them never waits for a
     # copy (write_back makes the request that evicts wait for the block's copy to the host)
     cache_policy: str = "write_through"
+    eviction: str = "lru"  # the order cached blocks leave a tier: lru | lfu
     host_checksums: bool = True  # checksum host blocks (a corrupt one is recomputed, never served)
     runner: str = "synthetic"
     workload: str = "demo"  # demo | trace | trace:N | path to a workload.jsonl
@@ -104,6 +106,8 @@ class JobConfig:
                 raise ValueError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
         if self.cache_policy not in CACHE_POLICIES:
             raise ValueError(f"setting 'cache_policy' must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
+        if self.eviction not in POLICIES:
+            raise ValueError(f"setting 'eviction' must be one of {sorted(POLICIES)}, got {self.eviction!r}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"setting 'preemption' must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
         if self.runner not in RUNNERS:
@@ -285,7 +289,8 @@ class JobConfig:
             run_id=run_id, layout=self.layout(), num_device_blocks=self.device_blocks,
             num_host_blocks=self.host_blocks, storage_url=self.storage_url(out_dir), runner=self.runner,
             runner_options=self.full_runner_options(),
-            cache_policy=self.cache_policy, host_checksums=self.host_checksums, scheduler=dict(self.scheduler),
+            cache_policy=self.cache_policy, eviction=self.eviction, host_checksums=self.host_checksums,
+            scheduler=dict(self.scheduler),
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
             task_timeout_s=self.task_timeout_s, storage_lookup_timeout_s=self.storage_lookup_timeout_s,
@@ -348,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--storage", help="storage URL (lmdb://DIR, redis://HOST:PORT), 'none', or 'default' = lmdb://<out>/store")
     a("--preemption", choices=PREEMPTION_MODES, help="what preempting a request does (default offload)")
     a("--cache-policy", choices=CACHE_POLICIES, help="when blocks are copied to the host tier (default write_through)")
+    a("--eviction", choices=sorted(POLICIES), help="the order cached blocks leave a tier (default lru)")
     a("--runner", choices=RUNNERS, help="reference model runner (default synthetic)")
     a("--workload", help="demo | trace | trace:N | path to a workload.jsonl (default demo)")
     a("--seed", type=int, help="workload seed (default 0)")

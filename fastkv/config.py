@@ -21,6 +21,11 @@ _DTYPES: dict[str, tuple[int, np.dtype]] = {
 }
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of ``b`` hold ``a`` tokens."""
+    return -(-a // b)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """The KV cache of one tensor-parallel rank."""

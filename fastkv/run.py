@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from fastkv.config import KVLayout
 from fastkv.ipc import Channel, DoneMsg, Doorbell, Inbox, Namespace, OutputMsg, PlanMsg, SignalArray, TaskMsg
+from fastkv.ipc.collective import ShmCollective
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class RunSpec:
     free_memory_on_update: bool = False  # release the device and host tiers' memory during each update
     enable_prefix_caching: bool = True  # False: a request only ever hits its own KV (after a preemption)
     device_ids: tuple[int, ...] = ()  # accelerator of each rank (``device_id``); empty: rank r uses device r
-    cache_policy: str = "write_back"  # fastkv.cache.policy.Policy value
+    cache_policy: str = "write_back"  # fastkv.cache.write_policy.WritePolicy value
+    eviction: str = "lru"  # fastkv.cache.eviction.POLICIES name
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig keyword arguments
     ops_threads: int = 1  # CPU swap-op threads per transfer process
     host_checksums: bool = True  # checksum host blocks on arrival, check before they leave (a mismatch: recompute)
@@ -180,8 +182,6 @@ def create_run(ns: Namespace, spec: RunSpec) -> None:
                    Channel.create(ns, f"plan.{r}", **kw)]
     opened.append(Channel.create(ns, "output", bell=bell, **kw))
     if spec.tp_size > 1:  # the tensor-parallel workers' all-gather; listed first, so cleanup finds it
-        from fastkv.engine.collective import ShmCollective  # (fastkv.engine imports this module)
-
         ns.record("shm", "coll")
         for name in ShmCollective.names(collective_prefix(spec), spec.tp_size)[1:]:
             ns.record("sem", name.removeprefix(f"/{ns.prefix}."))

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fastkv.cache.manager import CacheConfig, CacheManager  # noqa: E402
-from fastkv.cache.policy import Policy  # noqa: E402
+from fastkv.cache.write_policy import WritePolicy  # noqa: E402
 from fastkv.demo import TRACE, open_trace  # noqa: E402
 
 BLOCK = 64
@@ -87,7 +87,8 @@ def reference_lru(reqs: list[tuple[list[int], int]], capacity: int) -> float:
     return hit / total
 
 
-def replay_fastkv(reqs, device: int, host: int = 0, policy: Policy = Policy.WRITE_BACK) -> tuple[float, float, dict]:
+def replay_fastkv(reqs, device: int, host: int = 0,
+                  policy: WritePolicy = WritePolicy.WRITE_BACK) -> tuple[float, float, dict]:
     mgr = CacheManager(CacheConfig(num_device_blocks=device, num_host_blocks=host, block_size=BLOCK, policy=policy))
     clock = time.perf_counter
     spent = 0.0
@@ -178,13 +179,13 @@ def main() -> None:
     dev_host = None
     for frac in ((0.1,) if args.quick else (0.1, 0.5)):
         d = int(total * frac)
-        _, hit, snap = replay_fastkv(reqs, d, total - d, Policy.WRITE_BACK)
+        _, hit, snap = replay_fastkv(reqs, d, total - d, WritePolicy.WRITE_BACK)
         single = device_only[args.capacity]
         if dev_host is None:
             dev_host = hit
         print(f"{'fastkv':<34}{d:>12,}{total - d:>12,}{hit:>9.4f}{single:>11.4f}{hit / single:>9.3f}"
               f"  (host hits {snap['host_hit_ratio']:.4f})")
-    _, wt_hit, _ = replay_fastkv(reqs, int(total * 0.1), total - int(total * 0.1), Policy.WRITE_THROUGH)
+    _, wt_hit, _ = replay_fastkv(reqs, int(total * 0.1), total - int(total * 0.1), WritePolicy.WRITE_THROUGH)
     print(f"{'fastkv write-through (inclusive)':<34}{int(total * 0.1):>12,}{total - int(total * 0.1):>12,}"
           f"{wt_hit:>9.4f}{device_only[args.capacity]:>11.4f}{wt_hit / device_only[args.capacity]:>9.3f}")
 

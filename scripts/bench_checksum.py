@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastkv.config import KVLayout  # noqa: E402
 from fastkv.engine.runners.synthetic import SyntheticRunner  # noqa: E402
-from fastkv.engine.step import SeqWork, StepPlan  # noqa: E402
+from fastkv.sched.output import SeqWork, StepPlan  # noqa: E402
 
 
 def best_us(fn, reps: int = 200) -> float:

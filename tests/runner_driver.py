@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fastkv.engine.step import SeqWork, StepPlan
+from fastkv.sched.output import SeqWork, StepPlan
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastkv.cache.plan import CopyKind, CopyPlan
-from fastkv.engine.step import StepOutput, StepPlan, validate_plan
+from fastkv.sched.output import StepOutput, StepPlan, validate_plan
 
 GARBAGE = -7
 _MASK = (1 << 63) - 1

@@ -7,60 +7,56 @@ in flight is not touched (its blocks were released then and settle here as their
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from fastkv.cache.copies import CopyRecord, Purpose
 from fastkv.cache.index import Cause
 from fastkv.cache.plan import CopyPlan
-from fastkv.cache.policy import Tier
 from fastkv.cache.pool import BlockState
-from fastkv.cache.requests import NEVER, ReqState, Request
+from fastkv.cache.release import release_host_refs, release_table
+from fastkv.cache.requests import NEVER, CacheRecord, ReqState
+from fastkv.cache.results import Completion, Ready
+from fastkv.cache.state import CacheState
 from fastkv.cache.tiering import store, swap_in
-
-if TYPE_CHECKING:
-    from fastkv.cache.manager import CacheManager, Completion, Ready
+from fastkv.cache.write_policy import Tier
 
 _CACHED = int(BlockState.CACHED)
 
 
-def finish(mgr: CacheManager, rec: CopyRecord, ok: bool) -> Completion:
-    from fastkv.cache.manager import Completion
-
+def finish(state: CacheState, rec: CopyRecord, ok: bool) -> Completion:
     plans: list[CopyPlan] = []
     ready: list[Ready] = []
     offloaded: list[object] = []
     failed: list[object] = []
     p = rec.purpose
     if p is Purpose.WRITE_BACK or p is Purpose.WRITE_THROUGH:
-        plans += _landed_on_host(mgr, rec, ok)
+        plans += _landed_on_host(state, rec, ok)
         if p is Purpose.WRITE_BACK:
-            _progress(mgr, rec, plans, ready)
+            _progress(state, rec, plans, ready)
     elif p is Purpose.PREFIX_LOAD:
-        _loaded(mgr, rec, ok)
-        _progress(mgr, rec, plans, ready)
+        _loaded(state, rec, ok)
+        _progress(state, rec, plans, ready)
     elif p is Purpose.SWAP_IN:
         for b in rec.src:
-            mgr.host.unpin(b)
+            state.host.unpin(b)
         for b in rec.dst:
-            mgr.device.unpin(b)
+            state.device.unpin(b)
         if not ok and rec.req is not None and rec.req.alive:
             rec.req.fail_block = min(rec.req.fail_block, rec.positions[0])
-        _progress(mgr, rec, plans, ready)
+        _progress(state, rec, plans, ready)
     elif p is Purpose.OFFLOAD:
-        plans += _offloaded(mgr, rec, ok, offloaded, failed)
+        plans += _offloaded(state, rec, ok, offloaded, failed)
     elif p is Purpose.STORE:
         for b in rec.src:
-            mgr.host.unpin(b)
-        mgr.stats.store_blocks += len(rec.src) if ok else 0
+            state.host.unpin(b)
+        state.stats.store_blocks += len(rec.src) if ok else 0
         if ok:
             for k in rec.keys:
-                mgr.index.remember_stored(k)
+                state.index.remember_stored(k)
     else:
         assert p is Purpose.CONTROL, f"completion of unknown purpose {p!r}"
     return Completion(tuple(plans), tuple(ready), tuple(offloaded), tuple(failed))
 
 
-def _progress(mgr: CacheManager, rec: CopyRecord, plans: list[CopyPlan], ready: list[Ready]) -> None:
+def _progress(state: CacheState, rec: CopyRecord, plans: list[CopyPlan], ready: list[Ready]) -> None:
     """One fewer copy for the request to wait for; the last one issues its swap-in or readies it."""
     req = rec.req
     if req is None or not req.alive:
@@ -70,14 +66,14 @@ def _progress(mgr: CacheManager, rec: CopyRecord, plans: list[CopyPlan], ready: 
     if req.pending:
         return
     if req.swap_src and req.state is ReqState.RUNNING:
-        plans.append(swap_in(mgr, req))
+        plans.append(swap_in(state, req))
     else:
         req.swap_pos = []
-        ready.append(make_ready(mgr, req))
+        ready.append(make_ready(state, req))
 
 
-def _set_host_keys(mgr: CacheManager, rec: CopyRecord) -> list[tuple[int, bytes]]:
-    host = mgr.host
+def _set_host_keys(state: CacheState, rec: CopyRecord) -> list[tuple[int, bytes]]:
+    host = state.host
     keyed = []
     for hb, k in zip(rec.dst, rec.keys, strict=True):
         if host.set_key(hb, k):
@@ -85,12 +81,12 @@ def _set_host_keys(mgr: CacheManager, rec: CopyRecord) -> list[tuple[int, bytes]
     return keyed
 
 
-def _landed_on_host(mgr: CacheManager, rec: CopyRecord, ok: bool) -> list[CopyPlan]:
+def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPlan]:
     """A write-back or write-through SWAP_OUT finished."""
-    dev, host, st = mgr.device, mgr.host, mgr.stats
+    dev, host, st = state.device, state.host, state.stats
     for b in rec.src:
         dev.unpin(b)
-    keyed = _set_host_keys(mgr, rec) if ok else []
+    keyed = _set_host_keys(state, rec) if ok else []
     # children first: a batch enters the host LRU queue leaves before parents
     order = rec.dst if rec.purpose is Purpose.WRITE_BACK else rec.dst[::-1]
     for hb in order:
@@ -99,18 +95,18 @@ def _landed_on_host(mgr: CacheManager, rec: CopyRecord, ok: bool) -> list[CopyPl
         st.swap_out_blocks += len(rec.src)
     elif rec.purpose is Purpose.WRITE_BACK:
         for k in rec.keys:
-            mgr._gone_if_last(k, Tier.DEVICE, Cause.COPY_FAILED, skip=Tier.STORAGE)
-    if mgr.index.storage and keyed:
-        return store(mgr, [hb for hb, _ in keyed], [k for _, k in keyed])
+            state.gone_if_last(k, Tier.DEVICE, Cause.COPY_FAILED, skip=Tier.STORAGE)
+    if state.index.storage and keyed:
+        return store(state, [hb for hb, _ in keyed], [k for _, k in keyed])
     return []
 
 
-def _loaded(mgr: CacheManager, rec: CopyRecord, ok: bool) -> None:
-    host, req = mgr.host, rec.req
+def _loaded(state: CacheState, rec: CopyRecord, ok: bool) -> None:
+    host, req = state.host, rec.req
     keep = ok and req.alive
     if ok:
-        mgr.stats.load_blocks += len(rec.dst)
-        _set_host_keys(mgr, rec)
+        state.stats.load_blocks += len(rec.dst)
+        _set_host_keys(state, rec)
     for hb in rec.dst:
         if keep:  # the request holds the staged block until its swap-in is done
             host.incref(hb)
@@ -118,19 +114,19 @@ def _loaded(mgr: CacheManager, rec: CopyRecord, ok: bool) -> None:
             req.swap_src.append(hb)
         host.unpin(hb)
     if not ok:
-        mgr.stats.load_misses += len(rec.dst)
+        state.stats.load_misses += len(rec.dst)
         for k in rec.keys:
-            mgr.index.stored.pop(k, None)
-            mgr._gone_if_last(k, Tier.STORAGE, Cause.STORAGE_MISS, skip=Tier.STORAGE)
+            state.index.stored.pop(k, None)
+            state.gone_if_last(k, Tier.STORAGE, Cause.STORAGE_MISS, skip=Tier.STORAGE)
         if req.alive:
             req.fail_block = min(req.fail_block, rec.positions[0])
 
 
-def _offloaded(mgr: CacheManager, rec: CopyRecord, ok: bool, offloaded: list, failed: list) -> list[CopyPlan]:
-    dev, host, req = mgr.device, mgr.host, rec.req
+def _offloaded(state: CacheState, rec: CopyRecord, ok: bool, offloaded: list, failed: list) -> list[CopyPlan]:
+    dev, host, req = state.device, state.host, rec.req
     keyed: list[tuple[int, bytes]] = []
     if ok:
-        mgr.stats.swap_out_blocks += len(rec.src)
+        state.stats.swap_out_blocks += len(rec.src)
         for hb, k in zip(rec.dst, rec.keys, strict=True):
             private = k == req.private_key
             if (req.alive or not private) and host.set_key(hb, k) and not private:
@@ -142,41 +138,39 @@ def _offloaded(mgr: CacheManager, rec: CopyRecord, ok: bool, offloaded: list, fa
     if req.alive:
         req.pending = 0
         if ok:
-            finish_offload(mgr, req)
+            finish_offload(state, req)
             offloaded.append(req.rid)
         else:
-            mgr._release_host_refs(req)
+            release_host_refs(state, req)
             req.state = ReqState.RUNNING
             failed.append(req.rid)
-    if mgr.index.storage and keyed:
-        return store(mgr, [hb for hb, _ in keyed], [k for _, k in keyed])
+    if state.index.storage and keyed:
+        return store(state, [hb for hb, _ in keyed], [k for _, k in keyed])
     return []
 
 
-def make_ready(mgr: CacheManager, req: Request) -> Ready:
+def make_ready(state: CacheState, req: CacheRecord) -> Ready:
     """All copies ``req`` waited for are done. After a load or restore, key the blocks that
     arrived, up to the first failed one, and let go of the host copies."""
-    from fastkv.cache.manager import Ready
-
     if not req.loading:
         return Ready(req.rid, req.num_computed)
     req.loading = req.restoring = False
-    bs = mgr.block_size
+    bs = state.block_size
     valid = min(req.target_computed, req.fail_block * bs)
     req.fail_block = NEVER
     n_full = min(valid // bs, len(req.keys))
-    dev = mgr.device
+    dev = state.device
     todo = [i for i in range(req.num_keyed, n_full) if dev.key[req.table[i]] is None]
     dups = dev.insert_many([req.table[i] for i in todo], [req.keys[i] for i in todo])
     req.dup_pos += [todo[j] for j in dups]
-    mgr.stats.duplicate_blocks += len(dups)
-    _count_served_hits(mgr, req, valid)
+    state.stats.duplicate_blocks += len(dups)
+    _count_served_hits(state, req, valid)
     req.num_keyed = max(req.num_keyed, n_full)
     req.num_computed = valid
     refs = req.host_refs
-    mgr._release_host_refs(req)
-    if not mgr.policy.host_inclusive:  # write-back keeps the host exclusive
-        host, dlookup = mgr.host, dev.lookup
+    release_host_refs(state, req)
+    if not state.policy.host_inclusive:  # write-back keeps the host exclusive
+        host, dlookup = state.host, dev.lookup
         for hb in refs:
             k = host.key[hb]
             if k is not None and k in dlookup and host.state[hb] == _CACHED:
@@ -184,14 +178,14 @@ def make_ready(mgr: CacheManager, req: Request) -> Ready:
     return Ready(req.rid, valid)
 
 
-def _count_served_hits(mgr: CacheManager, req: Request, valid: int) -> None:
+def _count_served_hits(state: CacheState, req: CacheRecord, valid: int) -> None:
     """Credits the host and storage hits of a prefix load with the tokens that arrived: they
     follow the device hits in that order, and ``valid`` ends at the first failed block."""
     nh, ns = req.planned_hits
     if not nh and not ns:
         return
     req.planned_hits = (0, 0)
-    bs, st = mgr.block_size, mgr.stats
+    bs, st = state.block_size, state.stats
     served = max(0, valid - req.num_keyed * bs)
     host = min(served, nh * bs)
     storage = min(served - host, ns * bs)
@@ -200,9 +194,9 @@ def _count_served_hits(mgr: CacheManager, req: Request, valid: int) -> None:
     st.storage_lost_tokens += ns * bs - storage
 
 
-def finish_offload(mgr: CacheManager, req: Request) -> None:
+def finish_offload(state: CacheState, req: CacheRecord) -> None:
     """The offload copy landed (or nothing needed copying): the device blocks go back."""
-    mgr._release_table(req, True)
-    mgr._reserved -= req.reserved
+    release_table(state, req, True)
+    state.reserved -= req.reserved
     req.reserved = 0
     req.state = ReqState.OFFLOADED

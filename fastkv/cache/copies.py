@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from fastkv.cache.plan import CopyKind, CopyPlan
-from fastkv.cache.requests import Request
+from fastkv.cache.requests import CacheRecord
 
 
 class Purpose(IntEnum):
@@ -25,7 +25,7 @@ class CopyRecord:
     src: list[int]
     dst: list[int]
     keys: list[bytes]  # keys the destination blocks get on success (or the STORE / LOAD keys)
-    req: Request | None
+    req: CacheRecord | None
     positions: list[int] | None  # table positions a request's copy fills
 
 
@@ -36,7 +36,7 @@ class CopyBook:
         self._next_id = 1
 
     def open(self, kind: CopyKind, purpose: Purpose, src: list[int] = (), dst: list[int] = (),
-             keys: list[bytes] = (), req: Request | None = None, positions: list[int] | None = None) -> CopyPlan:
+             keys: list[bytes] = (), req: CacheRecord | None = None, positions: list[int] | None = None) -> CopyPlan:
         pid = self._next_id
         self._next_id += 1
         # STORE / LOAD name their storage keys; RESTORE names the new weights version

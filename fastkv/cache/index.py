@@ -34,8 +34,8 @@ from enum import IntEnum
 from itertools import islice
 from typing import NamedTuple
 
-from fastkv.cache.policy import Policy, Tier
 from fastkv.cache.pool import BlockPool
+from fastkv.cache.write_policy import Tier, WritePolicy
 
 
 class Cause(IntEnum):
@@ -64,7 +64,7 @@ class MissExplanation(NamedTuple):
     num_blocks: int  # full blocks of the queried tokens
     tier: Tier | None = None  # tier it was evicted from
     cause: Cause | None = None
-    policy: Policy | None = None
+    policy: WritePolicy | None = None
     detail: str = ""
 
 

@@ -1,17 +1,15 @@
-"""check_integrity() of a CacheManager: every invariant, recomputed from scratch.
+"""check_integrity() of the cache state: every invariant, recomputed from scratch.
 
 Slow (linear in blocks, requests and copies) and meant for tests and debugging."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from fastkv.cache.copies import Purpose
 from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import ReqState
-
-if TYPE_CHECKING:
-    from fastkv.cache.manager import CacheManager
+from fastkv.cache.state import CacheState
+from fastkv.config import cdiv
 
 # Which side of a plan pins which tier, per purpose: (device pins, host pins) as "src"/"dst".
 _PINS = {
@@ -25,15 +23,15 @@ _PINS = {
 }
 
 
-def check(mgr: CacheManager) -> None:
-    dev, host, bs = mgr.device, mgr.host, mgr.block_size
+def check(state: CacheState) -> None:
+    dev, host, bs = state.device, state.host, state.block_size
     dev.check_integrity()
     host.check_integrity()
 
     dev_refs: Counter[int] = Counter()
     host_refs: Counter[int] = Counter()
     reserved = 0
-    for rid, req in mgr._reqs.items():
+    for rid, req in state.reqs.items():
         assert req.alive and req.rid == rid, f"request {rid!r}: record mismatch"
         assert 0 <= req.num_computed <= req.num_tokens, f"request {rid!r}: computed {req.num_computed} > tokens"
         assert len(req.keys) == req.num_tokens // bs, f"request {rid!r}: {len(req.keys)} keys, {req.num_tokens} tokens"
@@ -43,9 +41,9 @@ def check(mgr: CacheManager) -> None:
         reserved += req.reserved
         if req.state is ReqState.OFFLOADED:
             assert not req.table and req.pending == 0, f"request {rid!r}: OFFLOADED but holds device blocks"
-            assert len(req.host_refs) == -(-req.num_computed // bs), f"request {rid!r}: host table length"
+            assert len(req.host_refs) == cdiv(req.num_computed, bs), f"request {rid!r}: host table length"
         else:
-            assert len(req.table) == -(-req.num_tokens // bs), \
+            assert len(req.table) == cdiv(req.num_tokens, bs), \
                 f"request {rid!r}: {len(req.table)} blocks for {req.num_tokens} tokens"
         if req.state is ReqState.OFFLOADING:
             assert req.pending == 1, f"request {rid!r}: OFFLOADING with {req.pending} pending copies"
@@ -59,7 +57,7 @@ def check(mgr: CacheManager) -> None:
         for b in req.host_refs:
             host_refs[b] += 1
         assert len(set(req.table)) == len(req.table), f"request {rid!r}: a block twice in its table"
-    assert reserved == mgr._reserved, f"reserved {mgr._reserved} != sum over requests {reserved}"
+    assert reserved == state.reserved, f"reserved {state.reserved} != sum over requests {reserved}"
     for pool, refs in ((dev, dev_refs), (host, host_refs)):
         for b in range(pool.capacity):
             assert pool.ref[b] == refs[b], f"{pool.tier} block {b}: refcount {pool.ref[b]} but {refs[b]} holders"
@@ -70,7 +68,7 @@ def check(mgr: CacheManager) -> None:
     dev_pins: Counter[int] = Counter()
     host_pins: Counter[int] = Counter()
     inflight = {}
-    for pid, rec in mgr.copies.records.items():
+    for pid, rec in state.copies.records.items():
         assert rec.plan.plan_id == pid
         d_side, h_side = _PINS[rec.purpose]
         if d_side:
@@ -82,9 +80,9 @@ def check(mgr: CacheManager) -> None:
                 inflight[k] = pid
         if rec.req is not None and rec.req.alive:
             assert rec.req.pending > 0, f"plan {pid} for request {rec.req.rid!r}, which waits for nothing"
-    assert inflight == mgr.copies.inflight, "in-flight keys do not match the open write-back/through plans"
+    assert inflight == state.copies.inflight, "in-flight keys do not match the open write-back/through plans"
     for pool, pins in ((dev, dev_pins), (host, host_pins)):
         for b in range(pool.capacity):
             assert pool.pins[b] == pins[b], f"{pool.tier} block {b}: {pool.pins[b]} pins but {pins[b]} copies"
-    assert len(mgr.index.stored) <= mgr.index.storage_keys
-    assert len(mgr.index.history) <= 2 * mgr.index.history_size
+    assert len(state.index.stored) <= state.index.storage_keys
+    assert len(state.index.history) <= 2 * state.index.history_size

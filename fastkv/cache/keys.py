@@ -49,7 +49,7 @@ def _text(value: object) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class Namespace:
+class KeyNamespace:
     """Everything that changes the bytes of a block; ``fingerprint`` is its 32-byte digest."""
 
     model_id: str
@@ -62,9 +62,9 @@ class Namespace:
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"Namespace.block_size must be a positive int, got {self.block_size!r}")
+            raise ValueError(f"KeyNamespace.block_size must be a positive int, got {self.block_size!r}")
         if not isinstance(self.tp_size, int) or self.tp_size <= 0:
-            raise ValueError(f"Namespace.tp_size must be a positive int, got {self.tp_size!r}")
+            raise ValueError(f"KeyNamespace.tp_size must be a positive int, got {self.tp_size!r}")
         data = b"".join(
             _field(tag, _text(value))
             for tag, value in (
@@ -75,11 +75,11 @@ class Namespace:
         object.__setattr__(self, "fingerprint", blake3(data, derive_key_context=_NS_CTX).digest())
 
     @classmethod
-    def for_layout(cls, model_id: str, weights_version: str, layout: KVLayout) -> Namespace:
+    def for_layout(cls, model_id: str, weights_version: str, layout: KVLayout) -> KeyNamespace:
         return cls(model_id, str(weights_version), layout.describe(), layout.dtype, layout.block_size, layout.tp_size)
 
-    def with_weights(self, weights_version: str) -> Namespace:
-        return Namespace(self.model_id, str(weights_version), self.layout, self.kv_dtype, self.block_size,
+    def with_weights(self, weights_version: str) -> KeyNamespace:
+        return KeyNamespace(self.model_id, str(weights_version), self.layout, self.kv_dtype, self.block_size,
                          self.tp_size)
 
 
@@ -119,7 +119,7 @@ class ExtraKeys:
 
 
 
-def root_key(ns: Namespace, extra: ExtraKeys | None = None) -> bytes:
+def root_key(ns: KeyNamespace, extra: ExtraKeys | None = None) -> bytes:
     data = ns.fingerprint + (extra.root_bytes() if extra is not None else b"")
     return blake3(data, derive_key_context=_ROOT_CTX).digest()
 
@@ -164,7 +164,7 @@ def block_keys(tokens: np.ndarray, block_size: int, parent: bytes, first: int = 
     return keys
 
 
-def private_key(ns: Namespace, parent: bytes, request_id: object, epoch: int, tokens: Sequence[int]) -> bytes:
+def private_key(ns: KeyNamespace, parent: bytes, request_id: object, epoch: int, tokens: Sequence[int]) -> bytes:
     """A key only its request can name: for the partial last block of a preempted request."""
     data = (ns.fingerprint + parent + _field(b"rid", _text(request_id)) + struct.pack("<q", epoch)
             + np.asarray(tokens, dtype=np.int32).tobytes())

@@ -18,122 +18,52 @@ Life of a request, as the scheduler sees it::
 A request may run a step only while it is ready (no copies of its own pending). Three error
 tiers: "not now" is None, a broken contract is ValueError, an internal bug is an assert.
 
-Helpers that take the manager: tiering.py (fresh blocks, evictions, the plans that move keyed
-blocks), offload.py (offload / restore), completions.py (what a finished copy changes).
+The manager is the facade over ``CacheState`` (state.py), which the role modules take:
+tiering.py (fresh blocks, evictions, the plans that move keyed blocks), release.py (letting go
+of a request's blocks), offload.py (offload / restore), completions.py (what a finished copy
+changes), integrity.py (check_integrity). Results are in results.py.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 
 from fastkv.cache.completions import finish
-from fastkv.cache.copies import CopyBook, Purpose
-from fastkv.cache.index import Cause, MatchResult, MissExplanation, MissReason, PrefixIndex
+from fastkv.cache.copies import Purpose
+from fastkv.cache.index import Cause, MatchResult, MissExplanation, MissReason
 from fastkv.cache.integrity import check
-from fastkv.cache.keys import ExtraKeys, Namespace, as_tokens, block_keys, root_key
+from fastkv.cache.keys import ExtraKeys, KeyNamespace, as_tokens, block_keys, root_key
 from fastkv.cache.offload import offload as offload_request
 from fastkv.cache.offload import restore as restore_request
 from fastkv.cache.plan import CopyKind, CopyPlan
-from fastkv.cache.policy import Policy, Tier
-from fastkv.cache.pool import BlockPool, BlockState
-from fastkv.cache.requests import ReqState, Request
-from fastkv.cache.stats import CacheStats
+from fastkv.cache.pool import BlockState
+from fastkv.cache.release import release_host_refs, release_table
+from fastkv.cache.requests import CacheRecord, ReqState
+from fastkv.cache.results import Allocation, Completion, Growth
+from fastkv.cache.state import CacheConfig, CacheState
 from fastkv.cache.tiering import count_hits, host_copies, swap_in, take_device, take_host
-from fastkv.config import KVLayout
+from fastkv.cache.write_policy import Tier
+from fastkv.config import cdiv
 
 _CACHED = int(BlockState.CACHED)
 
 
-@dataclass(frozen=True, slots=True)
-class CacheConfig:
-    num_device_blocks: int
-    num_host_blocks: int = 0
-    block_size: int = 64
-    policy: Policy = Policy.WRITE_BACK
-    selective_hits: int = 2  # WRITE_THROUGH_SELECTIVE: copy to host on this many hits
-    storage: bool = False  # a storage tier exists: host blocks are STOREd, prefixes LOADed
-    storage_keys: int = 1 << 22  # how many stored keys to remember
-    history: int = 1 << 16  # departed keys remembered for explain_miss
-    model_id: str = "model"
-    weights_version: str = "0"
-    layout: KVLayout | None = None  # its block_size must equal block_size
-
-    def __post_init__(self) -> None:
-        for name in ("num_device_blocks", "num_host_blocks", "block_size", "selective_hits", "storage_keys",
-                     "history"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"CacheConfig.{name} must be an int >= 0, got {value!r}")
-        if self.block_size <= 0 or self.num_device_blocks <= 0:
-            raise ValueError("CacheConfig: block_size and num_device_blocks must be positive")
-        object.__setattr__(self, "policy", Policy(self.policy))
-        if self.layout is not None and self.layout.block_size != self.block_size:
-            raise ValueError(f"CacheConfig.block_size {self.block_size} != layout.block_size {self.layout.block_size}")
-
-    def namespace(self, weights_version: str | None = None) -> Namespace:
-        version = self.weights_version if weights_version is None else str(weights_version)
-        if self.layout is not None:
-            return Namespace.for_layout(self.model_id, version, self.layout)
-        return Namespace(self.model_id, version, f"block={self.block_size}", "unspecified", self.block_size, 1)
-
-
-class Allocation(NamedTuple):
-    block_table: tuple[int, ...]
-    num_cached_tokens: int  # valid on the device now (device prefix hit)
-    num_pending_tokens: int  # arriving by copies (host / storage hit); valid once ready
-    plans: tuple[CopyPlan, ...]
-    ready: bool  # False: wait for Completion.ready before running a step
-
-
-class Growth(NamedTuple):
-    new_blocks: tuple[int, ...]
-    plans: tuple[CopyPlan, ...]  # write-back of evicted blocks
-    ready: bool
-
-
-class Ready(NamedTuple):
-    request_id: object
-    num_computed_tokens: int  # tokens whose KV is valid: compute from here (a failed copy lowers it)
-
-
-class Completion(NamedTuple):
-    plans: tuple[CopyPlan, ...] = ()  # follow-ups to dispatch now
-    ready: tuple[Ready, ...] = ()
-    offloaded: tuple[object, ...] = ()  # offload finished: device blocks released
-    offload_failed: tuple[object, ...] = ()  # offload failed: still RUNNING on its device blocks
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class CacheManager:
     def __init__(self, config: CacheConfig) -> None:
-        self.config = config
-        self.block_size = config.block_size
-        self.policy = config.policy
-        self.device = BlockPool("device", config.num_device_blocks)
-        self.host = BlockPool("host", config.num_host_blocks)
-        self.index = PrefixIndex(self.device, self.host, config.storage, config.storage_keys, config.history)
-        self.copies = CopyBook()
-        self.stats = CacheStats()
-        self.namespace = config.namespace()
-        self._root = root_key(self.namespace)
-        self._retired: list[Namespace] = []
-        self._reqs: dict[object, Request] = {}
-        self._reserved = 0  # device blocks promised to requests for decode growth
-        self._hits: dict[bytes, int] = {}  # WRITE_THROUGH_SELECTIVE hit counts of device keys
-        self._epoch = 0
-        self._paused = False
-        self._wb = config.policy.copies_on_evict and config.num_host_blocks > 0
-        self._touch_host = config.policy.host_inclusive and config.num_host_blocks > 0
+        self.state = st = CacheState(config)
+        # the parts of the state callers read directly (the same objects, never rebound)
+        self.config, self.block_size, self.policy = st.config, st.block_size, st.policy
+        self.device, self.host, self.index, self.copies, self.stats = st.device, st.host, st.index, st.copies, st.stats
+        self._reqs = st.reqs
+
+    @property
+    def namespace(self) -> KeyNamespace:
+        """The key namespace of the current weights."""
+        return self.state.namespace
 
     # ================================================================== queries
     def _chain(self, extra: ExtraKeys | None) -> tuple[bytes, dict[int, bytes] | None]:
         if extra is None:
-            return self._root, None
+            return self.state.root, None
         if not isinstance(extra, ExtraKeys):
             raise TypeError(f"extra must be an ExtraKeys, got {type(extra).__name__}")
         return root_key(self.namespace, extra), (extra.block_extras(self.block_size) or None)
@@ -162,14 +92,14 @@ class CacheManager:
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` new device blocks can be handed out now (no prefix hit assumed)."""
-        return self.device.num_available - self._reserved >= num_blocks
+        return self.device.num_available - self.state.reserved >= num_blocks
 
     @property
     def num_free_device_blocks(self) -> int:
         """Device blocks allocatable now: free + evictable, minus reservations."""
-        return self.device.num_available - self._reserved
+        return self.device.num_available - self.state.reserved
 
-    def _get(self, request_id: object, *states: ReqState) -> Request:
+    def _get(self, request_id: object, *states: ReqState) -> CacheRecord:
         req = self._reqs.get(request_id)
         if req is None:
             raise ValueError(f"unknown request {request_id!r}")
@@ -183,21 +113,21 @@ class CacheManager:
         return list(self._reqs)
 
     def block_table(self, request_id: object) -> np.ndarray:
-        return np.asarray(self._get(request_id).table, dtype=np.int32)
+        return np.asarray(self.state.get(request_id).table, dtype=np.int32)
 
     def request_state(self, request_id: object) -> ReqState:
-        return self._get(request_id).state
+        return self.state.get(request_id).state
 
     def is_ready(self, request_id: object) -> bool:
-        req = self._get(request_id)
+        req = self.state.get(request_id)
         return req.state is ReqState.RUNNING and req.pending == 0
 
     def is_restoring(self, request_id: object) -> bool:
         """Its restore's copies are in flight: ``offload`` returns it to OFFLOADED with no copy."""
-        return self._get(request_id).restoring
+        return self.state.get(request_id).restoring
 
     def num_computed_tokens(self, request_id: object) -> int:
-        return self._get(request_id).num_computed
+        return self.state.get(request_id).num_computed
 
     # ================================================================== admission
     def allocate(self, request_id: object, tokens: object, extra: ExtraKeys | None = None,
@@ -206,7 +136,7 @@ class CacheManager:
 
         ``reserve_tokens`` also reserves blocks for that many generated tokens, so that
         ``append_slots`` within the reservation never finds the device full."""
-        if self._paused:
+        if self.state.paused:
             raise ValueError("allocate during a weight update: call finish_weight_update first")
         if request_id in self._reqs:
             raise ValueError(f"request {request_id!r} is already allocated")
@@ -222,14 +152,14 @@ class CacheManager:
         dev_hits, host_hits, sto_keys = self.index.match(keys, (n - 1) // bs)
         dev, host = self.device, self.host
         nd, nh = len(dev_hits), len(host_hits)
-        n_blocks = _cdiv(n, bs)
-        n_res = _cdiv(n + reserve_tokens, bs) - n_blocks
+        n_blocks = cdiv(n, bs)
+        n_res = cdiv(n + reserve_tokens, bs) - n_blocks
         dstate = dev.state
         cached_hits = 0
         for b in dev_hits:
             if dstate[b] == _CACHED:
                 cached_hits += 1
-        if dev.num_available - cached_hits - self._reserved < n_blocks - nd + n_res:
+        if dev.num_available - cached_hits - self.state.reserved < n_blocks - nd + n_res:
             return None
         if sto_keys:  # stage loads in host blocks; what finds no room is recomputed instead
             hstate = host.state
@@ -243,7 +173,7 @@ class CacheManager:
         st.prompt_blocks += len(keys)
         st.device_hit_tokens += nd * bs
 
-        req = Request(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n)
+        req = CacheRecord(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n)
         self._reqs[request_id] = req
         # Hits leave the LRU queues first, so the fresh blocks taken below cannot evict them.
         for b in dev_hits:
@@ -253,10 +183,10 @@ class CacheManager:
         req.host_refs = host_hits
         plans: list[CopyPlan] = []
         if ns:
-            staged = take_host(self, ns, pinned=True)
+            staged = take_host(self.state, ns, pinned=True)
             plans.append(self.copies.open(CopyKind.LOAD, Purpose.PREFIX_LOAD, dst=staged, keys=sto_keys, req=req,
                                           positions=list(range(nd + nh, nd + nh + ns))))
-        fresh, wb = take_device(self, n_blocks - nd, req)
+        fresh, wb = take_device(self.state, n_blocks - nd, req)
         if wb is not None:
             plans.append(wb)
         req.table = dev_hits + fresh
@@ -267,48 +197,48 @@ class CacheManager:
         req.swap_pos = list(range(nd, nd + nh + ns))
         req.planned_hits = (nh, ns)
         req.reserved = n_res
-        self._reserved += n_res
+        self.state.reserved += n_res
         req.pending = len(plans)
         req.loading = True
         if req.pending == 0:
             if req.swap_pos:
-                plans.append(swap_in(self, req))
+                plans.append(swap_in(self.state, req))
             else:
                 req.loading = False
         if self.policy.copies_on_hit and nd and self.host.capacity:
-            plans += count_hits(self, req, nd)
+            plans += count_hits(self.state, req, nd)
         return Allocation(tuple(req.table), nd * bs, (nh + ns) * bs, tuple(plans), req.pending == 0)
 
     def reserve(self, request_id: object, num_tokens: int) -> bool:
         """Reserve device blocks so the request can grow by ``num_tokens``; False: not now."""
-        req = self._get(request_id, ReqState.RUNNING)
+        req = self.state.get(request_id, ReqState.RUNNING)
         if not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        need = _cdiv(req.num_tokens + num_tokens, self.block_size) - len(req.table) - req.reserved
+        need = cdiv(req.num_tokens + num_tokens, self.block_size) - len(req.table) - req.reserved
         if need <= 0:
             return True
-        if self.device.num_available - self._reserved < need:
+        if self.device.num_available - self.state.reserved < need:
             return False
         req.reserved += need
-        self._reserved += need
+        self.state.reserved += need
         return True
 
     def append_slots(self, request_id: object, tokens: object) -> Growth | None:
         """Slots for tokens fed to the next step (decode): the sequence grows by ``tokens``.
         None (and nothing changed) when a new block is needed and none can be had."""
-        req = self._get(request_id, ReqState.RUNNING)
+        req = self.state.get(request_id, ReqState.RUNNING)
         toks = as_tokens(tokens)
         bs = self.block_size
-        need = _cdiv(req.num_tokens + len(toks), bs) - len(req.table)
+        need = cdiv(req.num_tokens + len(toks), bs) - len(req.table)
         plans: tuple[CopyPlan, ...] = ()
         new: list[int] = []
         if need > 0:
             own = min(need, req.reserved)
-            if self.device.num_available - self._reserved + own < need:
+            if self.device.num_available - self.state.reserved + own < need:
                 return None
             req.reserved -= own
-            self._reserved -= own
-            new, wb = take_device(self, need, req)
+            self.state.reserved -= own
+            new, wb = take_device(self.state, need, req)
             req.table += new
             if wb is not None:
                 req.pending += 1
@@ -330,7 +260,7 @@ class CacheManager:
     def mark_computed(self, request_id: object, num_computed_tokens: int) -> list[CopyPlan]:
         """The KV of the first ``num_computed_tokens`` tokens is on the device: their full blocks
         become cached (prompt and generated tokens alike). Returns write-through copies."""
-        req = self._get(request_id, ReqState.RUNNING)
+        req = self.state.get(request_id, ReqState.RUNNING)
         n = num_computed_tokens
         if not isinstance(n, int) or not req.num_computed <= n <= req.num_tokens:
             raise ValueError(f"request {request_id!r}: num_computed_tokens {n!r} outside "
@@ -353,10 +283,10 @@ class CacheManager:
         if self.policy.copies_on_insert and self.host.capacity:
             dkey = self.device.key
             mine = [(b, k) for b, k in zip(blocks, keys, strict=True) if dkey[b] is k]
-            return host_copies(self, mine)
+            return host_copies(self.state, mine)
         return []
 
-    def _repair_dups(self, req: Request) -> None:
+    def _repair_dups(self, req: CacheRecord) -> None:
         """Key the request's duplicate blocks whose original holder has been evicted or is only
         cached, so that the children it inserts next hang under a present parent."""
         dev = self.device
@@ -372,59 +302,19 @@ class CacheManager:
         if req is None:
             raise ValueError(f"free of unknown request {request_id!r} (double free?)")
         req.alive = False
-        self._reserved -= req.reserved
+        self.state.reserved -= req.reserved
         req.reserved = 0
-        self._release_table(req, cache)
-        self._release_host_refs(req, cache)
-
-    def _release_table(self, req: Request, cache: bool) -> None:
-        """Release device blocks last to first, so children enter the LRU queue before parents."""
-        dev = self.device
-        if cache and not req.dup_pos and not self._touch_host:
-            dev.release_many(req.table[::-1])
-            req.table = []
-            return
-        dkey, lookup, release, touch = dev.key, dev.lookup, dev.release, dev.touch
-        keys, table, nk = req.keys, req.table, req.num_keyed
-        hlookup = self.host.lookup if self._touch_host else None
-        for i in range(len(table) - 1, -1, -1):
-            b = table[i]
-            if i < nk and cache:
-                k = keys[i]
-                if dkey[b] is None:  # a duplicate: refresh the block that holds the key
-                    c = lookup.get(k)
-                    if c is None:  # that block is gone: this copy keeps the key alive
-                        dev.set_key(b, k)
-                    release(b)
-                    if c is not None:
-                        touch(c)
-                else:
-                    release(b)
-                if hlookup is not None:
-                    hb = hlookup.get(k)
-                    if hb is not None:
-                        self.host.touch(hb)
-            else:
-                if not cache and dkey[b] is not None and dev.ref[b] == 1:
-                    self._gone_if_last(dkey[b], Tier.DEVICE, Cause.DROPPED, skip=Tier.DEVICE)
-                release(b, cache)
-        req.table = []
-
-    def _release_host_refs(self, req: Request, cache: bool = True) -> None:
-        host = self.host
-        for b in reversed(req.host_refs):
-            host.release(b, cache and b != req.private_block)
-        req.host_refs = []
-        req.private_block = -1
+        release_table(self.state, req, cache)
+        release_host_refs(self.state, req, cache)
 
     # ================================================================== preemption
     def offload(self, request_id: object) -> tuple[CopyPlan, ...] | None:
         """Copy the request's computed KV to the host (see fastkv.cache.offload)."""
-        return offload_request(self, request_id)
+        return offload_request(self.state, request_id)
 
     def restore(self, request_id: object, reserve_tokens: int = 0) -> Allocation | None:
         """Bring an OFFLOADED request back onto the device (see fastkv.cache.offload)."""
-        return restore_request(self, request_id, reserve_tokens)
+        return restore_request(self.state, request_id, reserve_tokens)
 
     # ================================================================== copies
     def complete(self, plan: CopyPlan, ok: bool) -> Completion:
@@ -432,20 +322,7 @@ class CacheManager:
         rec = self.copies.close(plan)
         if not ok:
             self.stats.failed_copies += 1
-        return finish(self, rec, bool(ok))
-
-    # ================================================================== bookkeeping
-    def _gone(self, key: bytes, tier: Tier, cause: Cause) -> None:
-        self.stats.dropped_keys += 1
-        self.index.gone(key, tier, cause)
-
-    def _gone_if_last(self, key: bytes, tier: Tier, cause: Cause, skip: Tier) -> None:
-        if skip is not Tier.HOST and key in self.host.lookup:
-            return
-        if skip is not Tier.DEVICE and key in self.device.lookup:
-            return
-        if key not in self.index.stored:
-            self._gone(key, tier, cause)
+        return finish(self.state, rec, bool(ok))
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds, in every tier (vLLM's reset_prefix_cache):
@@ -471,26 +348,26 @@ class CacheManager:
             raise ValueError(f"weight update with requests still allocated: {list(self._reqs)[:8]}")
         if self.copies.records:
             raise ValueError(f"weight update with copies in flight: plans {sorted(self.copies.records)[:8]}")
-        if self._paused:
+        if self.state.paused:
             raise ValueError("weight update already in progress")
         for k in self.index.clear():
             self.index.gone(k, Tier.DEVICE, Cause.WEIGHT_UPDATE)
-        self._hits.clear()
-        self._retired.append(self.namespace)
-        del self._retired[:-4]
-        self._paused = True
+        self.state.hits.clear()
+        self.state.retired.append(self.namespace)
+        del self.state.retired[:-4]
+        self.state.paused = True
         return self.copies.open(CopyKind.CLEAR, Purpose.CONTROL)
 
     def finish_weight_update(self, weights_version: str) -> CopyPlan:
         """New weights are loaded: switch to their namespace and accept requests again."""
-        if not self._paused:
+        if not self.state.paused:
             raise ValueError("finish_weight_update without begin_weight_update")
         version = str(weights_version)
-        if any(ns.weights_version == version for ns in self._retired[-1:]):
+        if any(ns.weights_version == version for ns in self.state.retired[-1:]):
             raise ValueError(f"weights version {version!r} is the one being replaced")
-        self.namespace = self.namespace.with_weights(version)
-        self._root = root_key(self.namespace)
-        self._paused = False
+        self.state.namespace = self.namespace.with_weights(version)
+        self.state.root = root_key(self.namespace)
+        self.state.paused = False
         # the transfer processes reopen storage under this version's namespace (keys[0])
         return self.copies.open(CopyKind.RESTORE, Purpose.CONTROL, keys=[version.encode()])
 
@@ -517,7 +394,7 @@ class CacheManager:
             if cause is not Cause.WEIGHT_UPDATE:
                 return MissExplanation(MissReason.EVICTED, i, n, tier, cause, self.policy,
                                        f"left the {tier.name.lower()} tier ({cause.name}) under {self.policy.name}")
-        for ns in reversed(self._retired):
+        for ns in reversed(self.state.retired):
             old_root = root_key(ns, extra)
             old = block_keys(toks[:(i + 1) * self.block_size], self.block_size, old_root, 0, extras)
             if old[i] in self.index.history:
@@ -527,4 +404,4 @@ class CacheManager:
 
     def check_integrity(self) -> None:
         """Assert every invariant of the pools, the index, the requests and the copies."""
-        check(self)
+        check(self.state)

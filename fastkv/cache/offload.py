@@ -5,46 +5,41 @@ private key, so that no other request can match it); the request is OFFLOADING u
 completes, then OFFLOADED with no device blocks. ``restore`` gives it device blocks again,
 reusing those of its keys still cached on the device and swapping in the rest from its host
 copies. Offloading a request whose restore is still loading needs no copy: it is OFFLOADED
-again on the host copies it kept. CacheManager.offload / restore delegate here; completions.py finishes the copies.
+again on the host copies it kept. CacheManager.offload / restore delegate here; completions.py
+finishes the copies.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from fastkv.cache.completions import finish_offload, make_ready
 from fastkv.cache.copies import Purpose
 from fastkv.cache.keys import private_key
 from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.cache.pool import BlockState
-from fastkv.cache.requests import NEVER, ReqState, Request
+from fastkv.cache.requests import NEVER, CacheRecord, ReqState
+from fastkv.cache.results import Allocation
+from fastkv.cache.state import CacheState
 from fastkv.cache.tiering import swap_in, take_device, take_host
-
-if TYPE_CHECKING:
-    from fastkv.cache.manager import Allocation, CacheManager
+from fastkv.config import cdiv
 
 _CACHED = int(BlockState.CACHED)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def offload(mgr: CacheManager, request_id: object) -> tuple[CopyPlan, ...] | None:
+def offload(state: CacheState, request_id: object) -> tuple[CopyPlan, ...] | None:
     """Copy every block holding computed KV (the partial last one too, under a private key)
     to the host. The device blocks are released when the copy completes
     (Completion.offloaded). () : nothing needed copying (or its restore was still loading)
     and the request is OFFLOADED now. None: not enough host blocks now."""
-    req = mgr._get(request_id, ReqState.RUNNING)
+    req = state.get(request_id, ReqState.RUNNING)
     if req.restoring:
-        _cancel_restore(mgr, req)
+        _cancel_restore(state, req)
         return ()
     if req.pending:
         raise ValueError(f"request {request_id!r} has copies in flight: offload it once ready")
-    host = mgr.host
+    host = state.host
     if not host.capacity:
         raise ValueError("offload needs a host tier (num_host_blocks > 0)")
-    bs = mgr.block_size
-    n_blocks = _cdiv(req.num_computed, bs)
+    bs = state.block_size
+    n_blocks = cdiv(req.num_computed, bs)
     n_full = min(req.num_computed // bs, len(req.keys))
     hget, hstate = host.lookup.get, host.state
     host_table = [-1] * n_blocks
@@ -59,36 +54,36 @@ def offload(mgr: CacheManager, request_id: object) -> tuple[CopyPlan, ...] | Non
     for hb in host_table:
         if hb >= 0:
             host.incref(hb)
-    fresh = take_host(mgr, len(copy), pinned=False)
+    fresh = take_host(state, len(copy), pinned=False)
     keys: list[bytes] = []
-    mgr._epoch += 1
+    state.epoch += 1
     req.private_key = None
     for i, hb in zip(copy, fresh, strict=True):
         host_table[i] = hb
         host.pin(hb)
-        mgr.device.pin(req.table[i])
+        state.device.pin(req.table[i])
         if i < n_full:
             keys.append(req.keys[i])
         else:
             parent = req.keys[i - 1] if i else req.root
-            req.private_key = private_key(mgr.namespace, parent, req.rid, mgr._epoch, [i])
+            req.private_key = private_key(state.namespace, parent, req.rid, state.epoch, [i])
             req.private_block = hb
             keys.append(req.private_key)
     req.host_refs = host_table
     req.state = ReqState.OFFLOADING
-    mgr.stats.offloads += 1
+    state.stats.offloads += 1
     if not copy:
-        finish_offload(mgr, req)
+        finish_offload(state, req)
         return ()
     req.pending = 1
     src = [req.table[i] for i in copy]
-    return (mgr.copies.open(CopyKind.SWAP_OUT, Purpose.OFFLOAD, src=src, dst=fresh, keys=keys, req=req),)
+    return (state.copies.open(CopyKind.SWAP_OUT, Purpose.OFFLOAD, src=src, dst=fresh, keys=keys, req=req),)
 
 
-def _cancel_restore(mgr: CacheManager, req: Request) -> None:
+def _cancel_restore(state: CacheState, req: CacheRecord) -> None:
     """Offload during a restore: its host copies are intact, so it is OFFLOADED again at once
     and nothing is recomputed. Its copies in flight finish for nobody, on blocks it let go of."""
-    for rec in mgr.copies.records.values():
+    for rec in state.copies.records.values():
         if rec.req is req:
             rec.req = None
     req.pending = 0
@@ -96,22 +91,20 @@ def _cancel_restore(mgr: CacheManager, req: Request) -> None:
     req.swap_src = []
     req.swap_pos = []
     req.fail_block = NEVER
-    finish_offload(mgr, req)
+    finish_offload(state, req)
 
 
-def restore(mgr: CacheManager, request_id: object, reserve_tokens: int = 0) -> Allocation | None:
+def restore(state: CacheState, request_id: object, reserve_tokens: int = 0) -> Allocation | None:
     """Bring an OFFLOADED request back: device blocks for all its tokens, swapped in from
     its host copies (blocks still cached on the device are reused). None: not now."""
-    from fastkv.cache.manager import Allocation
-
-    req = mgr._get(request_id, ReqState.OFFLOADED)
-    if mgr._paused:
+    req = state.get(request_id, ReqState.OFFLOADED)
+    if state.paused:
         raise ValueError("restore during a weight update")
-    bs = mgr.block_size
-    n_blocks = _cdiv(req.num_tokens, bs)
-    n_res = _cdiv(req.num_tokens + reserve_tokens, bs) - n_blocks
+    bs = state.block_size
+    n_blocks = cdiv(req.num_tokens, bs)
+    n_res = cdiv(req.num_tokens + reserve_tokens, bs) - n_blocks
     n_full = min(req.num_computed // bs, len(req.keys))
-    dev = mgr.device
+    dev = state.device
     table = [-1] * n_blocks
     dget = dev.lookup.get
     for i in range(n_full):
@@ -120,11 +113,11 @@ def restore(mgr: CacheManager, request_id: object, reserve_tokens: int = 0) -> A
             table[i] = b
     reused = [b for b in table if b >= 0]
     cached = sum(1 for b in reused if dev.state[b] == _CACHED)
-    if dev.num_available - cached - mgr._reserved < n_blocks - len(reused) + n_res:
+    if dev.num_available - cached - state.reserved < n_blocks - len(reused) + n_res:
         return None
     for b in reused:
         dev.incref(b)
-    fresh, wb = take_device(mgr, n_blocks - len(reused), req)
+    fresh, wb = take_device(state, n_blocks - len(reused), req)
     it = iter(fresh)
     req.table = [b if b >= 0 else next(it) for b in table]
     req.swap_pos = [i for i in range(len(req.host_refs)) if table[i] < 0]
@@ -134,14 +127,14 @@ def restore(mgr: CacheManager, request_id: object, reserve_tokens: int = 0) -> A
     req.loading = req.restoring = True
     req.state = ReqState.RUNNING
     req.reserved = n_res
-    mgr._reserved += n_res
-    mgr.stats.restores += 1
+    state.reserved += n_res
+    state.stats.restores += 1
     plans = [wb] if wb is not None else []
     req.pending = len(plans)
     if not plans:
         if req.swap_pos:
-            plans.append(swap_in(mgr, req))
+            plans.append(swap_in(state, req))
         else:
-            make_ready(mgr, req)
+            make_ready(state, req)
     return Allocation(tuple(req.table), len(reused) * bs, (n_blocks - len(reused)) * bs, tuple(plans),
                       req.pending == 0)

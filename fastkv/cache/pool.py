@@ -4,14 +4,15 @@ Every block is in exactly one state::
 
     FREE       refcount 0, no key, on the free stack
     ALLOCATED  refcount > 0, held by requests; may carry a key (its bytes are valid for it)
-    CACHED     refcount 0, keyed, on the LRU queue: evictable, and reusable by a prefix hit
+    CACHED     refcount 0, keyed, in the eviction queue: evictable, and reusable by a prefix hit
     IN_FLIGHT  pinned by one or more copies (refcount may be > 0): never handed out, evicted
                or freed until the last copy completes
 
 ``lookup`` maps a key to the one block of this tier holding valid bytes for it; a block's key
 is set only once its bytes are valid (after compute, or after a copy succeeded), so a failed
 copy never leaves a key pointing at bad bytes. A freed block keeps its key (CACHED) until it
-is reused: then it is evicted, least recently used first.
+is reused: then it is evicted, in the order of the pool's eviction policy (LRU by default,
+see ``fastkv.cache.eviction``).
 
 Releasing the last reference of an IN_FLIGHT block does not free it: the block stays
 IN_FLIGHT and turns CACHED or FREE when its last copy completes (``unpin``). That is how the
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from fastkv.cache.free_queue import LRUQueue
+from fastkv.cache.eviction import EvictionPolicy, make_policy
 
 
 class BlockState(IntEnum):
@@ -38,22 +39,21 @@ _FREE, _ALLOCATED, _CACHED, _IN_FLIGHT = 0, 1, 2, 3
 
 
 class BlockPool:
-    __slots__ = ("tier", "capacity", "state", "ref", "pins", "key", "lookup", "free", "lru", "num_allocated",
+    __slots__ = ("tier", "capacity", "state", "ref", "pins", "key", "lookup", "free", "evictable", "num_allocated",
                  "num_in_flight")
 
-    def __init__(self, tier: str, capacity: int) -> None:
+    def __init__(self, tier: str, capacity: int, eviction: str = "lru") -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
             raise ValueError(f"{tier} pool capacity must be an int >= 0, got {capacity!r}")
         self.tier = tier
         self.capacity = capacity
-        self.lru = LRUQueue(capacity)
-        ids = self.lru.ids[:capacity]
+        self.evictable: EvictionPolicy = make_policy(eviction, capacity)
         self.state = [_FREE] * capacity
         self.ref = [0] * capacity
         self.pins = [0] * capacity
         self.key: list[bytes | None] = [None] * capacity
         self.lookup: dict[bytes, int] = {}
-        self.free = ids[::-1]  # a stack: block 0 is handed out first
+        self.free = list(range(capacity - 1, -1, -1))  # a stack: block 0 is handed out first
         self.num_allocated = 0
         self.num_in_flight = 0
 
@@ -64,12 +64,12 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self.lru)
+        return len(self.evictable)
 
     @property
     def num_available(self) -> int:
         """Blocks ``take`` can hand out now: FREE plus CACHED (evicted on the way)."""
-        return len(self.free) + len(self.lru)
+        return len(self.free) + len(self.evictable)
 
     def _check_id(self, block: int) -> None:
         if not (type(block) is int and 0 <= block < self.capacity):
@@ -81,7 +81,7 @@ class BlockPool:
 
     # ------------------------------------------------------------------ handing out
     def take(self, evicted: list[tuple[int, bytes]] | None = None) -> int:
-        """Hand out a block with refcount 1: a FREE one, else evict the LRU CACHED one.
+        """Hand out a block with refcount 1: a FREE one, else evict the next CACHED victim.
 
         An evicted block's ``(block, key)`` is appended to ``evicted``. Returns -1 when every
         block is ALLOCATED or IN_FLIGHT.
@@ -89,7 +89,7 @@ class BlockPool:
         if self.free:
             block = self.free.pop()
         else:
-            block = self.lru.popleft()
+            block = self.evictable.popleft()
             if block < 0:
                 return -1
             k = self.key[block]
@@ -106,7 +106,7 @@ class BlockPool:
         """``n`` blocks as by ``take``, in one pass (the hot path of allocation)."""
         free = self.free
         nf = len(free)
-        if n > nf + len(self.lru):
+        if n > nf + len(self.evictable):
             raise ValueError(f"{self.tier} pool: {n} blocks asked, {self.num_available} available")
         if n <= nf:
             blocks = free[nf - n:]
@@ -116,7 +116,7 @@ class BlockPool:
             blocks = free[::-1]
             free.clear()
             lookup, key = self.lookup, self.key
-            for b in self.lru.popleft_many(n - nf):
+            for b in self.evictable.popleft_many(n - nf):
                 k = key[b]
                 del lookup[k]
                 key[b] = None
@@ -145,7 +145,7 @@ class BlockPool:
         """One more holder of a keyed block (a prefix hit) or of an ALLOCATED one."""
         st = self.state[block]
         if st == _CACHED:
-            self.lru.remove(block)
+            self.evictable.remove(block)
             self.state[block] = _ALLOCATED
             self.num_allocated += 1
         elif st == _FREE:
@@ -165,11 +165,12 @@ class BlockPool:
             k = self.key[block]
             if k is not None and keep:
                 self.state[block] = _CACHED
-                self.lru.append(block)
+                self.evictable.append(block)
             else:
                 if k is not None:
                     del self.lookup[k]
                     self.key[block] = None
+                    self.evictable.forget(block)
                 self.state[block] = _FREE
                 self.free.append(block)
         elif r == 0 and not keep and self.key[block] is not None:
@@ -183,7 +184,7 @@ class BlockPool:
         if st == _FREE:
             raise ValueError(f"{self.tier} block {block} is FREE: nothing to copy")
         if st == _CACHED:
-            self.lru.remove(block)
+            self.evictable.remove(block)
         if st != _IN_FLIGHT:
             if st == _ALLOCATED:
                 self.num_allocated -= 1
@@ -206,7 +207,7 @@ class BlockPool:
             self.num_allocated += 1
         elif self.key[block] is not None:
             self.state[block] = _CACHED
-            self.lru.append(block)
+            self.evictable.append(block)
         else:
             self.state[block] = _FREE
             self.free.append(block)
@@ -247,28 +248,24 @@ class BlockPool:
 
     def release_many(self, blocks: list[int], keep: bool = True) -> None:
         """``release`` each block in order (callers pass a table last to first). The common case,
-        a keyed block going CACHED, appends to the LRU queue inline (no call per block)."""
+        a keyed block going CACHED, is queued in one ``extend`` (no call per block)."""
         ref, state, key = self.ref, self.state, self.key
-        lru = self.lru
-        nxt, prv, s = lru.next, lru.prev, lru.ids[self.capacity]
-        cached = 0
-        for b in blocks:
-            r = ref[b] - 1
-            if r > 0:
-                ref[b] = r
-            elif r == 0 and keep and state[b] == _ALLOCATED and key[b] is not None:
-                ref[b] = 0
-                state[b] = _CACHED
-                last = prv[s]
-                nxt[last] = b
-                prv[b] = last
-                nxt[b] = s
-                prv[s] = b
-                cached += 1
-            else:
-                self.release(b, keep)
-        lru._len += cached
-        self.num_allocated -= cached
+        cached: list[int] = []
+        queue = cached.append
+        try:
+            for b in blocks:
+                r = ref[b] - 1
+                if r > 0:
+                    ref[b] = r
+                elif r == 0 and keep and state[b] == _ALLOCATED and key[b] is not None:
+                    ref[b] = 0
+                    state[b] = _CACHED
+                    queue(b)
+                else:
+                    self.release(b, keep)  # never queues a block: the order above holds
+        finally:
+            self.evictable.extend(cached)
+            self.num_allocated -= len(cached)
 
     def drop_key(self, block: int) -> bytes | None:
         """Forget ``block``'s key (its bytes are stale or unwanted). A CACHED block becomes FREE."""
@@ -279,9 +276,10 @@ class BlockPool:
         del self.lookup[k]
         self.key[block] = None
         if self.state[block] == _CACHED:
-            self.lru.remove(block)
+            self.evictable.remove(block)
             self.state[block] = _FREE
             self.free.append(block)
+        self.evictable.forget(block)
         return k
 
     def evict(self, block: int) -> bytes:
@@ -295,9 +293,9 @@ class BlockPool:
         return k
 
     def touch(self, block: int) -> None:
-        """Mark a CACHED block most recently used (no-op for held or in-flight blocks)."""
+        """An access to a CACHED block that does not hold it (no-op for held or in-flight blocks)."""
         if self.state[block] == _CACHED:
-            self.lru.move_to_end(block)
+            self.evictable.touch(block)
 
     def clear(self) -> list[bytes]:
         """Forget every key (weight update). Every block must be FREE or CACHED."""
@@ -305,7 +303,7 @@ class BlockPool:
             raise ValueError(f"{self.tier} pool clear with {self.num_allocated} allocated and "
                              f"{self.num_in_flight} in-flight blocks")
         dropped = list(self.lookup)
-        while (block := self.lru.popleft()) >= 0:
+        while (block := self.evictable.popleft()) >= 0:
             self.key[block] = None
             self.state[block] = _FREE
             self.free.append(block)
@@ -314,14 +312,14 @@ class BlockPool:
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self) -> None:
-        self.lru.check_integrity()
+        self.evictable.check_integrity()
         counts = [0, 0, 0, 0]
         for b in range(self.capacity):
             st, r, p, k = self.state[b], self.ref[b], self.pins[b], self.key[b]
             counts[st] += 1
             assert r >= 0 and p >= 0, f"{self.tier} block {b}: negative refcount {r} or pins {p}"
-            in_lru = b in self.lru
-            assert in_lru == (st == _CACHED), f"{self.tier} block {b}: state {st} but in LRU = {in_lru}"
+            queued = b in self.evictable
+            assert queued == (st == _CACHED), f"{self.tier} block {b}: state {st} but queued = {queued}"
             assert (p > 0) == (st == _IN_FLIGHT), f"{self.tier} block {b}: state {st} with {p} pins"
             if st == _FREE:
                 assert r == 0 and k is None, f"{self.tier} block {b}: FREE with refcount {r} or key"
@@ -335,7 +333,7 @@ class BlockPool:
         assert len(free_set) == len(self.free), f"{self.tier}: a block is twice on the free stack"
         assert all(self.state[b] == _FREE for b in free_set), f"{self.tier}: non-FREE block on the free stack"
         assert counts[_FREE] == len(self.free), f"{self.tier}: {counts[_FREE]} FREE blocks, free stack {len(self.free)}"
-        assert counts[_CACHED] == len(self.lru)
+        assert counts[_CACHED] == len(self.evictable)
         assert counts[_ALLOCATED] == self.num_allocated, f"{self.tier}: allocated {self.num_allocated} != {counts}"
         assert counts[_IN_FLIGHT] == self.num_in_flight, f"{self.tier}: in flight {self.num_in_flight} != {counts}"
         assert sum(counts) == self.capacity

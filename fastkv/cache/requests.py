@@ -16,7 +16,7 @@ class ReqState(IntEnum):
 
 
 @dataclass(slots=True, eq=False)
-class Request:
+class CacheRecord:
     rid: object
     root: bytes  # key of the chain's root (namespace + request extras)
     extras: dict[int, bytes] | None  # per-block extra key bytes (multimodal items)

@@ -22,7 +22,7 @@ Embedding (a Paddle deployment with its own workers)::
 
     # each worker rank r, in the deployment's own process:
     from fastkv.engine import protocol
-from fastkv.engine.step import StepPlan
+from fastkv.sched.output import StepPlan
     ends = attach_worker(Namespace.attach(spec.run_id), spec, r)
     tier = DeviceTier.attach(spec.tier_prefix, r, spec.layout, spec.num_device_blocks)
     while not ends.signals["stop"]:
@@ -48,15 +48,15 @@ from typing import Any, NamedTuple
 from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind, CopyPlan
-from fastkv.cache.policy import Policy as CachePolicy
+from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.engine import protocol
 from fastkv.engine.lookup import StorageLookup
-from fastkv.engine.step import StepPlan
 from fastkv.ipc import Broadcast, DoneMsg, Namespace, OutputMsg, PeerDied, PeerTimeout, PlanMsg, pid_alive
 from fastkv.metrics import EngineMetrics
 from fastkv.run import EngineEnds, RunSpec, attach_engine
 from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig, WeightUpdate
-from fastkv.sched.queues import Policy as QueuePolicy
+from fastkv.sched.output import StepPlan
+from fastkv.sched.queues import QueuePolicy
 from fastkv.transfer.protocol import FREE
 
 FINISH = {RequestState.FINISHED_LENGTH: "length", RequestState.FINISHED_STOPPED: "stop",
@@ -104,8 +104,8 @@ def _enum(cls: type, value: Any) -> Any:
 def cache_config(spec: RunSpec) -> CacheConfig:
     return CacheConfig(num_device_blocks=spec.num_device_blocks, num_host_blocks=spec.num_host_blocks,
                        block_size=spec.layout.block_size, policy=_enum(CachePolicy, spec.cache_policy),
-                       storage=bool(spec.storage_url), model_id=spec.model_id, weights_version=spec.weights_version,
-                       layout=spec.layout)
+                       eviction=spec.eviction, storage=bool(spec.storage_url), model_id=spec.model_id,
+                       weights_version=spec.weights_version, layout=spec.layout)
 
 
 def scheduler_config(spec: RunSpec) -> SchedulerConfig:

@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from fastkv.engine.step import SeqWork, StepOutput, StepPlan
 from fastkv.ipc import OutputMsg, PlanMsg
+from fastkv.sched.output import SeqWork, StepOutput, StepPlan
 
 
 def plan_to_msg(plan: StepPlan, release: Iterable[int] = ()) -> PlanMsg:

@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from fastkv.engine import protocol
-from fastkv.engine.collective import ShmCollective
 from fastkv.engine.runners import runner_class
 from fastkv.ipc import ChannelClosed, Namespace, OutputMsg, PeerDied, pid_alive
+from fastkv.ipc.collective import ShmCollective
 from fastkv.run import RunSpec, attach_worker, collective_prefix
 from fastkv.transfer.tiers import DeviceTier, TierKind, resident_bytes, select_device
 

@@ -151,7 +151,7 @@ class Inbox:
 
     def _check(self) -> None:
         for ch in self.channels:
-            ch.ring._check_peer(Side.PRODUCER)
+            ch.ring.check_peer(Side.PRODUCER)
 
     def recv_many(self, max_n: int = 256, timeout: float | None = None) -> list[Any]:
         """Up to ``max_n`` messages from any channels, round-robin (no channel starves

@@ -17,7 +17,6 @@ from typing import ClassVar
 
 import numpy as np
 
-from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.ipc.codec import message
 
 _EMPTY = np.empty(0, np.int32)
@@ -31,7 +30,8 @@ def _empty() -> np.ndarray:
 @message(1)
 @dataclass(slots=True)
 class TaskMsg:
-    """One copy task; every rank receives the same message and copies its own shard."""
+    """One copy task; every rank receives the same message and copies its own shard
+    (``fastkv.transfer.protocol`` converts it to and from a ``CopyPlan``)."""
 
     WIRE: ClassVar[str] = "task_id:i64 kind:i32 src:i32[] dst:i32[] keys:bytes[]"
     task_id: int
@@ -39,14 +39,6 @@ class TaskMsg:
     src: np.ndarray = field(default_factory=_empty)
     dst: np.ndarray = field(default_factory=_empty)
     keys: tuple[bytes, ...] = ()
-
-    @classmethod
-    def from_plan(cls, plan: CopyPlan) -> TaskMsg:
-        return cls(plan.plan_id, int(plan.kind), plan.src, plan.dst, tuple(plan.keys))
-
-    def to_plan(self) -> CopyPlan:
-        """The CopyPlan (validated by CopyPlan itself: ValueError on inconsistent ids)."""
-        return CopyPlan(self.task_id, CopyKind(self.kind), self.src, self.dst, tuple(self.keys))
 
 
 @message(2)

@@ -263,7 +263,7 @@ class Ring:
                 raise AssertionError("push_many: C accepted a message larger than the ring")
             ready = lambda need=need: self.nslots - A.used(self.hdr) >= need or A.load(self.hdr + OFF_CLOSED) & 2
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.space_bell.wait(ready, remaining, lambda: self._check_peer(Side.CONSUMER)):
+            if not self.space_bell.wait(ready, remaining, lambda: self.check_peer(Side.CONSUMER)):
                 raise PeerTimeout(f"ring {self.local!r} full for {timeout} s: consumer "
                                   f"{self.peer(Side.CONSUMER).describe()} is not draining it",
                                   *self.peer(Side.CONSUMER)[:3])
@@ -300,7 +300,7 @@ class Ring:
             if A.load(hdr + OFF_CLOSED) & 1 and A.used(hdr) == 0:
                 raise self._closed_by(Side.PRODUCER)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.data_bell.wait(ready, remaining, lambda: self._check_peer(Side.PRODUCER)):
+            if not self.data_bell.wait(ready, remaining, lambda: self.check_peer(Side.PRODUCER)):
                 return []
             bufs = self.try_pop_many(max_n)
             if bufs:
@@ -310,7 +310,7 @@ class Ring:
         peer = self.peer(side)
         return ChannelClosed(f"ring {self.local!r}: the {side.name.lower()} closed it ({peer.describe()})", *peer[:3])
 
-    def _check_peer(self, side: Side) -> None:
+    def check_peer(self, side: Side) -> None:
         """PeerDied if ``side``'s process is gone without closing its end (one that closed
         first shut down cleanly: its channel is closed, not dead)."""
         peer = self.peer(side)

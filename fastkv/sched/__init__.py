@@ -5,12 +5,13 @@ are its roles: queues, admission, preemption, reservation (disaggregated decode)
 (auto preemption), weights (weight update), integrity.
 """
 from fastkv.sched.config import SchedulerConfig
-from fastkv.sched.queues import Policy
+from fastkv.sched.output import SchedulerOutput
+from fastkv.sched.queues import QueuePolicy
 from fastkv.sched.request import PreemptionMode, Request, RequestState
 from fastkv.sched.reservation import Refusal, RefusalReason, Reservation
-from fastkv.sched.scheduler import Scheduler, SchedulerOutput
+from fastkv.sched.scheduler import Scheduler
 from fastkv.sched.stats import SchedulerStats
 from fastkv.sched.weights import WeightUpdate
 
-__all__ = ["Policy", "PreemptionMode", "Refusal", "RefusalReason", "Request", "RequestState", "Reservation",
+__all__ = ["PreemptionMode", "QueuePolicy", "Refusal", "RefusalReason", "Request", "RequestState", "Reservation",
            "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "WeightUpdate"]

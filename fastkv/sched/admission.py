@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fastkv.config import cdiv
 from fastkv.sched import preemption
 from fastkv.sched.request import RequestState
 
@@ -21,13 +22,9 @@ if TYPE_CHECKING:
 S = RequestState
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def loading_blocks(s: Scheduler) -> int:
     bs = s.block_size
-    return sum(_cdiv(r.num_slotted, bs) for r in s.loading.values())
+    return sum(cdiv(r.num_slotted, bs) for r in s.loading.values())
 
 
 def admit(s: Scheduler) -> None:
@@ -37,7 +34,7 @@ def admit(s: Scheduler) -> None:
         if s._budget <= 0 or len(s.running) + len(s.loading) >= cfg.max_num_seqs:
             return
         restoring = req.state is S.OFFLOADED
-        n_blocks = _cdiv(req.num_slotted if restoring else req.num_tokens, bs)
+        n_blocks = cdiv(req.num_slotted if restoring else req.num_tokens, bs)
         device_hit = 0
         if loading and loading + n_blocks > s.max_loading_blocks or cfg.watermark_admission:
             # Only now is a read-only prefix match worth its hashing.

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastkv.sched.queues import Policy
+from fastkv.sched.queues import QueuePolicy
 from fastkv.sched.request import PreemptionMode
 
 
@@ -14,7 +14,7 @@ class SchedulerConfig:
     chunked_prefill: bool = True  # split prompts across steps to fit the token budget
     max_model_len: int | None = None  # prompt + output cap; None: what the whole device holds
     preemption: PreemptionMode = PreemptionMode.RECOMPUTE  # deployment default (requests may override)
-    policy: Policy = Policy.FCFS  # queue order and victim choice
+    policy: QueuePolicy = QueuePolicy.FCFS  # queue order and victim choice
     # Liveness: device blocks held by LOADING requests with host/storage prefix hits are capped,
     # so copies that are slow (or never complete) cannot take the device from admission.
     max_loading_blocks: int | None = None  # None: half the device
@@ -45,7 +45,7 @@ class SchedulerConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"SchedulerConfig.{name} must be None or an int >= 1, got {v!r}")
         object.__setattr__(self, "preemption", PreemptionMode(self.preemption))
-        object.__setattr__(self, "policy", Policy(self.policy))
+        object.__setattr__(self, "policy", QueuePolicy(self.policy))
         if not 0 <= self.reserve_min_blocks <= self.reserve_init_blocks:
             raise ValueError("SchedulerConfig: need 0 <= reserve_min_blocks <= reserve_init_blocks")
         if not 0 < self.reserve_decay <= 1:

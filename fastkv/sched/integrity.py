@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import ReqState
+from fastkv.config import cdiv
 from fastkv.sched.request import RequestState
 from fastkv.sched.weights import WeightUpdate
 
@@ -18,10 +19,6 @@ S = RequestState
 _CACHE_STATE = {S.LOADING: ReqState.RUNNING, S.RUNNING: ReqState.RUNNING, S.OFFLOADING: ReqState.OFFLOADING,
                 S.OFFLOADED: ReqState.OFFLOADED}
 _HELD = (BlockState.ALLOCATED, BlockState.IN_FLIGHT)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def check(s: Scheduler) -> None:
@@ -55,7 +52,7 @@ def check(s: Scheduler) -> None:
             assert cache.num_computed_tokens(rid) == req.num_computed_tokens, f"request {rid}: offloaded tokens"
             continue
         table = cache.block_table(rid).tolist()
-        assert len(table) == _cdiv(req.num_slotted, bs), f"request {rid}: {len(table)} blocks for " \
+        assert len(table) == cdiv(req.num_slotted, bs), f"request {rid}: {len(table)} blocks for " \
                                                          f"{req.num_slotted} slotted tokens"
         for b in table:
             assert dev.ref[b] > 0 and dev.state[b] in _HELD, \

@@ -14,6 +14,7 @@ from __future__ import annotations
 from itertools import chain
 from typing import TYPE_CHECKING
 
+from fastkv.config import cdiv
 from fastkv.sched.queues import pick_victim, victim_key
 from fastkv.sched.request import PreemptionMode, Request, RequestState, move
 
@@ -22,10 +23,6 @@ if TYPE_CHECKING:
 
 S = RequestState
 M = PreemptionMode
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def choose_mode(s: Scheduler, req: Request, force_recompute: bool) -> PreemptionMode:
@@ -37,7 +34,7 @@ def choose_mode(s: Scheduler, req: Request, force_recompute: bool) -> Preemption
         return M.RECOMPUTE  # a LOADING request has nothing exact to copy yet
     if mode is M.AUTO:
         n = req.num_computed_tokens
-        return M.OFFLOAD if s.cost.prefer_offload(n, _cdiv(n, s.block_size)) else M.RECOMPUTE
+        return M.OFFLOAD if s.cost.prefer_offload(n, cdiv(n, s.block_size)) else M.RECOMPUTE
     return mode
 
 
@@ -63,7 +60,7 @@ def preempt(s: Scheduler, req: Request, force_recompute: bool = False) -> None:
             s.stats.count_preemption(mode)
             s._emit(plans)
             if plans:
-                req.relief_blocks = _cdiv(req.num_slotted, s.block_size)
+                req.relief_blocks = cdiv(req.num_slotted, s.block_size)
                 move(req, S.OFFLOADING, S.PREEMPTED)
                 s.offloading[req.request_id] = req
             else:
@@ -113,7 +110,7 @@ def ensure_slots(s: Scheduler, req: Request) -> bool:
         g = cache.append_slots(rid, req._tokens[req.num_slotted:req.num_tokens])
         if g is not None:
             return _grown(s, req, g)
-        short = _cdiv(req.num_tokens, bs) - _cdiv(req.num_slotted, bs) - cache.num_free_device_blocks
+        short = cdiv(req.num_tokens, bs) - cdiv(req.num_slotted, bs) - cache.num_free_device_blocks
         patient = req.stalled_steps < s.config.copy_patience_steps
         if patient and relief_blocks(s) >= short:
             req.stalled_steps += 1

@@ -15,7 +15,7 @@ from enum import IntEnum
 from fastkv.sched.request import Request
 
 
-class Policy(IntEnum):
+class QueuePolicy(IntEnum):
     FCFS = 1
     PRIORITY = 2
 
@@ -24,13 +24,13 @@ class WaitingQueue:
     """Requests waiting for admission, kept sorted; removal is O(n) (aborts and admissions of
     the head are the common case, and queues are thousands long at most)."""
 
-    def __init__(self, policy: Policy) -> None:
-        self.policy = Policy(policy)
+    def __init__(self, policy: QueuePolicy) -> None:
+        self.policy = QueuePolicy(policy)
         self._items: list[tuple[int, int, int]] = []  # (priority, arrival_seq, request_id)
         self._reqs: dict[int, Request] = {}
 
     def _key(self, req: Request) -> tuple[int, int, int]:
-        prio = req.priority if self.policy is Policy.PRIORITY else 0
+        prio = req.priority if self.policy is QueuePolicy.PRIORITY else 0
         return (prio, req.arrival_seq, req.request_id)
 
     def push(self, req: Request) -> None:
@@ -54,14 +54,14 @@ class WaitingQueue:
         return iter([reqs[rid] for _, _, rid in self._items])
 
 
-def victim_key(policy: Policy, req: Request) -> tuple[int, int]:
+def victim_key(policy: QueuePolicy, req: Request) -> tuple[int, int]:
     """Larger is preempted first."""
-    if policy is Policy.PRIORITY:
+    if policy is QueuePolicy.PRIORITY:
         return (req.priority, req.admit_seq)
     return (0, req.admit_seq)
 
 
-def pick_victim(policy: Policy, candidates: Iterable[Request], exclude: Request | None = None) -> Request | None:
+def pick_victim(policy: QueuePolicy, candidates: Iterable[Request], exclude: Request | None = None) -> Request | None:
     best, best_key = None, None
     for r in candidates:
         if r is exclude:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from fastkv.config import cdiv
 from fastkv.sched.request import Request, RequestState
 
 if TYPE_CHECKING:
@@ -63,10 +64,6 @@ class Refusal(NamedTuple):
                 f"{self.free_blocks} free, {self.reserved_blocks} reserved for running requests")
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def growth_reservation(s: Scheduler) -> int:
     """Device blocks held back for the growth of requests that hold blocks."""
     bs, cap = s.block_size, s.max_model_len
@@ -74,7 +71,7 @@ def growth_reservation(s: Scheduler) -> int:
     for group in (s.running, s.loading):
         for r in group.values():
             final = min(r.num_prompt_tokens + r.max_new_tokens, cap)
-            still = _cdiv(final, bs) - _cdiv(max(r.num_slotted, r.num_tokens), bs)
+            still = cdiv(final, bs) - cdiv(max(r.num_slotted, r.num_tokens), bs)
             total += max(0, min(int(np.ceil(r.watermark)), still))
     return total
 
@@ -87,7 +84,7 @@ def decay_watermarks(s: Scheduler) -> None:
 
 def reserve(s: Scheduler, req: Request) -> Reservation | Refusal:
     cache, bs, rid = s.cache, s.block_size, req.request_id
-    need = _cdiv(req.num_tokens, bs)
+    need = cdiv(req.num_tokens, bs)
     free = cache.num_free_device_blocks
     if s.weight_update_state:
         return s._refuse(Refusal(rid, RefusalReason.WEIGHT_UPDATE, need, free, 0))

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
-from fastkv.cache.manager import CacheManager, Ready
+from fastkv.cache.manager import CacheManager
 from fastkv.cache.plan import CopyKind, CopyPlan
-from fastkv.engine.step import SeqWork, StepOutput, StepPlan
+from fastkv.cache.results import Ready
 from fastkv.sched import admission, preemption, reservation, weights
 from fastkv.sched.config import SchedulerConfig
 from fastkv.sched.cost import CostModel
 from fastkv.sched.integrity import check
+from fastkv.sched.output import SchedulerOutput, SeqWork, StepOutput, StepPlan
 from fastkv.sched.queues import WaitingQueue
 from fastkv.sched.request import PreemptionMode, Request, RequestState, move
 from fastkv.sched.reservation import Refusal, Reservation
@@ -36,13 +36,6 @@ from fastkv.sched.stats import SchedulerStats
 from fastkv.sched.weights import WeightUpdate
 
 S = RequestState
-
-
-class SchedulerOutput(NamedTuple):
-    plan: StepPlan  # for every worker rank; may have no seqs (then send nothing)
-    copies: list[CopyPlan]  # dispatch to the transfer layer now; report each with on_copy_complete
-    finished: list[Request]  # finished (or aborted) since the previous step()
-    kv_writable: list[int]  # prefilled requests whose reserved blocks may now receive their remote KV
 
 
 class Scheduler:

@@ -70,11 +70,10 @@ from fastkv.ipc import (
     PeerDied,
     PeerTimeout,
     Side,
-    TaskMsg,
     TaskResult,
 )
 from fastkv.run import EngineEnds, RunSpec
-from fastkv.transfer.protocol import BAD_TASK_ID, fence_for
+from fastkv.transfer.protocol import BAD_TASK_ID, fence_for, task_msg
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +136,7 @@ class TransferClient:
         task_id = plan.plan_id
         if task_id in self._plans:
             raise ValueError(f"task {task_id} is already pending")
-        buf = self.ends.tasks[0].encode(TaskMsg.from_plan(plan))
+        buf = self.ends.tasks[0].encode(task_msg(plan))
         ring = self.ends.tasks[0].ring
         if ring.slots_for(len(buf)) > ring.nslots:
             raise ValueError(f"task {task_id} ({plan.num_blocks} blocks, {len(buf)} bytes) can never fit a task "

@@ -74,7 +74,7 @@ from fastkv.run import RunSpec
 from fastkv.storage import StorageBackend, open_store
 from fastkv.storage.lookup import found_prefixes
 from fastkv.transfer.lanes import Hold, HostHolds
-from fastkv.transfer.protocol import FREE, storage_namespace
+from fastkv.transfer.protocol import FREE, storage_namespace, task_plan
 from fastkv.transfer.tiers import DeviceTier, HostTier, resident_bytes
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class TaskExecutor:
         found = None
         try:
             if msg.kind == CopyKind.LOOKUP:
-                found, nbytes, error = self._lookup(msg.to_plan()), 0, ""
+                found, nbytes, error = self._lookup(task_plan(msg)), 0, ""
             else:
                 nbytes, error = self._run(msg)
         except Exception as exc:  # the task fails alone; reported to the engine, never swallowed
@@ -204,7 +204,7 @@ class TaskExecutor:
             kind = CopyKind(msg.kind)
         except ValueError:
             raise ValueError(f"unknown task kind {msg.kind}") from None
-        plan = msg.to_plan()  # CopyPlan checks src/dst/keys counts
+        plan = task_plan(msg)  # CopyPlan checks src/dst/keys counts
         if kind is CopyKind.CLEAR:
             if plan.keys not in ((), (FREE,)):
                 raise ValueError(f"CLEAR takes no keys or {FREE!r}, got {plan.keys[:2]!r}")

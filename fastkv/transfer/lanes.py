@@ -36,14 +36,23 @@ from fastkv.ipc import TaskMsg
 class Hold:
     """The host blocks one storage task has not yet finished with."""
 
-    __slots__ = ("_holds", "_blocks", "_counts")
+    __slots__ = ("_cond", "_blocks", "_counts")
 
-    def __init__(self, holds: HostHolds, blocks: set[int], counts: dict[int, int]) -> None:
-        self._holds, self._blocks, self._counts = holds, blocks, counts
+    def __init__(self, cond: threading.Condition, blocks: set[int], counts: dict[int, int]) -> None:
+        self._cond, self._blocks, self._counts = cond, blocks, counts  # counts: HostHolds' map of this kind
 
     def release(self, blocks: Iterable[int] | None = None) -> None:
-        """The task is done with ``blocks`` (default: all it still holds)."""
-        self._holds._release(self, self._blocks.copy() if blocks is None else blocks)
+        """The task is done with ``blocks`` (default: all it still holds); wakes waiting swaps."""
+        with self._cond:
+            for b in self._blocks.copy() if blocks is None else blocks:
+                if b in self._blocks:
+                    self._blocks.discard(b)
+                    left = self._counts[b] - 1
+                    if left:
+                        self._counts[b] = left
+                    else:
+                        del self._counts[b]
+            self._cond.notify_all()
 
 
 class HostHolds:
@@ -60,20 +69,7 @@ class HostHolds:
         with self._cond:
             for b in mine:
                 counts[b] = counts.get(b, 0) + 1
-        return Hold(self, mine, counts)
-
-    def _release(self, hold: Hold, blocks: Iterable[int]) -> None:
-        with self._cond:
-            for b in blocks:
-                if b in hold._blocks:
-                    hold._blocks.discard(b)
-                    counts = hold._counts
-                    left = counts[b] - 1
-                    if left:
-                        counts[b] = left
-                    else:
-                        del counts[b]
-            self._cond.notify_all()
+        return Hold(self._cond, mine, counts)
 
     def wait(self, blocks: Iterable[int], writes: bool, progress: Callable[[], None], slice_s: float) -> None:
         """Returns once no LOAD holds any of ``blocks`` (nor a STORE, if the caller

@@ -34,6 +34,7 @@ are discarded when its successor is adopted, before its fence is sent.
 """
 from __future__ import annotations
 
+from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.ipc import Peer, TaskMsg
 from fastkv.run import RunSpec
 from fastkv.storage import namespace_fingerprint
@@ -42,6 +43,16 @@ FENCE = 0  # TaskMsg.kind of a fence (CopyKind starts at 1)
 FENCE_ID = -1
 BAD_TASK_ID = -2  # DoneMsg.task_id of the ack of a task message that could not be read
 FREE = b"free"  # CLEAR's only key: release the host tier's memory as well (``fastkv.transfer.executor``)
+
+
+def task_msg(plan: CopyPlan) -> TaskMsg:
+    """The copy task carrying ``plan`` to every rank."""
+    return TaskMsg(plan.plan_id, int(plan.kind), plan.src, plan.dst, tuple(plan.keys))
+
+
+def task_plan(msg: TaskMsg) -> CopyPlan:
+    """The CopyPlan of a copy task (validated by CopyPlan itself: ValueError on inconsistent ids)."""
+    return CopyPlan(msg.task_id, CopyKind(msg.kind), msg.src, msg.dst, tuple(msg.keys))
 
 
 def fence_for(peer: Peer, weights_version: str) -> TaskMsg:

@@ -14,8 +14,8 @@ import pytest
 
 from fastkv.config import KVLayout
 from fastkv.engine.runners.tiny_decoder import TinyConfig, TinyDecoderRunner
-from fastkv.engine.step import SeqWork, StepPlan
 from fastkv.run import RunSpec
+from fastkv.sched.output import SeqWork, StepPlan
 from tests.e2e.launch import Run, new_run_id
 
 CFG = dict(vocab=512, hidden=64, intermediate=128, max_positions=256, seed=11)

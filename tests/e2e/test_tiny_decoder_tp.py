@@ -8,8 +8,8 @@ import uuid
 import numpy as np
 
 from fastkv.config import KVLayout
-from fastkv.engine.collective import ShmCollective
 from fastkv.engine.runners.tiny_decoder import TinyConfig, TinyDecoderRunner
+from fastkv.ipc.collective import ShmCollective
 from tests.runner_driver import drive
 
 CFG = TinyConfig(vocab=512, hidden=64, intermediate=128, max_positions=256, seed=11)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from fastkv.engine.runners.tiny_decoder import TinyConfig, TinyDecoderRunner
-from fastkv.engine.step import SeqWork, StepPlan
 from fastkv.run import RunSpec
+from fastkv.sched.output import SeqWork, StepPlan
 from tests.e2e.launch import Run, new_run_id
 from tests.e2e.test_engine_tiny import CFG, MAX_NEW, SYSTEM, layout
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.plan import CopyKind
 from fastkv.ipc import BadMessage, DoneMsg, OutputMsg, PlanMsg, TaskMsg, decode, encode, message
 
 i32s = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40).map(lambda v: np.array(v, np.int32))
@@ -51,17 +51,6 @@ def test_plan_and_output_roundtrip(reqs, step):
     same(plan, decode(encode(plan)))
     out = OutputMsg(step, 5, 0.25, [r[0] for r in reqs], np.arange(len(reqs), dtype=np.int32), "")
     same(out, decode(encode(out)))
-
-
-def test_copy_plan_conversion():
-    plan = CopyPlan(7, CopyKind.STORE, np.array([3, 4], np.int32), keys=(b"a" * 32, b"b" * 32))
-    msg = TaskMsg.from_plan(plan)
-    back = decode(encode(msg)).to_plan()
-    assert back.plan_id == 7 and back.kind is CopyKind.STORE and back.keys == plan.keys
-    assert np.array_equal(back.src, plan.src) and len(back.dst) == 0
-    bad = TaskMsg(8, CopyKind.SWAP_OUT, np.array([1, 2], np.int32), np.array([1], np.int32))
-    with pytest.raises(ValueError, match="as many src as dst"):
-        decode(encode(bad)).to_plan()
 
 
 def test_decoded_arrays_are_read_only_views():

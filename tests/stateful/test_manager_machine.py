@@ -24,9 +24,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
-from fastkv.cache.policy import Policy
 from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import ReqState
+from fastkv.cache.write_policy import WritePolicy as Policy
 
 BS = 2
 # prompts are prefixes of a few conversations, so that they share prefixes often

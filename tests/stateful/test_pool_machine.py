@@ -67,7 +67,7 @@ class PoolMachine(RuleBasedStateMachine):
         if n > len(self.free) + len(self.lru):
             return
         self.take_many(n)
-        for b in self.pool.lru.ids[:N]:
+        for b in range(N):
             if self.ref[b] == 1 and self.key[b] is None and not self.pins[b]:
                 k = next((k for k in KEYS if k not in self.key), None)
                 if k is not None:
@@ -201,7 +201,7 @@ class PoolMachine(RuleBasedStateMachine):
         p.check_integrity()
         assert [BlockState(s) for s in p.state] == [self.state(b) for b in range(N)]
         assert p.ref == self.ref and p.pins == self.pins and p.key == self.key
-        assert list(p.lru) == self.lru and p.free == self.free
+        assert list(p.evictable) == self.lru and p.free == self.free
         assert p.num_free + p.num_cached + p.num_allocated + p.num_in_flight == N
 
 

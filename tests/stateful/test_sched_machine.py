@@ -34,9 +34,9 @@ from hypothesis.stateful import (
 
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
-from fastkv.cache.policy import Policy as CachePolicy
+from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.sched import PreemptionMode, Request, RequestState, Reservation, Scheduler, SchedulerConfig, WeightUpdate
-from fastkv.sched.queues import Policy
+from fastkv.sched.queues import QueuePolicy as Policy
 from tests.sched_harness import FakeTransfer, FakeWorker, sample
 
 BS = 4

@@ -12,14 +12,14 @@ from fastkv.config import KVLayout
 from fastkv.ipc import DoneMsg, TaskMsg
 from fastkv.storage import open_store
 from fastkv.transfer.executor import TaskExecutor
-from fastkv.transfer.protocol import storage_namespace
+from fastkv.transfer.protocol import storage_namespace, task_msg
 from tests.transfer.helpers import Supervisor, device_blocks, fill_random, key, plan
 
 pytest.importorskip("paddle")
 
 
 def task(kind, src=(), dst=(), keys=()) -> TaskMsg:
-    return TaskMsg.from_plan(plan(kind, src, dst, keys))
+    return task_msg(plan(kind, src, dst, keys))
 
 
 @pytest.fixture

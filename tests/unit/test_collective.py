@@ -9,7 +9,7 @@ import uuid
 import numpy as np
 import pytest
 
-from fastkv.engine.collective import ShmCollective
+from fastkv.ipc.collective import ShmCollective
 
 
 def prefix():

@@ -6,7 +6,7 @@ import pytest
 
 from fastkv.cli import JobConfig
 from fastkv.engine.runners.cost_model import LLAMA3_8B_H100, ScaledCostModel, deployment
-from fastkv.engine.step import SeqWork, StepPlan
+from fastkv.sched.output import SeqWork, StepPlan
 from tests.unit.test_synthetic_runner import layout, make
 
 D = LLAMA3_8B_H100

@@ -12,10 +12,10 @@ from prometheus_client import generate_latest
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.engine import protocol
 from fastkv.engine.engine import read_workload
-from fastkv.engine.step import SeqWork, StepOutput, StepPlan
 from fastkv.ipc import decode, encode
 from fastkv.metrics import EngineMetrics
 from fastkv.sched import Request, Scheduler
+from fastkv.sched.output import SeqWork, StepOutput, StepPlan
 
 
 def _plan(samples: list[bool]) -> StepPlan:

@@ -25,7 +25,7 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
 
 
 @pytest.mark.parametrize("name", ["Engine", "EngineError", "RequestResult"])
-def test_engine_exports_resolve_lazily(name):
+def test_engine_exports_resolve(name):
     import fastkv.engine
 
     assert getattr(fastkv.engine, name).__module__ == "fastkv.engine.core"

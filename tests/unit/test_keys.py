@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 from blake3 import blake3
 
-from fastkv.cache.keys import ExtraKeys, Namespace, as_tokens, block_keys, private_key, root_key
+from fastkv.cache.keys import ExtraKeys, KeyNamespace, as_tokens, block_keys, private_key, root_key
 from fastkv.config import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="bfloat16", tp_size=2)
-NS = Namespace.for_layout("m", "v1", LAYOUT)
+NS = KeyNamespace.for_layout("m", "v1", LAYOUT)
 
 
 def naive(tokens, bs, parent, extras=None):
@@ -39,11 +39,11 @@ def test_keys_are_chained_and_match_the_naive_definition():
 def test_namespace_fingerprints_everything_that_changes_bytes(change):
     fields = dict(model_id="m", weights_version="v1", layout=LAYOUT.describe(), kv_dtype="bfloat16", block_size=4,
                   tp_size=2)
-    base = Namespace(**fields)
+    base = KeyNamespace(**fields)
     assert base.fingerprint == NS.fingerprint
     fields.update(change)
-    assert Namespace(**fields).fingerprint != base.fingerprint
-    assert root_key(Namespace(**fields)) != root_key(base)
+    assert KeyNamespace(**fields).fingerprint != base.fingerprint
+    assert root_key(KeyNamespace(**fields)) != root_key(base)
 
 
 def test_extras_are_domain_separated():

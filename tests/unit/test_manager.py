@@ -6,14 +6,14 @@ from fastkv.cache.index import Cause, MissReason
 from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
-from fastkv.cache.policy import Policy, Tier
 from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import ReqState
+from fastkv.cache.write_policy import Tier, WritePolicy
 
 BS = 4
 
 
-def mk(dev=8, host=0, policy=Policy.WRITE_BACK, **kw):
+def mk(dev=8, host=0, policy=WritePolicy.WRITE_BACK, **kw):
     return CacheManager(CacheConfig(num_device_blocks=dev, num_host_blocks=host, block_size=BS, policy=policy, **kw))
 
 
@@ -50,7 +50,7 @@ def test_prefix_hit_reuses_block_ids_vllm_style():
     assert a.block_table == (0, 1, 2, 3) and a.num_cached_tokens == 0 and a.ready
     # blocks 0-2 are CACHED (keyed), block 3 (partial) FREE; freed last to first
     assert [m.device.block_state(b) for b in range(4)] == [BlockState.CACHED] * 3 + [BlockState.FREE]
-    assert list(m.device.lru) == [2, 1, 0]
+    assert list(m.device.evictable) == [2, 1, 0]
     b = m.allocate("b", toks(1, 2, 7))
     assert b.block_table[:2] == (0, 1) and b.num_cached_tokens == 2 * BS
     assert b.block_table[2] == 3  # the FREE block goes before evicting a CACHED one
@@ -86,7 +86,7 @@ def test_write_back_copies_victims_before_their_new_owner_runs():
     (done,) = drain(m, c.plans)
     assert done.ready[0].request_id == "c" and done.ready[0].num_computed_tokens == 0
     assert m.host.lookup == {keys[2]: 0, keys[1]: 1}
-    assert list(m.host.lru) == [0, 1]  # the child is older than its parent on the host too
+    assert list(m.host.evictable) == [0, 1]  # the child is older than its parent on the host too
     drain(m, m.mark_computed("c", 2 * BS))
     m.free("c")
     # a prefix hit across tiers: key 0 on the device (block 0), key 1 on the host (block 1)
@@ -105,7 +105,7 @@ def test_write_back_copies_victims_before_their_new_owner_runs():
 
 
 def test_write_through_copies_full_blocks_and_drops_on_eviction():
-    m = mk(dev=3, host=8, policy=Policy.WRITE_THROUGH)
+    m = mk(dev=3, host=8, policy=WritePolicy.WRITE_THROUGH)
     a = m.allocate("a", toks(1, 2, extra=1))
     plans = m.mark_computed("a", 2 * BS + 1)
     assert [(p.kind, p.src.tolist(), p.dst.tolist()) for p in plans] == [(CopyKind.SWAP_OUT, [0, 1], [0, 1])]
@@ -123,7 +123,7 @@ def test_write_through_copies_full_blocks_and_drops_on_eviction():
 
 
 def test_write_through_selective_copies_after_n_hits():
-    m = mk(dev=6, host=4, policy=Policy.WRITE_THROUGH_SELECTIVE, selective_hits=2)
+    m = mk(dev=6, host=4, policy=WritePolicy.WRITE_THROUGH_SELECTIVE, selective_hits=2)
     run_prompt(m, "a", toks(1, 2, extra=1))
     a1 = m.allocate("b", toks(1, 2, extra=1))
     assert a1.plans == ()  # first hit
@@ -156,7 +156,7 @@ def test_failed_copies_never_leave_keys_on_bad_bytes():
 
 
 def test_storage_store_and_load_including_a_load_that_misses():
-    m = mk(dev=2, host=1, storage=True, policy=Policy.WRITE_THROUGH)
+    m = mk(dev=2, host=1, storage=True, policy=WritePolicy.WRITE_THROUGH)
     a = m.allocate("a", toks(1, extra=1))
     plans = m.mark_computed("a", BS + 1)
     done = drain(m, plans)
@@ -184,7 +184,7 @@ def test_storage_store_and_load_including_a_load_that_misses():
 
 
 def test_tier_hits_count_only_tokens_whose_copy_landed():
-    m = mk(dev=2, host=1, storage=True, policy=Policy.WRITE_THROUGH)
+    m = mk(dev=2, host=1, storage=True, policy=WritePolicy.WRITE_THROUGH)
     run_prompt(m, "a", toks(1, extra=1))  # block 1 lands on device, host and storage
     run_prompt(m, "b", toks(5, extra=1))  # evicts it from device and host: storage only
     g = m.allocate("g", toks(1, extra=1))
@@ -199,7 +199,7 @@ def test_tier_hits_count_only_tokens_whose_copy_landed():
     assert (m.stats.storage_hit_tokens, m.stats.storage_lost_tokens) == (BS, BS)
     m.free("d")
     # a host hit whose SWAP_IN fails is no hit either
-    h = mk(dev=2, host=2, policy=Policy.WRITE_THROUGH)
+    h = mk(dev=2, host=2, policy=WritePolicy.WRITE_THROUGH)
     run_prompt(h, "a", toks(1, extra=1))
     run_prompt(h, "b", toks(5, extra=1))  # device evicts block 1; the host keeps it
     c = h.allocate("c", toks(1, extra=1))
@@ -342,7 +342,7 @@ def test_duplicate_blocks_computed_concurrently():
     assert m.stats.duplicate_blocks == 2 and m.device.lookup[m.keys_for(toks(1))[0]] == a.block_table[0]
     m.free("a")
     m.free("b")  # refreshes a's blocks: the keyed ones stay the youngest
-    assert list(m.device.lru)[-2:] == [a.block_table[1], a.block_table[0]]
+    assert list(m.device.evictable)[-2:] == [a.block_table[1], a.block_table[0]]
     assert b.block_table[0] in m.device.free
 
 

@@ -10,7 +10,7 @@ def test_take_order_cache_and_evict_lru_first():
         assert p.set_key(b, k)
     for b in (2, 0, 3, 1):
         p.release(b)
-    assert list(p.lru) == [2, 0, 3, 1] and p.num_cached == 4 and p.num_free == 0
+    assert list(p.evictable) == [2, 0, 3, 1] and p.num_cached == 4 and p.num_free == 0
     evicted = []
     assert p.take_many(2, evicted) == [2, 0]
     assert evicted == [(2, b"c"), (0, b"a")]
@@ -35,7 +35,7 @@ def test_hit_takes_a_cached_block_out_of_the_lru():
     p.set_key(b, b"k")
     p.release(b)
     p.incref(p.lookup[b"k"])
-    assert p.block_state(b) is BlockState.ALLOCATED and b not in p.lru
+    assert p.block_state(b) is BlockState.ALLOCATED and b not in p.evictable
     p.incref(b)
     p.release(b)
     p.release(b)

@@ -4,9 +4,9 @@ import pytest
 
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
-from fastkv.cache.policy import Policy as CachePolicy
-from fastkv.engine.step import StepOutput
+from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig
+from fastkv.sched.output import StepOutput
 from tests.sched_harness import Rig, sample
 
 BS = 4

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from fastkv.cache.manager import CacheConfig, CacheManager
-from fastkv.cache.policy import Policy as CachePolicy
+from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.sched import RefusalReason, Request, RequestState, Reservation, Scheduler, SchedulerConfig
 from tests.sched_harness import Rig, sample
 

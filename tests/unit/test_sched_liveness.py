@@ -5,8 +5,8 @@ the transfer layer works; then the transfer layer dies: nothing it was given com
 """
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
-from fastkv.cache.policy import Policy as CachePolicy
 from fastkv.cache.pool import BlockState
+from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.sched import PreemptionMode, RequestState, Scheduler, SchedulerConfig
 from tests.sched_harness import Rig
 

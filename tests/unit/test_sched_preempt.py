@@ -8,8 +8,8 @@ import pytest
 
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
-from fastkv.cache.policy import Policy as CachePolicy
-from fastkv.sched import Policy, PreemptionMode, RequestState, Scheduler, SchedulerConfig
+from fastkv.cache.write_policy import WritePolicy as CachePolicy
+from fastkv.sched import PreemptionMode, QueuePolicy, RequestState, Scheduler, SchedulerConfig
 from tests.sched_harness import Rig
 
 BS = 4
@@ -162,7 +162,7 @@ def test_no_host_room_recomputes():
 
 
 def test_priority_policy_preempts_the_least_important_even_if_it_is_the_one_growing():
-    r = rig(host=0, policy=Policy.PRIORITY)
+    r = rig(host=0, policy=QueuePolicy.PRIORITY)
     r.add(0, range(1, 9), max_new_tokens=8, priority=1)
     r.add(1, range(20, 30), max_new_tokens=8, priority=0)
     step_until_preempted(r, rid=0)
@@ -172,7 +172,7 @@ def test_priority_policy_preempts_the_least_important_even_if_it_is_the_one_grow
 
 
 def test_a_victim_already_in_this_steps_plan_is_taken_out_of_it():
-    r = rig(host=0, policy=Policy.PRIORITY)
+    r = rig(host=0, policy=QueuePolicy.PRIORITY)
     r.add(0, range(1, 6), max_new_tokens=8, priority=1)  # in the plan first, then the victim
     r.add(1, range(20, 32), max_new_tokens=8, priority=0)  # 12 tokens: grows at its first decode
     out = step_until_preempted(r, rid=0)
@@ -207,7 +207,7 @@ def test_a_restore_preempted_while_loading_goes_back_to_offloaded_and_resumes_ex
     """Request 1 is offloaded, then restored; while its swap-in is in flight, the more important
     request 2 needs a block and picks 1 as the victim. 1's host copies are intact: it goes back to
     OFFLOADED (no copy, nothing recomputed) instead of dropping its KV and recomputing."""
-    r = rig(dev=7, preemption=M.OFFLOAD, policy=Policy.PRIORITY, cache_policy=CachePolicy.WRITE_THROUGH_SELECTIVE)
+    r = rig(dev=7, preemption=M.OFFLOAD, policy=QueuePolicy.PRIORITY, cache_policy=CachePolicy.WRITE_THROUGH_SELECTIVE)
     r.add(0, range(1, 9), max_new_tokens=12)
     r.add(1, range(20, 30), max_new_tokens=8, priority=1)
     q1 = r.sched.get_request(1)

@@ -11,7 +11,7 @@ import pytest
 
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
-from fastkv.cache.policy import Policy as CachePolicy
+from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.config import KVLayout
 from fastkv.engine.runners.synthetic import SyntheticRunner, reference_output
 from fastkv.sched import PreemptionMode, Request, Scheduler, SchedulerConfig

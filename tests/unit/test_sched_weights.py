@@ -3,7 +3,7 @@ import pytest
 
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
-from fastkv.cache.policy import Policy as CachePolicy
+from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.sched import PreemptionMode, RequestState, Scheduler, SchedulerConfig, WeightUpdate
 from tests.sched_harness import Rig
 

@@ -11,7 +11,7 @@ import pytest
 
 from fastkv.config import KVLayout
 from fastkv.engine.runners.synthetic import KVMismatch, SyntheticRunner, next_token, reference_output
-from fastkv.engine.step import SeqWork, StepPlan
+from fastkv.sched.output import SeqWork, StepPlan
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=16, dtype="bfloat16")
 A = [11, 12, 13, 14, 15, 16, 17, 18]

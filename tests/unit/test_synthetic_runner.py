@@ -20,7 +20,7 @@ from fastkv.engine.runners.synthetic import (
     verify_block,
     verify_seq,
 )
-from fastkv.engine.step import SeqWork, StepPlan
+from fastkv.sched.output import SeqWork, StepPlan
 from tests.runner_driver import drive
 
 # These properties run whole schedules, so they get a fixed budget (4x in CI), not the profile's.

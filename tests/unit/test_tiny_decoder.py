@@ -21,7 +21,7 @@ from fastkv.engine.runners.tiny_decoder import (
     full_weights,
     rope_tables,
 )
-from fastkv.engine.step import SeqWork, StepPlan
+from fastkv.sched.output import SeqWork, StepPlan
 from tests.runner_driver import drive, solo
 
 # These properties run whole schedules, so they get a fixed budget (4x in CI), not the profile's.

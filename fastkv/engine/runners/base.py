@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from fastkv.config import KVLayout
-from fastkv.engine.step import StepOutput, StepPlan
+from fastkv.sched.output import StepOutput, StepPlan
 
 # Paddle's name for each layout dtype. A uint16 numpy buffer exported through DLPack
 # arrives in Paddle labelled bfloat16, so both spellings are accepted for bfloat16.

@@ -39,8 +39,8 @@ import xxhash
 from fastkv.config import KVLayout
 from fastkv.engine.runners.base import ModelRunner
 from fastkv.engine.runners.cost_model import ScaledCostModel, deployment, measure_copy_bandwidth
-from fastkv.engine.step import StepOutput, StepPlan, validate_plan
 from fastkv.run import VERIFY_COUNTERS
+from fastkv.sched.output import StepOutput, StepPlan, validate_plan
 
 HEADER = 8  # elements: 4 token bytes, 3 position bytes, 1 check byte
 MAX_POSITION = 1 << 24

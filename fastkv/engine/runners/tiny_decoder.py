@@ -36,10 +36,10 @@ import paddle
 import xxhash
 
 from fastkv.config import KVLayout
-from fastkv.engine.collective import ShmCollective
 from fastkv.engine.runners.base import ModelRunner
 from fastkv.engine.runners.tiny_config import ACT_BITS, CLIP, P_BITS, TinyConfig
-from fastkv.engine.step import StepOutput, StepPlan, validate_plan
+from fastkv.ipc.collective import ShmCollective
+from fastkv.sched.output import StepOutput, StepPlan, validate_plan
 
 TRIG_BITS = 14  # RoPE cos/sin tables
 EPS = 2.0**-20

@@ -1,4 +1,4 @@
-"""Tier policies: when a device block gets a copy in the host tier.
+"""Write policies: when a device block gets a copy in the host tier.
 
 =========================  ===============================  ======================================
 policy                     host copy made                   host tier is
@@ -21,27 +21,27 @@ from __future__ import annotations
 from enum import IntEnum
 
 
-class Policy(IntEnum):
+class WritePolicy(IntEnum):
     WRITE_THROUGH = 1
     WRITE_THROUGH_SELECTIVE = 2
     WRITE_BACK = 3
 
     @property
     def copies_on_insert(self) -> bool:
-        return self is Policy.WRITE_THROUGH
+        return self is WritePolicy.WRITE_THROUGH
 
     @property
     def copies_on_hit(self) -> bool:
-        return self is Policy.WRITE_THROUGH_SELECTIVE
+        return self is WritePolicy.WRITE_THROUGH_SELECTIVE
 
     @property
     def copies_on_evict(self) -> bool:
-        return self is Policy.WRITE_BACK
+        return self is WritePolicy.WRITE_BACK
 
     @property
     def host_inclusive(self) -> bool:
         """Host copies stay when their block is swapped in (else the host is exclusive)."""
-        return self is not Policy.WRITE_BACK
+        return self is not WritePolicy.WRITE_BACK
 
 
 class Tier(IntEnum):

@@ -1,4 +1,5 @@
-"""The unit of work the engine sends to every worker rank, and what rank 0 sends back.
+"""What the scheduler puts out: the unit of work the engine sends to every worker rank, what
+rank 0 sends back, and one step's ``SchedulerOutput``.
 
 A ``StepPlan`` is the same message for every rank: the engine decides which requests run,
 which tokens they compute and which device blocks hold their KV; each rank computes its
@@ -11,6 +12,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+
+from fastkv.cache.plan import CopyPlan
+from fastkv.sched.request import Request
 
 
 @dataclass(slots=True)
@@ -43,6 +47,13 @@ class StepOutput(NamedTuple):
     step_id: int
     sampled: dict[int, int]  # request_id -> next token (only for seqs with sample=True)
     seconds: float
+
+
+class SchedulerOutput(NamedTuple):
+    plan: StepPlan  # for every worker rank; may have no seqs (then send nothing)
+    copies: list[CopyPlan]  # dispatch to the transfer layer now; report each with on_copy_complete
+    finished: list[Request]  # finished (or aborted) since the previous step()
+    kv_writable: list[int]  # prefilled requests whose reserved blocks may now receive their remote KV
 
 
 def validate_plan(plan: StepPlan, block_size: int, num_device_blocks: int) -> None:

@@ -1,15 +1,15 @@
 import pytest
 
-from fastkv.cache.free_queue import LRUQueue
+from fastkv.cache.eviction.lru import LRUQueue
 
 
-def test_fifo_order_remove_and_move_to_end():
+def test_fifo_order_remove_and_touch():
     q = LRUQueue(6)
     for b in (3, 1, 4, 0):
         q.append(b)
     assert list(q) == [3, 1, 4, 0] and len(q) == 4
     q.remove(1)
-    q.move_to_end(3)
+    q.touch(3)
     assert list(q) == [4, 0, 3]
     assert q.peek() == 4 and q.popleft() == 4 and q.popleft() == 0
     q.check_integrity()

@@ -1,4 +1,4 @@
-"""An O(1) LRU queue of block ids that allocates nothing per operation.
+"""LRU eviction (the default): an O(1) queue of block ids that allocates nothing per operation.
 
 The queue is an intrusive doubly linked list over two preallocated Python lists,
 ``prev`` and ``next``, indexed by block id (vLLM's ``FreeKVCacheBlockQueue`` idea, without a
@@ -60,10 +60,25 @@ class LRUQueue:
         prv[block] = -1
         self._len -= 1
 
-    def move_to_end(self, block: int) -> None:
+    def extend(self, blocks: list[int]) -> None:
+        """``append`` each block in order, inline (one call per released table)."""
+        nxt, prv, s = self.next, self.prev, self._sentinel
+        last = prv[s]
+        for b in blocks:
+            nxt[last] = b
+            prv[b] = last
+            last = b
+        nxt[last] = s
+        prv[s] = last
+        self._len += len(blocks)
+
+    def touch(self, block: int) -> None:
         """Mark a queued block as the most recently used."""
         self.remove(block)
         self.append(block)
+
+    def forget(self, block: int) -> None:
+        """LRU keeps nothing about a block once it leaves the queue."""
 
     def popleft(self) -> int:
         """Dequeue and return the least recently used block; -1 when empty."""

@@ -1,0 +1,49 @@
+"""Letting go of a request's blocks: device table last to first, then its host references."""
+from __future__ import annotations
+
+from fastkv.cache.index import Cause
+from fastkv.cache.requests import CacheRecord
+from fastkv.cache.state import CacheState
+from fastkv.cache.write_policy import Tier
+
+
+def release_table(st: CacheState, req: CacheRecord, cache: bool) -> None:
+    """Release device blocks last to first, so children enter the eviction queue before parents."""
+    dev = st.device
+    if cache and not req.dup_pos and not st.touch_host:
+        dev.release_many(req.table[::-1])
+        req.table = []
+        return
+    dkey, lookup, release, touch = dev.key, dev.lookup, dev.release, dev.touch
+    keys, table, nk = req.keys, req.table, req.num_keyed
+    hlookup = st.host.lookup if st.touch_host else None
+    for i in range(len(table) - 1, -1, -1):
+        b = table[i]
+        if i < nk and cache:
+            k = keys[i]
+            if dkey[b] is None:  # a duplicate: refresh the block that holds the key
+                c = lookup.get(k)
+                if c is None:  # that block is gone: this copy keeps the key alive
+                    dev.set_key(b, k)
+                release(b)
+                if c is not None:
+                    touch(c)
+            else:
+                release(b)
+            if hlookup is not None:
+                hb = hlookup.get(k)
+                if hb is not None:
+                    st.host.touch(hb)
+        else:
+            if not cache and dkey[b] is not None and dev.ref[b] == 1:
+                st.gone_if_last(dkey[b], Tier.DEVICE, Cause.DROPPED, skip=Tier.DEVICE)
+            release(b, cache)
+    req.table = []
+
+
+def release_host_refs(st: CacheState, req: CacheRecord, cache: bool = True) -> None:
+    host = st.host
+    for b in reversed(req.host_refs):
+        host.release(b, cache and b != req.private_block)
+    req.host_refs = []
+    req.private_block = -1
