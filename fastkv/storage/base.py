@@ -130,6 +130,7 @@ class StoreStats:
     misses: int = 0  # get: absent, corrupt or failed
     corrupt: int = 0  # values that failed verification (deleted)
     errors: int = 0  # operations (batches) that failed on the server or its connection
+    skipped: int = 0  # operations answered without the server, in a backoff after failures
     stored: int = 0  # put: blocks written
     store_failed: int = 0  # put: blocks not written
     bytes_read: int = 0  # payload bytes copied into host blocks

@@ -92,7 +92,6 @@ class RedisStore(StorageBackend):
         self._delete_if_same = self._client.register_script(_DELETE_IF_SAME)
         self._failures = 0
         self._down_until = 0.0
-        self.skipped = 0  # operations answered without the server during a backoff
 
     # --- the interface -------------------------------------------------------------------
 
@@ -226,7 +225,7 @@ class RedisStore(StorageBackend):
     def _available(self) -> bool:
         if time.monotonic() >= self._down_until:
             return True
-        self.skipped += 1
+        self.stats.skipped += 1
         return False
 
     def _failed(self, op: str, err: Exception) -> None:

@@ -64,7 +64,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -197,7 +198,8 @@ class TaskExecutor:
         if self.cleared or self.store is None:
             raise TaskRefused("LOOKUP refused: " + (self.store_error or "no storage tier open (not configured, "
                                                     "or cleared for a weight update)"))
-        return found_prefixes(self.store, plan.keys, plan.src)
+        with self._faults_of(self.store):
+            return found_prefixes(self.store, plan.keys, plan.src)
 
     def _run(self, msg: TaskMsg) -> tuple[int, str]:
         try:
@@ -254,6 +256,17 @@ class TaskExecutor:
             faults, self._faults = tuple(self._faults), [0, 0]
         return faults
 
+    @contextmanager
+    def _faults_of(self, store: StorageBackend) -> Iterator[None]:
+        """Counts what ``store`` failed meanwhile: operations that failed on the server, or
+        that a backoff after failures answered without it (a skipped STORE is a lost one)."""
+        stats = store.stats
+        before = stats.errors + stats.skipped, stats.corrupt
+        try:
+            yield
+        finally:
+            self._count_faults(stats.errors + stats.skipped - before[0], stats.corrupt - before[1])
+
     def _count_faults(self, errors: int, corrupt: int) -> None:
         with self._counting:
             self._faults[0] += errors
@@ -277,8 +290,6 @@ class TaskExecutor:
                                                                 "(spec.storage_url is empty)"))
         if self.host is None:
             raise TaskRefused(f"{plan.kind.name} refused: this run has no host tier (num_host_blocks=0)")
-        stats = self.store.stats
-        before = stats.errors, stats.corrupt
         store, host, done = self.store, self.host.array, []
         self._check_ids(plan.src if plan.kind is CopyKind.STORE else plan.dst, self.spec.num_host_blocks, "host")
         load = plan.kind is CopyKind.LOAD
@@ -297,10 +308,8 @@ class TaskExecutor:
             if hold is not None:
                 hold.release(ids[p].tolist())
 
-        try:
+        with self._faults_of(store):
             self._in_parts(len(ids), part)
-        finally:
-            self._count_faults(stats.errors - before[0], stats.corrupt - before[1])
         n_ok = sum(done)
         if n_ok == len(done):
             return n_ok * self.block_bytes, ""
