@@ -14,14 +14,29 @@ copy would). After every step:
 * without failures, skipped copies or dropped keys, no cached key is stranded behind a
   missing parent (one whose bytes only a running request's duplicate block holds counts as
   present: that block takes the key on the request's next insert or at its free).
+
+``REACHED`` counts (and ``hypothesis.event`` reports) each copy's purpose by its outcome: done,
+failed, or its request freed while it flew; and LOADs whose storage key was lost meanwhile.
+Under the CI profile (derandomized, 500 examples) it reports the cases of ``CASES`` it misses.
 """
 from __future__ import annotations
 
-import numpy as np
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from collections import Counter
 
+import numpy as np
+import pytest
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from fastkv.cache.copies import Purpose
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
 from fastkv.cache.pool import BlockState
@@ -32,6 +47,17 @@ BS = 2
 # prompts are prefixes of a few conversations, so that they share prefixes often
 CONVERSATIONS = ((0, 1, 2, 3), (0, 1, 4, 5), (6, 7, 2, 3), (0, 6, 8), (9, 10, 11), (0, 1, 2, 12))
 LABELS = st.builds(lambda c, n: CONVERSATIONS[c][:n], st.integers(0, len(CONVERSATIONS) - 1), st.integers(0, 4))
+OWNED = (Purpose.WRITE_BACK, Purpose.PREFIX_LOAD, Purpose.SWAP_IN, Purpose.OFFLOAD)  # a request waits for these
+CASES = frozenset(
+    {f"{p.name} {how}" for p in (*OWNED, Purpose.WRITE_THROUGH, Purpose.STORE) for how in ("done", "failed")}
+    | {f"{p.name} freed during" for p in OWNED} | {"storage lost a key of a LOAD in flight"})
+REACHED: Counter[str] = Counter()
+
+
+def reached(case: str) -> None:
+    assert case in CASES, f"unknown case {case!r}"
+    REACHED[case] += 1
+    event(case)
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -47,6 +73,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.private: dict[bytes, object] = {}  # private key -> expected content
         self.parent: dict[bytes, bytes] = {}
         self.outstanding = []
+        self.purpose: dict[int, tuple[Purpose, object]] = {}  # plan id -> (purpose, its request or None)
+        self.freed: set[object] = set()
         self.next_rid = 0
         self.lossy = False  # a failure, a skipped copy or a dropped key may strand children
 
@@ -69,7 +97,14 @@ class ManagerMachine(RuleBasedStateMachine):
                 if req.state is ReqState.RUNNING and (not ready or req.pending == 0)]
 
     def add(self, plans):
+        for p in plans:
+            self.purpose[p.plan_id] = self.copy_purpose(p)
         self.outstanding += list(plans)
+
+    def copy_purpose(self, plan):
+        """What a copy is for and whom it serves: the one read of the manager's copy book."""
+        rec = self.m.copies.records[plan.plan_id]
+        return rec.purpose, rec.req.rid if rec.req is not None else None
 
     # ------------------------------------------------------------------ rules
     @rule(labels=LABELS, tail=st.integers(0, BS - 1), reserve=st.sampled_from([0, 0, 1, BS + 1]))
@@ -129,6 +164,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def free(self, data, cache):
         rid = data.draw(st.sampled_from(sorted(self.m._reqs)))
         self.lossy |= not cache
+        self.freed.add(rid)
         self.m.free(rid, cache)
 
     @precondition(lambda self: self.m.host.capacity and self.running())
@@ -165,6 +201,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert pool.state[b] == BlockState.IN_FLIGHT, f"plan {plan.plan_id} touches {pool.tier} block {b}"
         if plan.kind is CopyKind.LOAD:
             ok = ok and all(k in self.storage for k in plan.keys)
+        purpose, rid = self.purpose.pop(plan.plan_id)
+        if purpose is not Purpose.CONTROL:
+            reached(f"{purpose.name} {'freed during' if rid in self.freed else 'done' if ok else 'failed'}")
         data_of = {id(m.device): self.dev_data, id(m.host): self.host_data}
         if ok and plan.kind is CopyKind.STORE:
             for b, k in zip(plan.src.tolist(), plan.keys, strict=True):
@@ -190,7 +229,11 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.storage)
     @rule(data=st.data())
     def storage_loses_a_key(self, data):
-        del self.storage[data.draw(st.sampled_from(sorted(self.storage)))]
+        """Storage drops a key (eviction, a restart): prefer one a LOAD in flight is about to read."""
+        loading = sorted({k for p in self.outstanding if p.kind is CopyKind.LOAD for k in p.keys} & self.storage.keys())
+        if loading:
+            reached("storage lost a key of a LOAD in flight")
+        del self.storage[data.draw(st.sampled_from(loading or sorted(self.storage)))]
         self.lossy = True
 
     @precondition(lambda self: not self.m._reqs and not self.outstanding)
@@ -256,5 +299,12 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert p in present or p in held, "a cached key is stranded behind an evicted parent"
 
 
-ManagerMachine.TestCase.settings = settings(settings.default, stateful_step_count=80)
-test_manager_machine = ManagerMachine.TestCase
+def test_manager_machine():
+    """The machine under the active profile; under the CI profile it must also reach every case."""
+    REACHED.clear()
+    run_state_machine_as_test(ManagerMachine, settings=settings(stateful_step_count=80))
+    now, ci = settings.default, settings.get_profile("ci")
+    if now.derandomize and now.max_examples >= ci.max_examples:
+        missed = sorted(CASES - REACHED.keys())
+        if missed:  # the rules do not yet reach storage loads (issue 16 finding 2, unfinished)
+            pytest.xfail(f"the CI profile does not reach {len(missed)} cases: {missed}")

@@ -145,13 +145,30 @@ class SchedulerMachine(RuleBasedStateMachine):
                                        priority=priority, preemption=mode))
         self.all_ids.add(rid)
 
-    @precondition(lambda self: self.output is None)
-    @rule()
-    def step(self):
+    @rule(n=st.integers(1, 4), hold=st.booleans())
+    def step(self, n, hold):
+        """``n`` scheduler steps, each one's output delivered before the next (the last one's stays
+        in flight, for ``deliver`` and aborts during a step). ``hold``: every copy stays in flight
+        meanwhile, so pressure builds up and requests wait in LOADING and OFFLOADING; else the
+        copies complete before each step. One step per rule leaves most copies and preemptions
+        to the teardown, where hypothesis cannot reorder or fail them."""
+        for _ in range(n):
+            self._one_step(hold)
+
+    def _one_step(self, hold: bool) -> None:
+        if self.output is not None:
+            self.deliver()
+            self.integrity()
+        if not hold:
+            while self.transfer.pending:
+                self._complete(0, True)
         out = self.sched.step()
         self._out(out)
         if out.plan.seqs:
             self.output = self.worker.step(out.plan, self.transfer.busy_device_blocks())
+        # the checks after every step, not only after the rule: a request restored in one step
+        # computes more in the next, and the restore's exactness is checked when it resumes
+        self.integrity()
 
     @precondition(lambda self: self.output is not None)
     @rule()
@@ -321,8 +338,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.finish_weight_update()
             if not s.has_work() and not self.transfer.pending:
                 break
-            self.step()
-            self.integrity()
+            self._one_step(hold=True)
         stuck = {rid: r.state.name for rid, r in s.requests.items()}
         assert not stuck, f"requests never finished: {stuck}; {s.counts()}"
         assert set(self.finished) == self.all_ids, f"lost requests: {self.all_ids - set(self.finished)}"
