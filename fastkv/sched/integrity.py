@@ -3,10 +3,8 @@
 Slow (linear in requests, blocks and copies): for tests and debugging, after every step."""
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING
 
-from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import ReqState
 from fastkv.config import cdiv
 from fastkv.sched.request import RequestState
@@ -18,16 +16,13 @@ if TYPE_CHECKING:
 S = RequestState
 _CACHE_STATE = {S.LOADING: ReqState.RUNNING, S.RUNNING: ReqState.RUNNING, S.OFFLOADING: ReqState.OFFLOADING,
                 S.OFFLOADED: ReqState.OFFLOADED}
-_HELD = (BlockState.ALLOCATED, BlockState.IN_FLIGHT)
 
 
 def check(s: Scheduler) -> None:
     cache, bs = s.cache, s.block_size
     cache.check_integrity()
-    dev = cache.device
     groups = {S.LOADING: s.loading, S.RUNNING: s.running, S.OFFLOADING: s.offloading}
     waiting = {r.request_id for r in s.waiting}
-    holders: Counter[int] = Counter()
     for rid, req in s.requests.items():
         st = req.state
         assert req.request_id == rid, f"request {rid}: filed under another id"
@@ -51,13 +46,10 @@ def check(s: Scheduler) -> None:
         if st is S.OFFLOADED:
             assert cache.num_computed_tokens(rid) == req.num_computed_tokens, f"request {rid}: offloaded tokens"
             continue
-        table = cache.block_table(rid).tolist()
+        table = cache.block_table(rid)
         assert len(table) == cdiv(req.num_slotted, bs), f"request {rid}: {len(table)} blocks for " \
                                                          f"{req.num_slotted} slotted tokens"
-        for b in table:
-            assert dev.ref[b] > 0 and dev.state[b] in _HELD, \
-                f"request {rid}: block {b} in its table is {BlockState(dev.state[b]).name} with refcount {dev.ref[b]}"
-            holders[b] += 1
+        cache.check_request(rid)
         if st is S.RUNNING:
             assert cache.is_ready(rid), f"request {rid}: RUNNING but its copies are pending"
             assert cache.num_computed_tokens(rid) == req.num_computed_tokens, \
@@ -68,16 +60,15 @@ def check(s: Scheduler) -> None:
             assert req.prefilled or not cache.is_ready(rid), f"request {rid}: LOADING but its copies are done"
         else:
             assert req.relief_blocks > 0, f"request {rid}: OFFLOADING releases no blocks"
-    for b, n in holders.items():  # a block written by two requests would corrupt one of them
-        assert n == 1 or dev.key[b] is not None, f"device block {b} shared by {n} requests but holds no prefix key"
     assert len(s.requests) == len(waiting) + sum(len(g) for g in groups.values()), "a request in two places"
     in_cache = {rid for rid, r in s.requests.items() if r.state.in_cache}
     assert set(cache.request_ids()) == in_cache, f"cache requests {sorted(cache.request_ids())} != " \
                                                  f"scheduler's {sorted(in_cache)}"
     plans = [p.plan_id for p in s._outbox] + list(s._dispatched)
     assert len(plans) == len(set(plans)), "a copy plan both queued and dispatched"
-    assert set(plans) == set(cache.copies.records), \
-        f"plans in flight {sorted(plans)} != the cache's open copies {sorted(cache.copies.records)}"
+    open_copies = cache.copies_in_flight()
+    assert set(plans) == open_copies, f"plans in flight {sorted(plans)} != the cache's open copies " \
+                                      f"{sorted(open_copies)}"
     if s._inflight is not None:
         for seq in s._inflight.seqs:
             req = s.requests.get(seq.request_id)

@@ -30,7 +30,7 @@ def choose_mode(s: Scheduler, req: Request, force_recompute: bool) -> Preemption
         return M.OFFLOAD  # its host copies still hold all its KV: OFFLOADED again, nothing recomputed
     mode = req.preemption if req.preemption is not None else s.config.preemption
     if (mode is M.RECOMPUTE or force_recompute or req.state is not S.RUNNING or req.num_computed_tokens == 0
-            or not s.cache.host.capacity):
+            or not s.cache.has_host_tier):
         return M.RECOMPUTE  # a LOADING request has nothing exact to copy yet
     if mode is M.AUTO:
         n = req.num_computed_tokens

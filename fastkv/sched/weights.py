@@ -43,7 +43,7 @@ def progress(s: Scheduler, drain: bool) -> None:
             req.relief_blocks = 0
             s.cache.free(req.request_id, cache=False)
             s._to_waiting(req, S.OFFLOADING)
-    if s.running or s.loading or s.offloading or s._outbox or s._dispatched or s.cache.copies.records:
+    if s.running or s.loading or s.offloading or s._outbox or s._dispatched or s.cache.copies_in_flight():
         return
     s._emit([s.cache.begin_weight_update()])
     s.weight_update_state = WeightUpdate.CLEARING

@@ -200,3 +200,28 @@ def test_private_reaches_outside_the_scheduler_are_the_kept_ones():
     """Until the scheduler side is done: every reach outside fastkv.sched is listed in KEPT."""
     outside = {(m, src) for m, _, src in private_reaches() if not m.startswith("fastkv.sched.")}
     assert outside == set(KEPT)
+
+
+def _facade() -> set[str]:
+    """CacheManager's own methods and properties, and the config it was built with."""
+    _, tree = MODULES["fastkv.cache.manager"]
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CacheManager")
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+    return methods | {"config", "block_size"}
+
+
+def test_scheduler_uses_only_the_cache_facade():
+    """The facade rule: fastkv.sched reads no part of the manager (pools, copies, index)."""
+    allowed = _facade()
+    past = []
+    for name in sorted(MODULES):
+        if not name.startswith("fastkv.sched"):
+            continue
+        for node in ast.walk(MODULES[name][1]):
+            if not isinstance(node, ast.Attribute) or node.attr in allowed:
+                continue
+            base = node.value
+            if (isinstance(base, ast.Name) and base.id == "cache") or \
+                    (isinstance(base, ast.Attribute) and base.attr == "cache"):
+                past.append((name, node.lineno, ast.unparse(node)))
+    assert past == []
