@@ -165,6 +165,10 @@ class Request:
         """Tokens still to compute before the next sample."""
         return self.num_tokens - self.num_computed_tokens
 
+    def token_span(self, start: int, stop: int) -> np.ndarray:
+        """Tokens at positions ``[start, stop)``: a view into the one buffer, for a step or a growth."""
+        return self._tokens[start:stop]
+
     def append_output(self, token: int) -> None:
         assert self.num_tokens < len(self._tokens), f"request {self.request_id}: output beyond max_new_tokens"
         self._tokens[self.num_tokens] = token

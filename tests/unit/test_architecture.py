@@ -27,9 +27,6 @@ KEPT = {
     ("fastkv.transfer.tiers", "tier._open_cuda"): "as tier._map_shm",
     ("fastkv.ipc.namespace", "ns._write_manifest"): "an alternate constructor writing its own new instance's manifest",
 }
-# Issue 12 is not finished on the scheduler side: its role modules still take the Scheduler
-# and reach into it (s._emit, s._to_waiting, ...). Strict: this xfail turns red once they stop.
-SCHED_UNFINISHED = pytest.mark.xfail(strict=True, reason="sched role modules still reach into Scheduler")
 
 
 def _modules() -> dict[str, tuple[Path, ast.Module]]:
@@ -182,24 +179,17 @@ def test_no_public_class_name_defined_twice():
     assert {c: ms for c, ms in where.items() if len(ms) > 1} == {}
 
 
-@SCHED_UNFINISHED
 def test_at_most_five_private_reaches_each_with_a_reason():
     assert len(KEPT) <= 5
     reaches = private_reaches()
     unexplained = [r for r in reaches if (r[0], r[2]) not in KEPT]
     assert unexplained == []
-    assert len({(m, src) for m, _, src in reaches}) <= 5
+    assert {(m, src) for m, _, src in reaches} == set(KEPT), "a KEPT reach is gone: drop its entry"
 
 
 @pytest.mark.parametrize("module", ["fastkv.ipc.messages", "fastkv.ipc.codec"])
 def test_ipc_imports_nothing_from_cache(module):
     assert not any(t.startswith("fastkv.cache") for t in _imports(module)[0])
-
-
-def test_private_reaches_outside_the_scheduler_are_the_kept_ones():
-    """Until the scheduler side is done: every reach outside fastkv.sched is listed in KEPT."""
-    outside = {(m, src) for m, _, src in private_reaches() if not m.startswith("fastkv.sched.")}
-    assert outside == set(KEPT)
 
 
 def _facade() -> set[str]:
