@@ -1,7 +1,8 @@
 """A request as the scheduler sees it: its tokens, its state, its counters.
 
 States are ordered; every transition goes through ``move``, which asserts both the source
-the caller expects and the table of legal transitions, and only the scheduler calls it::
+the caller expects and the table of legal transitions, and only the request table (table.py)
+calls it::
 
     WAITING --admit--> LOADING --copies done--> RUNNING --eos/length--> FINISHED_*
        ^  \\_____________(ready at once)_________^   |
