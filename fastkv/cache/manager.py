@@ -340,9 +340,9 @@ class CacheManager:
         in-flight blocks keep their keys: their requests still use them. Returns the count."""
         dropped = 0
         for pool, tier in ((self.device, Tier.DEVICE), (self.host, Tier.HOST)):
-            keys = [pool.evict(b) for b in list(pool.lru)]
+            keys = [pool.evict(b) for b in list(pool.evictable)]
             for k in keys:
-                self._hits.pop(k, None)
+                self.state.hits.pop(k, None)
             self.index.gone_many(keys, tier, Cause.RESET)
             dropped += len(keys)
         self.index.gone_many(self.index.stored, Tier.STORAGE, Cause.RESET)

@@ -413,3 +413,14 @@ def test_what_the_scheduler_asks_the_facade_host_tier_copies_in_flight_one_reque
     mgr.device.key[shared] = None  # as if a bug dropped the key of a block two requests write
     with pytest.raises(AssertionError, match=f"device block {shared} shared by 2 requests"):
         mgr.check_request(2)
+
+
+def test_reset_prefix_cache_drops_the_cached_blocks_of_every_tier_and_keeps_held_ones():
+    mgr = mk(host=8, policy=WritePolicy.WRITE_THROUGH)
+    run_prompt(mgr, 1, toks(1, 2, extra=1))  # 2 keyed blocks, cached on the device and the host
+    run_prompt(mgr, 2, toks(3, extra=1), free=False)  # held: keeps its key
+    assert mgr.reset_prefix_cache() == 5  # 2 device + 3 host copies (request 2's block is held on the device only)
+    mgr.check_integrity()
+    gone, kept = mgr.match(toks(1, 2, extra=1)), mgr.match(toks(3, extra=1))
+    assert (gone.device_blocks, gone.host_blocks) == ((), ())
+    assert (len(kept.device_blocks), kept.host_blocks) == (1, ())
