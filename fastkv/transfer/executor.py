@@ -64,7 +64,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -197,7 +198,8 @@ class TaskExecutor:
         if self.cleared or self.store is None:
             raise TaskRefused("LOOKUP refused: " + (self.store_error or "no storage tier open (not configured, "
                                                     "or cleared for a weight update)"))
-        return found_prefixes(self.store, plan.keys, plan.src)
+        with self._store_faults():
+            return found_prefixes(self.store, plan.keys, plan.src)
 
     def _run(self, msg: TaskMsg) -> tuple[int, str]:
         try:
@@ -259,6 +261,17 @@ class TaskExecutor:
             self._faults[0] += errors
             self._faults[1] += corrupt
 
+    @contextmanager
+    def _store_faults(self) -> Iterator[None]:
+        """Counts the store's errors and corrupt values of the operations inside (a LOOKUP's too:
+        the first one to find the store down may be the only error before its backoff)."""
+        stats = self.store.stats
+        before = stats.errors, stats.corrupt
+        try:
+            yield
+        finally:
+            self._count_faults(stats.errors - before[0], stats.corrupt - before[1])
+
     def _check_host(self, blocks: list[int]) -> None:
         """CorruptHostBlock naming the blocks whose bytes changed since they landed."""
         if not self.spec.host_checksums:
@@ -277,8 +290,6 @@ class TaskExecutor:
                                                                 "(spec.storage_url is empty)"))
         if self.host is None:
             raise TaskRefused(f"{plan.kind.name} refused: this run has no host tier (num_host_blocks=0)")
-        stats = self.store.stats
-        before = stats.errors, stats.corrupt
         store, host, done = self.store, self.host.array, []
         self._check_ids(plan.src if plan.kind is CopyKind.STORE else plan.dst, self.spec.num_host_blocks, "host")
         load = plan.kind is CopyKind.LOAD
@@ -297,10 +308,8 @@ class TaskExecutor:
             if hold is not None:
                 hold.release(ids[p].tolist())
 
-        try:
+        with self._store_faults():
             self._in_parts(len(ids), part)
-        finally:
-            self._count_faults(stats.errors - before[0], stats.corrupt - before[1])
         n_ok = sum(done)
         if n_ok == len(done):
             return n_ok * self.block_bytes, ""
