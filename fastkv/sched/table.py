@@ -11,7 +11,6 @@ from fastkv.sched.request import Request, RequestState, move
 from fastkv.sched.stats import SchedulerStats
 
 S = RequestState
-_QUEUED = (S.WAITING, S.OFFLOADED)
 
 
 class RequestTable:
@@ -31,15 +30,15 @@ class RequestTable:
     def _move(self, req: Request, dst: RequestState, *expected: RequestState) -> None:
         src = req.state
         move(req, dst, *expected)
-        rid = req.request_id
-        if src in _QUEUED:
+        rid, groups = req.request_id, self._groups
+        if src is S.WAITING or src is S.OFFLOADED:
             self.waiting.remove(req)
-        elif src in self._groups:
-            del self._groups[src][rid]
-        if dst in _QUEUED:
+        elif src in groups:
+            del groups[src][rid]
+        if dst is S.WAITING or dst is S.OFFLOADED:
             self.waiting.push(req)
-        elif dst in self._groups:
-            self._groups[dst][rid] = req
+        elif dst in groups:
+            groups[dst][rid] = req
 
     def _count_admission(self, req: Request) -> None:
         req.admit_seq = self._admissions
