@@ -45,6 +45,7 @@ from fastkv.cache.write_policy import Tier
 from fastkv.config import cdiv
 
 _CACHED = int(BlockState.CACHED)
+_HELD = (BlockState.ALLOCATED, BlockState.IN_FLIGHT)
 
 
 class CacheManager:
@@ -98,6 +99,15 @@ class CacheManager:
     def num_free_device_blocks(self) -> int:
         """Device blocks allocatable now: free + evictable, minus reservations."""
         return self.device.num_available - self.state.reserved
+
+    @property
+    def has_host_tier(self) -> bool:
+        """Whether there are host blocks to offload to."""
+        return self.host.capacity > 0
+
+    def copies_in_flight(self) -> set[int]:
+        """Ids of the plans handed out and not yet completed."""
+        return set(self.copies.records)
 
     def _get(self, request_id: object, *states: ReqState) -> CacheRecord:
         req = self._reqs.get(request_id)
@@ -405,3 +415,14 @@ class CacheManager:
     def check_integrity(self) -> None:
         """Assert every invariant of the pools, the index, the requests and the copies."""
         check(self.state)
+
+    def check_request(self, request_id: object) -> None:
+        """Assert every block in the request's device table is held, and that one it shares
+        with another request holds a prefix key (two requests writing one block corrupt one)."""
+        dev = self.device
+        for b in self.state.get(request_id).table:
+            assert dev.ref[b] > 0 and dev.state[b] in _HELD, \
+                f"request {request_id}: block {b} in its table is {BlockState(dev.state[b]).name} " \
+                f"with refcount {dev.ref[b]}"
+            assert dev.ref[b] == 1 or dev.key[b] is not None, \
+                f"device block {b} shared by {dev.ref[b]} requests but holds no prefix key"

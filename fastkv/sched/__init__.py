@@ -1,8 +1,10 @@
 """Requests, queues, admission, preemption and the scheduler step.
 
-The engine uses ``Scheduler`` (scheduler.py) with ``Request`` (request.py); the other modules
-are its roles: queues, admission, preemption, reservation (disaggregated decode), cost
-(auto preemption), weights (weight update), integrity.
+The engine uses ``Scheduler`` (scheduler.py) with ``Request`` (request.py). The scheduler's
+state has one owner per piece: the request table (table.py, the only caller of state
+transitions), the copy outbox (outbox.py) and one step's batch (batch.py). The role modules,
+admission, preemption, reservation (disaggregated decode), weights (weight update) and
+integrity, take those (parts.py) and never the Scheduler; queues and cost are their policies.
 """
 from fastkv.sched.config import SchedulerConfig
 from fastkv.sched.output import SchedulerOutput

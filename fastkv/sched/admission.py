@@ -15,38 +15,40 @@ from typing import TYPE_CHECKING
 from fastkv.config import cdiv
 from fastkv.sched import preemption
 from fastkv.sched.request import RequestState
+from fastkv.sched.reservation import growth_reservation
 
 if TYPE_CHECKING:
-    from fastkv.sched.scheduler import Scheduler
+    from fastkv.sched.batch import StepBatch
+    from fastkv.sched.parts import SchedulerParts
 
 S = RequestState
 
 
-def loading_blocks(s: Scheduler) -> int:
-    bs = s.block_size
-    return sum(cdiv(r.num_slotted, bs) for r in s.loading.values())
+def loading_blocks(p: SchedulerParts) -> int:
+    bs = p.block_size
+    return sum(cdiv(r.num_slotted, bs) for r in p.table.loading.values())
 
 
-def admit(s: Scheduler) -> None:
-    cfg, cache, bs = s.config, s.cache, s.block_size
-    loading = loading_blocks(s)
-    for req in s.waiting:
-        if s._budget <= 0 or len(s.running) + len(s.loading) >= cfg.max_num_seqs:
+def admit(p: SchedulerParts, batch: StepBatch) -> None:
+    cfg, cache, table, bs = p.config, p.cache, p.table, p.block_size
+    loading = loading_blocks(p)
+    for req in table.waiting:
+        if batch.budget <= 0 or table.num_holding >= cfg.max_num_seqs:
             return
         restoring = req.state is S.OFFLOADED
         n_blocks = cdiv(req.num_slotted if restoring else req.num_tokens, bs)
         device_hit = 0
-        if loading and loading + n_blocks > s.max_loading_blocks or cfg.watermark_admission:
+        if loading and loading + n_blocks > p.max_loading_blocks or cfg.watermark_admission:
             # Only now is a read-only prefix match worth its hashing.
             loads = restoring
             if not restoring:
                 m = cache.match(req.token_ids, req.extra)
                 loads = bool(m.host_blocks or m.storage_keys)
                 device_hit = len(m.device_blocks)
-            if loads and loading and loading + n_blocks > s.max_loading_blocks:
-                s.stats.deferred_loads += 1
+            if loads and loading and loading + n_blocks > p.max_loading_blocks:
+                table.stats.deferred_loads += 1
                 continue
-            room = cache.num_free_device_blocks - s.growth_reservation()
+            room = cache.num_free_device_blocks - growth_reservation(p)
             if cfg.watermark_admission and room < n_blocks - device_hit:
                 return
         if restoring:  # reserve a slot for a token sampled just before it was preempted
@@ -55,21 +57,20 @@ def admit(s: Scheduler) -> None:
             a = cache.allocate(req.request_id, req.token_ids, req.extra)
         if a is None:
             return
-        s.waiting.remove(req)
-        s._emit(a.plans)
-        s._admitted(req)
+        p.outbox.emit(a.plans)
+        table.admit(req)
         if restoring:
             req.num_restores += 1
-            s.stats.restored += 1
+            table.stats.restored += 1
             target = req.num_computed_tokens
         else:
             req.num_slotted = req.num_tokens
             target = a.num_cached_tokens + a.num_pending_tokens
         if a.ready:
             computed = cache.num_computed_tokens(req.request_id) if restoring else a.num_cached_tokens
-            s._start_running(req, computed, S.OFFLOADED if restoring else S.WAITING)
-            if preemption.grow_reserved(s, req):
-                s._schedule(req)
+            table.start_running(req, computed, S.OFFLOADED if restoring else S.WAITING)
+            if preemption.grow_reserved(p, req):
+                batch.schedule(req)
         else:
-            s._start_loading(req, target, S.OFFLOADED if restoring else S.WAITING)
+            table.start_loading(req, target, S.OFFLOADED if restoring else S.WAITING)
             loading += n_blocks

@@ -3,32 +3,29 @@
 Slow (linear in requests, blocks and copies): for tests and debugging, after every step."""
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING
 
-from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import ReqState
 from fastkv.config import cdiv
 from fastkv.sched.request import RequestState
 from fastkv.sched.weights import WeightUpdate
 
 if TYPE_CHECKING:
-    from fastkv.sched.scheduler import Scheduler
+    from fastkv.sched.output import StepPlan
+    from fastkv.sched.parts import SchedulerParts
 
 S = RequestState
 _CACHE_STATE = {S.LOADING: ReqState.RUNNING, S.RUNNING: ReqState.RUNNING, S.OFFLOADING: ReqState.OFFLOADING,
                 S.OFFLOADED: ReqState.OFFLOADED}
-_HELD = (BlockState.ALLOCATED, BlockState.IN_FLIGHT)
 
 
-def check(s: Scheduler) -> None:
-    cache, bs = s.cache, s.block_size
+def check(p: SchedulerParts, inflight: StepPlan | None, update: WeightUpdate) -> None:
+    """``inflight``: the step plan out to the workers; ``update``: the weight update's state."""
+    cache, bs, table = p.cache, p.block_size, p.table
     cache.check_integrity()
-    dev = cache.device
-    groups = {S.LOADING: s.loading, S.RUNNING: s.running, S.OFFLOADING: s.offloading}
-    waiting = {r.request_id for r in s.waiting}
-    holders: Counter[int] = Counter()
-    for rid, req in s.requests.items():
+    groups = {S.LOADING: table.loading, S.RUNNING: table.running, S.OFFLOADING: table.offloading}
+    waiting = {r.request_id for r in table.waiting}
+    for rid, req in table.requests.items():
         st = req.state
         assert req.request_id == rid, f"request {rid}: filed under another id"
         assert not st.is_finished and st is not S.PREEMPTED, f"request {rid}: {st.name} outside a scheduler call"
@@ -51,13 +48,10 @@ def check(s: Scheduler) -> None:
         if st is S.OFFLOADED:
             assert cache.num_computed_tokens(rid) == req.num_computed_tokens, f"request {rid}: offloaded tokens"
             continue
-        table = cache.block_table(rid).tolist()
-        assert len(table) == cdiv(req.num_slotted, bs), f"request {rid}: {len(table)} blocks for " \
+        blocks = cache.block_table(rid)
+        assert len(blocks) == cdiv(req.num_slotted, bs), f"request {rid}: {len(blocks)} blocks for " \
                                                          f"{req.num_slotted} slotted tokens"
-        for b in table:
-            assert dev.ref[b] > 0 and dev.state[b] in _HELD, \
-                f"request {rid}: block {b} in its table is {BlockState(dev.state[b]).name} with refcount {dev.ref[b]}"
-            holders[b] += 1
+        cache.check_request(rid)
         if st is S.RUNNING:
             assert cache.is_ready(rid), f"request {rid}: RUNNING but its copies are pending"
             assert cache.num_computed_tokens(rid) == req.num_computed_tokens, \
@@ -68,19 +62,18 @@ def check(s: Scheduler) -> None:
             assert req.prefilled or not cache.is_ready(rid), f"request {rid}: LOADING but its copies are done"
         else:
             assert req.relief_blocks > 0, f"request {rid}: OFFLOADING releases no blocks"
-    for b, n in holders.items():  # a block written by two requests would corrupt one of them
-        assert n == 1 or dev.key[b] is not None, f"device block {b} shared by {n} requests but holds no prefix key"
-    assert len(s.requests) == len(waiting) + sum(len(g) for g in groups.values()), "a request in two places"
-    in_cache = {rid for rid, r in s.requests.items() if r.state.in_cache}
+    assert len(table.requests) == len(waiting) + sum(len(g) for g in groups.values()), "a request in two places"
+    in_cache = {rid for rid, r in table.requests.items() if r.state.in_cache}
     assert set(cache.request_ids()) == in_cache, f"cache requests {sorted(cache.request_ids())} != " \
                                                  f"scheduler's {sorted(in_cache)}"
-    plans = [p.plan_id for p in s._outbox] + list(s._dispatched)
+    plans = p.outbox.plan_ids()
     assert len(plans) == len(set(plans)), "a copy plan both queued and dispatched"
-    assert set(plans) == set(cache.copies.records), \
-        f"plans in flight {sorted(plans)} != the cache's open copies {sorted(cache.copies.records)}"
-    if s._inflight is not None:
-        for seq in s._inflight.seqs:
-            req = s.requests.get(seq.request_id)
+    open_copies = cache.copies_in_flight()
+    assert set(plans) == open_copies, f"plans in flight {sorted(plans)} != the cache's open copies " \
+                                      f"{sorted(open_copies)}"
+    if inflight is not None:
+        for seq in inflight.seqs:
+            req = table.requests.get(seq.request_id)
             assert req is not None and req.state is S.RUNNING, f"request {seq.request_id} left its in-flight step"
-    if s.weight_update_state in (WeightUpdate.CLEARING, WeightUpdate.READY):
-        assert not in_cache, f"weight update {s.weight_update_state.name} with requests in the cache: {in_cache}"
+    if update in (WeightUpdate.CLEARING, WeightUpdate.READY):
+        assert not in_cache, f"weight update {update.name} with requests in the cache: {in_cache}"

@@ -16,110 +16,113 @@ from typing import TYPE_CHECKING
 
 from fastkv.config import cdiv
 from fastkv.sched.queues import pick_victim, victim_key
-from fastkv.sched.request import PreemptionMode, Request, RequestState, move
+from fastkv.sched.request import PreemptionMode, Request, RequestState
 
 if TYPE_CHECKING:
-    from fastkv.sched.scheduler import Scheduler
+    from fastkv.cache.results import Growth
+    from fastkv.sched.batch import StepBatch
+    from fastkv.sched.parts import SchedulerParts
+    from fastkv.sched.table import RequestTable
 
 S = RequestState
 M = PreemptionMode
 
 
-def choose_mode(s: Scheduler, req: Request, force_recompute: bool) -> PreemptionMode:
-    if req.state is S.LOADING and s.cache.is_restoring(req.request_id):
+def choose_mode(p: SchedulerParts, req: Request, force_recompute: bool) -> PreemptionMode:
+    cache = p.cache
+    if req.state is S.LOADING and cache.is_restoring(req.request_id):
         return M.OFFLOAD  # its host copies still hold all its KV: OFFLOADED again, nothing recomputed
-    mode = req.preemption if req.preemption is not None else s.config.preemption
+    mode = req.preemption if req.preemption is not None else p.config.preemption
     if (mode is M.RECOMPUTE or force_recompute or req.state is not S.RUNNING or req.num_computed_tokens == 0
-            or not s.cache.host.capacity):
+            or not cache.has_host_tier):
         return M.RECOMPUTE  # a LOADING request has nothing exact to copy yet
     if mode is M.AUTO:
         n = req.num_computed_tokens
-        return M.OFFLOAD if s.cost.prefer_offload(n, cdiv(n, s.block_size)) else M.RECOMPUTE
+        return M.OFFLOAD if p.cost.prefer_offload(n, cdiv(n, p.block_size)) else M.RECOMPUTE
     return mode
 
 
-def preempt(s: Scheduler, req: Request, force_recompute: bool = False) -> None:
-    """Preempt a RUNNING or LOADING request; the caller has decided it must go."""
+def preempt(p: SchedulerParts, batch: StepBatch, req: Request, updating: bool, force_recompute: bool = False) -> None:
+    """Preempt a RUNNING or LOADING request; the caller has decided it must go. ``updating``:
+    a weight update is under way (offloaded KV is of the old weights)."""
     assert not req.remote_pending, f"request {req.request_id}: remote KV is being written into its blocks"
-    mode = choose_mode(s, req, force_recompute)
-    s._unschedule(req)
-    if req.state is S.RUNNING:
-        del s.running[req.request_id]
-    else:
-        del s.loading[req.request_id]
-    move(req, S.PREEMPTED, S.RUNNING, S.LOADING)
-    req.num_preemptions += 1
-    s.reset_watermarks()
+    table, stats = p.table, p.table.stats
+    mode = choose_mode(p, req, force_recompute)
+    batch.unschedule(req)
+    table.preempt(req)
     if mode is not M.RECOMPUTE:
-        plans = s.cache.offload(req.request_id)
+        plans = p.cache.offload(req.request_id)
         if plans is None:
-            s.stats.offload_no_room += 1
+            stats.offload_no_room += 1
         else:
             req.mode_used = mode
             req.num_offloads += 1
-            s.stats.count_preemption(mode)
-            s._emit(plans)
+            stats.count_preemption(mode)
+            p.outbox.emit(plans)
             if plans:
-                req.relief_blocks = cdiv(req.num_slotted, s.block_size)
-                move(req, S.OFFLOADING, S.PREEMPTED)
-                s.offloading[req.request_id] = req
+                table.start_offloading(req, cdiv(req.num_slotted, p.block_size))
             else:
-                move(req, S.OFFLOADED, S.PREEMPTED)
-                s._offload_done(req)
+                table.offloaded(req)
+                offload_done(p, req, updating)
             return
     req.mode_used = M.RECOMPUTE
-    s.stats.count_preemption(M.RECOMPUTE)
-    s.cache.free(req.request_id, cache=True)
-    s._to_waiting(req, S.PREEMPTED)
+    stats.count_preemption(M.RECOMPUTE)
+    p.cache.free(req.request_id, cache=True)
+    table.to_waiting(req, S.PREEMPTED)
 
 
-def relief_blocks(s: Scheduler) -> int:
+def offload_done(p: SchedulerParts, req: Request, updating: bool) -> None:
+    """OFFLOADED: wait for restore; in storage mode (or during a weight update) let go of
+    the host copies and resume by prefix hits."""
+    if req.mode_used is M.STORAGE or updating:
+        p.cache.free(req.request_id, cache=not updating)
+        p.table.to_waiting(req, S.OFFLOADED)
+
+
+def relief_blocks(table: RequestTable) -> int:
     """Device blocks that in-flight offloads will release when they complete."""
-    return sum(r.relief_blocks for r in s.offloading.values())
+    return sum(r.relief_blocks for r in table.offloading.values())
 
 
-def _grown(s: Scheduler, req: Request, g) -> bool:
+def _grown(p: SchedulerParts, req: Request, g: Growth) -> bool:
     req.num_slotted = req.num_tokens
     req.stalled_steps = 0
-    s._emit(g.plans)
+    p.outbox.emit(g.plans)
     if g.ready:
         return True
-    del s.running[req.request_id]  # a block it took is still being written back: wait for that copy
-    move(req, S.LOADING, S.RUNNING)
-    req.load_target = req.num_computed_tokens
-    s.loading[req.request_id] = req
+    p.table.wait_for_write_back(req)  # a block it took is still being written back
     return False
 
 
-def grow_reserved(s: Scheduler, req: Request) -> bool:
+def grow_reserved(p: SchedulerParts, req: Request) -> bool:
     """Slots for a just-admitted RUNNING request, within what it reserved (never preempts)."""
     if req.num_slotted == req.num_tokens:
         return True
-    g = s.cache.append_slots(req.request_id, req._tokens[req.num_slotted:req.num_tokens])
+    g = p.cache.append_slots(req.request_id, req.token_span(req.num_slotted, req.num_tokens))
     assert g is not None, f"request {req.request_id}: growth within its reservation failed"
-    return _grown(s, req, g)
+    return _grown(p, req, g)
 
 
-def ensure_slots(s: Scheduler, req: Request) -> bool:
+def ensure_slots(p: SchedulerParts, batch: StepBatch, req: Request, updating: bool) -> bool:
     """Device slots for every known token of RUNNING ``req``. False: it cannot run this step
     (it stalls, waits for a write-back, or was itself preempted)."""
     if req.num_slotted == req.num_tokens:
         return True
-    cache, bs, rid = s.cache, s.block_size, req.request_id
+    cache, table, bs, rid, policy = p.cache, p.table, p.block_size, req.request_id, p.config.policy
     while True:
-        g = cache.append_slots(rid, req._tokens[req.num_slotted:req.num_tokens])
+        g = cache.append_slots(rid, req.token_span(req.num_slotted, req.num_tokens))
         if g is not None:
-            return _grown(s, req, g)
+            return _grown(p, req, g)
         short = cdiv(req.num_tokens, bs) - cdiv(req.num_slotted, bs) - cache.num_free_device_blocks
-        patient = req.stalled_steps < s.config.copy_patience_steps
-        if patient and relief_blocks(s) >= short:
+        patient = req.stalled_steps < p.config.copy_patience_steps
+        if patient and relief_blocks(table) >= short:
             req.stalled_steps += 1
-            s.stats.stalls += 1
-            s._stalled.append(req)
+            table.stats.stalls += 1
+            batch.stalled.append(req)
             return False
-        candidates = chain(s.running.values(), (r for r in s.loading.values() if not r.remote_pending))
-        victim = pick_victim(s.config.policy, candidates, exclude=req)
-        if victim is None or victim_key(s.config.policy, victim) < victim_key(s.config.policy, req):
-            preempt(s, req, force_recompute=not patient)
+        candidates = chain(table.running.values(), (r for r in table.loading.values() if not r.remote_pending))
+        victim = pick_victim(policy, candidates, exclude=req)
+        if victim is None or victim_key(policy, victim) < victim_key(policy, req):
+            preempt(p, batch, req, updating, force_recompute=not patient)
             return False
-        preempt(s, victim, force_recompute=not patient)
+        preempt(p, batch, victim, updating, force_recompute=not patient)

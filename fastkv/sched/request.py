@@ -1,7 +1,8 @@
 """A request as the scheduler sees it: its tokens, its state, its counters.
 
 States are ordered; every transition goes through ``move``, which asserts both the source
-the caller expects and the table of legal transitions, and only the scheduler calls it::
+the caller expects and the table of legal transitions, and only the request table (table.py)
+calls it::
 
     WAITING --admit--> LOADING --copies done--> RUNNING --eos/length--> FINISHED_*
        ^  \\_____________(ready at once)_________^   |
@@ -164,6 +165,10 @@ class Request:
     def num_new_tokens(self) -> int:
         """Tokens still to compute before the next sample."""
         return self.num_tokens - self.num_computed_tokens
+
+    def token_span(self, start: int, stop: int) -> np.ndarray:
+        """Tokens at positions ``[start, stop)``: a view into the one buffer, for a step or a growth."""
+        return self._tokens[start:stop]
 
     def append_output(self, token: int) -> None:
         assert self.num_tokens < len(self._tokens), f"request {self.request_id}: output beyond max_new_tokens"

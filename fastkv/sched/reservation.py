@@ -32,7 +32,9 @@ from fastkv.config import cdiv
 from fastkv.sched.request import Request, RequestState
 
 if TYPE_CHECKING:
-    from fastkv.sched.scheduler import Scheduler
+    from fastkv.sched.config import SchedulerConfig
+    from fastkv.sched.parts import SchedulerParts
+    from fastkv.sched.table import RequestTable
 
 S = RequestState
 
@@ -64,11 +66,11 @@ class Refusal(NamedTuple):
                 f"{self.free_blocks} free, {self.reserved_blocks} reserved for running requests")
 
 
-def growth_reservation(s: Scheduler) -> int:
+def growth_reservation(p: SchedulerParts) -> int:
     """Device blocks held back for the growth of requests that hold blocks."""
-    bs, cap = s.block_size, s.max_model_len
+    bs, cap, table = p.block_size, p.max_model_len, p.table
     total = 0
-    for group in (s.running, s.loading):
+    for group in (table.running, table.loading):
         for r in group.values():
             final = min(r.num_prompt_tokens + r.max_new_tokens, cap)
             still = cdiv(final, bs) - cdiv(max(r.num_slotted, r.num_tokens), bs)
@@ -76,34 +78,39 @@ def growth_reservation(s: Scheduler) -> int:
     return total
 
 
-def decay_watermarks(s: Scheduler) -> None:
-    cfg = s.config
-    for r in s.running.values():
+def decay_watermarks(table: RequestTable, cfg: SchedulerConfig) -> None:
+    for r in table.running.values():
         r.watermark = max(cfg.reserve_min_blocks, r.watermark * cfg.reserve_decay)
 
 
-def reserve(s: Scheduler, req: Request) -> Reservation | Refusal:
-    cache, bs, rid = s.cache, s.block_size, req.request_id
-    need = cdiv(req.num_tokens, bs)
+def _refuse(p: SchedulerParts, refusal: Refusal) -> Refusal:
+    p.table.stats.refused_prefilled += 1
+    return refusal
+
+
+def reserve(p: SchedulerParts, req: Request, updating: bool) -> Reservation | Refusal:
+    """Admit ``req`` (new, validated) with its blocks, or refuse it and touch nothing."""
+    cache, table, rid = p.cache, p.table, req.request_id
+    need = cdiv(req.num_tokens, p.block_size)
     free = cache.num_free_device_blocks
-    if s.weight_update_state:
-        return s._refuse(Refusal(rid, RefusalReason.WEIGHT_UPDATE, need, free, 0))
-    if len(s.running) + len(s.loading) >= s.config.max_num_seqs:
-        return s._refuse(Refusal(rid, RefusalReason.TOO_MANY_SEQS, need, free, 0))
+    if updating:
+        return _refuse(p, Refusal(rid, RefusalReason.WEIGHT_UPDATE, need, free, 0))
+    if table.num_holding >= p.config.max_num_seqs:
+        return _refuse(p, Refusal(rid, RefusalReason.TOO_MANY_SEQS, need, free, 0))
     need -= len(cache.match(req.token_ids, req.extra).device_blocks)
-    held = growth_reservation(s)
+    held = growth_reservation(p)
     if free - held < need:
-        return s._refuse(Refusal(rid, RefusalReason.NO_ROOM, need, free, held))
+        return _refuse(p, Refusal(rid, RefusalReason.NO_ROOM, need, free, held))
     a = cache.allocate(rid, req.token_ids, req.extra)
     if a is None:  # a cached device hit counted as free above, and it is not
-        return s._refuse(Refusal(rid, RefusalReason.NO_ROOM, need, free, held))
-    s._emit(a.plans)
-    s._admitted(req)
+        return _refuse(p, Refusal(rid, RefusalReason.NO_ROOM, need, free, held))
+    p.outbox.emit(a.plans)
+    table.admit_prefilled(req)
     req.prefilled = True
     req.remote_pending = True
     req.num_slotted = req.num_tokens
     req.remote_start = a.num_cached_tokens + a.num_pending_tokens
     req.local_computed = a.num_cached_tokens if a.ready else -1
-    s._start_loading(req, req.remote_start, S.WAITING)
-    s.stats.reserved_prefilled += 1
+    table.start_loading(req, req.remote_start, S.WAITING)
+    table.stats.reserved_prefilled += 1
     return Reservation(rid, np.asarray(a.block_table, np.int32), req.remote_start, req.num_tokens - 1, a.ready)

@@ -25,14 +25,17 @@ from fastkv.cache.manager import CacheManager
 from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.cache.results import Ready
 from fastkv.sched import admission, preemption, reservation, weights
+from fastkv.sched.batch import StepBatch
 from fastkv.sched.config import SchedulerConfig
 from fastkv.sched.cost import CostModel
 from fastkv.sched.integrity import check
-from fastkv.sched.output import SchedulerOutput, SeqWork, StepOutput, StepPlan
-from fastkv.sched.queues import WaitingQueue
-from fastkv.sched.request import PreemptionMode, Request, RequestState, move
+from fastkv.sched.outbox import CopyOutbox
+from fastkv.sched.output import SchedulerOutput, StepOutput, StepPlan
+from fastkv.sched.parts import SchedulerParts
+from fastkv.sched.request import PreemptionMode, Request, RequestState
 from fastkv.sched.reservation import Refusal, Reservation
 from fastkv.sched.stats import SchedulerStats
+from fastkv.sched.table import RequestTable
 from fastkv.sched.weights import WeightUpdate
 
 S = RequestState
@@ -60,37 +63,28 @@ class Scheduler:
         self.cost = CostModel(block_bytes, cfg.copy_bandwidth, cfg.prefill_rate, cfg.cost_alpha,
                               copy_latency=cfg.copy_latency_s)
         self.stats = SchedulerStats()
-        self.requests: dict[int, Request] = {}  # every unfinished request
-        self.waiting = WaitingQueue(cfg.policy)  # WAITING and OFFLOADED
-        self.loading: dict[int, Request] = {}
-        self.running: dict[int, Request] = {}
-        self.offloading: dict[int, Request] = {}
+        self.table = table = RequestTable(cfg.policy, cfg.reserve_init_blocks, self.stats)
+        self.outbox = CopyOutbox()
+        self._parts = SchedulerParts(cache, cfg, self.cost, table, self.outbox, self.max_model_len,
+                                     self.max_loading_blocks)
+        # the table's, never rebound: what engines and tests read
+        self.requests, self.waiting = table.requests, table.waiting
+        self.loading, self.running, self.offloading = table.loading, table.running, table.offloading
         self.weight_update_state = WeightUpdate.NONE
         self._drain = True
-        self._outbox: list[CopyPlan] = []
-        self._dispatched: dict[int, CopyPlan] = {}
-        self._finished: list[Request] = []
         self._kv_writable: list[int] = []
         self._inflight: StepPlan | None = None
         self._inflight_ids: set[int] = set()
-        self._seqs: dict[int, SeqWork] = {}
-        self._stalled: list[Request] = []  # requests that stalled in this step (patience bookkeeping)
         self._completed_since_step = 0  # copies completed since the last step()
-        self._budget = 0
         self._step_id = 0
-        self._arrivals = 0
-        self._admissions = 0
 
     # ================================================================== engine API
     def add_request(self, request: Request) -> None:
         """Queue a new request. ValueError if its id is in use or it can never fit."""
         req = self._validate(request)
-        req.arrival_seq = self._arrivals
-        self._arrivals += 1
         if req.arrival_time is None:
             req.arrival_time = self.clock()
-        self.requests[req.request_id] = req
-        self.waiting.push(req)
+        self.table.add(req)
 
     def check_request(self, request: Request) -> None:
         """Raises as ``add_request`` would, without queueing (for a caller that holds it first)."""
@@ -129,42 +123,36 @@ class Scheduler:
         if self._inflight is not None:
             raise ValueError(f"step() while step {self._inflight.step_id} is in flight: call on_step_output first")
         self._step_id += 1
-        if self.weight_update_state is WeightUpdate.DRAINING:
-            weights.progress(self, self._drain)
-        self._budget = self.config.max_num_batched_tokens
-        self._seqs = {}
-        self._stalled = []
-        max_seqs = self.config.max_num_seqs
+        parts, batch = self._parts, StepBatch(self.cache, self.config)
+        if self.weight_update_state is WeightUpdate.DRAINING and weights.progress(parts, batch, self._drain):
+            self.weight_update_state = WeightUpdate.CLEARING
+        updating = self.weight_update_state is not WeightUpdate.NONE
         for req in list(self.running.values()):
-            if self._budget <= 0 or len(self._seqs) >= max_seqs:
+            if batch.full:
                 break
-            if req.state is S.RUNNING and preemption.ensure_slots(self, req):
-                self._schedule(req)
-        if self.weight_update_state is WeightUpdate.NONE:
-            admission.admit(self)
-        seqs = list(self._seqs.values())
-        self._seqs = {}
+            if req.state is S.RUNNING and preemption.ensure_slots(parts, batch, req, updating):
+                batch.schedule(req)
+        if not updating:
+            admission.admit(parts, batch)
+        seqs = list(batch.seqs.values())
         plan = StepPlan(self._step_id, seqs)
         if seqs:
             self._inflight = plan
             self._inflight_ids = {s.request_id for s in seqs}
             self.stats.steps += 1
-            reservation.decay_watermarks(self)
+            reservation.decay_watermarks(self.table, self.config)
         elif self._completed_since_step:
             # an empty step while copies keep completing is the engine waiting on a live
             # transfer layer (it calls step() on every completion): that costs no patience.
             # Empty steps with no completion in between still count, so a transfer layer
             # that never completes cannot stall a request forever.
-            for req in self._stalled:
+            for req in batch.stalled:
                 req.stalled_steps -= 1
         self._completed_since_step = 0
-        copies, self._outbox = self._outbox, []
-        for p in copies:
-            self._dispatched[p.plan_id] = p
+        copies = self.outbox.hand_out()
         self.stats.copies += len(copies)
-        finished, self._finished = self._finished, []
         writable, self._kv_writable = self._kv_writable, []
-        return SchedulerOutput(plan, copies, finished, writable)
+        return SchedulerOutput(plan, copies, self.table.take_finished(), writable)
 
     def on_step_output(self, output: StepOutput) -> None:
         """The workers computed the plan: KV of the scheduled tokens is on the device; append
@@ -194,7 +182,7 @@ class Scheduler:
                 self.stats.recomputed_tokens += again
             req.max_computed = max(req.max_computed, end)
             req.num_computed_tokens = end
-            self._emit(self.cache.mark_computed(req.request_id, end))
+            self.outbox.emit(self.cache.mark_computed(req.request_id, end))
             if len(seq.token_ids) > 1:
                 prefill += len(seq.token_ids)
             else:
@@ -223,7 +211,7 @@ class Scheduler:
         """A copy plan finished on every rank (``ok``) or failed. ``nbytes``/``seconds`` (per
         rank) feed the bandwidth estimate."""
         pid = plan if isinstance(plan, int) else getattr(plan, "plan_id", None)
-        p = self._dispatched.pop(pid, None) if isinstance(pid, int) else None
+        p = self.outbox.complete(pid)
         if p is None:
             raise ValueError(f"plan {plan!r} is not in flight from this scheduler (never dispatched, or completed)")
         self._completed_since_step += 1
@@ -235,22 +223,18 @@ class Scheduler:
         if p.kind is CopyKind.CLEAR:
             assert self.weight_update_state is WeightUpdate.CLEARING, "CLEAR completed outside a weight update"
             self.weight_update_state = WeightUpdate.READY
-        self._emit(c.plans)
+        self.outbox.emit(c.plans)
         for r in c.ready:
             self._loaded(r)
+        updating = self.weight_update_state is not WeightUpdate.NONE
         for rid in c.offloaded:
             req = self.requests[rid]
-            del self.offloading[rid]
-            req.relief_blocks = 0
-            move(req, S.OFFLOADED, S.OFFLOADING)
-            self._offload_done(req)
+            self.table.offloaded(req)
+            preemption.offload_done(self._parts, req, updating)
         for rid in c.offload_failed:  # still on its device blocks; the pressure remains: recompute
-            req = self.requests[rid]
-            del self.offloading[rid]
-            req.relief_blocks = 0
             self.stats.offload_failed += 1
             self.cache.free(rid, cache=True)
-            self._to_waiting(req, S.OFFLOADING)
+            self.table.to_waiting(self.requests[rid], S.OFFLOADING)
 
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         self.cost.observe_copy(nbytes, seconds)
@@ -260,11 +244,11 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Requests unfinished, copies to hand out or in flight, or a step to report."""
-        return bool(self.requests or self._outbox or self._dispatched or self._finished or self._kv_writable
+        return bool(self.requests or self.outbox or self.table.finished or self._kv_writable
                     or self._inflight is not None)
 
     def check_integrity(self) -> None:
-        check(self)
+        check(self._parts, self._inflight, self.weight_update_state)
 
     # ================================================================== disaggregated decode
     def reserve_for_prefilled(self, request: Request) -> Reservation | Refusal:
@@ -272,16 +256,9 @@ class Scheduler:
         req = self._validate(request)
         if self._inflight is not None:
             raise ValueError("reserve_for_prefilled while a step is in flight: call it between steps")
-        req.arrival_seq = self._arrivals
         if req.arrival_time is None:
             req.arrival_time = self.clock()
-        got = reservation.reserve(self, req)
-        if isinstance(got, Reservation):
-            self._arrivals += 1
-            self.requests[req.request_id] = req
-        else:
-            req.arrival_seq = -1  # untouched: the engine may ask again, here or elsewhere
-        return got
+        return reservation.reserve(self._parts, req, self.weight_update_state is not WeightUpdate.NONE)
 
     def on_prefilled(self, request_id: int, ok: bool) -> None:
         """The remote KV of a reserved request arrived (``ok``) or its transfer failed."""
@@ -294,10 +271,8 @@ class Scheduler:
             self._finish(req, S.FINISHED_ABORTED)
         elif not ok:
             self.stats.load_shortfalls += 1
-            del self.loading[request_id]
-            move(req, S.PREEMPTED, S.LOADING)
             self.cache.free(request_id, cache=True)
-            self._to_waiting(req, S.PREEMPTED)
+            self.table.load_failed(req)
         else:
             self._prefilled_ready(req, req.local_computed)
 
@@ -316,51 +291,10 @@ class Scheduler:
         """New weights are loaded: new cache namespace, admission resumes (a RESTORE plan goes out)."""
         if self.weight_update_state is not WeightUpdate.READY:
             raise ValueError(f"finish_weight_update in state {self.weight_update_state.name}, expected READY")
-        self._emit([self.cache.finish_weight_update(weights_version)])
+        self.outbox.emit([self.cache.finish_weight_update(weights_version)])
         self.weight_update_state = WeightUpdate.NONE
 
-    # ================================================================== internals (for sched modules)
-    def _emit(self, plans) -> None:
-        self._outbox.extend(plans)
-
-    def _refuse(self, refusal: Refusal) -> Refusal:
-        self.stats.refused_prefilled += 1
-        return refusal
-
-    def _admitted(self, req: Request) -> None:
-        req.admit_seq = self._admissions
-        self._admissions += 1
-        req.watermark = self.config.reserve_init_blocks
-        self.stats.admitted += 1
-
-    def _start_loading(self, req: Request, target: int, src: RequestState) -> None:
-        move(req, S.LOADING, src)
-        req.load_target = target
-        self.loading[req.request_id] = req
-
-    def _start_running(self, req: Request, computed: int, src: RequestState) -> None:
-        move(req, S.RUNNING, src)
-        req.num_computed_tokens = computed
-        self.running[req.request_id] = req
-
-    def _to_waiting(self, req: Request, src: RequestState) -> None:
-        """Back to the queue with no KV: it will be recomputed (reusing cached prefixes)."""
-        move(req, S.WAITING, src)
-        req.num_computed_tokens = 0
-        req.num_slotted = 0
-        req.prefilled = False
-        req.local_computed = -1
-        self.waiting.push(req)
-
-    def _offload_done(self, req: Request) -> None:
-        """OFFLOADED: wait for restore; in storage mode (or during a weight update) let go of
-        the host copies and resume by prefix hits."""
-        if req.mode_used is PreemptionMode.STORAGE or self.weight_update_state is not WeightUpdate.NONE:
-            self.cache.free(req.request_id, cache=self.weight_update_state is WeightUpdate.NONE)
-            self._to_waiting(req, S.OFFLOADED)
-        else:
-            self.waiting.push(req)
-
+    # ================================================================== internals
     def _loaded(self, ready: Ready) -> None:
         req = self.requests[ready.request_id]
         n = ready.num_computed_tokens
@@ -373,69 +307,30 @@ class Scheduler:
             return
         if n < req.load_target:
             self.stats.load_shortfalls += 1
-        del self.loading[req.request_id]
-        self._start_running(req, n, S.LOADING)
+        self.table.start_running(req, n, S.LOADING)
 
     def _prefilled_ready(self, req: Request, local: int) -> None:
         """Local copies and remote KV are both in: decode from the last known token."""
         computed = local
         if local >= req.remote_start:
             computed = req.num_tokens - 1
-            self._emit(self.cache.mark_computed(req.request_id, computed))
+            self.outbox.emit(self.cache.mark_computed(req.request_id, computed))
         else:
             self.stats.load_shortfalls += 1  # a local load failed: recompute from there
         req.prefilled = False
         req.max_computed = max(req.max_computed, computed)
-        del self.loading[req.request_id]
-        self._start_running(req, computed, S.LOADING)
-
-    def _schedule(self, req: Request) -> None:
-        """Put RUNNING ``req``'s next chunk in this step, as far as the budget allows."""
-        n = req.num_new_tokens
-        assert n > 0, f"request {req.request_id} is RUNNING with nothing to compute"
-        if n > self._budget and not self.config.chunked_prefill and n <= self.config.max_num_batched_tokens:
-            return  # a whole prompt in a later step (one longer than the budget is chunked anyway)
-        n = min(n, self._budget)
-        start = req.num_computed_tokens
-        self._seqs[req.request_id] = SeqWork(
-            req.request_id, req._tokens[start:start + n], start, self.cache.block_table(req.request_id),
-            start + n == req.num_tokens)
-        self._budget -= n
-
-    def _unschedule(self, req: Request) -> None:
-        seq = self._seqs.pop(req.request_id, None)
-        if seq is not None:
-            self._budget += len(seq.token_ids)
+        self.table.start_running(req, computed, S.LOADING)
 
     def _finish(self, req: Request, state: RequestState) -> None:
-        rid = req.request_id
-        src = req.state
-        if src is S.WAITING or src is S.OFFLOADED:
-            self.waiting.remove(req)
-        elif src is S.RUNNING:
-            del self.running[rid]
-        elif src is S.LOADING:
-            del self.loading[rid]
-        elif src is S.OFFLOADING:
-            del self.offloading[rid]
-        if src.in_cache:
-            self.cache.free(rid, cache=True)
-        move(req, state, src)
-        req.finish_time = self.clock()
-        del self.requests[rid]
-        self._finished.append(req)
-        self.stats.finished += 1
-        if state is S.FINISHED_ABORTED:
-            self.stats.aborted += 1
+        if req.state.in_cache:
+            self.cache.free(req.request_id, cache=True)
+        self.table.finish(req, state, self.clock())
 
     def reset_watermarks(self) -> None:
-        init = self.config.reserve_init_blocks
-        for group in (self.running, self.loading):
-            for r in group.values():
-                r.watermark = init
+        self.table.reset_watermarks()
 
     def growth_reservation(self) -> int:
-        return reservation.growth_reservation(self)
+        return reservation.growth_reservation(self._parts)
 
     # ================================================================== introspection
     def get_request(self, request_id: int) -> Request | None:
@@ -444,4 +339,5 @@ class Scheduler:
     def counts(self) -> dict[str, int]:
         offloaded = sum(1 for r in self.waiting if r.state is S.OFFLOADED)
         return {"waiting": len(self.waiting) - offloaded, "loading": len(self.loading), "running": len(self.running),
-                "offloading": len(self.offloading), "offloaded": offloaded, "copies_in_flight": len(self._dispatched)}
+                "offloading": len(self.offloading), "offloaded": offloaded,
+                "copies_in_flight": len(self.outbox.in_flight)}

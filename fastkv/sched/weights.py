@@ -16,7 +16,8 @@ from fastkv.sched import preemption
 from fastkv.sched.request import RequestState
 
 if TYPE_CHECKING:
-    from fastkv.sched.scheduler import Scheduler
+    from fastkv.sched.batch import StepBatch
+    from fastkv.sched.parts import SchedulerParts
 
 S = RequestState
 
@@ -28,22 +29,20 @@ class WeightUpdate(IntEnum):
     READY = 3  # caches cleared: load the new weights, then finish_weight_update
 
 
-def progress(s: Scheduler, drain: bool) -> None:
-    """One step's worth of a DRAINING update; emits CLEAR when nothing is left."""
-    for req in list(s.waiting):
+def progress(p: SchedulerParts, batch: StepBatch, drain: bool) -> bool:
+    """One step's worth of a DRAINING update. True: nothing was left, the CLEAR plan is out."""
+    cache, table = p.cache, p.table
+    for req in list(table.waiting):
         if req.state is S.OFFLOADED:
-            s.waiting.remove(req)
-            s.cache.free(req.request_id, cache=False)
-            s._to_waiting(req, S.OFFLOADED)
+            cache.free(req.request_id, cache=False)
+            table.to_waiting(req, S.OFFLOADED)
     if not drain:
-        for req in [*s.running.values(), *(r for r in s.loading.values() if not r.remote_pending)]:
-            preemption.preempt(s, req, force_recompute=True)
-        for req in list(s.offloading.values()):
-            del s.offloading[req.request_id]
-            req.relief_blocks = 0
-            s.cache.free(req.request_id, cache=False)
-            s._to_waiting(req, S.OFFLOADING)
-    if s.running or s.loading or s.offloading or s._outbox or s._dispatched or s.cache.copies.records:
-        return
-    s._emit([s.cache.begin_weight_update()])
-    s.weight_update_state = WeightUpdate.CLEARING
+        for req in [*table.running.values(), *(r for r in table.loading.values() if not r.remote_pending)]:
+            preemption.preempt(p, batch, req, updating=True, force_recompute=True)
+        for req in list(table.offloading.values()):
+            cache.free(req.request_id, cache=False)
+            table.to_waiting(req, S.OFFLOADING)
+    if table.running or table.loading or table.offloading or p.outbox or cache.copies_in_flight():
+        return False
+    p.outbox.emit([cache.begin_weight_update()])
+    return True

@@ -132,6 +132,20 @@ def test_unreachable_storage_degrades_to_failed_storage_tasks(tmp_path):
         sup.close()
 
 
+def test_a_lookup_that_finds_the_store_down_counts_the_fault():
+    """The first operation to fail opens the store's backoff; the STOREs skipped after it fail
+    with no error of their own, so that first failure must be counted, LOOKUP or not."""
+    sup = Supervisor(storage_url="redis://127.0.0.1:1/0?timeout=0.2")
+    try:
+        ex = TaskExecutor(sup.spec, 0)
+        assert ex.run(task(CopyKind.LOOKUP, [1], [], [key(0)])).found_counts.tolist() == [0]
+        assert not ex.run(task(CopyKind.STORE, [0], [], [key(0)])).ok
+        assert ex.take_faults() == (1, 0)
+        ex.close()
+    finally:
+        sup.close()
+
+
 def test_clear_refuses_work_until_restore_switches_the_namespace(sup, ex):
     rng = np.random.default_rng(3)
     fill_random(sup.hosts[1], rng)

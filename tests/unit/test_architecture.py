@@ -27,9 +27,6 @@ KEPT = {
     ("fastkv.transfer.tiers", "tier._open_cuda"): "as tier._map_shm",
     ("fastkv.ipc.namespace", "ns._write_manifest"): "an alternate constructor writing its own new instance's manifest",
 }
-# Issue 12 is not finished on the scheduler side: its role modules still take the Scheduler
-# and reach into it (s._emit, s._to_waiting, ...). Strict: this xfail turns red once they stop.
-SCHED_UNFINISHED = pytest.mark.xfail(strict=True, reason="sched role modules still reach into Scheduler")
 
 
 def _modules() -> dict[str, tuple[Path, ast.Module]]:
@@ -182,13 +179,12 @@ def test_no_public_class_name_defined_twice():
     assert {c: ms for c, ms in where.items() if len(ms) > 1} == {}
 
 
-@SCHED_UNFINISHED
 def test_at_most_five_private_reaches_each_with_a_reason():
     assert len(KEPT) <= 5
     reaches = private_reaches()
     unexplained = [r for r in reaches if (r[0], r[2]) not in KEPT]
     assert unexplained == []
-    assert len({(m, src) for m, _, src in reaches}) <= 5
+    assert {(m, src) for m, _, src in reaches} == set(KEPT), "a KEPT reach is gone: drop its entry"
 
 
 @pytest.mark.parametrize("module", ["fastkv.ipc.messages", "fastkv.ipc.codec"])
@@ -196,7 +192,26 @@ def test_ipc_imports_nothing_from_cache(module):
     assert not any(t.startswith("fastkv.cache") for t in _imports(module)[0])
 
 
-def test_private_reaches_outside_the_scheduler_are_the_kept_ones():
-    """Until the scheduler side is done: every reach outside fastkv.sched is listed in KEPT."""
-    outside = {(m, src) for m, _, src in private_reaches() if not m.startswith("fastkv.sched.")}
-    assert outside == set(KEPT)
+def _facade() -> set[str]:
+    """CacheManager's own methods and properties, and the config it was built with."""
+    _, tree = MODULES["fastkv.cache.manager"]
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CacheManager")
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+    return methods | {"config", "block_size"}
+
+
+def test_scheduler_uses_only_the_cache_facade():
+    """The facade rule: fastkv.sched reads no part of the manager (pools, copies, index)."""
+    allowed = _facade()
+    past = []
+    for name in sorted(MODULES):
+        if not name.startswith("fastkv.sched"):
+            continue
+        for node in ast.walk(MODULES[name][1]):
+            if not isinstance(node, ast.Attribute) or node.attr in allowed:
+                continue
+            base = node.value
+            if (isinstance(base, ast.Name) and base.id == "cache") or \
+                    (isinstance(base, ast.Attribute) and base.attr == "cache"):
+                past.append((name, node.lineno, ast.unparse(node)))
+    assert past == []

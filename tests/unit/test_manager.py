@@ -394,3 +394,33 @@ def test_request_ids_lists_requests_on_every_tier():
     assert m.request_state("a") is ReqState.OFFLOADED and sorted(m.request_ids()) == ["a", "b"]
     m.free("a")
     assert m.request_ids() == ["b"]
+
+
+def test_what_the_scheduler_asks_the_facade_host_tier_copies_in_flight_one_request():
+    assert not mk().has_host_tier and mk(host=2).has_host_tier
+    mgr = mk(host=8, policy=WritePolicy.WRITE_THROUGH)
+    a = mgr.allocate(1, toks(1, 2, extra=1))
+    plans = mgr.mark_computed(1, 9)
+    assert plans and mgr.copies_in_flight() == {p.plan_id for p in [*a.plans, *plans]}
+    drain(mgr, [*a.plans, *plans])
+    assert mgr.copies_in_flight() == set()
+    b = mgr.allocate(2, toks(1, 2, extra=2))  # shares request 1's two keyed blocks
+    drain(mgr, b.plans)
+    shared = int(mgr.block_table(2)[0])
+    assert shared == int(mgr.block_table(1)[0])
+    mgr.check_request(1)
+    mgr.check_request(2)
+    mgr.device.key[shared] = None  # as if a bug dropped the key of a block two requests write
+    with pytest.raises(AssertionError, match=f"device block {shared} shared by 2 requests"):
+        mgr.check_request(2)
+
+
+def test_reset_prefix_cache_drops_the_cached_blocks_of_every_tier_and_keeps_held_ones():
+    mgr = mk(host=8, policy=WritePolicy.WRITE_THROUGH)
+    run_prompt(mgr, 1, toks(1, 2, extra=1))  # 2 keyed blocks, cached on the device and the host
+    run_prompt(mgr, 2, toks(3, extra=1), free=False)  # held: keeps its key
+    assert mgr.reset_prefix_cache() == 5  # 2 device + 3 host copies (request 2's block is held on the device only)
+    mgr.check_integrity()
+    gone, kept = mgr.match(toks(1, 2, extra=1)), mgr.match(toks(3, extra=1))
+    assert (gone.device_blocks, gone.host_blocks) == ((), ())
+    assert (len(kept.device_blocks), kept.host_blocks) == (1, ())
