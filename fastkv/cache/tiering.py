@@ -23,7 +23,7 @@ def take_device(state: CacheState, n: int, owner: CacheRecord) -> tuple[list[int
     if not victims:
         return blocks, None
     state.stats.device_evictions += len(victims)
-    hlookup, stored = state.host.lookup, state.index.stored
+    hlookup, stored, inflight = state.host.lookup, state.index.stored, state.copies.inflight
     if not hlookup and not stored and not state.write_back:  # device-only: every victim's key is gone
         state.stats.dropped_keys += len(victims)
         state.index.gone_many([k for _, k in victims], Tier.DEVICE, Cause.EVICTED)
@@ -37,7 +37,7 @@ def take_device(state: CacheState, n: int, owner: CacheRecord) -> tuple[list[int
     for b, k in victims:
         if selective is not None:
             selective.pop(k, None)
-        if k in hlookup:
+        if k in hlookup or k in inflight:  # on the host, or on its way there (a second copy would race it)
             continue
         if state.write_back:
             src.append(b)
