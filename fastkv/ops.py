@@ -303,7 +303,7 @@ def _machine_id() -> str:
         with open("/proc/cpuinfo") as f:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
-        pass
+        model = "(no /proc/cpuinfo)"  # named by architecture and core count alone
     return f"{platform.machine()} {model} x{os.cpu_count()}"
 
 

@@ -110,13 +110,7 @@ class CacheManager:
         return set(self.copies.records)
 
     def _get(self, request_id: object, *states: ReqState) -> CacheRecord:
-        req = self._reqs.get(request_id)
-        if req is None:
-            raise ValueError(f"unknown request {request_id!r}")
-        if states and req.state not in states:
-            raise ValueError(f"request {request_id!r} is {req.state.name}, expected one of "
-                             f"{[s.name for s in states]}")
-        return req
+        return self.state.get(request_id, *states)
 
     def request_ids(self) -> list[object]:
         """Ids of every request the manager holds blocks for, on any tier."""
