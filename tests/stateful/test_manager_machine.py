@@ -24,8 +24,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-import pytest
-from hypothesis import event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -33,7 +32,6 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from fastkv.cache.copies import Purpose
@@ -42,6 +40,7 @@ from fastkv.cache.plan import CopyKind
 from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import ReqState
 from fastkv.cache.write_policy import WritePolicy as Policy
+from tests.stateful.coverage import run_and_check_coverage
 
 BS = 2
 # prompts are prefixes of a few conversations, so that they share prefixes often
@@ -299,12 +298,18 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert p in present or p in held, "a cached key is stranded behind an evicted parent"
 
 
+# Cases the CI profile's examples do not reach yet: the rules reach storage loads too seldom
+# (issue 16, finding 2).
+KNOWN_GAPS = {
+    "PREFIX_LOAD done",
+    "PREFIX_LOAD failed",
+    "PREFIX_LOAD freed during",
+    "WRITE_BACK failed",
+    "storage lost a key of a LOAD in flight",
+}
+
+
 def test_manager_machine():
-    """The machine under the active profile; under the CI profile it must also reach every case."""
-    REACHED.clear()
-    run_state_machine_as_test(ManagerMachine, settings=settings(stateful_step_count=80))
-    now, ci = settings.default, settings.get_profile("ci")
-    if now.derandomize and now.max_examples >= ci.max_examples:
-        missed = sorted(CASES - REACHED.keys())
-        if missed:  # the rules do not yet reach storage loads (issue 16 finding 2, unfinished)
-            pytest.xfail(f"the CI profile does not reach {len(missed)} cases: {missed}")
+    """The machine under the active profile; under the CI profile it must reach every case
+    but the known gaps (tests/stateful/coverage.py)."""
+    run_and_check_coverage(ManagerMachine, set(CASES), REACHED, KNOWN_GAPS)

@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-import pytest
-from hypothesis import event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -29,7 +28,6 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from fastkv.cache.manager import CacheConfig, CacheManager
@@ -38,6 +36,7 @@ from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.sched import PreemptionMode, Request, RequestState, Reservation, Scheduler, SchedulerConfig, WeightUpdate
 from fastkv.sched.queues import QueuePolicy as Policy
 from tests.sched_harness import FakeTransfer, FakeWorker, sample
+from tests.stateful.coverage import run_and_check_coverage
 
 BS = 4
 VOCAB = 48
@@ -348,12 +347,20 @@ class SchedulerMachine(RuleBasedStateMachine):
                     f"request {rid}: outputs differ from what the worker sampled"
 
 
+# Cases the CI profile's examples do not reach yet: the rules build too little pressure for
+# them (issue 16, finding 2).
+KNOWN_GAPS = {
+    "LOAD for LOADING: aborted during",
+    "SWAP_IN for LOADING: aborted during",
+    "SWAP_IN for nobody: done",
+    "SWAP_IN for nobody: failed",
+    "a restore preempted while loading",
+    "storage lost a key of a LOAD in flight",
+    "weight update with a request OFFLOADING",
+}
+
+
 def test_scheduler_machine():
-    """The machine under the active profile; under the CI profile it must also reach every case."""
-    REACHED.clear()
-    run_state_machine_as_test(SchedulerMachine, settings=settings(stateful_step_count=80))
-    now, ci = settings.default, settings.get_profile("ci")
-    if now.derandomize and now.max_examples >= ci.max_examples:
-        missed = sorted(CASES - REACHED.keys())
-        if missed:  # the rules do not yet build enough pressure (issue 16 finding 2, unfinished)
-            pytest.xfail(f"the CI profile does not reach {len(missed)} cases: {missed}")
+    """The machine under the active profile; under the CI profile it must reach every case
+    but the known gaps (tests/stateful/coverage.py)."""
+    run_and_check_coverage(SchedulerMachine, set(CASES), REACHED, KNOWN_GAPS)
