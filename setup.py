@@ -71,7 +71,7 @@ setup(
     ],
     entry_points={
         "console_scripts": [
-            "fastkv-supervisor=fastkv.cli:main",
+            "fastkv-supervisor=fastkv.__main__:main",
         ],
     },
 )

@@ -26,7 +26,7 @@ def first_run(tmp_path: Path, *argv: str, **kwargs) -> tuple[subprocess.Popen, P
     home.mkdir()
     cache.mkdir()
     env = {**os.environ, "HOME": str(home), "FASTKV_OPS_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "fastkv.cli", "--quick", "--no-progress", "--out", str(tmp_path / "out"), *argv]
+    cmd = [sys.executable, "-m", "fastkv", "--quick", "--no-progress", "--out", str(tmp_path / "out"), *argv]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs), cache
 
 

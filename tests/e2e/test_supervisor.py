@@ -42,7 +42,7 @@ def write_config(tmp_path: Path, **runner_options) -> Path:
 
 
 def start_cli(tmp_path: Path, rid: str, *extra: str, entries=ENTRIES, **runner_options) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "fastkv.cli", "--out", str(tmp_path / "out"), "--run-id", rid,
+    cmd = [sys.executable, "-m", "fastkv", "--out", str(tmp_path / "out"), "--run-id", rid,
            "--config", str(write_config(tmp_path, **runner_options)), *SMALL, *entries, *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -179,7 +179,7 @@ def test_sigkilled_supervisor_takes_children_along_and_cleanup_removes_the_rest(
     left = leftovers(rid)
     assert f"fkv.{rid}.manifest.json" in left and f"fkv.{rid}.kvhost0" in left and f"fkv.{rid}.kvdev0" in left
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "fastkv.cli", "--cleanup"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "fastkv", "--cleanup"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert f"/fkv.{rid}.kvhost0" in done.stdout

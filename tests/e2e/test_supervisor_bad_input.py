@@ -23,7 +23,7 @@ SMALL = ["--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--block-size",
 
 def cli(tmp_path: Path, *argv: str, timeout: float = 150) -> tuple[int, str, str, float, str]:
     rid = f"t{uuid.uuid4().hex[:12]}"
-    cmd = [sys.executable, "-m", "fastkv.cli", "--out", str(tmp_path / "out"), "--run-id", rid, *argv]
+    cmd = [sys.executable, "-m", "fastkv", "--out", str(tmp_path / "out"), "--run-id", rid, *argv]
     t0 = time.monotonic()
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=timeout)

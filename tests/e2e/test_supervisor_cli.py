@@ -141,7 +141,7 @@ def test_prepare_writes_workload_with_mode_and_spec(tmp_path):
 
 
 def test_console_help_runs():
-    done = subprocess.run([sys.executable, "-m", "fastkv.cli", "--help"], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "fastkv", "--help"], cwd=ROOT, capture_output=True, text=True,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=60)
     assert done.returncode == 0 and "--preemption" in done.stdout and "--cleanup" in done.stdout
 
