@@ -2,9 +2,9 @@
 
 Each machine lists its cases (``CASES``) and records the ones a run reached (``REACHED``,
 also reported with ``hypothesis.event``). Under the CI profile (derandomized, so the same
-examples every run) a case missed that is not a known gap fails. The examples are fixed but
-the runs are not quite: the cache's keys are bytes, and set order follows Python's per-process
-hash seed, so a case reached only by some runs belongs in the known gaps too.
+examples every run, on a clock of the machine's own: the same decisions on any machine and
+load) a case missed that is not a known gap fails. The examples depend on hypothesis's
+version, which setup.py pins for that reason.
 """
 from __future__ import annotations
 
