@@ -21,6 +21,13 @@ from tests.transfer.helpers import SlowStore, Supervisor, key, plan, pump
 pytest.importorskip("paddle")
 
 
+def close_all(*parts) -> None:
+    """Closes what a test opened, in order, skipping what it never got to open."""
+    for part in parts:
+        if part is not None:
+            part.close()
+
+
 def test_loop_drops_everything_before_its_fence_then_serves_and_stops():
     sup = Supervisor(layout=KVLayout(1, 1, 16, 16, "float32", tp_size=1), num_device_blocks=4, num_host_blocks=4)
     ends = executor = loop = None
@@ -54,13 +61,7 @@ def test_loop_drops_everything_before_its_fence_then_serves_and_stops():
         sup.ends.tasks[0].close()  # the engine is done: its end closed
         assert loop.run() == 0
     finally:
-        if loop is not None:
-            loop.close()
-        if ends is not None:
-            ends.close()
-        if executor is not None:
-            executor.close()
-        sup.close()
+        close_all(loop, ends, executor, sup)
 
 
 @pytest.mark.parametrize("corrupt", ["frame", "payload"])
@@ -94,13 +95,7 @@ def test_a_corrupt_task_fails_alone_and_the_tasks_around_it_run(corrupt):
         assert loop.executed == 2
         assert ring.dropped == (corrupt == "frame")
     finally:
-        if loop is not None:
-            loop.close()
-        if ends is not None:
-            ends.close()
-        if executor is not None:
-            executor.close()
-        sup.close()
+        close_all(loop, ends, executor, sup)
 
 
 def test_a_long_store_on_slow_storage_keeps_the_heartbeat(tmp_path):
@@ -142,10 +137,4 @@ def test_a_long_store_on_slow_storage_keeps_the_heartbeat(tmp_path):
         assert took > sup.spec.dead_after_s, took
         assert max(silences) < sup.spec.dead_after_s * 1e9 / 2, f"heartbeat silent for {max(silences) / 1e9:.2f} s"
     finally:
-        if loop is not None:
-            loop.close()
-        if ends is not None:
-            ends.close()
-        if executor is not None:
-            executor.close()
-        sup.close()
+        close_all(loop, ends, executor, sup)
