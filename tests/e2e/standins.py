@@ -34,6 +34,18 @@ def _announce(sig: SignalArray, proc: str) -> None:
     sig[f"{proc}.ready"] = 1
 
 
+def _busy(sig: SignalArray, seconds: float, beat_every: float) -> None:
+    """The engine's work on one request: it beats all along, as the real one does between steps
+    (beating only once per request would race dead_after_s when a request takes as long)."""
+    end = time.monotonic() + seconds
+    while True:
+        sig["engine.beat"] = time.monotonic_ns()
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        _idle.wait(min(left, beat_every))
+
+
 def _serve(spec: RunSpec, sig: SignalArray, proc: str, channel, hang: bool = False) -> int:
     while not sig["stop"]:
         if not hang:
@@ -97,8 +109,7 @@ def engine_main(spec_json: str, workload_path: str) -> int:
         for i, req in enumerate(requests):
             if sig["stop"]:
                 return 0
-            _idle.wait(per_request)
-            sig["engine.beat"] = time.monotonic_ns()
+            _busy(sig, per_request, spec.heartbeat_s / 2)
             output = [(req["prompt"][-1] + j) % 1024 for j in range(req["max_new_tokens"])]
             generated += len(output)
             preempted += i % 3 == 0
