@@ -33,12 +33,13 @@ from fastkv.cache.index import Cause, MatchResult, MissExplanation, MissReason
 from fastkv.cache.integrity import check
 from fastkv.cache.keys import ExtraKeys, KeyNamespace, as_tokens, block_keys, root_key
 from fastkv.cache.offload import offload as offload_request
+from fastkv.cache.offload import preemption_work
 from fastkv.cache.offload import restore as restore_request
 from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.cache.pool import BlockState
 from fastkv.cache.release import release_host_refs, release_table
 from fastkv.cache.requests import CacheRecord, ReqState
-from fastkv.cache.results import Allocation, Completion, Growth
+from fastkv.cache.results import Allocation, Completion, Growth, PreemptionWork
 from fastkv.cache.state import CacheConfig, CacheState
 from fastkv.cache.tiering import count_hits, host_copies, swap_in, take_device, take_host
 from fastkv.cache.write_policy import Tier
@@ -315,6 +316,10 @@ class CacheManager:
     def offload(self, request_id: object) -> tuple[CopyPlan, ...] | None:
         """Copy the request's computed KV to the host (see fastkv.cache.offload)."""
         return offload_request(self.state, request_id)
+
+    def preemption_work(self, request_id: object) -> PreemptionWork:
+        """What offloading or recomputing the request would do now (see fastkv.cache.offload)."""
+        return preemption_work(self.state, request_id)
 
     def restore(self, request_id: object, reserve_tokens: int = 0) -> Allocation | None:
         """Bring an OFFLOADED request back onto the device (see fastkv.cache.offload)."""

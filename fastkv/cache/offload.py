@@ -16,7 +16,7 @@ from fastkv.cache.keys import private_key
 from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import NEVER, CacheRecord, ReqState
-from fastkv.cache.results import Allocation
+from fastkv.cache.results import Allocation, PreemptionWork
 from fastkv.cache.state import CacheState
 from fastkv.cache.tiering import swap_in, take_device, take_host
 from fastkv.config import cdiv
@@ -38,17 +38,10 @@ def offload(state: CacheState, request_id: object) -> tuple[CopyPlan, ...] | Non
     host = state.host
     if not host.capacity:
         raise ValueError("offload needs a host tier (num_host_blocks > 0)")
-    bs = state.block_size
-    n_blocks = cdiv(req.num_computed, bs)
-    n_full = min(req.num_computed // bs, len(req.keys))
-    hget, hstate = host.lookup.get, host.state
-    host_table = [-1] * n_blocks
-    for i in range(n_full):
-        hb = hget(req.keys[i])
-        if hb is not None:
-            host_table[i] = hb
+    host_table, n_full = _host_copies(state, req)
+    n_blocks = len(host_table)
     copy = [i for i in range(n_blocks) if host_table[i] < 0]
-    cached = sum(1 for hb in host_table if hb >= 0 and hstate[hb] == _CACHED)
+    cached = sum(1 for hb in host_table if hb >= 0 and host.state[hb] == _CACHED)
     if host.num_available - cached < len(copy):
         return None
     for hb in host_table:
@@ -78,6 +71,33 @@ def offload(state: CacheState, request_id: object) -> tuple[CopyPlan, ...] | Non
     req.pending = 1
     src = [req.table[i] for i in copy]
     return (state.copies.open(CopyKind.SWAP_OUT, Purpose.OFFLOAD, src=src, dst=fresh, keys=keys, req=req),)
+
+
+def _host_copies(state: CacheState, req: CacheRecord) -> tuple[list[int], int]:
+    """The host block holding each of the request's computed blocks (-1: none), and how many
+    of them are full (only full blocks have shared keys a host copy can be found by)."""
+    n_full = min(req.num_computed // state.block_size, len(req.keys))
+    hget = state.host.lookup.get
+    table = [-1] * cdiv(req.num_computed, state.block_size)
+    for i in range(n_full):
+        hb = hget(req.keys[i])
+        if hb is not None:
+            table[i] = hb
+    return table, n_full
+
+
+def preemption_work(state: CacheState, request_id: object) -> PreemptionWork:
+    """What preempting a RUNNING request would cost each way, given the host copies it has now
+    (write-through puts its full blocks there): an offload copies only the blocks without one,
+    a recompute computes again only the tokens after its leading blocks with a host copy, landed
+    or on its way (its re-admission swaps those back in)."""
+    req = state.get(request_id, ReqState.RUNNING)
+    table, _ = _host_copies(state, req)
+    landing = state.copies.inflight
+    lead = next((i for i, hb in enumerate(table) if hb < 0 and (i >= len(req.keys) or req.keys[i] not in landing)),
+                len(table))
+    return PreemptionWork(sum(1 for hb in table if hb < 0),
+                          req.num_computed - min(req.num_computed, lead * state.block_size))
 
 
 def _cancel_restore(state: CacheState, req: CacheRecord) -> None:

@@ -30,3 +30,8 @@ class Completion(NamedTuple):
     ready: tuple[Ready, ...] = ()
     offloaded: tuple[object, ...] = ()  # offload finished: device blocks released
     offload_failed: tuple[object, ...] = ()  # offload failed: still RUNNING on its device blocks
+
+
+class PreemptionWork(NamedTuple):
+    copy_blocks: int  # blocks an offload would copy out (and back in)
+    recompute_tokens: int  # tokens a recompute would compute again

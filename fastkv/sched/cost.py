@@ -1,9 +1,17 @@
 """Online estimates that decide ``auto`` preemption: copy bandwidth and prefill rate.
 
-Offloading a victim costs two copies of its blocks (out now, in at resume); recomputing it
-costs a prefill of its computed tokens. Both rates are exponentially weighted moving
-averages of what the engine measured (``observe_copy`` from transfer completions,
-``observe_prefill`` from steps), starting from configured priors.
+Offloading a victim costs two copies of the blocks it has no host copy of (out now, in at
+resume); recomputing it costs a prefill of the tokens after its host-copied prefix (what
+``CacheManager.preemption_work`` counts: both modes swap the host-copied blocks back in).
+Both rates are exponentially weighted moving averages of what the engine measured
+(``observe_copy`` from transfer completions, ``observe_step`` from steps), starting from
+configured priors.
+
+A step costs a floor whatever its prefill (a decode step reads all the weights: on a GPU the
+prefill tokens of a mixed step ride on it), so the prefill rate is the marginal one: a
+prefill step's tokens over its time beyond the floor, which decode-only steps measure.
+Tokens per whole step would put the rate an order of magnitude low under a roofline model
+and make every recompute look expensive.
 
 A copy also costs a fixed ``copy_latency`` per task (the transfer path's round trip, which
 bench_swap measures as ``empty_task_rtt_us``): that is what makes the choice depend on the
@@ -24,6 +32,8 @@ class CostModel:
     copy_samples: int = 0
     prefill_samples: int = 0
     copy_latency: float = 0.0  # seconds per copy task, whatever its size
+    step_floor: float = 0.0  # seconds of a decode-only step (EWMA)
+    floor_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.copy_bandwidth <= 0 or self.prefill_rate <= 0 or not 0 < self.alpha <= 1 or self.copy_latency < 0:
@@ -49,12 +59,29 @@ class CostModel:
         self.prefill_rate += a * (tokens / seconds - self.prefill_rate)
         self.prefill_samples += 1
 
+    def observe_step(self, prefill: int, decode: int, seconds: float) -> None:
+        """A step computed ``prefill`` tokens in chunks and ``decode`` single tokens."""
+        if seconds <= 0:
+            return
+        if not prefill:
+            if decode:
+                a = self.alpha if self.floor_samples else 1.0
+                self.step_floor += a * (seconds - self.step_floor)
+                self.floor_samples += 1
+        elif self.floor_samples:
+            self.observe_prefill(prefill, max(0.0, seconds - self.step_floor))  # all under the floor: nothing
+        elif prefill >= decode:  # no floor known yet: the whole step, the best there is
+            self.observe_prefill(prefill + decode, seconds)
+
     def offload_seconds(self, num_blocks: int) -> float:
+        if not num_blocks:
+            return 0.0  # nothing to copy: OFFLOADED at once
         return 2.0 * (self.copy_latency + num_blocks * self.block_bytes / self.copy_bandwidth)
 
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_rate
 
     def prefer_offload(self, num_tokens: int, num_blocks: int) -> bool:
-        """Whether copying ``num_blocks`` out and back beats recomputing ``num_tokens``."""
+        """Whether copying ``num_blocks`` out and back beats recomputing ``num_tokens``
+        (a victim's ``PreemptionWork``)."""
         return self.offload_seconds(num_blocks) < self.recompute_seconds(num_tokens)

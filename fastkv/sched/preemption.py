@@ -36,9 +36,9 @@ def choose_mode(p: SchedulerParts, req: Request, force_recompute: bool) -> Preem
     if (mode is M.RECOMPUTE or force_recompute or req.state is not S.RUNNING or req.num_computed_tokens == 0
             or not cache.has_host_tier):
         return M.RECOMPUTE  # a LOADING request has nothing exact to copy yet
-    if mode is M.AUTO:
-        n = req.num_computed_tokens
-        return M.OFFLOAD if p.cost.prefer_offload(n, cdiv(n, p.block_size)) else M.RECOMPUTE
+    if mode is M.AUTO:  # compare what each would really do: both reuse the host copies it has
+        work = cache.preemption_work(req.request_id)
+        return M.OFFLOAD if p.cost.prefer_offload(work.recompute_tokens, work.copy_blocks) else M.RECOMPUTE
     return mode
 
 

@@ -204,8 +204,7 @@ class Scheduler:
                 self._finish(req, S.FINISHED_ABORTED)
         self.stats.prefill_tokens += prefill
         self.stats.decode_tokens += decode
-        if prefill and prefill >= decode and output.seconds > 0:
-            self.cost.observe_prefill(prefill + decode, output.seconds)
+        self.cost.observe_step(prefill, decode, output.seconds)
 
     def on_copy_complete(self, plan: CopyPlan | int, ok: bool, nbytes: int = 0, seconds: float = 0.0) -> None:
         """A copy plan finished on every rank (``ok``) or failed. ``nbytes``/``seconds`` (per

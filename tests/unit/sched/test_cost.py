@@ -41,3 +41,20 @@ def test_scheduler_config_carries_the_latency_prior():
     assert SchedulerConfig().copy_latency_s > 0
     with pytest.raises(ValueError, match="copy_latency_s >= 0"):
         SchedulerConfig(copy_latency_s=-1.0)
+
+
+def test_prefill_rate_is_the_marginal_one_beyond_the_decode_step_floor():
+    # Under a roofline a step costs the weights' read (0.6 ms here) whatever it computes, and
+    # each prefill token ~3.5 us beyond it: the rate that prices a recompute is 1 / 3.5 us.
+    m = model()
+    for _ in range(3):
+        m.observe_step(0, 8, 600e-6)
+    m.observe_step(500, 8, 600e-6 + 500 * 3.5e-6)
+    assert m.prefill_rate == pytest.approx(1 / 3.5e-6, rel=1e-6)
+    m.observe_step(100, 8, 550e-6)  # all of it rode on the floor: no rate to learn
+    assert m.prefill_rate == pytest.approx(1 / 3.5e-6, rel=1e-6) and m.prefill_samples == 1
+
+
+def test_nothing_to_copy_costs_no_copy():
+    assert model().offload_seconds(0) == 0.0
+    assert model().prefer_offload(3, 0)

@@ -115,6 +115,21 @@ def test_auto_offloads_when_copies_are_cheaper_and_recomputes_when_not():
     assert slow.sched.cost.prefill_samples > 0  # prefill steps fed the estimate
 
 
+def test_auto_prices_only_what_each_mode_would_redo_beside_write_through_host_copies():
+    # Victim 1 has 10 computed tokens; write-through is putting its 2 full blocks on the host
+    # (the copies go out in the step that preempts it). Offload would copy 3 blocks out and back
+    # (~0.3 ms of round trips); recompute computes its last 2 tokens again (~0.1 ms at the 18000
+    # tokens/s the first step measured), not all 10 (~0.6 ms).
+    r = rig(cache_policy=CachePolicy.WRITE_THROUGH, preemption=M.AUTO, copy_bandwidth=1e12, copy_latency_s=150e-6)
+    two_requests(r)
+    out = step_until_preempted(r)
+    assert sum(len(p.src) for p in out.copies if p.kind is CopyKind.SWAP_OUT) == 4  # write-through of both
+    assert r.sched.stats.preempt_recompute == 1 and r.sched.stats.preempt_offload == 0
+    r.run()
+    assert r.finished[1].num_recomputed_tokens == 2
+    assert r.finished[1].output_token_ids == r.worker.truth[1].tokens[10:]
+
+
 def test_per_request_mode_overrides_the_deployment():
     r = rig(preemption=M.RECOMPUTE)
     two_requests(r, preemption=M.OFFLOAD)
