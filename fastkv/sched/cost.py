@@ -16,7 +16,10 @@ and make every recompute look expensive.
 A copy also costs a fixed ``copy_latency`` per task (the transfer path's round trip, which
 bench_swap measures as ``empty_task_rtt_us``): that is what makes the choice depend on the
 victim's context. A short context recomputes in less time than two round trips; a long one
-copies faster than it recomputes. The bandwidth estimate leaves the latency out.
+copies faster than it recomputes. The bandwidth estimate leaves the latency out. Once tasks of
+different sizes were seen, both come from a least-squares line through them (seconds = latency
++ bytes / bandwidth, over exponentially weighted moments): tasks of a few blocks take mostly
+latency, and charging it all to bandwidth put the bandwidth ~50x low and every offload too dear.
 """
 from __future__ import annotations
 
@@ -34,6 +37,9 @@ class CostModel:
     copy_latency: float = 0.0  # seconds per copy task, whatever its size
     step_floor: float = 0.0  # seconds of a decode-only step (EWMA)
     floor_samples: int = 0
+    # EWMA moments of copy tasks' (bytes, seconds): mean x, mean y, mean x^2, mean x*y
+    _moments: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    _task_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.copy_bandwidth <= 0 or self.prefill_rate <= 0 or not 0 < self.alpha <= 1 or self.copy_latency < 0:
@@ -43,6 +49,8 @@ class CostModel:
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         if nbytes < 0 or seconds < 0:
             raise ValueError(f"observe_copy: negative bytes {nbytes} or seconds {seconds}")
+        if nbytes and self._fit(nbytes, seconds):
+            return
         seconds -= self.copy_latency
         if nbytes == 0 or seconds <= 0:
             return  # nothing measurable (a control task, a clock too coarse, or all latency)
@@ -58,6 +66,21 @@ class CostModel:
         a = self.alpha if self.prefill_samples else 1.0
         self.prefill_rate += a * (tokens / seconds - self.prefill_rate)
         self.prefill_samples += 1
+
+    def _fit(self, x: float, y: float) -> bool:
+        """Feeds the moments; True if the tasks' sizes vary enough that the line through them
+        gave both bandwidth and latency."""
+        a = self.alpha if self._task_samples else 1.0
+        self._moments = mx, my, mxx, mxy = tuple(m + a * (v - m) for m, v in zip(
+            self._moments, (x, y, x * x, x * y), strict=True))
+        self._task_samples += 1
+        var, cov = mxx - mx * mx, mxy - mx * my
+        if var <= (0.25 * mx) ** 2 or cov <= 0:
+            return False  # all about one size (or noise sloping down): latency stays the prior
+        self.copy_bandwidth = var / cov
+        self.copy_latency = max(0.0, my - mx / self.copy_bandwidth)
+        self.copy_samples += 1
+        return True
 
     def observe_step(self, prefill: int, decode: int, seconds: float) -> None:
         """A step computed ``prefill`` tokens in chunks and ``decode`` single tokens."""

@@ -216,7 +216,7 @@ class Scheduler:
         self._completed_since_step += 1
         if not ok:
             self.stats.copies_failed += 1
-        elif nbytes:
+        elif nbytes and p.kind in (CopyKind.SWAP_IN, CopyKind.SWAP_OUT):  # what an offload does (not storage I/O)
             self.cost.observe_copy(nbytes, seconds)
         c = self.cache.complete(p, bool(ok))
         if p.kind is CopyKind.CLEAR:

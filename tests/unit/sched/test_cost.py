@@ -58,3 +58,15 @@ def test_prefill_rate_is_the_marginal_one_beyond_the_decode_step_floor():
 def test_nothing_to_copy_costs_no_copy():
     assert model().offload_seconds(0) == 0.0
     assert model().prefer_offload(3, 0)
+
+
+def test_tasks_of_a_few_blocks_give_latency_and_bandwidth_apart():
+    # The transfer path here: 300 us per task and 15 GB/s; tasks of 1 and 4 blocks. Charging
+    # all beyond the 200 us prior to bandwidth would put it at ~1-3 GB/s.
+    m = model()
+    for i in range(12):
+        nbytes = BLOCK_BYTES * (1 if i % 2 else 4)
+        m.observe_copy(nbytes, 300e-6 + nbytes / 15e9)
+    assert m.copy_bandwidth == pytest.approx(15e9, rel=1e-6)
+    assert m.copy_latency == pytest.approx(300e-6, rel=1e-6)
+    assert m.prefer_offload(480, 30)  # a long context with no host copy: 2 x 0.43 ms against 2.4 ms

@@ -100,6 +100,20 @@ def test_storage_mode_stores_full_blocks_and_resumes_from_prefix_hits():
     assert r.finished[1].output_token_ids == r.worker.truth[1].tokens[10:]
 
 
+def test_storage_io_does_not_feed_the_host_copy_estimate():
+    r = rig(storage=True, preemption=M.STORAGE)
+    two_requests(r)
+    step_until_preempted(r)
+    r.complete_all()
+    stores = [p for p in r.step().copies if p.kind is CopyKind.STORE]
+    assert stores
+    before = r.sched.cost.copy_bandwidth
+    while r.transfer.pending:  # a STORE to a slow backend: 1 MiB/s, nothing to do with offload's copies
+        plan, ok = r.transfer.complete(0, True)
+        r.sched.on_copy_complete(plan, ok, nbytes=1 << 20, seconds=1.0 if plan.kind is CopyKind.STORE else 0.0)
+    assert r.sched.cost.copy_bandwidth == before
+
+
 def test_auto_offloads_when_copies_are_cheaper_and_recomputes_when_not():
     fast = rig(preemption=M.AUTO, copy_bandwidth=1e12, prefill_rate=1e3)
     two_requests(fast)
