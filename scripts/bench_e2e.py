@@ -65,8 +65,10 @@ RUNS = {"recompute_device_only": ("recompute", False), "recompute": ("recompute"
 def mixed_workload(path: Path, seed: int = 0) -> Path:
     """Requests that all arrive at once, with no shared prefix: a quarter with long prompts
     and short outputs (a victim holds hundreds of computed tokens), the rest with short prompts
-    and long outputs (a victim holds a few dozen). Recomputing a long one costs a prefill of
-    its context; copying a short one costs two copy round trips for a block or two."""
+    and long outputs (a victim holds a few dozen). A short victim recomputes in less than a copy
+    round trip; a long one whose host copies have not all landed copies faster than it
+    recomputes. Under write-through both are often close: auto's choices show in its preemption
+    counts."""
     rng = random.Random(seed)
     reqs = []
     for i in range(24):
@@ -134,17 +136,18 @@ def main() -> int:
     if args.runner == "synthetic" and args.cost_model != "flat":
         gbps = args.copy_gbps or round(measure_copy_bandwidth() / 1e9, 2)
         options = {"cost_model": args.cost_model, "copy_gbps": gbps}
-    root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fastkv-bench-e2e-"))
-    workload = str(mixed_workload(root / "mixed.jsonl")) if args.workload == "mixed" else args.workload
-    base = JobConfig(runner=args.runner, tp=args.tp, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-                     storage=args.storage, quick=args.quick or args.smoke, demo=SMOKE_DEMO if args.smoke else {},
-                     workload=workload, runner_options=options)
-    print(f"{args.workload} workload: {len(base.requests())} requests; {args.runner} runner, tp {args.tp}, "
-          f"{base.device_blocks} device / {args.host_blocks} host blocks per rank; cost model "
-          f"{options.get('cost_model', 'flat')} at {options.get('copy_gbps', '-')} GB/s of copies here", flush=True)
     rounds = args.rounds or (1 if args.smoke else 3)
     runs: dict[str, list[dict]] = {label: [] for label in RUNS}
+    root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fastkv-bench-e2e-"))
     try:
+        workload = str(mixed_workload(root / "mixed.jsonl")) if args.workload == "mixed" else args.workload
+        base = JobConfig(runner=args.runner, tp=args.tp, device_blocks=args.device_blocks,
+                         host_blocks=args.host_blocks, storage=args.storage, quick=args.quick or args.smoke,
+                         demo=SMOKE_DEMO if args.smoke else {}, workload=workload, runner_options=options)
+        print(f"{args.workload} workload: {len(base.requests())} requests; {args.runner} runner, tp {args.tp}, "
+              f"{base.device_blocks} device / {args.host_blocks} host blocks per rank; cost model "
+              f"{options.get('cost_model', 'flat')} at {options.get('copy_gbps', '-')} GB/s of copies here",
+              flush=True)
         for r in range(rounds):
             for label in RUNS:
                 print(f"running {label} (round {r + 1} of {rounds}) ...", flush=True)
