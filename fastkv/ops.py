@@ -507,19 +507,33 @@ class BoundSwap:
         self._geometry = (layers, host.data_ptr(), int(np.prod(shape[3:])) * host.element_size(),
                           self._k[0].shape[0], shape[0])
         self._lib = c_abi()
+        # Ids are copied here and passed by these fixed addresses: reading an array's address
+        # (``arr.ctypes.data``) costs ~2.5 us, more than the rest of a small swap's call. A call
+        # with more ids than the larger tier has blocks cannot be valid (dst ids are unique)
+        # and takes the general path, which reports why.
+        cap = max(self._geometry[3:])
+        self._src_ids, self._dst_ids = np.empty(cap, np.int32), np.empty(cap, np.int32)
+        self._ids_at = (self._src_ids.ctypes.data, self._dst_ids.ctypes.data)
 
     def swap(self, src: Any, dst: Any, *, to_host: bool, num_threads: int | None = None) -> None:
-        """As ``swap_blocks`` on the bound tensors; src/dst as there (int32 arrays pass as they are)."""
+        """As ``swap_blocks`` on the bound tensors; src/dst as there (int32 arrays pass as they are).
+        Not thread-safe: one caller at a time (the transfer process's swap lane)."""
         if self.on_gpu:
             swap_blocks(self._k, self._v, self._host, src, dst, to_host=to_host, num_threads=num_threads)
             return
         src, dst = _ids_fast(src, "src"), _ids_fast(dst, "dst")
-        if len(src) != len(dst):
-            raise ValueError(f"got {len(src)} src ids but {len(dst)} dst ids")
+        n = len(src)
+        if n != len(dst):
+            raise ValueError(f"got {n} src ids but {len(dst)} dst ids")
+        if n <= len(self._src_ids):
+            self._src_ids[:n], self._dst_ids[:n] = src, dst
+            src_at, dst_at = self._ids_at
+        else:
+            src_at, dst_at = src.ctypes.data, dst.ctypes.data
         threads = default_num_threads() if num_threads is None else num_threads
         layers, host, page, ndev, nhost = self._geometry
-        if self._lib.fkv_cpu_swap(self._k_ptrs, self._v_ptrs, layers, host, page, ndev, nhost, src.ctypes.data,
-                                  dst.ctypes.data, len(src), bool(to_host), threads, -1) != 0:
+        if self._lib.fkv_cpu_swap(self._k_ptrs, self._v_ptrs, layers, host, page, ndev, nhost, src_at, dst_at, n,
+                                  bool(to_host), threads, -1) != 0:
             raise ValueError(self._lib.fkv_cpu_last_error().decode())
 
 

@@ -213,9 +213,9 @@ class TransferClient:
         """Notices a replaced (or, with ``liveness``, dead) owner; adopts a new process."""
         st, out = self._ranks[r], []
         if st.owner is not None:
-            bound = self.ends.tasks[r].ring.peer(Side.CONSUMER)
-            if (bound.pid, bound.started) != (st.owner.pid, st.owner.started):
-                out = self._down(r, f"transfer[{r}] pid {st.owner.pid} died (replaced by pid {bound.pid})")
+            bound = self.ends.tasks[r].ring.peer_id(Side.CONSUMER)
+            if bound != (st.owner.pid, st.owner.started):
+                out = self._down(r, f"transfer[{r}] pid {st.owner.pid} died (replaced by pid {bound[0]})")
             elif liveness and not st.owner.alive():
                 out = self._down(r, f"transfer[{r}] pid {st.owner.pid} died")
         if st.owner is None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -93,6 +94,7 @@ def test_bind_records_peer(ns):
     peer = ring.peer(Side.PRODUCER)
     assert peer.role == "engine" and peer.rank == 0 and peer.alive()
     assert ring.peer(Side.CONSUMER).pid == 0
+    assert ring.peer_id(Side.PRODUCER) == (os.getpid(), peer.started) and ring.peer_id(Side.CONSUMER) == (0, 0)
     with pytest.raises(ValueError, match="16 bytes"):
         ring.bind(Side.CONSUMER, "x" * 17)
     ring.close()

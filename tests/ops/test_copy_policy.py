@@ -84,6 +84,24 @@ def test_bound_swap_matches_the_reference_with_either_stores(paddle_ops, streami
         ops.set_copy_policy(ops.cached_copy_policy())
 
 
+def test_one_bound_swap_serves_calls_of_every_size(paddle_ops):
+    # It copies each call's ids into buffers of its own: a short call after a long one, a
+    # call with more ids than a tier has blocks (repeated src ids), and other id dtypes.
+    layout = KVLayout(num_layers=2, kv_heads=1, block_size=2, head_dim=8, dtype="float32")
+    rng = np.random.default_rng(3)
+    tiers = Tiers(layout, 3, 5, rng)
+    bound = ops.BoundSwap(tiers.k_t, tiers.v_t, tiers.host_t)
+    calls = [([0, 1, 2], [4, 0, 3], True), ([2], [1], True), ([4, 1], [0, 2], False), ([], [], True),
+             ([1] * 5, [0, 1, 2, 3, 4], True), (np.array([3, 0], np.int64), np.array([2, 1], np.uint8), False)]
+    for src, dst, to_host in calls:
+        expected = tiers.snapshot()
+        ops.swap_blocks_ref(expected[:2], expected[2:4], expected[4], src, dst, to_host=to_host)
+        bound.swap(src, dst, to_host=to_host, num_threads=1)
+        tiers.assert_bytes_equal(expected)
+    with pytest.raises(ValueError, match="src id 7 at position 5 is out of range"):
+        bound.swap([0] * 5 + [7], [0, 1, 2, 3, 4, 0], to_host=True)
+
+
 def test_bound_swap_refuses_bad_ids_before_anything_moves(paddle_ops):
     layout = KVLayout(num_layers=1, kv_heads=1, block_size=2, head_dim=8, dtype="float32")
     tiers = Tiers(layout, 4, 3, np.random.default_rng(0))
