@@ -48,6 +48,8 @@ class RunSpec:
     update_weights_at: tuple[str, ...] = ()
     free_memory_on_update: bool = False  # release the device and host tiers' memory during each update
     enable_prefix_caching: bool = True  # False: a request only ever hits its own KV (after a preemption)
+    role: str = "mixed"  # "prefill" | "decode" | "mixed": disaggregated serving (fastkv.engine.handoff)
+    handoff: str = ""  # decode: the prefill run's handoff.jsonl
     device_ids: tuple[int, ...] = ()  # accelerator of each rank (``device_id``); empty: rank r uses device r
     cache_policy: str = "write_back"  # fastkv.cache.write_policy.WritePolicy value
     eviction: str = "lru"  # fastkv.cache.eviction.POLICIES name

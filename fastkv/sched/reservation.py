@@ -88,8 +88,9 @@ def _refuse(p: SchedulerParts, refusal: Refusal) -> Refusal:
     return refusal
 
 
-def reserve(p: SchedulerParts, req: Request, updating: bool) -> Reservation | Refusal:
-    """Admit ``req`` (new, validated) with its blocks, or refuse it and touch nothing."""
+def reserve(p: SchedulerParts, req: Request, updating: bool, tail_key: bytes | None = None) -> Reservation | Refusal:
+    """Admit ``req`` (new, validated) with its blocks, or refuse it and touch nothing.
+    ``tail_key``: the remote KV is in storage (``CacheManager.allocate``)."""
     cache, table, rid = p.cache, p.table, req.request_id
     need = cdiv(req.num_tokens, p.block_size)
     free = cache.num_free_device_blocks
@@ -101,7 +102,7 @@ def reserve(p: SchedulerParts, req: Request, updating: bool) -> Reservation | Re
     held = growth_reservation(p)
     if free - held < need:
         return _refuse(p, Refusal(rid, RefusalReason.NO_ROOM, need, free, held))
-    a = cache.allocate(rid, req.token_ids, req.extra)
+    a = cache.allocate(rid, req.token_ids, req.extra, tail_key=tail_key)
     if a is None:  # a cached device hit counted as free above, and it is not
         return _refuse(p, Refusal(rid, RefusalReason.NO_ROOM, need, free, held))
     p.outbox.emit(a.plans)
