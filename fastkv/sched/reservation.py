@@ -5,10 +5,14 @@ device blocks, minus a reservation for the growth of the requests it is already 
 cover the newcomer; otherwise it refuses with a reason, and the prefill instance keeps the
 request (or asks another decode instance) instead of both overcommitting and preempting.
 
-The growth reservation is FastDeploy's decaying watermark, kept per running request: a
-request starts at ``reserve_init_blocks``, each step multiplies it by ``reserve_decay`` down
-to ``reserve_min_blocks`` (a batch that has been decoding a while has shown its growth rate),
-capped by the blocks the request can still need, and any preemption resets all of them.
+The growth reservation is every block the running requests can still need (to
+``max_new_tokens`` or ``max_model_len``): a request taken in then never costs a running one a
+preemption; an early stop gives its share back. With ``overcommit_growth`` it is FastDeploy's
+decaying watermark instead, kept per running request: a request starts at
+``reserve_init_blocks``, each step multiplies it by ``reserve_decay`` down to
+``reserve_min_blocks`` (a batch that has been decoding a while has shown its growth rate),
+capped by the blocks the request can still need, and any preemption resets all of them; more
+requests run at once, and a running one is preempted when its growth outruns the estimate.
 
 Accepted: the request is allocated (device prefix hits reused; host or storage hits are
 loaded locally) and waits in LOADING. The remote KV fills positions
@@ -56,7 +60,7 @@ class Reservation(NamedTuple):
 class Refusal(NamedTuple):
     request_id: int
     reason: RefusalReason
-    needed_blocks: int
+    needed_blocks: int  # its KV and its own growth (module docstring), less its device prefix hits
     free_blocks: int
     reserved_blocks: int  # for the growth of running requests
 
@@ -67,15 +71,17 @@ class Refusal(NamedTuple):
 
 
 def growth_reservation(p: SchedulerParts) -> int:
-    """Device blocks held back for the growth of requests that hold blocks."""
-    bs, cap, table = p.block_size, p.max_model_len, p.table
-    total = 0
-    for group in (table.running, table.loading):
-        for r in group.values():
-            final = min(r.num_prompt_tokens + r.max_new_tokens, cap)
-            still = cdiv(final, bs) - cdiv(max(r.num_slotted, r.num_tokens), bs)
-            total += max(0, min(int(np.ceil(r.watermark)), still))
-    return total
+    """Device blocks held back for the growth of requests that hold blocks (module docstring)."""
+    table = p.table
+    return sum(_growth(p, r, r.watermark) for group in (table.running, table.loading) for r in group.values())
+
+
+def _growth(p: SchedulerParts, r: Request, watermark: float) -> int:
+    """Blocks ``r`` may still take beyond its slots: all it can need, or its watermark of that."""
+    bs = p.block_size
+    final = min(r.num_prompt_tokens + r.max_new_tokens, p.max_model_len)
+    still = max(0, cdiv(final, bs) - cdiv(max(r.num_slotted, r.num_tokens), bs))
+    return min(int(np.ceil(watermark)), still) if p.config.overcommit_growth else still
 
 
 def decay_watermarks(table: RequestTable, cfg: SchedulerConfig) -> None:
@@ -99,6 +105,7 @@ def reserve(p: SchedulerParts, req: Request, updating: bool, tail_key: bytes | N
     if table.num_holding >= p.config.max_num_seqs:
         return _refuse(p, Refusal(rid, RefusalReason.TOO_MANY_SEQS, need, free, 0))
     need -= len(cache.match(req.token_ids, req.extra).device_blocks)
+    need += _growth(p, req, p.config.reserve_init_blocks)  # its own growth is reserved from the start
     held = growth_reservation(p)
     if free - held < need:
         return _refuse(p, Refusal(rid, RefusalReason.NO_ROOM, need, free, held))

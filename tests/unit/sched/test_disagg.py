@@ -1,4 +1,5 @@
-"""Disaggregated serving on the decode instance: reservations against a decaying watermark."""
+"""Disaggregated serving on the decode instance: reservations that keep the running requests' growth
+(or, overcommitting, a decaying watermark of it)."""
 import numpy as np
 import pytest
 
@@ -34,7 +35,7 @@ def arrive(r: Rig, res: Reservation, ok: bool = True) -> None:
 
 
 def test_refused_while_running_requests_hold_the_watermark_then_accepted_as_it_decays():
-    r = decode_rig()
+    r = decode_rig(overcommit_growth=True)
     for i in range(2):
         r.add(i, [i + 1] * 5, max_new_tokens=20)  # two blocks each, room for 3 more tokens before growing
     r.step()
@@ -111,3 +112,31 @@ def test_refused_during_a_weight_update_and_when_the_batch_is_full():
     req = prefilled(r, 2)
     assert r.sched.reserve_for_prefilled(req).reason is RefusalReason.WEIGHT_UPDATE
     assert req.arrival_seq == -1  # untouched: it may be asked again
+
+
+def test_a_decode_instance_under_pressure_refuses_and_never_preempts_its_running_requests():
+    """Prefilled requests offered every step, as a decode engine does, on a device that cannot
+    hold them all: the growth of the running requests is reserved first, so each newcomer
+    waits (refused with its reason) instead of a running request being preempted later."""
+    r = decode_rig(dev=12)
+    offers = [prefilled(r, rid, [rid + 1] * 7, max_new=12) for rid in range(8)]  # 2 blocks in, 5 at the end
+    refusals: dict[int, str] = {}
+    for _ in range(500):
+        while offers:
+            got = r.sched.reserve_for_prefilled(offers[0])
+            if isinstance(got, Reservation):
+                arrive(r, got)
+                offers.pop(0)
+                continue
+            assert got.reason is RefusalReason.NO_ROOM and got.needed_blocks > got.free_blocks - got.reserved_blocks
+            refusals.setdefault(got.request_id, got.detail)
+            break
+        if not offers and not r.sched.has_work():
+            break
+        r.step()
+        r.complete_all()
+    assert sorted(r.finished) == list(range(8))
+    assert r.sched.stats.preemptions == 0, r.sched.stats
+    assert refusals and all(f"request {rid} refused (NO_ROOM)" in why for rid, why in refusals.items())
+    for rid in range(8):
+        assert r.finished[rid].output_token_ids == r.worker.truth[rid].tokens[7:]
