@@ -9,7 +9,8 @@ under ``tail_key``, derived from the chain, the caller's request id and the tail
 only this handoff can name it.
 
 ``export`` copies what is missing from storage (device -> host -> storage, the write-through
-path: host copies are keyed, then STOREd); ``exported`` says when all of it is stored.
+path: host copies are keyed, then STOREd); ``exported`` says when all of it is stored; ``retry``
+copies what found no host block then (copies in flight pin them all), from the prefix cache.
 ``CacheManager.allocate(tail_key=...)`` is the decode side's load.
 """
 from __future__ import annotations
@@ -40,32 +41,50 @@ def export(state: CacheState, request_id: object, upto: int, tail: bytes | None)
     """Copy the KV of positions ``[0, upto)`` of a computed request to storage (its partial
     block under ``tail``); call it before the request is freed (the copies pin its device
     blocks). Returns the keys the decode side needs and the plans. Keys already stored, or on
-    their way, are not copied again; a block that finds no host block to pass through is not
-    copied (``exported`` then says False)."""
+    their way, are not copied again. The partial block goes first: once freed, only a full
+    block stays in the device prefix cache, where ``retry`` finds it when the host had no room."""
     req = state.get(request_id, ReqState.RUNNING)
     if req.num_computed < upto:
         raise ValueError(f"request {request_id!r}: export of {upto} tokens, {req.num_computed} computed")
     full, part = divmod(upto, state.block_size)
     pairs = list(zip(req.table[:full], req.keys[:full], strict=True))
+    keys = [k for _, k in pairs]
     if part:
         assert tail is not None, f"request {request_id!r}: a partial block to export and no tail key"
-        pairs.append((req.table[full], tail))
+        pairs.insert(0, (req.table[full], tail))
+        keys.append(tail)
+    return keys, _copy(state, pairs)
+
+
+def retry(state: CacheState, keys: Sequence[bytes]) -> list[CopyPlan]:
+    """Copy again what of ``keys`` is neither stored nor moving but still cached on the device
+    or the host (the export found no host block for it)."""
+    moving, dlookup = _moving(state), state.device.lookup
+    return _copy(state, [(dlookup.get(k, -1), k) for k in keys if k not in moving])
+
+
+def _copy(state: CacheState, pairs: list[tuple[int, bytes]]) -> list[CopyPlan]:
     stored, hlookup = state.index.stored, state.host.lookup
-    on_host = [(hlookup[k], k) for _, k in pairs if k in hlookup and k not in stored]
+    pairs = [(b, k) for b, k in pairs if k not in stored]
+    on_host = [(hlookup[k], k) for _, k in pairs if k in hlookup]
     plans = store(state, [hb for hb, _ in on_host], [k for _, k in on_host]) if on_host else []
-    plans += host_copies(state, [(b, k) for b, k in pairs if k not in stored])
-    return [k for _, k in pairs], plans
+    return plans + host_copies(state, [(b, k) for b, k in pairs if b >= 0 and k not in hlookup])
 
 
-def exported(state: CacheState, keys: Sequence[bytes]) -> bool | None:
-    """True: storage holds every key; None: some are still on their way; False: lost (a copy
-    failed or found no room)."""
-    stored = state.index.stored
-    missing = [k for k in keys if k not in stored]
-    if not missing:
-        return True
+def _moving(state: CacheState) -> set[bytes]:
     moving = set(state.copies.inflight)
     for rec in state.copies.records.values():
         if rec.purpose is Purpose.STORE:
             moving.update(rec.keys)
+    return moving
+
+
+def exported(state: CacheState, keys: Sequence[bytes]) -> bool | None:
+    """True: storage holds every key; None: some are still on their way; False: not all, and
+    nothing is moving (a copy failed or found no host block: ``retry`` may still have it)."""
+    stored = state.index.stored
+    missing = [k for k in keys if k not in stored]
+    if not missing:
+        return True
+    moving = _moving(state)
     return None if any(k in moving for k in missing) else False

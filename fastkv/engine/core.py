@@ -161,7 +161,7 @@ class Engine:
         self.exporter: Exporter | None = None
         if spec.role == "prefill":
             self.exporter = Exporter(self.cache, spec.out_dir, spec.layout.block_bytes * spec.tp_size,
-                                     self._ext.__getitem__)
+                                     self._ext.__getitem__, self.sched.outbox.emit)
             self.sched.before_free = self.exporter.before_free
         self._sig["engine.pid"] = os.getpid()
         self.beat()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from fastkv.cache.plan import CopyPlan
 from fastkv.sched.request import Request
 
 RECORD = "handoff.jsonl"
+RETRIES = 8  # copies of an export again from the prefix cache before it counts as lost
 
 
 @dataclass(slots=True)
@@ -50,12 +52,15 @@ class HandoffStats:
 class Exporter:
     """The prefill side: export at finish, record once stored (module docstring)."""
 
-    def __init__(self, cache: CacheManager, out_dir: str | Path, block_bytes: int, name: Any) -> None:
+    def __init__(self, cache: CacheManager, out_dir: str | Path, block_bytes: int, name: Any,
+                 emit: Callable[[list[CopyPlan]], None]) -> None:
         self.cache, self.block_bytes, self.name = cache, block_bytes, name  # name(rid) -> the caller's id
+        self.emit = emit  # copies to hand out with the next step
         self.path = Path(out_dir) / RECORD
         self.path.write_text("")
         self.stats = HandoffStats("prefill")
         self._pending: dict[str, tuple[list[bytes], float]] = {}
+        self._retries: dict[str, int] = {}
 
     def before_free(self, req: Request) -> list[CopyPlan]:
         ext, cache = self.name(req.request_id), self.cache
@@ -68,11 +73,21 @@ class Exporter:
     def poll(self) -> None:
         """Record the exports that are complete (or lost); call after copy completions."""
         lines = []
+        state = self.cache.state
         for ext, (keys, t0) in list(self._pending.items()):
-            ok = handoff.exported(self.cache.state, keys)
+            ok = handoff.exported(state, keys)
+            if ok is False and self._retries.get(ext, 0) < RETRIES:
+                # a block found no host room (copies in flight held it all): again once they free some
+                plans = handoff.retry(state, keys)
+                if plans:
+                    self._retries[ext] = self._retries.get(ext, 0) + 1
+                    self.emit(plans)
+                if plans or state.copies.records:
+                    continue
             if ok is None:
                 continue
             del self._pending[ext]
+            self._retries.pop(ext, None)
             st, seconds = self.stats, time.monotonic() - t0
             st.requests += 1
             st.failed += not ok

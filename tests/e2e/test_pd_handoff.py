@@ -34,4 +34,5 @@ def test_decode_engine_serves_the_prefill_engines_prompts_token_identically(tmp_
     assert dec["verified"]["kv_mismatches"] == 0
     # 24 device blocks for 10 requests: some had to wait, each refusal named with its reason
     assert h["refused"] == len(h["refusals"]) > 0, h
+    assert sum(dec["preemptions"].values()) == 0, dec["preemptions"]  # it refused instead
     assert all("NO_ROOM" in why or "TOO_MANY_SEQS" in why for why in h["refusals"].values()), h

@@ -90,3 +90,19 @@ def test_export_refuses_tokens_not_computed():
     drain(p, p.allocate("r1", PROMPT).plans)
     with pytest.raises(ValueError, match="2 computed|0 computed"):
         handoff.export(p.state, "r1", KNOWN, tail_of(p))
+
+
+def test_blocks_that_found_no_host_room_are_copied_again_from_the_prefix_cache():
+    p, d = mk(host=1), mk()  # one host block: the export copies one block at a time
+    keys, kinds = prefill(p)
+    assert kinds == [CopyKind.SWAP_OUT, CopyKind.STORE]
+    assert p.state.index.stored.keys() & set(keys) == {keys[2]}  # the partial block went first
+    for _ in range(len(keys)):
+        if handoff.exported(p.state, keys):
+            break
+        assert handoff.exported(p.state, keys) is False
+        drain(p, handoff.retry(p.state, keys))
+    assert handoff.exported(p.state, keys) is True
+    d.confirm_stored(keys[:2])
+    (ready,) = drain(d, d.allocate("x", PROMPT, tail_key=keys[2]).plans)
+    assert ready.num_computed_tokens == KNOWN and d.stats.storage_lost_tokens == 0
