@@ -298,8 +298,9 @@ class JobConfig:
         if self.storage in ("default", "none") or not self.enable_prefix_caching:
             raise ValueError(f"--role {self.role} hands KV over through a shared store: give --storage "
                              "lmdb://DIR or redis://HOST:PORT (the same for both roles), with prefix caching on")
-        if self.role == "decode" and not Path(self.handoff).is_file():
-            raise ValueError(f"--role decode needs --handoff, the prefill run's handoff.jsonl; got {self.handoff!r}")
+        if self.role == "decode" and (not self.handoff or Path(self.handoff).is_dir()):
+            raise ValueError("--role decode needs --handoff FILE, the prefill run's OUT/handoff.jsonl (it may not "
+                             f"exist yet: the decode run follows it as it is written); got {self.handoff!r}")
 
     def to_spec(self, run_id: str, out_dir: Path):
         from fastkv.run import RunSpec
@@ -389,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="reuse KV across requests that share a prefix (default on)")
     a("--role", choices=ROLES, help="mixed (default); prefill: compute each prompt, export its KV to the shared "
       "store and record it in OUT/handoff.jsonl; decode: take the requests of --handoff from that store")
-    a("--handoff", metavar="FILE", help="--role decode: the prefill run's handoff.jsonl")
+    a("--handoff", metavar="FILE", help="--role decode: the prefill run's OUT/handoff.jsonl, followed as it is "
+      "written (start both runs together, or decode after prefill)")
     a("--device-ids", metavar="D0,D1,..", help="device of each rank (default: rank r uses device r)")
     a("--swap-space", type=float, metavar="GIB", help="FastDeploy's name: host tier in GiB per rank")
     a("--num-cpu-blocks", type=int, help="FastDeploy's name: host tier in blocks per rank")

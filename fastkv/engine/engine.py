@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 from fastkv.demo import arrival_error, prompt_error
 from fastkv.engine.core import Engine, EngineError, EngineStopped, RequestRejected, RequestResult
-from fastkv.engine.handoff import drive_decode
+from fastkv.engine.decode import drive_decode
 from fastkv.run import VERIFY_COUNTERS, RunSpec
 
 MODES = ("recompute", "offload", "storage", "auto")
@@ -242,6 +242,8 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
             if status == "done" and any(r.state == "unfinished" for r in results):
                 status = "stopped"  # drive() returns early only on stop
             summary = summarize(engine, items, results, timeline, seconds, status)
+            if engine.exporter is not None:  # a decode run following the file ends with it
+                engine.exporter.stream.end(status)
             handoff = engine.exporter.stats if engine.exporter is not None else engine.handoff_stats
             if handoff is not None:  # what the prefill -> decode handoff moved (fastkv.engine.handoff)
                 summary["handoff"] = handoff.to_json()

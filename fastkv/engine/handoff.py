@@ -14,9 +14,7 @@ is asked again once a request finishes), LOADs the prompt's KV from the store an
 """
 from __future__ import annotations
 
-import json
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +23,10 @@ from typing import Any
 from fastkv.cache import handoff
 from fastkv.cache.manager import CacheManager
 from fastkv.cache.plan import CopyPlan
+from fastkv.engine.handoff_stream import Announcer
+from fastkv.run import HANDOFF_FILE
 from fastkv.sched.request import Request
 
-RECORD = "handoff.jsonl"
 RETRIES = 8  # copies of an export again from the prefix cache before it counts as lost
 
 
@@ -56,8 +55,7 @@ class Exporter:
                  emit: Callable[[list[CopyPlan]], None]) -> None:
         self.cache, self.block_bytes, self.name = cache, block_bytes, name  # name(rid) -> the caller's id
         self.emit = emit  # copies to hand out with the next step
-        self.path = Path(out_dir) / RECORD
-        self.path.write_text("")
+        self.stream = Announcer(Path(out_dir) / HANDOFF_FILE)
         self.stats = HandoffStats("prefill")
         self._pending: dict[str, tuple[list[bytes], float]] = {}
         self._retries: dict[str, int] = {}
@@ -94,63 +92,10 @@ class Exporter:
             st.blocks += len(keys)
             st.bytes += len(keys) * self.block_bytes
             st.seconds += seconds
-            lines.append(json.dumps({"id": ext, "ok": ok, "blocks": len(keys), "bytes": len(keys) * self.block_bytes,
-                                     "seconds": round(seconds, 6)}) + "\n")
+            lines.append({"id": ext, "ok": ok, "blocks": len(keys), "bytes": len(keys) * self.block_bytes,
+                          "seconds": round(seconds, 6)})
         if lines:
-            with self.path.open("a") as f:
-                f.write("".join(lines))
+            self.stream.append(lines)
 
     def __bool__(self) -> bool:
         return bool(self._pending)
-
-
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """A prefill run's handoff.jsonl; ValueError naming the line that is wrong."""
-    out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        try:
-            doc = json.loads(line)
-            if not isinstance(doc.get("id"), str) or not isinstance(doc.get("ok"), bool):
-                raise ValueError("needs a string 'id' and a bool 'ok'")
-        except (ValueError, AttributeError) as exc:
-            raise ValueError(f"{path}:{n}: not a handoff record ({exc})") from None
-        out.append(doc)
-    return out
-
-
-def drive_decode(engine: Any, items: list[Any], results: list[Any]) -> None:
-    """The decode role's loop: take the prefill run's recorded requests in order, each as soon
-    as the engine reserves blocks for it (asked again every step while refused), and step until
-    all are done or ``stop``. A record that says its export was lost is computed here."""
-    from fastkv.engine.core import EngineError, RequestRejected
-    from fastkv.sched.reservation import Refusal
-
-    stats = engine.handoff_stats = HandoffStats("decode")
-    by_id = {it.id: it for it in items}
-    queue = deque((by_id[r["id"]], r["ok"]) for r in read_records(engine.spec.handoff) if r["id"] in by_id)
-    while queue or engine.has_work():
-        if engine.ends.signals["stop"]:
-            break
-        while queue:
-            it, ok = queue[0]
-            try:
-                if not ok:
-                    stats.failed += 1
-                    engine.add_request(it.prompt, it.max_new_tokens, request_id=it.id, preemption=it.preemption)
-                else:
-                    got = engine.reserve_for_prefilled(it.prompt, it.max_new_tokens, request_id=it.id,
-                                                       preemption=it.preemption)
-                    if isinstance(got, Refusal):
-                        stats.refused += it.id not in stats.refusals
-                        stats.refusals.setdefault(it.id, got.detail)
-                        if not engine.has_work():
-                            raise EngineError(f"decode engine idle and still refuses: {got.detail}")
-                        break
-            except RequestRejected as exc:
-                results.append(engine.rejected(it.id, exc.reason, time.monotonic()))
-            queue.popleft()
-        results += engine.step() if engine.has_work() else []
-    engine.check_workers()
-    layout = engine.spec.layout
-    stats.blocks = engine.cache.stats.load_blocks
-    stats.bytes = stats.blocks * layout.block_bytes * engine.spec.tp_size
