@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from fastkv.run import handoff_sem
-from tests.e2e.launch import Run
+from tests.e2e.launch import Run, new_run_id
 from tests.e2e.test_engine_synthetic import VOCAB, check_outputs, spec, workload
 
 
@@ -58,11 +60,19 @@ def test_decode_engine_serves_a_finished_prefill_runs_prompts_token_identically(
     assert not sem_left(handoff)
 
 
-def test_prefill_and_decode_runs_started_together(tmp_path):
+@pytest.fixture(params=["lmdb", "redis"])
+def store_url(request, tmp_path):
+    """One store for both runs: an LMDB directory, or a Redis (a fresh key prefix on the session's server)."""
+    if request.param == "lmdb":
+        return f"lmdb://{tmp_path}/store?max_bytes=64M"
+    return request.getfixturevalue("redis_url") + f"?prefix={new_run_id()}"
+
+
+def test_prefill_and_decode_runs_started_together(tmp_path, store_url):
     """The decode run starts first, before the handoff file exists, and takes each request
     as the prefill run announces it."""
     wl = workload(10, 8, [None])
-    url = f"lmdb://{tmp_path}/store?max_bytes=64M"
+    url = store_url
     handoff = tmp_path / "pre" / "handoff.jsonl"
     with Run(role_spec(tmp_path, "dec", url, role="decode", handoff=str(handoff)), wl) as dec_run:
         dec_run.wait_ready(["engine"])
