@@ -3,14 +3,15 @@
 A prefill engine (``Exporter``) runs each request's prompt, and before the finished request's
 blocks are freed copies the KV of every token but the last to the storage tier
 (``fastkv.cache.handoff``). Once all of it is stored it appends one line to
-``handoff.jsonl`` in its output directory: ``{"id", "ok", "blocks", "bytes", "seconds"}``.
+``handoff.jsonl`` in its output directory: ``{"id", "ok", "blocks", "bytes", "seconds"}``,
+announced to a decode run that follows the file (``fastkv.engine.handoff_stream``).
 The record is written only after the blocks, so a decode engine that reads it trusts the
 store to hold them (a value evicted since is a miss: it recomputes from there, counted).
 
-A decode engine (``decode_items``, then ``Engine.reserve_for_prefilled``) takes the
+A decode engine (``fastkv.engine.decode``, then ``Engine.reserve_for_prefilled``) takes the
 recorded requests in order: it reserves blocks for each, refusing with a reason while its
 running requests need the room (they are never preempted for a newcomer; a refused request
-is asked again once a request finishes), LOADs the prompt's KV from the store and decodes.
+is asked again every step), LOADs the prompt's KV from the store and decodes.
 """
 from __future__ import annotations
 
