@@ -91,6 +91,12 @@ class CacheManager:
         dev, host, sto = self.index.match(keys, (len(toks) - 1) // self.block_size)
         return MatchResult(tuple(dev), tuple(host), tuple(sto), self.block_size, len(toks))
 
+    def num_held_hits(self, match: MatchResult) -> int:
+        """Device hits of ``match`` that other requests hold: the only ones an allocation does not
+        take from ``num_free_device_blocks`` (a cached hit is counted there, and taken)."""
+        dstate = self.device.state
+        return sum(1 for b in match.device_blocks if dstate[b] != _CACHED)
+
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` new device blocks can be handed out now (no prefix hit assumed)."""
         return self.device.num_available - self.state.reserved >= num_blocks

@@ -104,13 +104,13 @@ def reserve(p: SchedulerParts, req: Request, updating: bool, tail_key: bytes | N
         return _refuse(p, Refusal(rid, RefusalReason.WEIGHT_UPDATE, need, free, 0))
     if table.num_holding >= p.config.max_num_seqs:
         return _refuse(p, Refusal(rid, RefusalReason.TOO_MANY_SEQS, need, free, 0))
-    need -= len(cache.match(req.token_ids, req.extra).device_blocks)
+    need -= cache.num_held_hits(cache.match(req.token_ids, req.extra))
     need += _growth(p, req, p.config.reserve_init_blocks)  # its own growth is reserved from the start
     held = growth_reservation(p)
     if free - held < need:
         return _refuse(p, Refusal(rid, RefusalReason.NO_ROOM, need, free, held))
     a = cache.allocate(rid, req.token_ids, req.extra, tail_key=tail_key)
-    if a is None:  # a cached device hit counted as free above, and it is not
+    if a is None:
         return _refuse(p, Refusal(rid, RefusalReason.NO_ROOM, need, free, held))
     p.outbox.emit(a.plans)
     table.admit_prefilled(req)

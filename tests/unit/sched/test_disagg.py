@@ -114,17 +114,15 @@ def test_refused_during_a_weight_update_and_when_the_batch_is_full():
     assert req.arrival_seq == -1  # untouched: it may be asked again
 
 
-def test_a_decode_instance_under_pressure_refuses_and_never_preempts_its_running_requests():
-    """Prefilled requests offered every step, as a decode engine does, on a device that cannot
-    hold them all: the growth of the running requests is reserved first, so each newcomer
-    waits (refused with its reason) instead of a running request being preempted later."""
-    r = decode_rig(dev=12)
-    offers = [prefilled(r, rid, [rid + 1] * 7, max_new=12) for rid in range(8)]  # 2 blocks in, 5 at the end
+def serve(r: Rig, offers: list[Request]) -> dict[int, str]:
+    """Offer prefilled requests every step, in order, as a decode engine does; the refusals."""
     refusals: dict[int, str] = {}
     for _ in range(500):
         while offers:
             got = r.sched.reserve_for_prefilled(offers[0])
             if isinstance(got, Reservation):
+                # what it holds never eats into the growth the requests holding blocks may still need
+                assert r.sched.cache.num_free_device_blocks >= r.sched.growth_reservation()
                 arrive(r, got)
                 offers.pop(0)
                 continue
@@ -132,11 +130,33 @@ def test_a_decode_instance_under_pressure_refuses_and_never_preempts_its_running
             refusals.setdefault(got.request_id, got.detail)
             break
         if not offers and not r.sched.has_work():
-            break
+            return refusals
         r.step()
         r.complete_all()
+    raise AssertionError("not done after 500 steps")
+
+
+def test_a_decode_instance_under_pressure_refuses_and_never_preempts_its_running_requests():
+    """Prefilled requests offered every step on a device that cannot hold them all: the growth
+    of the running requests is reserved first, so each newcomer waits (refused with its
+    reason) instead of a running request being preempted later."""
+    r = decode_rig(dev=12)
+    refusals = serve(r, [prefilled(r, rid, [rid + 1] * 7, max_new=12) for rid in range(8)])
     assert sorted(r.finished) == list(range(8))
     assert r.sched.stats.preemptions == 0, r.sched.stats
     assert refusals and all(f"request {rid} refused (NO_ROOM)" in why for rid, why in refusals.items())
     for rid in range(8):
         assert r.finished[rid].output_token_ids == r.worker.truth[rid].tokens[7:]
+
+
+def test_a_cached_prefix_hit_is_not_counted_as_free_twice():
+    """A prefix cached on the device (refcount 0) is among the free blocks; taking it must not
+    also shrink what the newcomer needs, or each such hit overcommits the device."""
+    r = decode_rig(dev=16)
+    for i in range(4):  # four cached prefixes of two blocks each
+        r.add(100 + i, [i + 1] * 8 + [0], max_new_tokens=1)
+    r.run()
+    refusals = serve(r, [prefilled(r, i, [i % 4 + 1] * 8 + [7 + i], max_new=12) for i in range(8)])
+    assert sorted(r.finished) == [0, 1, 2, 3, 4, 5, 6, 7, 100, 101, 102, 103]
+    assert r.sched.stats.preemptions == 0, r.sched.stats
+    assert refusals
