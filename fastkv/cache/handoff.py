@@ -10,7 +10,9 @@ only this handoff can name it.
 
 ``export`` copies what is missing from storage (device -> host -> storage, the write-through
 path: host copies are keyed, then STOREd); ``exported`` says when all of it is stored; ``retry``
-copies what found no host block then (copies in flight pin them all), from the prefix cache.
+copies what found no host block then (copies in flight pin them all), or whose copy failed: the
+full blocks from the prefix cache, the partial block from the device block ``export`` holds for
+it (unkeyed, it would be freed with its request) until ``release``.
 ``CacheManager.allocate(tail_key=...)`` is the decode side's load.
 """
 from __future__ import annotations
@@ -41,8 +43,8 @@ def export(state: CacheState, request_id: object, upto: int, tail: bytes | None)
     """Copy the KV of positions ``[0, upto)`` of a computed request to storage (its partial
     block under ``tail``); call it before the request is freed (the copies pin its device
     blocks). Returns the keys the decode side needs and the plans. Keys already stored, or on
-    their way, are not copied again. The partial block goes first: once freed, only a full
-    block stays in the device prefix cache, where ``retry`` finds it when the host had no room."""
+    their way, are not copied again. The partial block goes first, and its device block is held
+    for ``retry`` until ``release``."""
     req = state.get(request_id, ReqState.RUNNING)
     if req.num_computed < upto:
         raise ValueError(f"request {request_id!r}: export of {upto} tokens, {req.num_computed} computed")
@@ -53,14 +55,23 @@ def export(state: CacheState, request_id: object, upto: int, tail: bytes | None)
         assert tail is not None, f"request {request_id!r}: a partial block to export and no tail key"
         pairs.insert(0, (req.table[full], tail))
         keys.append(tail)
+        if tail not in state.handoff_holds:
+            state.device.incref(req.table[full])
+            state.handoff_holds[tail] = req.table[full]
     return keys, _copy(state, pairs)
 
 
 def retry(state: CacheState, keys: Sequence[bytes]) -> list[CopyPlan]:
     """Copy again what of ``keys`` is neither stored nor moving but still cached on the device
     or the host (the export found no host block for it)."""
-    moving, dlookup = _moving(state), state.device.lookup
-    return _copy(state, [(dlookup.get(k, -1), k) for k in keys if k not in moving])
+    moving, dlookup, held = _moving(state), state.device.lookup, state.handoff_holds
+    return _copy(state, [(dlookup.get(k, held.get(k, -1)), k) for k in keys if k not in moving])
+
+
+def release(state: CacheState, keys: Sequence[bytes]) -> None:
+    """The export of ``keys`` is over (stored, or given up): free the partial block it held."""
+    if keys and (b := state.handoff_holds.pop(keys[-1], None)) is not None:
+        state.device.release(b, keep=False)
 
 
 def _copy(state: CacheState, pairs: list[tuple[int, bytes]]) -> list[CopyPlan]:

@@ -76,7 +76,7 @@ class Exporter:
         for ext, (keys, t0) in list(self._pending.items()):
             ok = handoff.exported(state, keys)
             if ok is False and self._retries.get(ext, 0) < RETRIES:
-                # a block found no host room (copies in flight held it all): again once they free some
+                # a block found no host room (copies in flight held it all), or its copy failed: again
                 plans = handoff.retry(state, keys)
                 if plans:
                     self._retries[ext] = self._retries.get(ext, 0) + 1
@@ -87,6 +87,7 @@ class Exporter:
                 continue
             del self._pending[ext]
             self._retries.pop(ext, None)
+            handoff.release(state, keys)
             st, seconds = self.stats, time.monotonic() - t0
             st.requests += 1
             st.failed += not ok

@@ -106,3 +106,37 @@ def test_blocks_that_found_no_host_room_are_copied_again_from_the_prefix_cache()
     d.confirm_stored(keys[:2])
     (ready,) = drain(d, d.allocate("x", PROMPT, tail_key=keys[2]).plans)
     assert ready.num_computed_tokens == KNOWN and d.stats.storage_lost_tokens == 0
+
+
+def test_the_partial_block_is_held_for_its_export_when_the_host_tier_is_all_in_flight_at_finish():
+    """The only host block is pinned by another export's copy when r1 finishes: nothing of r1
+    finds a host block, and its partial block (unkeyed, so not in the prefix cache) must still
+    be there for the retry once that copy is done."""
+    p, d = mk(host=1), mk()
+    other = PROMPT + 1000
+    drain(p, p.allocate("r0", other).plans)
+    drain(p, p.mark_computed("r0", len(other)))
+    _, busy = handoff.export(p.state, "r0", KNOWN, handoff.tail_key(p.state, p.keys_for(other), p.state.root, "r0",
+                                                                     other.tolist()))
+    p.free("r0")
+    assert busy and p.host.num_available == 0  # r0's copy holds the whole host tier
+    drain(p, p.allocate("r1", PROMPT).plans)
+    drain(p, p.mark_computed("r1", len(PROMPT)))
+    keys, plans = handoff.export(p.state, "r1", KNOWN, tail_of(p))
+    assert plans == []  # nothing of r1 found a host block
+    p.free("r1")
+    p.check_integrity()
+    drain(p, busy)
+    for _ in range(2 * len(keys)):
+        if handoff.exported(p.state, keys):
+            break
+        assert handoff.exported(p.state, keys) is False
+        drain(p, handoff.retry(p.state, keys))
+    assert handoff.exported(p.state, keys) is True
+    free = p.device.num_available
+    handoff.release(p.state, keys)
+    p.check_integrity()
+    assert p.device.num_available == free + 1 and keys[2] not in p.state.handoff_holds  # r1 gives its block back
+    d.confirm_stored(keys[:2])
+    (ready,) = drain(d, d.allocate("x", PROMPT, tail_key=keys[2]).plans)
+    assert ready.num_computed_tokens == KNOWN and d.stats.storage_lost_tokens == 0
