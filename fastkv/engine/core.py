@@ -114,6 +114,8 @@ def cache_config(spec: RunSpec) -> CacheConfig:
 def scheduler_config(spec: RunSpec) -> SchedulerConfig:
     """``spec.scheduler`` as a SchedulerConfig; enum fields may be given by name ("offload")."""
     opts = dict(spec.scheduler)
+    if spec.role == "decode":  # records that failed, and failed loads, are admitted here
+        opts.setdefault("growth_admission", True)
     if "preemption" in opts:
         opts["preemption"] = _enum(PreemptionMode, opts["preemption"])
     if "policy" in opts:

@@ -30,7 +30,10 @@ class SchedulerConfig:
     reserve_init_blocks: float = 4.0
     reserve_decay: float = 0.9
     reserve_min_blocks: float = 1.0
-    watermark_admission: bool = False  # also hold the growth reservation back from local admission
+    watermark_admission: bool = False  # also hold the watermarks back from local admission
+    # Local admission by reserve_for_prefilled's rule (the growth of every request holding blocks, and
+    # the newcomer's own, held back): what a decode engine (--role decode) admits never preempts.
+    growth_admission: bool = False
     # Auto preemption: priors for the cost model, replaced by measurements.
     block_bytes: int | None = None  # None: the cache layout's block_bytes
     copy_bandwidth: float = 16e9  # bytes / s

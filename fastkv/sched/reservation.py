@@ -36,6 +36,7 @@ from fastkv.config import cdiv
 from fastkv.sched.request import Request, RequestState
 
 if TYPE_CHECKING:
+    from fastkv.cache.manager import MatchResult
     from fastkv.sched.config import SchedulerConfig
     from fastkv.sched.parts import SchedulerParts
     from fastkv.sched.table import RequestTable
@@ -70,18 +71,33 @@ class Refusal(NamedTuple):
                 f"{self.free_blocks} free, {self.reserved_blocks} reserved for running requests")
 
 
-def growth_reservation(p: SchedulerParts) -> int:
-    """Device blocks held back for the growth of requests that hold blocks (module docstring)."""
+def growth_reservation(p: SchedulerParts, watermark: bool) -> int:
+    """Device blocks held back for the growth of requests that hold blocks: all they can still
+    need, or (``watermark``) their watermarks of that (module docstring)."""
     table = p.table
-    return sum(_growth(p, r, r.watermark) for group in (table.running, table.loading) for r in group.values())
+    return sum(_growth(p, r, r.watermark if watermark else None)
+               for group in (table.running, table.loading) for r in group.values())
 
 
-def _growth(p: SchedulerParts, r: Request, watermark: float) -> int:
-    """Blocks ``r`` may still take beyond its slots: all it can need, or its watermark of that."""
+def _growth(p: SchedulerParts, r: Request, watermark: float | None) -> int:
+    """Blocks ``r`` may still take beyond its slots: all it can need, or at most ``watermark``."""
     bs = p.block_size
     final = min(r.num_prompt_tokens + r.max_new_tokens, p.max_model_len)
     still = max(0, cdiv(final, bs) - cdiv(max(r.num_slotted, r.num_tokens), bs))
-    return min(int(np.ceil(watermark)), still) if p.config.overcommit_growth else still
+    return still if watermark is None else min(int(np.ceil(watermark)), still)
+
+
+def must_wait(p: SchedulerParts, req: Request, n_blocks: int, match: MatchResult | None) -> bool:
+    """Local admission holding growth back: whether ``req`` (``n_blocks``, its prefix ``match``)
+    waits. ``growth_admission``: the rule of ``reserve`` (a decode engine never preempts a running
+    request for a newcomer of its own either); else ``watermark_admission``'s watermarks."""
+    cache = p.cache
+    if p.config.growth_admission:
+        hits = cache.num_held_hits(match) if match is not None else 0
+        need = n_blocks - hits + _growth(p, req, None)
+        return cache.num_free_device_blocks - growth_reservation(p, False) < need
+    hits = len(match.device_blocks) if match is not None else 0
+    return cache.num_free_device_blocks - growth_reservation(p, True) < n_blocks - hits
 
 
 def decay_watermarks(table: RequestTable, cfg: SchedulerConfig) -> None:
@@ -105,8 +121,9 @@ def reserve(p: SchedulerParts, req: Request, updating: bool, tail_key: bytes | N
     if table.num_holding >= p.config.max_num_seqs:
         return _refuse(p, Refusal(rid, RefusalReason.TOO_MANY_SEQS, need, free, 0))
     need -= cache.num_held_hits(cache.match(req.token_ids, req.extra))
-    need += _growth(p, req, p.config.reserve_init_blocks)  # its own growth is reserved from the start
-    held = growth_reservation(p)
+    overcommit = p.config.overcommit_growth
+    need += _growth(p, req, p.config.reserve_init_blocks if overcommit else None)  # reserved from the start
+    held = growth_reservation(p, overcommit)
     if free - held < need:
         return _refuse(p, Refusal(rid, RefusalReason.NO_ROOM, need, free, held))
     a = cache.allocate(rid, req.token_ids, req.extra, tail_key=tail_key)

@@ -337,7 +337,8 @@ class Scheduler:
         self.table.reset_watermarks()
 
     def growth_reservation(self) -> int:
-        return reservation.growth_reservation(self._parts)
+        """What ``reserve_for_prefilled`` holds back for the requests holding blocks."""
+        return reservation.growth_reservation(self._parts, self.config.overcommit_growth)
 
     # ================================================================== introspection
     def get_request(self, request_id: int) -> Request | None:

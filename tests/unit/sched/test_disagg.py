@@ -160,3 +160,37 @@ def test_a_cached_prefix_hit_is_not_counted_as_free_twice():
     assert sorted(r.finished) == [0, 1, 2, 3, 4, 5, 6, 7, 100, 101, 102, 103]
     assert r.sched.stats.preemptions == 0, r.sched.stats
     assert refusals
+
+
+def test_a_mixed_engine_with_watermark_admission_holds_back_the_watermarks_only():
+    """Local admission under watermark_admission keeps FastDeploy's decaying watermark (as
+    before the handoff): reserving all growth is the decode role's rule (growth_admission)."""
+    def newcomer_admitted(**kw) -> bool:
+        r = decode_rig(**kw)
+        for i in range(2):
+            r.add(i, [i + 1] * 5, max_new_tokens=20)  # 2 blocks held, 5 more each at most
+        r.step()  # the watermarks decay 4 -> 2 blocks each: 6 free, 4 held back
+        r.add(10, [9] * 8, max_new_tokens=3)  # 2 blocks
+        r.step()
+        return r.sched.get_request(10).state is S.RUNNING
+
+    assert newcomer_admitted(watermark_admission=True)
+    assert not newcomer_admitted(growth_admission=True)  # 6 free, 10 held back
+
+
+def test_a_decode_engine_admits_its_own_requests_without_preempting_its_running_ones():
+    """Requests a decode engine computes itself (a record said ok:false) go through local
+    admission; with growth_admission (set by --role decode) it holds back the same growth as
+    reserve_for_prefilled, so they wait instead of costing a running request a preemption."""
+    def run(**kw) -> Rig:
+        r = decode_rig(dev=12, **kw)
+        for rid in range(8):
+            r.add(rid, [rid + 1] * 7, max_new_tokens=12)
+        r.run()
+        assert sorted(r.finished) == list(range(8))
+        for rid in range(8):
+            assert r.finished[rid].output_token_ids == r.worker.truth[rid].tokens[7:]
+        return r
+
+    assert run().sched.stats.preemptions > 0  # the pressure is real
+    assert run(growth_admission=True).sched.stats.preemptions == 0
