@@ -5,6 +5,9 @@ import pytest
 
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.write_policy import WritePolicy as CachePolicy
+from fastkv.config import KVLayout
+from fastkv.engine.core import scheduler_config
+from fastkv.run import RunSpec
 from fastkv.sched import RefusalReason, Request, RequestState, Reservation, Scheduler, SchedulerConfig
 from tests.sched_harness import Rig, sample
 
@@ -194,3 +197,13 @@ def test_a_decode_engine_admits_its_own_requests_without_preempting_its_running_
 
     assert run().sched.stats.preemptions > 0  # the pressure is real
     assert run(growth_admission=True).sched.stats.preemptions == 0
+
+
+def test_the_decode_role_turns_growth_admission_on_and_a_mixed_run_keeps_the_default():
+    def cfg(role: str, **opts) -> SchedulerConfig:
+        return scheduler_config(RunSpec(run_id="x", layout=KVLayout(1, 1, 16, 16), num_device_blocks=8,
+                                        num_host_blocks=0, role=role, scheduler=opts))
+
+    assert not cfg("mixed").growth_admission and not cfg("prefill").growth_admission
+    assert cfg("decode").growth_admission
+    assert not cfg("decode", growth_admission=False).growth_admission  # the config file still decides
