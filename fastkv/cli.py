@@ -32,6 +32,7 @@ from fastkv.outdir import OutDir
 
 RUNNERS = ("synthetic", "tiny")
 STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
+ROLES = ("mixed", "prefill", "decode")
 # Per-token prefill cost of the synthetic runner (CPU busy work): recomputing a preempted
 # request then costs time the way it does on a real model.
 # Per-token compute cost of the synthetic runner (CPU busy work): 300 us is what the tiny Paddle
@@ -80,6 +81,10 @@ class JobConfig:
     update_weights_at: str = ""  # "N:VERSION[,N:VERSION...]": switch weights after N requests finished
     free_memory_on_update: bool = False  # release the device and host tiers' memory during each update
     enable_prefix_caching: bool = True
+    # disaggregated demo through the shared store (README): "prefill" exports each prompt's KV and
+    # records it in OUT/handoff.jsonl; "decode" takes the requests of such a record (``handoff``)
+    role: str = "mixed"
+    handoff: str = ""  # decode: the prefill run's handoff.jsonl
     device_ids: str = ""  # "0,1": the device of each rank (default rank r -> device r, of CUDA_VISIBLE_DEVICES)
     # FastDeploy's names (README "Settings"): the host tier in GiB or in blocks, the storage backend
     swap_space: float = 0.0
@@ -156,6 +161,7 @@ class JobConfig:
             object.__setattr__(self, "device_blocks", self._default_device_blocks())
         if self.device_ids and not all(d.strip().isdigit() for d in self.device_ids.split(",")):
             raise ValueError(f"setting 'device_ids' must be comma-separated device numbers, got {self.device_ids!r}")
+        self._check_role()
         self.to_spec("check", Path(self.out))  # weights_version, update_weights_at, device_ids
 
     def _fastdeploy_names(self) -> None:
@@ -282,6 +288,20 @@ class JobConfig:
             defaults.pop("compute_us_per_token", None)
         return {**defaults, **self.runner_options}
 
+    def _check_role(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"setting 'role' must be one of {ROLES}, got {self.role!r}")
+        if self.role == "mixed":
+            if self.handoff:
+                raise ValueError("setting 'handoff' is for --role decode")
+            return
+        if self.storage in ("default", "none") or not self.enable_prefix_caching:
+            raise ValueError(f"--role {self.role} hands KV over through a shared store: give --storage "
+                             "lmdb://DIR or redis://HOST:PORT (the same for both roles), with prefix caching on")
+        if self.role == "decode" and (not self.handoff or Path(self.handoff).is_dir()):
+            raise ValueError("--role decode needs --handoff FILE, the prefill run's OUT/handoff.jsonl (it may not "
+                             f"exist yet: the decode run follows it as it is written); got {self.handoff!r}")
+
     def to_spec(self, run_id: str, out_dir: Path):
         from fastkv.run import RunSpec
 
@@ -298,6 +318,7 @@ class JobConfig:
             weights_version=self.weights_version,
             update_weights_at=tuple(u.strip() for u in self.update_weights_at.split(",") if u.strip()),
             free_memory_on_update=self.free_memory_on_update, enable_prefix_caching=self.enable_prefix_caching,
+            role=self.role, handoff=str(Path(self.handoff).resolve()) if self.handoff else "",
             device_ids=tuple(int(d) for d in self.device_ids.split(",") if d.strip()),
         )
 
@@ -367,6 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="release the device and host tiers' memory during each weight update")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
       help="reuse KV across requests that share a prefix (default on)")
+    a("--role", choices=ROLES, help="mixed (default); prefill: compute each prompt, export its KV to the shared "
+      "store and record it in OUT/handoff.jsonl; decode: take the requests of --handoff from that store")
+    a("--handoff", metavar="FILE", help="--role decode: the prefill run's OUT/handoff.jsonl, followed as it is "
+      "written (start both runs together, or decode after prefill)")
     a("--device-ids", metavar="D0,D1,..", help="device of each rank (default: rank r uses device r)")
     a("--swap-space", type=float, metavar="GIB", help="FastDeploy's name: host tier in GiB per rank")
     a("--num-cpu-blocks", type=int, help="FastDeploy's name: host tier in blocks per rank")

@@ -21,6 +21,7 @@ tier and shares it by CUDA IPC. Every name is under the run's namespace and mani
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,8 @@ class RunSpec:
     update_weights_at: tuple[str, ...] = ()
     free_memory_on_update: bool = False  # release the device and host tiers' memory during each update
     enable_prefix_caching: bool = True  # False: a request only ever hits its own KV (after a preemption)
+    role: str = "mixed"  # "prefill" | "decode" | "mixed": disaggregated serving (fastkv.engine.handoff)
+    handoff: str = ""  # decode: the prefill run's handoff.jsonl
     device_ids: tuple[int, ...] = ()  # accelerator of each rank (``device_id``); empty: rank r uses device r
     cache_policy: str = "write_back"  # fastkv.cache.write_policy.WritePolicy value
     eviction: str = "lru"  # fastkv.cache.eviction.POLICIES name
@@ -141,6 +144,9 @@ VERIFY_COUNTERS = ("kv_blocks_verified", "kv_requests_verified", "kv_positions_r
                    "kv_stale_hits")
 
 
+HANDOFF_FILE = "handoff.jsonl"
+
+
 def signal_names(tp_size: int) -> list[str]:
     """Slots of the run's signal array: per process a heartbeat (monotonic ns), its pid and
     a ready flag; ``stop`` asks every process to exit; ``transfer{r}.gen`` counts restarts
@@ -169,6 +175,18 @@ def collective_prefix(spec: RunSpec) -> str:
     return f"fkv.{spec.run_id}.coll"
 
 
+def handoff_file(spec: RunSpec) -> Path:
+    """The prefill run's record of its handoffs, which the decode run follows."""
+    return Path(spec.handoff) if spec.handoff else Path(spec.out_dir) / HANDOFF_FILE
+
+
+def handoff_sem(path: str | Path) -> str:
+    """The semaphore the prefill run posts per line of ``path``: named after the file, so two
+    runs find it whichever starts first."""
+    digest = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:16]
+    return f"/fkv.pd{digest}.handoff"
+
+
 def create_run(ns: Namespace, spec: RunSpec) -> None:
     """Owner side: create every channel, the engine's doorbell and the signal array.
     The creator keeps no ends open: each process attaches what it uses."""
@@ -188,6 +206,8 @@ def create_run(ns: Namespace, spec: RunSpec) -> None:
         coll = ShmCollective.create(collective_prefix(spec), spec.tp_size, slot_bytes=1 << 20)
         coll.disown()  # the namespace unlinks it
         opened.append(coll)
+    if spec.role != "mixed":  # shared with the other role's run: both unlink it (fastkv.engine.handoff_stream)
+        ns.record_shared("sem", handoff_sem(handoff_file(spec)))
     for obj in opened:
         obj.close()
 

@@ -188,10 +188,11 @@ def _count_served_hits(state: CacheState, req: CacheRecord, valid: int) -> None:
     bs, st = state.block_size, state.stats
     served = max(0, valid - req.num_keyed * bs)
     host = min(served, nh * bs)
-    storage = min(served - host, ns * bs)
+    planned = min(ns * bs, req.target_computed - req.num_keyed * bs - nh * bs)  # a handoff's tail: part of a block
+    storage = min(served - host, planned)
     st.host_hit_tokens += host
     st.storage_hit_tokens += storage
-    st.storage_lost_tokens += ns * bs - storage
+    st.storage_lost_tokens += planned - storage
 
 
 def finish_offload(state: CacheState, req: CacheRecord) -> None:

@@ -92,6 +92,12 @@ class CacheManager:
         dev, host, sto = self.index.match(keys, (len(toks) - 1) // self.block_size)
         return MatchResult(tuple(dev), tuple(host), tuple(sto), self.block_size, len(toks))
 
+    def num_held_hits(self, match: MatchResult) -> int:
+        """Device hits of ``match`` that other requests hold: the only ones an allocation does not
+        take from ``num_free_device_blocks`` (a cached hit is counted there, and taken)."""
+        dstate = self.device.state
+        return sum(1 for b in match.device_blocks if dstate[b] != _CACHED)
+
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether ``num_blocks`` new device blocks can be handed out now (no prefix hit assumed)."""
         return self.device.num_available - self.state.reserved >= num_blocks
@@ -136,11 +142,14 @@ class CacheManager:
 
     # ================================================================== admission
     def allocate(self, request_id: object, tokens: object, extra: ExtraKeys | None = None,
-                 reserve_tokens: int = 0) -> Allocation | None:
+                 reserve_tokens: int = 0, tail_key: bytes | None = None) -> Allocation | None:
         """Blocks for a prompt, reusing its longest cached prefix. None when the device lacks room.
 
         ``reserve_tokens`` also reserves blocks for that many generated tokens, so that
-        ``append_slots`` within the reservation never finds the device full."""
+        ``append_slots`` within the reservation never finds the device full. ``tail_key``:
+        storage holds the KV of the prompt's partial block before its last token under this
+        key (a prefill handoff, ``fastkv.cache.handoff``); when every full block before it
+        hits, it is LOADed with them, so the whole prompt but its last token is served."""
         if self.state.paused:
             raise ValueError("allocate during a weight update: call finish_weight_update first")
         if request_id in self._reqs:
@@ -166,11 +175,15 @@ class CacheManager:
                 cached_hits += 1
         if dev.num_available - cached_hits - self.state.reserved < n_blocks - nd + n_res:
             return None
-        if sto_keys:  # stage loads in host blocks; what finds no room is recomputed instead
+        if sto_keys or tail_key is not None:  # stage loads in host blocks; what finds no room is recomputed instead
             hstate = host.state
             room = host.num_available - sum(1 for b in host_hits if hstate[b] == _CACHED)
             del sto_keys[max(room, 0):]
         ns = len(sto_keys)
+        # a handoff's partial block is of use only behind a complete prefix
+        tail = (n - 1) % bs if tail_key is not None and nd + nh + ns == (n - 1) // bs and room > ns else 0
+        if tail:
+            sto_keys.append(tail_key)
 
         st = self.stats
         st.requests += 1
@@ -187,20 +200,20 @@ class CacheManager:
             host.incref(b)
         req.host_refs = host_hits
         plans: list[CopyPlan] = []
-        if ns:
-            staged = take_host(self.state, ns, pinned=True)
+        if sto_keys:
+            staged = take_host(self.state, len(sto_keys), pinned=True)
             plans.append(self.copies.open(CopyKind.LOAD, Purpose.PREFIX_LOAD, dst=staged, keys=sto_keys, req=req,
-                                          positions=list(range(nd + nh, nd + nh + ns))))
+                                          positions=list(range(nd + nh, nd + nh + len(sto_keys)))))
         fresh, wb = take_device(self.state, n_blocks - nd, req)
         if wb is not None:
             plans.append(wb)
         req.table = dev_hits + fresh
         req.num_keyed = nd
         req.num_computed = nd * bs
-        req.target_computed = (nd + nh + ns) * bs
+        req.target_computed = (nd + nh + ns) * bs + tail
         req.swap_src = host_hits[:]  # staged blocks join once loaded
-        req.swap_pos = list(range(nd, nd + nh + ns))
-        req.planned_hits = (nh, ns)
+        req.swap_pos = list(range(nd, nd + nh + len(sto_keys)))
+        req.planned_hits = (nh, len(sto_keys))
         req.reserved = n_res
         self.state.reserved += n_res
         req.pending = len(plans)
@@ -212,7 +225,7 @@ class CacheManager:
                 req.loading = False
         if self.policy.copies_on_hit and nd and self.host.capacity:
             plans += count_hits(self.state, req, nd)
-        return Allocation(tuple(req.table), nd * bs, (nh + ns) * bs, tuple(plans), req.pending == 0)
+        return Allocation(tuple(req.table), nd * bs, (nh + ns) * bs + tail, tuple(plans), req.pending == 0)
 
     def reserve(self, request_id: object, num_tokens: int) -> bool:
         """Reserve device blocks so the request can grow by ``num_tokens``; False: not now."""

@@ -45,11 +45,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from fastkv.cache import handoff as cache_handoff
 from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.engine import protocol
+from fastkv.engine.handoff import Exporter, HandoffStats
 from fastkv.engine.lookup import StorageLookup
 from fastkv.ipc import Broadcast, DoneMsg, Namespace, OutputMsg, PeerDied, PeerTimeout, PlanMsg, pid_alive
 from fastkv.metrics import EngineMetrics
@@ -57,6 +59,7 @@ from fastkv.run import EngineEnds, RunSpec, attach_engine
 from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig, WeightUpdate
 from fastkv.sched.output import StepPlan
 from fastkv.sched.queues import QueuePolicy
+from fastkv.sched.reservation import Refusal, Reservation
 from fastkv.transfer.protocol import FREE
 
 FINISH = {RequestState.FINISHED_LENGTH: "length", RequestState.FINISHED_STOPPED: "stop",
@@ -111,6 +114,8 @@ def cache_config(spec: RunSpec) -> CacheConfig:
 def scheduler_config(spec: RunSpec) -> SchedulerConfig:
     """``spec.scheduler`` as a SchedulerConfig; enum fields may be given by name ("offload")."""
     opts = dict(spec.scheduler)
+    if spec.role == "decode":  # records that failed, and failed loads, are admitted here
+        opts.setdefault("growth_admission", True)
     if "preemption" in opts:
         opts["preemption"] = _enum(PreemptionMode, opts["preemption"])
     if "policy" in opts:
@@ -152,6 +157,14 @@ class Engine:
         self.weight_updates = 0
         self._free_memory = False  # of the weight update in progress
         self._sampled_by: dict[int, list[str]] = {}  # scheduler id -> weights versions that sampled its tokens
+        self._from_store: dict[int, float] = {}  # handoffs through the store being loaded -> reserve time
+        self._arrived: list[int] = []  # their loads are in: prefilled before the next step
+        self.handoff_stats: HandoffStats | None = None  # set by the decode role (fastkv.engine.handoff)
+        self.exporter: Exporter | None = None
+        if spec.role == "prefill":
+            self.exporter = Exporter(self.cache, spec.out_dir, spec.layout.block_bytes * spec.tp_size,
+                                     self._ext.__getitem__, self.sched.outbox.emit)
+            self.sched.before_free = self.exporter.before_free
         self._sig["engine.pid"] = os.getpid()
         self.beat()
 
@@ -173,6 +186,22 @@ class Engine:
         in use; RequestRejected (a ValueError) if the request is invalid or can never run to
         ``max_new_tokens``: prompt and output must fit in ``max_model_len`` (the device tier,
         or less), since a request is never cut short without saying so."""
+        req, ext = self._new_request(prompt, max_new_tokens, request_id, preemption, eos_token_id, stop_token_ids,
+                                     arrival_time)
+        try:
+            if self.lookups is None:
+                self.sched.add_request(req)
+            else:
+                self.sched.check_request(req)
+                self.lookups.park(req)
+        except (TypeError, ValueError) as exc:
+            raise RequestRejected(ext, str(exc).removeprefix(f"request {req.request_id}: ")) from None
+        self._register(req, ext)
+        return ext
+
+    def _new_request(self, prompt: Iterable[int], max_new_tokens: int, request_id: str | None,
+                     preemption: str | PreemptionMode | None, eos_token_id: int | None,
+                     stop_token_ids: Iterable[int], arrival_time: float | None) -> tuple[Request, str]:
         rid = self._next_id
         ext = str(rid) if request_id is None else str(request_id)
         if ext in self._ids:
@@ -191,18 +220,72 @@ class Engine:
             req = Request(rid, tokens, max_new_tokens, eos_token_id=eos_token_id,
                           stop_token_ids=frozenset(stop_token_ids), preemption=mode, arrival_time=arrival_time,
                           extra=extra)
-            if self.lookups is None:
-                self.sched.add_request(req)
-            else:
-                self.sched.check_request(req)
-                self.lookups.park(req)
         except (TypeError, ValueError) as exc:
             # The scheduler names its own sequence number; the caller knows the request by ``ext``.
             raise RequestRejected(ext, str(exc).removeprefix(f"request {rid}: ")) from None
+        return req, ext
+
+    def _register(self, req: Request, ext: str) -> None:
         self._next_id += 1
-        self._ext[rid], self._ids[ext] = ext, rid
+        self._ext[req.request_id], self._ids[ext] = ext, req.request_id
         self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
-        return ext
+
+    # ================================================================== disaggregated serving
+    def reserve_for_prefilled(self, prompt: Iterable[int], max_new_tokens: int, *, request_id: str,
+                              from_store: bool = True, preemption: str | PreemptionMode | None = None,
+                              eos_token_id: int | None = None, stop_token_ids: Iterable[int] = (),
+                              arrival_time: float | None = None) -> Reservation | Refusal:
+        """Decode side: take a request another engine prefilled. Refused (a ``Refusal`` naming
+        ``request_id`` and the reason, nothing changed) when the blocks it needs are not free
+        beyond what the running requests keep for their growth; they are never preempted for it.
+        ``from_store``: the prefill engine exported the prompt to the shared storage tier
+        (``fastkv.engine.handoff``); it is LOADed here and the request decodes once it is in,
+        recomputing only what the store no longer holds. Otherwise the caller writes the KV of
+        ``[first_position, last_position)`` into the reserved blocks and calls ``on_prefilled``.
+        Call it between steps. RequestRejected if the request can never run."""
+        req, ext = self._new_request(prompt, max_new_tokens, request_id, preemption, eos_token_id, stop_token_ids,
+                                     arrival_time)
+        tail = None
+        if from_store:
+            if req.extra is not None or self.lookups is None:
+                raise ValueError("a handoff through the store needs a storage tier and prefix caching on")
+            tokens, cache = req.token_ids[:req.num_prompt_tokens], self.cache
+            keys = cache.keys_for(tokens)
+            cache.confirm_stored(keys[:(len(tokens) - 1) // cache.block_size])  # the handoff record says so
+            tail = cache_handoff.tail_key(cache.state, keys, cache.state.root, ext, tokens.tolist())
+        try:
+            got = self.sched.reserve_for_prefilled(req, tail)
+        except (TypeError, ValueError) as exc:
+            raise RequestRejected(ext, str(exc).removeprefix(f"request {req.request_id}: ")) from None
+        if isinstance(got, Refusal):
+            return got._replace(request_id=ext)
+        self._register(req, ext)
+        if from_store:  # nothing else writes its blocks: it is prefilled once its loads are in
+            self._from_store[req.request_id] = time.monotonic()
+            if got.writable:
+                self._arrived.append(req.request_id)
+        return got._replace(request_id=ext)
+
+    def on_prefilled(self, request_id: str, ok: bool = True) -> None:
+        """The KV of a reserved request is in its blocks (``ok``), or its transfer failed and
+        the prompt is recomputed here. ValueError for a request not waiting for it."""
+        rid = self._ids.get(request_id)
+        if rid is None:
+            raise ValueError(f"request {request_id!r} is not reserved here")
+        self.sched.on_prefilled(rid, ok)
+
+    def _prefilled_from_store(self) -> None:
+        """Requests whose handoff loads are in (SchedulerOutput.kv_writable) decode from here."""
+        for rid in self._arrived:
+            t0 = self._from_store.pop(rid)
+            self.sched.on_prefilled(rid, True)
+            req = self.sched.requests[rid]
+            if self.handoff_stats is not None:
+                st = self.handoff_stats
+                st.requests += 1
+                st.seconds += time.monotonic() - t0
+                st.recomputed_prompt_tokens += max(0, req.num_prompt_tokens - 1 - req.num_computed_tokens)
+        self._arrived = []
 
     def rejected(self, request_id: str, reason: str, arrival_time: float) -> RequestResult:
         """The result of a request ``add_request`` rejected, counted as finished."""
@@ -222,7 +305,8 @@ class Engine:
         return len(self._ids)
 
     def has_work(self) -> bool:
-        return self.sched.has_work() or self.transfer.pending > 0 or bool(self.lookups)
+        return (self.sched.has_work() or self.transfer.pending > 0 or bool(self.lookups) or bool(self._arrived)
+                or bool(self.exporter))
 
     # ================================================================== the loop
     def beat(self) -> None:
@@ -238,7 +322,11 @@ class Engine:
         self._check_transfers()  # cheap when nothing is due; adopts restarted transfer processes
         if self.lookups is not None:
             self._lookup_wave()
+        self._prefilled_from_store()
+        if self.exporter:
+            self.exporter.poll()
         out = self.sched.step()
+        self._arrived += [rid for rid in out.kv_writable if rid in self._from_store]
         for plan in out.copies:
             if plan.kind is CopyKind.CLEAR and self._free_memory:
                 plan = CopyPlan(plan.plan_id, CopyKind.CLEAR, keys=(FREE,))
@@ -400,6 +488,8 @@ class Engine:
         # The scheduler's cost model wants per-rank bytes; the client reports all ranks'.
         self.sched.on_copy_complete(res.plan.plan_id, res.ok, res.nbytes // self.spec.tp_size, res.seconds)
         self.metrics.observe_copy(res.plan.kind.name.lower(), res.ok, res.nbytes, res.seconds)
+        if self.exporter:
+            self.exporter.poll()
 
     def _check_transfers(self) -> None:
         for res in self.transfer.check():

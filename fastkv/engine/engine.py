@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 from fastkv.demo import arrival_error, prompt_error
 from fastkv.engine.core import Engine, EngineError, EngineStopped, RequestRejected, RequestResult
+from fastkv.engine.decode import drive_decode
 from fastkv.run import VERIFY_COUNTERS, RunSpec
 
 MODES = ("recompute", "offload", "storage", "auto")
@@ -205,6 +206,8 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
                    check: bool = False) -> int:
     """The engine process's body (``client_factory``, ``check``: see ``Engine``)."""
     items = read_workload(workload_path)
+    if spec.role == "prefill":  # it computes each prompt (and samples once) for a decode engine
+        items = [it._replace(max_new_tokens=1) for it in items]
     engine = Engine.attach(spec, client_factory, check=check)
     results: list[RequestResult] = []
     timeline: list[list[float]] = [[0.0, 0, 0, 0]]
@@ -217,7 +220,10 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
         engine.wait_until_ready()
         engine.ends.signals["engine.ready"] = 1
         start = time.monotonic()
-        drive(engine, items, results, timeline)
+        if spec.role == "decode":
+            drive_decode(engine, items, results)
+        else:
+            drive(engine, items, results, timeline)
     except EngineStopped:
         status = "stopped"
     except EngineError as exc:
@@ -236,6 +242,11 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
             if status == "done" and any(r.state == "unfinished" for r in results):
                 status = "stopped"  # drive() returns early only on stop
             summary = summarize(engine, items, results, timeline, seconds, status)
+            if engine.exporter is not None:  # a decode run following the file ends with it
+                engine.exporter.stream.end(status)
+            handoff = engine.exporter.stats if engine.exporter is not None else engine.handoff_stats
+            if handoff is not None:  # what the prefill -> decode handoff moved (fastkv.engine.handoff)
+                summary["handoff"] = handoff.to_json()
         finally:
             engine.close()
         write_outputs(spec.out_dir, results, summary)

@@ -127,6 +127,16 @@ class Namespace:
             raise ValueError(f"object kind must be 'shm' or 'sem', got {kind!r}")
         return self._record(kind, local)
 
+    def record_shared(self, kind: str, name: str) -> None:
+        """List an object this run shares with another under its own full name (both list it):
+        unlinked with the run's own objects; one still open elsewhere lives on there."""
+        if kind not in ("shm", "sem") or not name.startswith(f"/{PREFIX}."):
+            raise ValueError(f"a shared object is ('shm' | 'sem', '/{PREFIX}.*'), got {(kind, name)!r}")
+        if not self.owner:
+            raise ValueError(f"namespace {self.run_id!r} is attached, not owned: only its owner lists objects")
+        self._objects.append((kind, name))
+        self._write_manifest()
+
     def _record(self, kind: str, local: str) -> str:
         if not self.owner:
             raise ValueError(f"namespace {self.run_id!r} is attached, not owned: only its owner creates objects")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from fastkv.config import cdiv
 from fastkv.sched import preemption
 from fastkv.sched.request import RequestState
-from fastkv.sched.reservation import growth_reservation
+from fastkv.sched.reservation import must_wait
 
 if TYPE_CHECKING:
     from fastkv.sched.batch import StepBatch
@@ -37,19 +37,17 @@ def admit(p: SchedulerParts, batch: StepBatch) -> None:
             return
         restoring = req.state is S.OFFLOADED
         n_blocks = cdiv(req.num_slotted if restoring else req.num_tokens, bs)
-        device_hit = 0
-        if loading and loading + n_blocks > p.max_loading_blocks or cfg.watermark_admission:
+        holds_back = cfg.watermark_admission or cfg.growth_admission
+        if loading and loading + n_blocks > p.max_loading_blocks or holds_back:
             # Only now is a read-only prefix match worth its hashing.
-            loads = restoring
+            loads, m = restoring, None
             if not restoring:
                 m = cache.match(req.token_ids, req.extra)
                 loads = bool(m.host_blocks or m.storage_keys)
-                device_hit = len(m.device_blocks)
             if loads and loading and loading + n_blocks > p.max_loading_blocks:
                 table.stats.deferred_loads += 1
                 continue
-            room = cache.num_free_device_blocks - growth_reservation(p)
-            if cfg.watermark_admission and room < n_blocks - device_hit:
+            if holds_back and must_wait(p, req, n_blocks, m):
                 return
         if restoring:  # reserve a slot for a token sampled just before it was preempted
             a = cache.restore(req.request_id, reserve_tokens=req.num_tokens - req.num_slotted)

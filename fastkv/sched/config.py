@@ -21,13 +21,19 @@ class SchedulerConfig:
     # A request that cannot grow waits this many steps for in-flight offloads to free blocks,
     # then preempts more victims by recompute (a transfer layer that stalls cannot stall it).
     copy_patience_steps: int = 16
-    # Disaggregated decode: each running request reserves blocks for its growth, starting at
-    # reserve_init_blocks and decaying by reserve_decay per step down to reserve_min_blocks
-    # (FastDeploy's watermark); a preemption resets every watermark (the estimate was low).
+    # Disaggregated decode: a prefilled request is taken only if the free blocks cover it beyond
+    # all the running requests can still need (their growth to max_new_tokens), so taking it never
+    # preempts them. overcommit_growth: hold back only FastDeploy's watermark instead, per running
+    # request reserve_init_blocks, decaying by reserve_decay per step down to reserve_min_blocks, reset
+    # by a preemption: more requests run at once, and one is preempted when its growth outruns that.
+    overcommit_growth: bool = False
     reserve_init_blocks: float = 4.0
     reserve_decay: float = 0.9
     reserve_min_blocks: float = 1.0
-    watermark_admission: bool = False  # also apply the watermark to local admission
+    watermark_admission: bool = False  # also hold the watermarks back from local admission
+    # Local admission by reserve_for_prefilled's rule (the growth of every request holding blocks, and
+    # the newcomer's own, held back): what a decode engine (--role decode) admits never preempts.
+    growth_admission: bool = False
     # Auto preemption: priors for the cost model, replaced by measurements.
     block_bytes: int | None = None  # None: the cache layout's block_bytes
     copy_bandwidth: float = 16e9  # bytes / s

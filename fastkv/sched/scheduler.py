@@ -19,7 +19,7 @@ preempted).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from fastkv.cache.manager import CacheManager
 from fastkv.cache.plan import CopyKind, CopyPlan
@@ -65,6 +65,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.table = table = RequestTable(cfg.policy, cfg.reserve_init_blocks, self.stats)
         self.outbox = CopyOutbox()
+        # called with a finished request before its blocks are freed; returns copies of them to make
+        # (a prefill engine exports the prompt for a decode engine: fastkv.engine.handoff)
+        self.before_free: Callable[[Request], Iterable[CopyPlan]] | None = None
         self._parts = SchedulerParts(cache, cfg, self.cost, table, self.outbox, self.max_model_len,
                                      self.max_loading_blocks)
         # the table's, never rebound: what engines and tests read
@@ -250,14 +253,16 @@ class Scheduler:
         check(self._parts, self._inflight, self.weight_update_state)
 
     # ================================================================== disaggregated decode
-    def reserve_for_prefilled(self, request: Request) -> Reservation | Refusal:
-        """Blocks for a request prefilled on another instance, or a refusal with its reason."""
+    def reserve_for_prefilled(self, request: Request, tail_key: bytes | None = None) -> Reservation | Refusal:
+        """Blocks for a request prefilled on another instance, or a refusal with its reason.
+        ``tail_key``: its KV is in the storage tier, the partial block under that key
+        (``fastkv.cache.handoff``); what storage holds is loaded here, so the remote part shrinks."""
         req = self._validate(request)
         if self._inflight is not None:
             raise ValueError("reserve_for_prefilled while a step is in flight: call it between steps")
         if req.arrival_time is None:
             req.arrival_time = self.clock()
-        return reservation.reserve(self._parts, req, self.weight_update_state is not WeightUpdate.NONE)
+        return reservation.reserve(self._parts, req, self.weight_update_state is not WeightUpdate.NONE, tail_key)
 
     def on_prefilled(self, request_id: int, ok: bool) -> None:
         """The remote KV of a reserved request arrived (``ok``) or its transfer failed."""
@@ -321,6 +326,8 @@ class Scheduler:
         self.table.start_running(req, computed, S.LOADING)
 
     def _finish(self, req: Request, state: RequestState) -> None:
+        if self.before_free is not None and req.state.in_cache and state is not S.FINISHED_ABORTED:
+            self.outbox.emit(self.before_free(req))
         if req.state.in_cache:
             self.cache.free(req.request_id, cache=True)
         self.table.finish(req, state, self.clock())
@@ -329,7 +336,8 @@ class Scheduler:
         self.table.reset_watermarks()
 
     def growth_reservation(self) -> int:
-        return reservation.growth_reservation(self._parts)
+        """What ``reserve_for_prefilled`` holds back for the requests holding blocks."""
+        return reservation.growth_reservation(self._parts, self.config.overcommit_growth)
 
     # ================================================================== introspection
     def get_request(self, request_id: int) -> Request | None:

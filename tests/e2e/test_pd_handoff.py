@@ -1,0 +1,101 @@
+"""Prefill -> decode handoff through one shared store (``--role``): a prefill engine computes
+each prompt and exports its KV; a decode engine takes the requests, loads their KV and decodes.
+Its outputs equal a single engine's (the synthetic runner's next token hashes the KV it reads,
+so a wrong block changes them), with no prompt token recomputed, and under pressure it refuses
+a request with a reason rather than preempt its running ones for it. The two runs go together:
+the decode run follows the prefill run's handoff file as it is written."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from fastkv.run import handoff_sem
+from tests.e2e.launch import Run, new_run_id
+from tests.e2e.test_engine_synthetic import VOCAB, check_outputs, spec, workload
+
+
+def role_spec(tmp_path, name, url, **kw):
+    return spec(1, tmp_path / name, num_device_blocks=24, num_host_blocks=24, storage_url=url,
+                runner_options={"verify": "all", "vocab": VOCAB, **kw.pop("runner", {})},
+                scheduler={"max_num_batched_tokens": 48}, **kw)
+
+
+def finish(run: Run, timeout: float = 120) -> tuple[dict, dict]:
+    assert run.wait(timeout) == 0, "engine failed: a KV mismatch or a worker error (see stderr)"
+    results, summary = run.results(), run.summary()
+    codes = run.close()
+    assert all(c == 0 for c in codes.values()), codes
+    return results, summary
+
+
+def sem_left(handoff: Path) -> bool:
+    return Path("/dev/shm", "sem." + handoff_sem(handoff).lstrip("/")).exists()
+
+
+def check_decode(results, pre, dec, wl):
+    check_outputs(results, wl)  # the single-engine reference outputs
+    assert pre["handoff"]["requests"] == len(wl) and pre["handoff"]["failed"] == 0, pre["handoff"]
+    h = dec["handoff"]
+    print("prefill", pre["handoff"], "decode", h)
+    assert h["requests"] == len(wl) and h["recomputed_prompt_tokens"] == 0 and h["bytes"] > 0, h
+    assert all(r["recomputed_tokens"] == 0 for r in results.values())
+    assert dec["verified"]["kv_mismatches"] == 0
+    # 24 device blocks for 10 requests: some had to wait, each refusal named with its reason
+    assert h["refused"] == len(h["refusals"]) > 0, h
+    assert all("NO_ROOM" in why or "TOO_MANY_SEQS" in why for why in h["refusals"].values()), h
+    assert sum(dec["preemptions"].values()) == 0, dec["preemptions"]  # it refused instead
+
+
+def test_decode_engine_serves_a_finished_prefill_runs_prompts_token_identically(tmp_path):
+    wl = workload(10, 8, [None])
+    url = f"lmdb://{tmp_path}/store?max_bytes=64M"
+    handoff = tmp_path / "pre" / "handoff.jsonl"
+    with Run(role_spec(tmp_path, "pre", url, role="prefill"), wl) as run:
+        _, pre = finish(run)
+    with Run(role_spec(tmp_path, "dec", url, role="decode", handoff=str(handoff)), wl) as run:
+        results, dec = finish(run)
+    check_decode(results, pre, dec, wl)
+    assert not sem_left(handoff)
+
+
+@pytest.fixture(params=["lmdb", "redis"])
+def store_url(request, tmp_path):
+    """One store for both runs: an LMDB directory, or a Redis (a fresh key prefix on the session's server)."""
+    if request.param == "lmdb":
+        return f"lmdb://{tmp_path}/store?max_bytes=64M"
+    return request.getfixturevalue("redis_url") + f"?prefix={new_run_id()}"
+
+
+def test_prefill_and_decode_runs_started_together(tmp_path, store_url):
+    """The decode run starts first, before the handoff file exists, and takes each request
+    as the prefill run announces it."""
+    wl = workload(10, 8, [None])
+    url = store_url
+    handoff = tmp_path / "pre" / "handoff.jsonl"
+    with Run(role_spec(tmp_path, "dec", url, role="decode", handoff=str(handoff)), wl) as dec_run:
+        dec_run.wait_ready(["engine"])
+        assert not handoff.exists()
+        with Run(role_spec(tmp_path, "pre", url, role="prefill", runner={"step_us": 20000.0}), wl) as pre_run:
+            _, pre = finish(pre_run)
+        results, dec = finish(dec_run)
+    check_decode(results, pre, dec, wl)
+    assert not sem_left(handoff)
+
+
+def test_a_prefill_run_that_dies_ends_the_decode_run_with_one_line(tmp_path):
+    wl = workload(10, 8, [None])
+    url = f"lmdb://{tmp_path}/store?max_bytes=64M"
+    handoff = tmp_path / "pre" / "handoff.jsonl"
+    with Run(role_spec(tmp_path, "pre", url, role="prefill", runner={"step_us": 200000.0}), wl) as pre_run, \
+            Run(role_spec(tmp_path, "dec", url, role="decode", handoff=str(handoff)), wl) as dec_run:
+        deadline = time.monotonic() + 60
+        while not handoff.exists() and time.monotonic() < deadline:  # test code: polls
+            time.sleep(0.05)
+        pre_run.kill("engine")
+        assert dec_run.wait(60) == 1
+        status = dec_run.summary()["status"]
+    assert status.startswith("failed: the prefill run (engine pid ") and "died before ending" in status, status
+    assert "\n" not in status
+    assert not sem_left(handoff)

@@ -1,0 +1,142 @@
+"""Prefill -> decode handoff through storage, the cache's side: what the prefill engine exports
+is exactly what the decode engine's allocation loads, its partial block included."""
+import numpy as np
+import pytest
+
+from fastkv.cache import handoff
+from fastkv.cache.manager import CacheConfig, CacheManager
+from fastkv.cache.plan import CopyKind
+from fastkv.cache.write_policy import WritePolicy
+
+BS = 4
+PROMPT = np.arange(100, 100 + 2 * BS + 3, dtype=np.int32)  # two full blocks, a partial one of 3
+KNOWN = len(PROMPT) - 1  # what the decode side needs: all but the last token
+
+
+def mk(dev=8, host=4):
+    return CacheManager(CacheConfig(num_device_blocks=dev, num_host_blocks=host, block_size=BS,
+                                    policy=WritePolicy.WRITE_BACK, storage=True))
+
+
+def drain(mgr, plans, ok=True, kinds=None):
+    plans, ready = list(plans), []
+    while plans:
+        p = plans.pop(0)
+        if kinds is not None:
+            kinds.append(p.kind)
+        c = mgr.complete(p, ok)
+        ready += c.ready
+        plans += c.plans
+        mgr.check_integrity()
+    return ready
+
+
+def tail_of(mgr, rid="r1"):
+    return handoff.tail_key(mgr.state, mgr.keys_for(PROMPT), mgr.state.root, rid, PROMPT.tolist())
+
+
+def prefill(mgr, rid="r1", ok=True):
+    a = mgr.allocate(rid, PROMPT)
+    drain(mgr, a.plans)
+    drain(mgr, mgr.mark_computed(rid, len(PROMPT)))
+    keys, plans = handoff.export(mgr.state, rid, KNOWN, tail_of(mgr, rid))
+    mgr.free(rid)  # the copies pin what they read
+    kinds = []
+    drain(mgr, plans, ok, kinds)
+    return keys, kinds
+
+
+def test_the_decode_side_loads_every_token_before_the_last_and_recomputes_none():
+    p, d = mk(), mk()
+    keys, kinds = prefill(p)
+    assert kinds == [CopyKind.SWAP_OUT, CopyKind.STORE] and len(keys) == 3
+    assert handoff.exported(p.state, keys) is True
+    assert keys[:2] == d.keys_for(PROMPT) and keys[2] == tail_of(d)  # both sides name the same keys
+    d.confirm_stored(keys[:2])
+    a = d.allocate("x", PROMPT, tail_key=keys[2])
+    assert (a.num_cached_tokens, a.num_pending_tokens) == (0, KNOWN)
+    (load,) = [pl for pl in a.plans if pl.kind is CopyKind.LOAD]
+    assert list(load.keys) == keys
+    (ready,) = drain(d, a.plans)
+    assert ready.num_computed_tokens == KNOWN
+    assert d.stats.storage_hit_tokens == KNOWN and d.stats.storage_lost_tokens == 0
+
+
+def test_a_lost_tail_costs_only_its_tokens():
+    d = mk()
+    keys = d.keys_for(PROMPT)
+    d.confirm_stored(keys)
+    a = d.allocate("x", PROMPT, tail_key=tail_of(d))
+    load = next(pl for pl in a.plans if pl.kind is CopyKind.LOAD)
+    c = d.complete(load, False)  # the value was never written (or vanished)
+    assert c.plans == () and d.stats.storage_lost_tokens == KNOWN
+
+
+def test_a_tail_behind_a_missing_block_is_not_loaded():
+    d = mk()
+    d.confirm_stored(d.keys_for(PROMPT)[:1])
+    a = d.allocate("x", PROMPT, tail_key=tail_of(d))
+    assert a.num_pending_tokens == BS  # the second block is not stored: the tail is no use
+
+
+def test_export_names_what_is_lost_when_a_copy_fails():
+    p = mk()
+    keys, _ = prefill(p, ok=False)
+    assert handoff.exported(p.state, keys) is False
+
+
+def test_export_refuses_tokens_not_computed():
+    p = mk()
+    drain(p, p.allocate("r1", PROMPT).plans)
+    with pytest.raises(ValueError, match="2 computed|0 computed"):
+        handoff.export(p.state, "r1", KNOWN, tail_of(p))
+
+
+def test_blocks_that_found_no_host_room_are_copied_again_from_the_prefix_cache():
+    p, d = mk(host=1), mk()  # one host block: the export copies one block at a time
+    keys, kinds = prefill(p)
+    assert kinds == [CopyKind.SWAP_OUT, CopyKind.STORE]
+    assert p.state.index.stored.keys() & set(keys) == {keys[2]}  # the partial block went first
+    for _ in range(len(keys)):
+        if handoff.exported(p.state, keys):
+            break
+        assert handoff.exported(p.state, keys) is False
+        drain(p, handoff.retry(p.state, keys))
+    assert handoff.exported(p.state, keys) is True
+    d.confirm_stored(keys[:2])
+    (ready,) = drain(d, d.allocate("x", PROMPT, tail_key=keys[2]).plans)
+    assert ready.num_computed_tokens == KNOWN and d.stats.storage_lost_tokens == 0
+
+
+def test_the_partial_block_is_held_for_its_export_when_the_host_tier_is_all_in_flight_at_finish():
+    """The only host block is pinned by another export's copy when r1 finishes: nothing of r1
+    finds a host block, and its partial block (unkeyed, so not in the prefix cache) must still
+    be there for the retry once that copy is done."""
+    p, d = mk(host=1), mk()
+    other = PROMPT + 1000
+    drain(p, p.allocate("r0", other).plans)
+    drain(p, p.mark_computed("r0", len(other)))
+    _, busy = handoff.export(p.state, "r0", KNOWN, handoff.tail_key(p.state, p.keys_for(other), p.state.root, "r0",
+                                                                     other.tolist()))
+    p.free("r0")
+    assert busy and p.host.num_available == 0  # r0's copy holds the whole host tier
+    drain(p, p.allocate("r1", PROMPT).plans)
+    drain(p, p.mark_computed("r1", len(PROMPT)))
+    keys, plans = handoff.export(p.state, "r1", KNOWN, tail_of(p))
+    assert plans == []  # nothing of r1 found a host block
+    p.free("r1")
+    p.check_integrity()
+    drain(p, busy)
+    for _ in range(2 * len(keys)):
+        if handoff.exported(p.state, keys):
+            break
+        assert handoff.exported(p.state, keys) is False
+        drain(p, handoff.retry(p.state, keys))
+    assert handoff.exported(p.state, keys) is True
+    free = p.device.num_available
+    handoff.release(p.state, keys)
+    p.check_integrity()
+    assert p.device.num_available == free + 1 and keys[2] not in p.state.handoff_holds  # r1 gives its block back
+    d.confirm_stored(keys[:2])
+    (ready,) = drain(d, d.allocate("x", PROMPT, tail_key=keys[2]).plans)
+    assert ready.num_computed_tokens == KNOWN and d.stats.storage_lost_tokens == 0
