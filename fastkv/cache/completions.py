@@ -15,7 +15,8 @@ from fastkv.cache.release import release_host_refs, release_table
 from fastkv.cache.requests import NEVER, CacheRecord, ReqState
 from fastkv.cache.results import Completion, Ready
 from fastkv.cache.state import CacheState
-from fastkv.cache.tiering import store, swap_in
+from fastkv.cache.storage_writes import landed_stores, offload_stores
+from fastkv.cache.tiering import swap_in
 from fastkv.cache.write_policy import Tier
 
 _CACHED = int(BlockState.CACHED)
@@ -96,9 +97,7 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
     elif rec.purpose is Purpose.WRITE_BACK:
         for k in rec.keys:
             state.gone_if_last(k, Tier.DEVICE, Cause.COPY_FAILED, skip=Tier.STORAGE)
-    if state.index.storage and keyed:
-        return store(state, [hb for hb, _ in keyed], [k for _, k in keyed])
-    return []
+    return landed_stores(state, [hb for hb, _ in keyed], [k for _, k in keyed])
 
 
 def _loaded(state: CacheState, rec: CopyRecord, ok: bool) -> None:
@@ -144,9 +143,7 @@ def _offloaded(state: CacheState, rec: CopyRecord, ok: bool, offloaded: list, fa
             release_host_refs(state, req)
             req.state = ReqState.RUNNING
             failed.append(req.rid)
-    if state.index.storage and keyed:
-        return store(state, [hb for hb, _ in keyed], [k for _, k in keyed])
-    return []
+    return offload_stores(state, req, keyed) if ok else []
 
 
 def make_ready(state: CacheState, req: CacheRecord) -> Ready:
@@ -188,10 +185,11 @@ def _count_served_hits(state: CacheState, req: CacheRecord, valid: int) -> None:
     bs, st = state.block_size, state.stats
     served = max(0, valid - req.num_keyed * bs)
     host = min(served, nh * bs)
-    storage = min(served - host, ns * bs)
+    planned = req.target_computed - min(req.target_computed, (req.num_keyed + nh) * bs)  # ends at a resumed partial
+    storage = min(served - host, planned)
     st.host_hit_tokens += host
     st.storage_hit_tokens += storage
-    st.storage_lost_tokens += ns * bs - storage
+    st.storage_lost_tokens += planned - storage
 
 
 def finish_offload(state: CacheState, req: CacheRecord) -> None:

@@ -40,6 +40,7 @@ from fastkv.cache.release import release_host_refs, release_table
 from fastkv.cache.requests import CacheRecord, ReqState
 from fastkv.cache.results import Allocation, Completion, Growth
 from fastkv.cache.state import CacheConfig, CacheState
+from fastkv.cache.storage_writes import deferred, partial_resume_key
 from fastkv.cache.tiering import count_hits, host_copies, swap_in, take_device, take_host
 from fastkv.cache.write_policy import Tier
 from fastkv.config import cdiv
@@ -154,6 +155,8 @@ class CacheManager:
         root, extras = self._chain(extra)
         keys = block_keys(toks, bs, root, 0, extras)
         dev_hits, host_hits, sto_keys = self.index.match(keys, (n - 1) // bs)
+        if len(dev_hits) + len(host_hits) + len(sto_keys) == (n - 1) // bs and self.index.storage:
+            self._resume_partial(request_id, root, keys, toks, host_hits, sto_keys)
         dev, host = self.device, self.host
         nd, nh = len(dev_hits), len(host_hits)
         n_blocks = cdiv(n, bs)
@@ -178,6 +181,8 @@ class CacheManager:
         st.device_hit_tokens += nd * bs
 
         req = CacheRecord(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n)
+        if keys:
+            req.last_block = toks[(len(keys) - 1) * bs:len(keys) * bs].tolist()
         self._reqs[request_id] = req
         # Hits leave the LRU queues first, so the fresh blocks taken below cannot evict them.
         for b in dev_hits:
@@ -196,7 +201,7 @@ class CacheManager:
         req.table = dev_hits + fresh
         req.num_keyed = nd
         req.num_computed = nd * bs
-        req.target_computed = (nd + nh + ns) * bs
+        req.target_computed = min((nd + nh + ns) * bs, n - 1)  # a resumed partial block ends at n - 1
         req.swap_src = host_hits[:]  # staged blocks join once loaded
         req.swap_pos = list(range(nd, nd + nh + ns))
         req.planned_hits = (nh, ns)
@@ -211,7 +216,23 @@ class CacheManager:
                 req.loading = False
         if self.policy.copies_on_hit and nd and self.host.capacity:
             plans += count_hits(self.state, req, nd)
-        return Allocation(tuple(req.table), nd * bs, (nh + ns) * bs, tuple(plans), req.pending == 0)
+        plans += deferred(self.state)
+        return Allocation(tuple(req.table), nd * bs, req.target_computed - nd * bs, tuple(plans), req.pending == 0)
+
+    def _resume_partial(self, rid: object, root: bytes, keys: list[bytes], toks: np.ndarray, host_hits: list[int],
+                        sto_keys: list[bytes]) -> None:
+        """A request preempted in storage mode comes back with every full block matched: its
+        partial last block, kept under its resume key, is a host hit or else a storage hit."""
+        bs = self.block_size
+        nf = (len(toks) - 1) // bs
+        rk = partial_resume_key(self.state, rid, root, keys, toks[nf * bs:].tolist(), len(toks) - 1)
+        if rk is None:
+            return
+        hb = self.host.lookup.get(rk)
+        if hb is not None and not sto_keys:
+            host_hits.append(hb)
+        elif rk in self.index.stored:
+            sto_keys.append(rk)
 
     def reserve(self, request_id: object, num_tokens: int) -> bool:
         """Reserve device blocks so the request can grow by ``num_tokens``; False: not now."""
@@ -247,6 +268,7 @@ class CacheManager:
             if wb is not None:
                 req.pending += 1
                 plans = (wb,)
+            plans += tuple(deferred(self.state))
         req.num_tokens += len(toks)
         tail = req.tail
         tail += toks.tolist()
@@ -258,6 +280,7 @@ class CacheManager:
             if extras:
                 extras = {i - len(req.keys): e for i, e in extras.items() if i >= len(req.keys)}
             req.keys += block_keys(chunk, bs, parent, 0, extras)
+            req.last_block = tail[(full - 1) * bs:full * bs]
             del tail[:full * bs]
         return Growth(tuple(new), plans, req.pending == 0)
 
@@ -287,8 +310,8 @@ class CacheManager:
         if self.policy.copies_on_insert and self.host.capacity:
             dkey = self.device.key
             mine = [(b, k) for b, k in zip(blocks, keys, strict=True) if dkey[b] is k]
-            return host_copies(self.state, mine)
-        return []
+            return host_copies(self.state, mine) + deferred(self.state)
+        return deferred(self.state)
 
     def _repair_dups(self, req: CacheRecord) -> None:
         """Key the request's duplicate blocks whose original holder has been evicted or is only
@@ -312,9 +335,10 @@ class CacheManager:
         release_host_refs(self.state, req, cache)
 
     # ================================================================== preemption
-    def offload(self, request_id: object) -> tuple[CopyPlan, ...] | None:
-        """Copy the request's computed KV to the host (see fastkv.cache.offload)."""
-        return offload_request(self.state, request_id)
+    def offload(self, request_id: object, to_storage: bool = False) -> tuple[CopyPlan, ...] | None:
+        """Copy the request's computed KV to the host (see fastkv.cache.offload); ``to_storage``:
+        and to the storage tier, its partial last block included (storage-mode preemption)."""
+        return offload_request(self.state, request_id, to_storage and self.index.storage)
 
     def restore(self, request_id: object, reserve_tokens: int = 0) -> Allocation | None:
         """Bring an OFFLOADED request back onto the device (see fastkv.cache.offload)."""
@@ -326,7 +350,9 @@ class CacheManager:
         rec = self.copies.close(plan)
         if not ok:
             self.stats.failed_copies += 1
-        return finish(self.state, rec, bool(ok))
+        c = finish(self.state, rec, bool(ok))
+        more = deferred(self.state)
+        return c._replace(plans=c.plans + tuple(more)) if more else c
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds, in every tier (vLLM's reset_prefix_cache):

@@ -17,6 +17,7 @@ class CacheStats:
     storage_lost_tokens: int = 0  # planned storage hits whose LOAD failed: recomputed because of storage
     device_evictions: int = 0  # device blocks evicted (moved to host or dropped)
     host_evictions: int = 0
+    unstored_host_evictions: int = 0  # host evictions of blocks the storage tier does not hold
     dropped_keys: int = 0  # keys that left every tier
     inserted_blocks: int = 0
     duplicate_blocks: int = 0  # computed blocks whose key another block already held

@@ -70,10 +70,13 @@ def take_host(state: CacheState, n: int, pinned: bool, partial: bool = False) ->
     assert all(b >= 0 for b in blocks), "host take ran out after the availability check"
     if victims:
         state.stats.host_evictions += len(victims)
+        state.evicted_since_flush += len(victims)
         dlookup, stored = state.device.lookup, state.index.stored
         for _, k in victims:
-            if k not in dlookup and k not in stored:
-                state.gone(k, Tier.HOST, Cause.EVICTED)
+            if k not in stored:
+                state.stats.unstored_host_evictions += 1
+                if k not in dlookup:
+                    state.gone(k, Tier.HOST, Cause.EVICTED)
     return blocks
 
 
