@@ -155,8 +155,10 @@ class CacheManager:
         root, extras = self._chain(extra)
         keys = block_keys(toks, bs, root, 0, extras)
         dev_hits, host_hits, sto_keys = self.index.match(keys, (n - 1) // bs)
-        if len(dev_hits) + len(host_hits) + len(sto_keys) == (n - 1) // bs and self.index.storage:
-            self._resume_partial(request_id, root, keys, toks, host_hits, sto_keys)
+        rk = self.state.resumes.get(request_id)
+        partial = -1  # a host block holding its resumed partial block
+        if rk is not None and len(dev_hits) + len(host_hits) + len(sto_keys) == (n - 1) // bs:
+            partial = self._resume_partial(rk, request_id, root, keys, toks, host_hits, sto_keys)
         dev, host = self.device, self.host
         nd, nh = len(dev_hits), len(host_hits)
         n_blocks = cdiv(n, bs)
@@ -174,6 +176,9 @@ class CacheManager:
             del sto_keys[max(room, 0):]
         ns = len(sto_keys)
 
+        if rk is not None:  # resumed once: no later admission may load its partial block again
+            del self.state.resumes[request_id]
+            self.index.stored.pop(rk, None)
         st = self.stats
         st.requests += 1
         st.prompt_tokens += n
@@ -190,6 +195,7 @@ class CacheManager:
         for b in host_hits:
             host.incref(b)
         req.host_refs = host_hits
+        req.private_block = partial  # resumed once: let go of uncached, nothing else may match it
         plans: list[CopyPlan] = []
         if ns:
             staged = take_host(self.state, ns, pinned=True)
@@ -219,20 +225,21 @@ class CacheManager:
         plans += deferred(self.state)
         return Allocation(tuple(req.table), nd * bs, req.target_computed - nd * bs, tuple(plans), req.pending == 0)
 
-    def _resume_partial(self, rid: object, root: bytes, keys: list[bytes], toks: np.ndarray, host_hits: list[int],
-                        sto_keys: list[bytes]) -> None:
-        """A request preempted in storage mode comes back with every full block matched: its
-        partial last block, kept under its resume key, is a host hit or else a storage hit."""
-        bs = self.block_size
-        nf = (len(toks) - 1) // bs
-        rk = partial_resume_key(self.state, rid, root, keys, toks[nf * bs:].tolist(), len(toks) - 1)
-        if rk is None:
-            return
+    def _resume_partial(self, rk: bytes, rid: object, root: bytes, keys: list[bytes], toks: np.ndarray,
+                        host_hits: list[int], sto_keys: list[bytes]) -> int:
+        """A request this cache preempted in storage mode (its resume key ``rk``) comes back with
+        every full block matched: its partial last block, if these tokens are the ones it
+        held KV for, is a host hit (returns the host block) or else a storage hit (-1)."""
+        nf = (len(toks) - 1) // self.block_size
+        if rk != partial_resume_key(self.state, rid, root, keys, toks[nf * self.block_size:].tolist(), len(toks) - 1):
+            return -1
         hb = self.host.lookup.get(rk)
         if hb is not None and not sto_keys:
             host_hits.append(hb)
-        elif rk in self.index.stored:
+            return hb
+        if rk in self.index.stored:
             sto_keys.append(rk)
+        return -1
 
     def reserve(self, request_id: object, num_tokens: int) -> bool:
         """Reserve device blocks so the request can grow by ``num_tokens``; False: not now."""

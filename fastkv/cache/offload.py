@@ -18,7 +18,7 @@ from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import NEVER, CacheRecord, ReqState
 from fastkv.cache.results import Allocation
 from fastkv.cache.state import CacheState
-from fastkv.cache.storage_writes import offload_stores, partial_resume_key, partial_tokens
+from fastkv.cache.storage_writes import offload_stores, partial_resume_key, partial_tokens, remember_resume
 from fastkv.cache.tiering import swap_in, take_device, take_host
 from fastkv.config import cdiv
 
@@ -71,6 +71,7 @@ def offload(state: CacheState, request_id: object, to_storage: bool = False) -> 
         elif to_storage and (rk := partial_resume_key(state, req.rid, req.root, req.keys,
                                                        partial_tokens(req, bs), req.num_computed)):
             req.private_key = rk  # request-scoped: only its own re-admission can match it, so it stays cached
+            remember_resume(state, req.rid, rk)
             keys.append(rk)
         else:
             parent = req.keys[i - 1] if i else req.root

@@ -7,6 +7,8 @@ scheduler calls. Imports run one way: state and results -> role modules -> manag
 """
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from fastkv.cache.copies import CopyBook
@@ -77,6 +79,9 @@ class CacheState:
         self.reserved = 0  # device blocks promised to requests for decode growth
         self.hits: dict[bytes, int] = {}  # WRITE_THROUGH_SELECTIVE hit counts of device keys
         self.epoch = 0  # offloads so far: makes each partial block's private key unique
+        self.run = os.urandom(16)  # scopes resume keys to this cache (keys.resume_key)
+        # storage-mode preempted requests -> their resume key: only their own re-admission looks it up, once
+        self.resumes: OrderedDict[object, bytes] = OrderedDict()
         self.deferred: list[CopyPlan] = []  # opened STOREs the next call returning plans hands out
         self.evicted_since_flush = 0  # host evictions the BACK storage flush has not answered yet
         self.paused = False  # a weight update is in progress

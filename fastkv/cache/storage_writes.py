@@ -101,7 +101,17 @@ def partial_resume_key(state: CacheState, rid: object, root: bytes, keys: list[b
     nf, r = divmod(computed, state.block_size)
     if not r or block is None:
         return None
-    return resume_key(state.namespace, keys[nf - 1] if nf else root, rid, np.asarray(block[:r], np.int32).tobytes())
+    return resume_key(state.namespace, keys[nf - 1] if nf else root, state.run, rid,
+                      np.asarray(block[:r], np.int32).tobytes())
+
+
+def remember_resume(state: CacheState, rid: object, key: bytes) -> None:
+    """``rid`` was preempted in storage mode with its partial block under ``key``. Bounded: a
+    request aborted before it resumed leaves its entry, which ages out."""
+    resumes = state.resumes
+    resumes[rid] = key
+    if len(resumes) > state.config.history:
+        resumes.popitem(last=False)
 
 
 def partial_tokens(req: CacheRecord, block_size: int) -> list[int] | None:

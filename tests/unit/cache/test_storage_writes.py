@@ -80,3 +80,35 @@ def test_another_request_with_the_same_tokens_never_matches_a_resume_key():
     m.free("r")
     other = m.allocate("s", list(prompt) + [77])
     assert other.num_cached_tokens + other.num_pending_tokens == 2 * BS  # full blocks only
+
+
+def preempt_to_storage(m, rid, prompt):
+    """Runs ``prompt``, samples one token, preempts in storage mode; returns the STOREd keys."""
+    a = m.allocate(rid, prompt)
+    drain(m, a.plans)
+    drain(m, m.mark_computed(rid, len(prompt)))
+    m.append_slots(rid, [77])
+    stores = [p for c in drain(m, m.offload(rid, to_storage=True)) for p in c.plans if p.kind is CopyKind.STORE]
+    m.free(rid)
+    return [k for p in stores for k in p.keys]
+
+
+def test_a_resume_key_is_scoped_to_this_run():
+    """Engines number requests from 0, so a restart or a second engine on the same store preempts
+    a request with the same id and tokens: its resume key must not be the other run's."""
+    prompt = toks(1, 2, extra=2)
+    a, b = (set(preempt_to_storage(pool(StorageWrites.PREEMPTED), 0, prompt)) for _ in range(2))
+    assert len(a & b) == 2 and len(a - b) == 1  # the full blocks are shared; the partial block is not
+
+
+def test_a_resume_key_matches_once_only_for_the_request_it_was_stored_for():
+    m = pool(StorageWrites.PREEMPTED, dev=4, host=3)
+    prompt = toks(1, 2, extra=2)
+    preempt_to_storage(m, "r", prompt)
+    resumed = list(prompt) + [77]
+    b = m.allocate("r", resumed)
+    assert b.num_cached_tokens + b.num_pending_tokens == len(prompt)  # its partial block is back
+    drain(m, b.plans)
+    m.free("r")
+    again = m.allocate("r", resumed)  # same id and tokens, but no preempted state left to resume
+    assert again.num_cached_tokens + again.num_pending_tokens == 2 * BS
