@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.launch import Run
-from tests.e2e.test_engine_synthetic import VOCAB, check_outputs, spec, workload
+from tests.e2e.test_engine_synthetic import SYSTEM, VOCAB, check_outputs, spec, workload
+from tests.storage.conftest import RedisServer
 
 
 def run_once(tmp_path, name: str, url: str, wl: list[dict], tp: int = 1, reference: bool = True,
@@ -75,3 +76,54 @@ def test_other_weights_on_the_same_store_get_no_hits(tmp_path):
     _, b = run_once(tmp_path, "b", url, wl, reference=False, weights_version="v2")
     assert b["storage_lookup"]["keys_asked"] > 0 and b["storage_lookup"]["keys_found"] == 0, b["storage_lookup"]
     assert b["hit_ratio"]["storage"] == 0 and b["corrupt_values"] == 0 and b["stale_hits"] == 0, b
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server.url
+    server.kill()
+
+
+def shared_prefix_half(first: list[int], second: list[int], tag: str) -> list[dict]:
+    """Requests on prefix ``first`` at once, then, a few seconds later (once the other engine
+    has stored its own ``first``), requests on ``second``."""
+    return [{"id": f"{tag}{i}", "arrival_s": 0 if i < 3 else 4.0, "max_new_tokens": 4, "preemption": "offload",
+             "prompt": (first if i < 3 else second) + [(i * 31 + j * 7) % 500 for j in range(5 + i)]}
+            for i in range(6)]
+
+
+def two_engines_at_once(tmp_path, url: str, versions: tuple[str, str]) -> tuple[dict, dict]:
+    """Two engines on one store at the same time, each running one half of a shared-prefix workload."""
+    pa, pb = SYSTEM + SYSTEM[::-1], SYSTEM[::-1] + SYSTEM  # 6 full blocks each
+    halves = shared_prefix_half(pa, pb, "a"), shared_prefix_half(pb, pa, "b")
+    specs = [spec(1, tmp_path / f"e{i}", num_device_blocks=24, num_host_blocks=12, storage_url=url,
+                  cache_policy="write_through", weights_version=v,
+                  runner_options={"verify": "all", "vocab": VOCAB}, scheduler={"max_num_batched_tokens": 48})
+             for i, v in enumerate(versions)]
+    with Run(specs[0], halves[0]) as one, Run(specs[1], halves[1]) as two:
+        assert one.wait(120) == 0 and two.wait(120) == 0, "an engine failed (see stderr)"
+        summaries = one.summary(), two.summary()
+        results = one.results(), two.results()
+        assert all(c == 0 for run in (one, two) for c in run.close().values())
+    if versions[0] == versions[1] == "0":
+        for res, wl in zip(results, halves, strict=True):
+            check_outputs(res, wl)
+    return summaries
+
+
+@pytest.mark.slow
+def test_two_engines_at_once_on_one_redis_hit_each_others_writes(tmp_path, redis_url):
+    a, b = two_engines_at_once(tmp_path, redis_url, ("0", "0"))
+    for s in (a, b):  # the later prefix was only ever computed by the other engine
+        assert s["storage_lookup"]["keys_found"] > 0 and s["hit_ratio"]["storage"] > 0, s["storage_lookup"]
+        assert s["corrupt_values"] == 0 and s["recomputed_because_storage"] == 0, s
+
+
+@pytest.mark.slow
+def test_two_engines_with_other_weights_on_one_redis_get_no_hits_from_each_other(tmp_path, redis_url):
+    a, b = two_engines_at_once(tmp_path, redis_url, ("0", "v2"))
+    for s in (a, b):
+        assert s["storage_lookup"]["keys_asked"] > 0 and s["storage_lookup"]["keys_found"] == 0, s["storage_lookup"]
+        assert s["hit_ratio"]["storage"] == 0 and s["stale_hits"] == 0, s
