@@ -31,10 +31,11 @@ def finish(state: CacheState, rec: CopyRecord, ok: bool) -> Completion:
     if p is Purpose.WRITE_BACK or p is Purpose.WRITE_THROUGH:
         plans += _landed_on_host(state, rec, ok)
         if p is Purpose.WRITE_BACK:
-            _progress(state, rec, plans, ready)
+            _progress(state, rec.req, plans, ready)
     elif p is Purpose.PREFIX_LOAD:
         _loaded(state, rec, ok)
-        _progress(state, rec, plans, ready)
+        for req, _ in rec.waiters:
+            _progress(state, req, plans, ready)
     elif p is Purpose.SWAP_IN:
         for b in rec.src:
             state.host.unpin(b)
@@ -42,7 +43,7 @@ def finish(state: CacheState, rec: CopyRecord, ok: bool) -> Completion:
             state.device.unpin(b)
         if not ok and rec.req is not None and rec.req.alive:
             rec.req.fail_block = min(rec.req.fail_block, rec.positions[0])
-        _progress(state, rec, plans, ready)
+        _progress(state, rec.req, plans, ready)
     elif p is Purpose.OFFLOAD:
         plans += _offloaded(state, rec, ok, offloaded, failed)
     elif p is Purpose.STORE:
@@ -57,16 +58,15 @@ def finish(state: CacheState, rec: CopyRecord, ok: bool) -> Completion:
     return Completion(tuple(plans), tuple(ready), tuple(offloaded), tuple(failed))
 
 
-def _progress(state: CacheState, rec: CopyRecord, plans: list[CopyPlan], ready: list[Ready]) -> None:
+def _progress(state: CacheState, req: CacheRecord | None, plans: list[CopyPlan], ready: list[Ready]) -> None:
     """One fewer copy for the request to wait for; the last one issues its swap-in or readies it."""
-    req = rec.req
     if req is None or not req.alive:
         return
     req.pending -= 1
     assert req.pending >= 0, f"request {req.rid!r}: more completions than plans"
     if req.pending:
         return
-    if req.swap_src and req.state is ReqState.RUNNING:
+    if req.swap_src and req.swap_src[0] >= 0 and req.state is ReqState.RUNNING:
         plans.append(swap_in(state, req))
     else:
         req.swap_pos = []
@@ -101,24 +101,29 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
 
 
 def _loaded(state: CacheState, rec: CopyRecord, ok: bool) -> None:
-    host, req = state.host, rec.req
-    keep = ok and req.alive
+    """A PREFIX_LOAD landed for its owner and every request that joined it (coalesce.py)."""
+    host = state.host
     if ok:
         state.stats.load_blocks += len(rec.dst)
         _set_host_keys(state, rec)
-    for hb in rec.dst:
-        if keep:  # the request holds the staged block until its swap-in is done
+    for req, slots in rec.waiters:
+        if not req.alive:
+            continue
+        if not ok:
+            req.fail_block = min(req.fail_block, req.swap_pos[min(slots.values())])
+            continue
+        for i, slot in slots.items():  # each holds the staged block until its swap-in is done
+            hb = rec.dst[i]
             host.incref(hb)
             req.host_refs.append(hb)
-            req.swap_src.append(hb)
+            req.swap_src[slot] = hb
+    for hb in rec.dst:
         host.unpin(hb)
     if not ok:
         state.stats.load_misses += len(rec.dst)
         for k in rec.keys:
             state.index.stored.pop(k, None)
             state.gone_if_last(k, Tier.STORAGE, Cause.STORAGE_MISS, skip=Tier.STORAGE)
-        if req.alive:
-            req.fail_block = min(req.fail_block, rec.positions[0])
 
 
 def _offloaded(state: CacheState, rec: CopyRecord, ok: bool, offloaded: list, failed: list) -> list[CopyPlan]:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastkv.cache.coalesce import join as join_loads
+from fastkv.cache.coalesce import split as split_loads
 from fastkv.cache.completions import finish
 from fastkv.cache.copies import Purpose
 from fastkv.cache.index import Cause, MatchResult, MissExplanation, MissReason
@@ -170,11 +172,13 @@ class CacheManager:
                 cached_hits += 1
         if dev.num_available - cached_hits - self.state.reserved < n_blocks - nd + n_res:
             return None
-        if sto_keys:  # stage loads in host blocks; what finds no room is recomputed instead
+        joins: list[tuple[int, int]] = []
+        if sto_keys:  # join LOADs in flight; stage the others in host blocks, what finds no room is recomputed
+            joins, sto_keys = split_loads(self.state, sto_keys)
             hstate = host.state
             room = host.num_available - sum(1 for b in host_hits if hstate[b] == _CACHED)
             del sto_keys[max(room, 0):]
-        ns = len(sto_keys)
+        nj, ns = len(joins), len(sto_keys)
 
         if rk is not None:  # resumed once: no later admission may load its partial block again
             del self.state.resumes[request_id]
@@ -200,20 +204,21 @@ class CacheManager:
         if ns:
             staged = take_host(self.state, ns, pinned=True)
             plans.append(self.copies.open(CopyKind.LOAD, Purpose.PREFIX_LOAD, dst=staged, keys=sto_keys, req=req,
-                                          positions=list(range(nd + nh, nd + nh + ns))))
+                                          positions=list(range(nd + nh + nj, nd + nh + nj + ns))))
+            self.copies.records[plans[-1].plan_id].waiters = [(req, {i: nh + nj + i for i in range(ns)})]
         fresh, wb = take_device(self.state, n_blocks - nd, req)
         if wb is not None:
             plans.append(wb)
         req.table = dev_hits + fresh
         req.num_keyed = nd
         req.num_computed = nd * bs
-        req.target_computed = min((nd + nh + ns) * bs, n - 1)  # a resumed partial block ends at n - 1
-        req.swap_src = host_hits[:]  # staged blocks join once loaded
-        req.swap_pos = list(range(nd, nd + nh + ns))
-        req.planned_hits = (nh, ns)
+        req.target_computed = min((nd + nh + nj + ns) * bs, n - 1)  # a resumed partial block ends at n - 1
+        req.swap_src = host_hits + [-1] * (nj + ns)  # loaded blocks fill their slots as they land
+        req.swap_pos = list(range(nd, nd + nh + nj + ns))
+        req.planned_hits = (nh + nj, ns)  # a joined load is served from the host, where it lands
         req.reserved = n_res
         self.state.reserved += n_res
-        req.pending = len(plans)
+        req.pending = len(plans) + join_loads(self.state, req, joins, nh)
         req.loading = True
         if req.pending == 0:
             if req.swap_pos:

@@ -25,6 +25,7 @@ class CacheStats:
     swap_in_blocks: int = 0
     store_blocks: int = 0
     load_blocks: int = 0
+    joined_load_blocks: int = 0  # blocks an admission took from another's LOAD in flight (coalesce.py)
     failed_copies: int = 0  # plans completed with ok=False
     load_misses: int = 0  # blocks of failed LOADs
     skipped_copies: int = 0  # host copies not made: no host block free
