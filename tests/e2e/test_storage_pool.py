@@ -2,11 +2,21 @@
 by lookup at admission, what the first one wrote, loads it and serves the same tokens."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.e2e.launch import Run
 from tests.e2e.test_engine_synthetic import SYSTEM, VOCAB, check_outputs, spec, workload
 from tests.storage.conftest import RedisServer
+
+ROOT = Path(__file__).resolve().parents[2]
+RESTART_SHAPE = ["--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--block-size", "16",
+                 "--device-blocks", "48", "--host-blocks", "64"]
 
 
 def run_once(tmp_path, name: str, url: str, wl: list[dict], tp: int = 1, reference: bool = True,
@@ -127,3 +137,44 @@ def test_two_engines_with_other_weights_on_one_redis_get_no_hits_from_each_other
     for s in (a, b):
         assert s["storage_lookup"]["keys_asked"] > 0 and s["storage_lookup"]["keys_found"] == 0, s["storage_lookup"]
         assert s["hit_ratio"]["storage"] == 0 and s["stale_hits"] == 0, s
+
+
+def supervise(tmp_path, name: str, url: str, workload_file) -> tuple[dict[str, dict], dict]:
+    """One supervisor run (the user's command) on ``url``: results by request id, report.json."""
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "fastkv", "--no-progress", "--out", str(out), "--storage", url,
+           "--workload", str(workload_file), *RESTART_SHAPE]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, f"run {name} failed:\n{proc.stdout}\n{proc.stderr}"
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return {r["id"]: r for r in rows}, json.loads((out / "report.json").read_text())
+
+
+
+def restart_pair(tmp_path, url: str) -> None:
+    """Run A computes every prompt (distinct, so A can hit nothing); run B, a new supervisor on the
+    same store with A's workload.jsonl, loads them: same tokens per request, earlier first tokens."""
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("".join(json.dumps({"id": f"r{i}", "arrival_s": 0, "max_new_tokens": 4,
+                                      "prompt": [(i * 131 + j * 17) % 1000 for j in range(320 + i)]}) + "\n"
+                          for i in range(16)))
+    a_out, a = supervise(tmp_path, "a", url, wl)
+    b_out, b = supervise(tmp_path, "b", url, tmp_path / "a" / "workload.jsonl")
+    print("A", a["hit_ratio"], a["ttft_s"]["p50"], "B", b["hit_ratio"], b["ttft_s"]["p50"], b["storage_lookup"])
+    assert sorted(b_out) == sorted(a_out) and len(a_out) == 16
+    for rid, row in a_out.items():
+        assert row["state"] == "finished" and b_out[rid]["output"] == row["output"], (rid, row, b_out[rid])
+    assert a["hit_ratio"]["storage"] == 0 and b["hit_ratio"]["storage"] >= 0.9, (a["hit_ratio"], b["hit_ratio"])
+    assert b["recomputed_because_storage"] == 0 and b["storage_lookup"]["timed_out"] == 0, b["storage_lookup"]
+    assert b["ttft_s"]["p50"] < a["ttft_s"]["p50"], (a["ttft_s"], b["ttft_s"])
+
+
+@pytest.mark.slow
+def test_restart_on_lmdb_serves_the_same_tokens_sooner(tmp_path):
+    restart_pair(tmp_path, f"lmdb://{tmp_path}/store")
+
+
+@pytest.mark.slow
+def test_restart_on_redis_serves_the_same_tokens_sooner(tmp_path, redis_url):
+    restart_pair(tmp_path, redis_url)
