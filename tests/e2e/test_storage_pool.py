@@ -42,7 +42,9 @@ def test_restarted_engine_hits_what_the_first_one_stored(tmp_path, tp):
     _, a = run_once(tmp_path, "a", url, wl, tp)
     _, b = run_once(tmp_path, "b", url, wl, tp)
     print("hit ratios A", a["hit_ratio"], "B", b["hit_ratio"], "lookup", b.get("storage_lookup"))
-    assert b["hit_ratio"]["storage"] >= a["hit_ratio"]["storage"] + 0.2, (a["hit_ratio"], b["hit_ratio"])
+    # what storage served: loaded, or taken from another request's load where it landed (a host hit)
+    loaded = {r: s["hit_ratio"]["storage"] + s["hit_ratio"]["host"] for r, s in (("a", a), ("b", b))}
+    assert loaded["b"] >= loaded["a"] + 0.2 and b["hit_ratio"]["storage"] > 0, (a["hit_ratio"], b["hit_ratio"])
     lk = b["storage_lookup"]
     assert lk["keys_found"] > 0 and lk["failed"] == 0, lk
     assert b["recomputed_because_storage"] == 0 and b["corrupt_values"] == 0, b
