@@ -41,6 +41,7 @@ ROLES = ("mixed", "prefill", "decode")
 # was restored, preempted or moved, byte for byte, without re-reading every sequence every step.
 DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 300.0, "verify": "resumed"}, "tiny": {}}
 CACHE_POLICIES = ("write_back", "write_through", "write_through_selective")
+STORAGE_WRITES = ("preempted", "through", "back")  # fastkv.cache.storage_writes: what each costs
 QUICK_DEMO = {"conversations": 8, "turns": 3}
 DEMO_DEVICE_BLOCKS = 64  # the demo's conversations need several times this: memory pressure
 RUNNER_VOCAB = 1024  # both reference runners' default vocab (runner option "vocab", tiny: config.vocab)
@@ -65,6 +66,9 @@ class JobConfig:
     # host tier: write_through copies full blocks as they fill, so evicting them never waits for a
     # copy (write_back makes the request that evicts wait for the block's copy to the host)
     cache_policy: str = "write_through"
+    # which blocks reach the storage tier: "through" (every block once on the host) makes the pool
+    # useful to restarts and other engines; "preempted" and "back" write less
+    storage_write: str = "through"
     eviction: str = "lru"  # the order cached blocks leave a tier: lru | lfu
     host_checksums: bool = True  # checksum host blocks (a corrupt one is recomputed, never served)
     runner: str = "synthetic"
@@ -111,6 +115,8 @@ class JobConfig:
                 raise ValueError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
         if self.cache_policy not in CACHE_POLICIES:
             raise ValueError(f"setting 'cache_policy' must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
+        if self.storage_write not in STORAGE_WRITES:
+            raise ValueError(f"setting 'storage_write' must be one of {STORAGE_WRITES}, got {self.storage_write!r}")
         if self.eviction not in POLICIES:
             raise ValueError(f"setting 'eviction' must be one of {sorted(POLICIES)}, got {self.eviction!r}")
         if self.preemption not in PREEMPTION_MODES:
@@ -309,7 +315,8 @@ class JobConfig:
             run_id=run_id, layout=self.layout(), num_device_blocks=self.device_blocks,
             num_host_blocks=self.host_blocks, storage_url=self.storage_url(out_dir), runner=self.runner,
             runner_options=self.full_runner_options(),
-            cache_policy=self.cache_policy, eviction=self.eviction, host_checksums=self.host_checksums,
+            cache_policy=self.cache_policy, storage_writes=self.storage_write, eviction=self.eviction,
+            host_checksums=self.host_checksums,
             scheduler=dict(self.scheduler),
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
@@ -374,6 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--storage", help="storage URL (lmdb://DIR, redis://HOST:PORT), 'none', or 'default' = lmdb://<out>/store")
     a("--preemption", choices=PREEMPTION_MODES, help="what preempting a request does (default offload)")
     a("--cache-policy", choices=CACHE_POLICIES, help="when blocks are copied to the host tier (default write_through)")
+    a("--storage-write", choices=STORAGE_WRITES,
+      help="which blocks are written to the storage tier: 'through' every block once it is on the host "
+      "(the most writes; restarts and other engines hit everything), 'preempted' only preempted requests' "
+      "(the fewest), 'back' host blocks about to be evicted (one write per host eviction) (default through)")
     a("--eviction", choices=sorted(POLICIES), help="the order cached blocks leave a tier (default lru)")
     a("--runner", choices=RUNNERS, help="reference model runner (default synthetic)")
     a("--workload", help="demo | trace | trace:N | path to a workload.jsonl (default demo)")

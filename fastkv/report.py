@@ -108,7 +108,8 @@ def table(data: dict[str, Any]) -> str:
         lk = data["storage_lookup"]
         rows.append(("storage lookups", f"{lk['lookups']} for {lk['requests']} requests, {lk['keys_found']} of "
                                         f"{lk['keys_asked']} blocks found, {lk['latency_ms_mean']:.2f} ms mean, "
-                                        f"{lk['timed_out']} timed out; {lk['bytes_loaded'] / 1e6:.1f} MB loaded"))
+                                        f"{lk['timed_out']} timed out; {lk['bytes_loaded'] / 1e6:.1f} MB loaded, "
+                                        f"{lk.get('loads_joined', 0)} blocks from loads in flight"))
     if "host_checksum_mismatches" in data:
         rows.append(("host checksum mismatches", f"{data['host_checksum_mismatches']} (each recomputed, never served)"))
     width = max(len(k) for k, _ in rows)

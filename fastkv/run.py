@@ -53,6 +53,7 @@ class RunSpec:
     handoff: str = ""  # decode: the prefill run's handoff.jsonl
     device_ids: tuple[int, ...] = ()  # accelerator of each rank (``device_id``); empty: rank r uses device r
     cache_policy: str = "write_back"  # fastkv.cache.write_policy.WritePolicy value
+    storage_writes: str = "through"  # fastkv.cache.write_policy.StorageWrites name: which blocks are stored
     eviction: str = "lru"  # fastkv.cache.eviction.POLICIES name
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig keyword arguments
     ops_threads: int = 1  # CPU swap-op threads per transfer process

@@ -15,7 +15,8 @@ from fastkv.cache.release import release_host_refs, release_table
 from fastkv.cache.requests import NEVER, CacheRecord, ReqState
 from fastkv.cache.results import Completion, Ready
 from fastkv.cache.state import CacheState
-from fastkv.cache.tiering import store, swap_in
+from fastkv.cache.storage_writes import landed_stores, offload_stores
+from fastkv.cache.tiering import swap_in
 from fastkv.cache.write_policy import Tier
 
 _CACHED = int(BlockState.CACHED)
@@ -30,10 +31,11 @@ def finish(state: CacheState, rec: CopyRecord, ok: bool) -> Completion:
     if p is Purpose.WRITE_BACK or p is Purpose.WRITE_THROUGH:
         plans += _landed_on_host(state, rec, ok)
         if p is Purpose.WRITE_BACK:
-            _progress(state, rec, plans, ready)
+            _progress(state, rec.req, plans, ready)
     elif p is Purpose.PREFIX_LOAD:
         _loaded(state, rec, ok)
-        _progress(state, rec, plans, ready)
+        for req, _ in rec.waiters:
+            _progress(state, req, plans, ready)
     elif p is Purpose.SWAP_IN:
         for b in rec.src:
             state.host.unpin(b)
@@ -41,7 +43,7 @@ def finish(state: CacheState, rec: CopyRecord, ok: bool) -> Completion:
             state.device.unpin(b)
         if not ok and rec.req is not None and rec.req.alive:
             rec.req.fail_block = min(rec.req.fail_block, rec.positions[0])
-        _progress(state, rec, plans, ready)
+        _progress(state, rec.req, plans, ready)
     elif p is Purpose.OFFLOAD:
         plans += _offloaded(state, rec, ok, offloaded, failed)
     elif p is Purpose.STORE:
@@ -56,16 +58,15 @@ def finish(state: CacheState, rec: CopyRecord, ok: bool) -> Completion:
     return Completion(tuple(plans), tuple(ready), tuple(offloaded), tuple(failed))
 
 
-def _progress(state: CacheState, rec: CopyRecord, plans: list[CopyPlan], ready: list[Ready]) -> None:
+def _progress(state: CacheState, req: CacheRecord | None, plans: list[CopyPlan], ready: list[Ready]) -> None:
     """One fewer copy for the request to wait for; the last one issues its swap-in or readies it."""
-    req = rec.req
     if req is None or not req.alive:
         return
     req.pending -= 1
     assert req.pending >= 0, f"request {req.rid!r}: more completions than plans"
     if req.pending:
         return
-    if req.swap_src and req.state is ReqState.RUNNING:
+    if req.swap_src and req.swap_src[0] >= 0 and req.state is ReqState.RUNNING:
         plans.append(swap_in(state, req))
     else:
         req.swap_pos = []
@@ -96,30 +97,33 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
     elif rec.purpose is Purpose.WRITE_BACK:
         for k in rec.keys:
             state.gone_if_last(k, Tier.DEVICE, Cause.COPY_FAILED, skip=Tier.STORAGE)
-    if state.index.storage and keyed:
-        return store(state, [hb for hb, _ in keyed], [k for _, k in keyed])
-    return []
+    return landed_stores(state, [hb for hb, _ in keyed], [k for _, k in keyed])
 
 
 def _loaded(state: CacheState, rec: CopyRecord, ok: bool) -> None:
-    host, req = state.host, rec.req
-    keep = ok and req.alive
+    """A PREFIX_LOAD landed for its owner and every request that joined it (coalesce.py)."""
+    host = state.host
     if ok:
         state.stats.load_blocks += len(rec.dst)
         _set_host_keys(state, rec)
-    for hb in rec.dst:
-        if keep:  # the request holds the staged block until its swap-in is done
+    for req, slots in rec.waiters:
+        if not req.alive:
+            continue
+        if not ok:
+            req.fail_block = min(req.fail_block, req.swap_pos[min(slots.values())])
+            continue
+        for i, slot in slots.items():  # each holds the staged block until its swap-in is done
+            hb = rec.dst[i]
             host.incref(hb)
             req.host_refs.append(hb)
-            req.swap_src.append(hb)
+            req.swap_src[slot] = hb
+    for hb in rec.dst:
         host.unpin(hb)
     if not ok:
         state.stats.load_misses += len(rec.dst)
         for k in rec.keys:
             state.index.stored.pop(k, None)
             state.gone_if_last(k, Tier.STORAGE, Cause.STORAGE_MISS, skip=Tier.STORAGE)
-        if req.alive:
-            req.fail_block = min(req.fail_block, rec.positions[0])
 
 
 def _offloaded(state: CacheState, rec: CopyRecord, ok: bool, offloaded: list, failed: list) -> list[CopyPlan]:
@@ -144,9 +148,7 @@ def _offloaded(state: CacheState, rec: CopyRecord, ok: bool, offloaded: list, fa
             release_host_refs(state, req)
             req.state = ReqState.RUNNING
             failed.append(req.rid)
-    if state.index.storage and keyed:
-        return store(state, [hb for hb, _ in keyed], [k for _, k in keyed])
-    return []
+    return offload_stores(state, req, keyed) if ok else []
 
 
 def make_ready(state: CacheState, req: CacheRecord) -> Ready:
@@ -188,7 +190,7 @@ def _count_served_hits(state: CacheState, req: CacheRecord, valid: int) -> None:
     bs, st = state.block_size, state.stats
     served = max(0, valid - req.num_keyed * bs)
     host = min(served, nh * bs)
-    planned = min(ns * bs, req.target_computed - req.num_keyed * bs - nh * bs)  # a handoff's tail: part of a block
+    planned = req.target_computed - min(req.target_computed, (req.num_keyed + nh) * bs)  # ends at a resumed partial
     storage = min(served - host, planned)
     st.host_hit_tokens += host
     st.storage_hit_tokens += storage

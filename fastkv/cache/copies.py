@@ -27,12 +27,15 @@ class CopyRecord:
     keys: list[bytes]  # keys the destination blocks get on success (or the STORE / LOAD keys)
     req: CacheRecord | None
     positions: list[int] | None  # table positions a request's copy fills
+    # PREFIX_LOAD: every request its blocks land for (its owner first), with plan index -> swap_src slot
+    waiters: list[tuple[CacheRecord, dict[int, int]]] | None = None
 
 
 class CopyBook:
     def __init__(self) -> None:
         self.records: dict[int, CopyRecord] = {}
         self.inflight: dict[bytes, int] = {}  # key -> plan id, for keys a SWAP_OUT brings to the host
+        self.loading: dict[bytes, tuple[int, int]] = {}  # key -> (plan id, index), for keys a PREFIX_LOAD brings
         self._next_id = 1
 
     def open(self, kind: CopyKind, purpose: Purpose, src: list[int] = (), dst: list[int] = (),
@@ -47,6 +50,9 @@ class CopyBook:
         if purpose is Purpose.WRITE_BACK or purpose is Purpose.WRITE_THROUGH:
             for k in keys:
                 self.inflight[k] = pid
+        elif purpose is Purpose.PREFIX_LOAD:
+            for i, k in enumerate(keys):
+                self.loading[k] = (pid, i)
         return plan
 
     def close(self, plan: CopyPlan) -> CopyRecord:
@@ -61,4 +67,9 @@ class CopyBook:
             for k in rec.keys:
                 if inflight.get(k) == plan.plan_id:
                     del inflight[k]
+        elif rec.purpose is Purpose.PREFIX_LOAD:
+            loading = self.loading
+            for k in rec.keys:
+                if loading.get(k, (0,))[0] == plan.plan_id:
+                    del loading[k]
         return rec

@@ -69,7 +69,7 @@ def check(state: CacheState) -> None:
 
     dev_pins: Counter[int] = Counter()
     host_pins: Counter[int] = Counter()
-    inflight = {}
+    inflight, loading = {}, {}
     for pid, rec in state.copies.records.items():
         assert rec.plan.plan_id == pid
         d_side, h_side = _PINS[rec.purpose]
@@ -80,9 +80,14 @@ def check(state: CacheState) -> None:
         if rec.purpose in (Purpose.WRITE_BACK, Purpose.WRITE_THROUGH):
             for k in rec.keys:
                 inflight[k] = pid
-        if rec.req is not None and rec.req.alive:
-            assert rec.req.pending > 0, f"plan {pid} for request {rec.req.rid!r}, which waits for nothing"
+        for req in [rec.req] + [r for r, _ in rec.waiters or ()]:
+            if req is not None and req.alive:
+                assert req.pending > 0, f"plan {pid} for request {req.rid!r}, which waits for nothing"
+        if rec.purpose is Purpose.PREFIX_LOAD:
+            for i, k in enumerate(rec.keys):
+                loading[k] = (pid, i)
     assert inflight == state.copies.inflight, "in-flight keys do not match the open write-back/through plans"
+    assert loading == state.copies.loading, "loading keys do not match the open prefix loads"
     for pool, pins in ((dev, dev_pins), (host, host_pins)):
         for b in range(pool.capacity):
             assert pool.pins[b] == pins[b], f"{pool.tier} block {b}: {pool.pins[b]} pins but {pins[b]} copies"

@@ -7,6 +7,7 @@ Three BLAKE3 domains (BLAKE3's derive-key contexts are separate domains from its
     root       = derive_key("fastkv root key v1",   namespace ‖ request extras)
     key(i)     = blake3(key(i-1) ‖ int32 token bytes of block i [‖ block extras])   key(-1) = root
     private    = derive_key("fastkv private key v1", namespace ‖ parent ‖ request id ‖ epoch ‖ tokens)
+    resume     = derive_key("fastkv resume key v1",  namespace ‖ parent ‖ run ‖ request id ‖ computed tokens)
 
 The namespace enters every key through the root of its chain: folding it there rather than
 hashing it again in every block keeps a block's input at 288 bytes (4.5 BLAKE3 blocks) for
@@ -37,6 +38,7 @@ KEY_BYTES = 32
 _NS_CTX = "fastkv 2025 namespace v1"
 _ROOT_CTX = "fastkv 2025 root key v1"
 _PRIVATE_CTX = "fastkv 2025 private key v1"
+_RESUME_CTX = "fastkv 2025 resume key v1"
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -169,3 +171,12 @@ def private_key(ns: KeyNamespace, parent: bytes, request_id: object, epoch: int,
     data = (ns.fingerprint + parent + _field(b"rid", _text(request_id)) + struct.pack("<q", epoch)
             + np.asarray(tokens, dtype=np.int32).tobytes())
     return blake3(data, derive_key_context=_PRIVATE_CTX).digest()
+
+
+def resume_key(ns: KeyNamespace, parent: bytes, run: bytes, request_id: object, computed: bytes) -> bytes:
+    """The request-scoped storage key of a preempted request's partial last block: ``computed``
+    is the int32 bytes of its tokens that hold KV, ``run`` a nonce of the cache that stored it.
+    Engines number their requests from 0, so without ``run`` a restart or a second engine on
+    the same store would derive the same key for its own request with that id."""
+    data = ns.fingerprint + parent + _field(b"run", run) + _field(b"rid", _text(request_id)) + _field(b"tok", computed)
+    return blake3(data, derive_key_context=_RESUME_CTX).digest()

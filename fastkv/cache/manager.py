@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastkv.cache.coalesce import join as join_loads
+from fastkv.cache.coalesce import split as split_loads
 from fastkv.cache.completions import finish
 from fastkv.cache.copies import Purpose
 from fastkv.cache.index import Cause, MatchResult, MissExplanation, MissReason
@@ -41,6 +43,7 @@ from fastkv.cache.release import release_host_refs, release_table
 from fastkv.cache.requests import CacheRecord, ReqState
 from fastkv.cache.results import Allocation, Completion, Growth, PreemptionWork
 from fastkv.cache.state import CacheConfig, CacheState
+from fastkv.cache.storage_writes import deferred, partial_resume_key
 from fastkv.cache.tiering import count_hits, host_copies, swap_in, take_device, take_host
 from fastkv.cache.write_policy import Tier
 from fastkv.config import cdiv
@@ -164,6 +167,15 @@ class CacheManager:
         root, extras = self._chain(extra)
         keys = block_keys(toks, bs, root, 0, extras)
         dev_hits, host_hits, sto_keys = self.index.match(keys, (n - 1) // bs)
+        rk = self.state.resumes.get(request_id)
+        partial = -1  # a host block holding its resumed partial block
+        # a partial block (before the last token) is of use only behind a complete prefix; as the
+        # last key it is the first to go when the host lacks room to stage the loads
+        if len(dev_hits) + len(host_hits) + len(sto_keys) == (n - 1) // bs:
+            if rk is not None:
+                partial = self._resume_partial(rk, request_id, root, keys, toks, host_hits, sto_keys)
+            elif tail_key is not None and (n - 1) % bs:
+                sto_keys.append(tail_key)
         dev, host = self.device, self.host
         nd, nh = len(dev_hits), len(host_hits)
         n_blocks = cdiv(n, bs)
@@ -175,16 +187,17 @@ class CacheManager:
                 cached_hits += 1
         if dev.num_available - cached_hits - self.state.reserved < n_blocks - nd + n_res:
             return None
-        if sto_keys or tail_key is not None:  # stage loads in host blocks; what finds no room is recomputed instead
+        joins: list[tuple[int, int]] = []
+        if sto_keys:  # join LOADs in flight; stage the others in host blocks, what finds no room is recomputed
+            joins, sto_keys = split_loads(self.state, sto_keys)
             hstate = host.state
             room = host.num_available - sum(1 for b in host_hits if hstate[b] == _CACHED)
             del sto_keys[max(room, 0):]
-        ns = len(sto_keys)
-        # a handoff's partial block is of use only behind a complete prefix
-        tail = (n - 1) % bs if tail_key is not None and nd + nh + ns == (n - 1) // bs and room > ns else 0
-        if tail:
-            sto_keys.append(tail_key)
+        nj, ns = len(joins), len(sto_keys)
 
+        if rk is not None:  # resumed once: no later admission may load its partial block again
+            del self.state.resumes[request_id]
+            self.index.stored.pop(rk, None)
         st = self.stats
         st.requests += 1
         st.prompt_tokens += n
@@ -192,6 +205,8 @@ class CacheManager:
         st.device_hit_tokens += nd * bs
 
         req = CacheRecord(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n)
+        if keys:
+            req.last_block = toks[(len(keys) - 1) * bs:len(keys) * bs].tolist()
         self._reqs[request_id] = req
         # Hits leave the LRU queues first, so the fresh blocks taken below cannot evict them.
         for b in dev_hits:
@@ -199,24 +214,26 @@ class CacheManager:
         for b in host_hits:
             host.incref(b)
         req.host_refs = host_hits
+        req.private_block = partial  # resumed once: let go of uncached, nothing else may match it
         plans: list[CopyPlan] = []
         if sto_keys:
             staged = take_host(self.state, len(sto_keys), pinned=True)
             plans.append(self.copies.open(CopyKind.LOAD, Purpose.PREFIX_LOAD, dst=staged, keys=sto_keys, req=req,
-                                          positions=list(range(nd + nh, nd + nh + len(sto_keys)))))
+                                          positions=list(range(nd + nh + nj, nd + nh + nj + ns))))
+            self.copies.records[plans[-1].plan_id].waiters = [(req, {i: nh + nj + i for i in range(ns)})]
         fresh, wb = take_device(self.state, n_blocks - nd, req)
         if wb is not None:
             plans.append(wb)
         req.table = dev_hits + fresh
         req.num_keyed = nd
         req.num_computed = nd * bs
-        req.target_computed = (nd + nh + ns) * bs + tail
-        req.swap_src = host_hits[:]  # staged blocks join once loaded
-        req.swap_pos = list(range(nd, nd + nh + len(sto_keys)))
-        req.planned_hits = (nh, len(sto_keys))
+        req.target_computed = min((nd + nh + nj + ns) * bs, n - 1)  # a resumed partial block ends at n - 1
+        req.swap_src = host_hits + [-1] * (nj + ns)  # loaded blocks fill their slots as they land
+        req.swap_pos = list(range(nd, nd + nh + nj + ns))
+        req.planned_hits = (nh + nj, ns)  # a joined load is served from the host, where it lands
         req.reserved = n_res
         self.state.reserved += n_res
-        req.pending = len(plans)
+        req.pending = len(plans) + join_loads(self.state, req, joins, nh)
         req.loading = True
         if req.pending == 0:
             if req.swap_pos:
@@ -225,7 +242,24 @@ class CacheManager:
                 req.loading = False
         if self.policy.copies_on_hit and nd and self.host.capacity:
             plans += count_hits(self.state, req, nd)
-        return Allocation(tuple(req.table), nd * bs, (nh + ns) * bs + tail, tuple(plans), req.pending == 0)
+        plans += deferred(self.state)
+        return Allocation(tuple(req.table), nd * bs, req.target_computed - nd * bs, tuple(plans), req.pending == 0)
+
+    def _resume_partial(self, rk: bytes, rid: object, root: bytes, keys: list[bytes], toks: np.ndarray,
+                        host_hits: list[int], sto_keys: list[bytes]) -> int:
+        """A request this cache preempted in storage mode (its resume key ``rk``) comes back with
+        every full block matched: its partial last block, if these tokens are the ones it
+        held KV for, is a host hit (returns the host block) or else a storage hit (-1)."""
+        nf = (len(toks) - 1) // self.block_size
+        if rk != partial_resume_key(self.state, rid, root, keys, toks[nf * self.block_size:].tolist(), len(toks) - 1):
+            return -1
+        hb = self.host.lookup.get(rk)
+        if hb is not None and not sto_keys:
+            host_hits.append(hb)
+            return hb
+        if rk in self.index.stored:
+            sto_keys.append(rk)
+        return -1
 
     def reserve(self, request_id: object, num_tokens: int) -> bool:
         """Reserve device blocks so the request can grow by ``num_tokens``; False: not now."""
@@ -261,6 +295,7 @@ class CacheManager:
             if wb is not None:
                 req.pending += 1
                 plans = (wb,)
+            plans += tuple(deferred(self.state))
         req.num_tokens += len(toks)
         tail = req.tail
         tail += toks.tolist()
@@ -272,6 +307,7 @@ class CacheManager:
             if extras:
                 extras = {i - len(req.keys): e for i, e in extras.items() if i >= len(req.keys)}
             req.keys += block_keys(chunk, bs, parent, 0, extras)
+            req.last_block = tail[(full - 1) * bs:full * bs]
             del tail[:full * bs]
         return Growth(tuple(new), plans, req.pending == 0)
 
@@ -301,8 +337,8 @@ class CacheManager:
         if self.policy.copies_on_insert and self.host.capacity:
             dkey = self.device.key
             mine = [(b, k) for b, k in zip(blocks, keys, strict=True) if dkey[b] is k]
-            return host_copies(self.state, mine)
-        return []
+            return host_copies(self.state, mine) + deferred(self.state)
+        return deferred(self.state)
 
     def _repair_dups(self, req: CacheRecord) -> None:
         """Key the request's duplicate blocks whose original holder has been evicted or is only
@@ -326,9 +362,10 @@ class CacheManager:
         release_host_refs(self.state, req, cache)
 
     # ================================================================== preemption
-    def offload(self, request_id: object) -> tuple[CopyPlan, ...] | None:
-        """Copy the request's computed KV to the host (see fastkv.cache.offload)."""
-        return offload_request(self.state, request_id)
+    def offload(self, request_id: object, to_storage: bool = False) -> tuple[CopyPlan, ...] | None:
+        """Copy the request's computed KV to the host (see fastkv.cache.offload); ``to_storage``:
+        and to the storage tier, its partial last block included (storage-mode preemption)."""
+        return offload_request(self.state, request_id, to_storage and self.index.storage)
 
     def preemption_work(self, request_id: object) -> PreemptionWork:
         """What offloading or recomputing the request would do now (see fastkv.cache.offload)."""
@@ -344,7 +381,9 @@ class CacheManager:
         rec = self.copies.close(plan)
         if not ok:
             self.stats.failed_copies += 1
-        return finish(self.state, rec, bool(ok))
+        c = finish(self.state, rec, bool(ok))
+        more = deferred(self.state)
+        return c._replace(plans=c.plans + tuple(more)) if more else c
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds, in every tier (vLLM's reset_prefix_cache):

@@ -18,17 +18,20 @@ from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import NEVER, CacheRecord, ReqState
 from fastkv.cache.results import Allocation, PreemptionWork
 from fastkv.cache.state import CacheState
+from fastkv.cache.storage_writes import offload_stores, partial_resume_key, partial_tokens, remember_resume
 from fastkv.cache.tiering import swap_in, take_device, take_host
 from fastkv.config import cdiv
 
 _CACHED = int(BlockState.CACHED)
 
 
-def offload(state: CacheState, request_id: object) -> tuple[CopyPlan, ...] | None:
+def offload(state: CacheState, request_id: object, to_storage: bool = False) -> tuple[CopyPlan, ...] | None:
     """Copy every block holding computed KV (the partial last one too, under a private key)
     to the host. The device blocks are released when the copy completes
     (Completion.offloaded). () : nothing needed copying (or its restore was still loading)
-    and the request is OFFLOADED now. None: not enough host blocks now."""
+    and the request is OFFLOADED now. None: not enough host blocks now. ``to_storage``
+    (storage-mode preemption): its blocks are also STOREd, the partial one under its resume
+    key, which it keeps on the host too (see storage_writes.py)."""
     req = state.get(request_id, ReqState.RUNNING)
     if req.restoring:
         _cancel_restore(state, req)
@@ -51,12 +54,18 @@ def offload(state: CacheState, request_id: object) -> tuple[CopyPlan, ...] | Non
     keys: list[bytes] = []
     state.epoch += 1
     req.private_key = None
+    req.to_storage = to_storage
     for i, hb in zip(copy, fresh, strict=True):
         host_table[i] = hb
         host.pin(hb)
         state.device.pin(req.table[i])
         if i < n_full:
             keys.append(req.keys[i])
+        elif to_storage and (rk := partial_resume_key(state, req.rid, req.root, req.keys,
+                                                       partial_tokens(req, bs), req.num_computed)):
+            req.private_key = rk  # request-scoped: only its own re-admission can match it, so it stays cached
+            remember_resume(state, req.rid, rk)
+            keys.append(rk)
         else:
             parent = req.keys[i - 1] if i else req.root
             req.private_key = private_key(state.namespace, parent, req.rid, state.epoch, [i])
@@ -67,6 +76,7 @@ def offload(state: CacheState, request_id: object) -> tuple[CopyPlan, ...] | Non
     state.stats.offloads += 1
     if not copy:
         finish_offload(state, req)
+        state.deferred += offload_stores(state, req, [])
         return ()
     req.pending = 1
     src = [req.table[i] for i in copy]

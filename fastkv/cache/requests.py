@@ -38,6 +38,8 @@ class CacheRecord:
     pending: int = 0  # plans this request waits for
     reserved: int = 0  # device blocks reserved for growth
     private_block: int = -1  # host block holding the partial last block under a private key
-    private_key: bytes | None = None
+    last_block: list[int] | None = None  # tokens of the last full block (a resume key may need them)
+    private_key: bytes | None = None  # in storage mode: its resume key (keys.resume_key)
+    to_storage: bool = False  # preempted in storage mode: its blocks are STOREd when its offload lands
     state: ReqState = ReqState.RUNNING
     alive: bool = True  # False once freed: late completions must not touch it

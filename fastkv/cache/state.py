@@ -7,16 +7,19 @@ scheduler calls. Imports run one way: state and results -> role modules -> manag
 """
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from fastkv.cache.copies import CopyBook
 from fastkv.cache.eviction import POLICIES
 from fastkv.cache.index import Cause, PrefixIndex
 from fastkv.cache.keys import KeyNamespace, root_key
+from fastkv.cache.plan import CopyPlan
 from fastkv.cache.pool import BlockPool
 from fastkv.cache.requests import CacheRecord, ReqState
 from fastkv.cache.stats import CacheStats
-from fastkv.cache.write_policy import Tier, WritePolicy
+from fastkv.cache.write_policy import StorageWrites, Tier, WritePolicy
 from fastkv.config import KVLayout
 
 
@@ -29,6 +32,8 @@ class CacheConfig:
     eviction: str = "lru"  # a fastkv.cache.eviction.POLICIES name: the order CACHED blocks leave each tier
     selective_hits: int = 2  # WRITE_THROUGH_SELECTIVE: copy to host on this many hits
     storage: bool = False  # a storage tier exists: host blocks are STOREd, prefixes LOADed
+    storage_writes: StorageWrites = StorageWrites.THROUGH  # which host blocks are STOREd (storage_writes.py)
+    flush_window: int = 32  # BACK: most blocks flushed ahead of the host's evictions at once
     storage_keys: int = 1 << 22  # how many stored keys to remember
     history: int = 1 << 16  # departed keys remembered for explain_miss
     model_id: str = "model"
@@ -37,13 +42,14 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_device_blocks", "num_host_blocks", "block_size", "selective_hits", "storage_keys",
-                     "history"):
+                     "history", "flush_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"CacheConfig.{name} must be an int >= 0, got {value!r}")
         if self.block_size <= 0 or self.num_device_blocks <= 0:
             raise ValueError("CacheConfig: block_size and num_device_blocks must be positive")
         object.__setattr__(self, "policy", WritePolicy(self.policy))
+        object.__setattr__(self, "storage_writes", StorageWrites(self.storage_writes))
         if self.eviction not in POLICIES:
             raise ValueError(f"CacheConfig.eviction must be one of {sorted(POLICIES)}, got {self.eviction!r}")
         if self.layout is not None and self.layout.block_size != self.block_size:
@@ -76,6 +82,11 @@ class CacheState:
         self.handoff_holds: dict[bytes, int] = {}  # tail key -> device block
         self.hits: dict[bytes, int] = {}  # WRITE_THROUGH_SELECTIVE hit counts of device keys
         self.epoch = 0  # offloads so far: makes each partial block's private key unique
+        self.run = os.urandom(16)  # scopes resume keys to this cache (keys.resume_key)
+        # storage-mode preempted requests -> their resume key: only their own re-admission looks it up, once
+        self.resumes: OrderedDict[object, bytes] = OrderedDict()
+        self.deferred: list[CopyPlan] = []  # opened STOREs the next call returning plans hands out
+        self.evicted_since_flush = 0  # host evictions the BACK storage flush has not answered yet
         self.paused = False  # a weight update is in progress
         self.write_back = config.policy.copies_on_evict and config.num_host_blocks > 0
         self.touch_host = config.policy.host_inclusive and config.num_host_blocks > 0

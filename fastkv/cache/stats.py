@@ -17,6 +17,7 @@ class CacheStats:
     storage_lost_tokens: int = 0  # planned storage hits whose LOAD failed: recomputed because of storage
     device_evictions: int = 0  # device blocks evicted (moved to host or dropped)
     host_evictions: int = 0
+    unstored_host_evictions: int = 0  # host evictions of blocks the storage tier does not hold
     dropped_keys: int = 0  # keys that left every tier
     inserted_blocks: int = 0
     duplicate_blocks: int = 0  # computed blocks whose key another block already held
@@ -24,6 +25,7 @@ class CacheStats:
     swap_in_blocks: int = 0
     store_blocks: int = 0
     load_blocks: int = 0
+    joined_load_blocks: int = 0  # blocks an admission took from another's LOAD in flight (coalesce.py)
     failed_copies: int = 0  # plans completed with ok=False
     load_misses: int = 0  # blocks of failed LOADs
     skipped_copies: int = 0  # host copies not made: no host block free

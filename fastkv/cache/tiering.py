@@ -70,10 +70,13 @@ def take_host(state: CacheState, n: int, pinned: bool, partial: bool = False) ->
     assert all(b >= 0 for b in blocks), "host take ran out after the availability check"
     if victims:
         state.stats.host_evictions += len(victims)
+        state.evicted_since_flush += len(victims)
         dlookup, stored = state.device.lookup, state.index.stored
         for _, k in victims:
-            if k not in dlookup and k not in stored:
-                state.gone(k, Tier.HOST, Cause.EVICTED)
+            if k not in stored:
+                state.stats.unstored_host_evictions += 1
+                if k not in dlookup:
+                    state.gone(k, Tier.HOST, Cause.EVICTED)
     return blocks
 
 
@@ -108,17 +111,26 @@ def count_hits(state: CacheState, req: CacheRecord, nd: int) -> list[CopyPlan]:
 def swap_in(state: CacheState, req: CacheRecord) -> CopyPlan:
     """Phase two of a prefix hit or a restore: host -> device, once loads and write-backs
     of this request are done (its SWAP_IN may overwrite a block a write-back was reading)."""
-    dst = [req.table[i] for i in req.swap_pos[:len(req.swap_src)]]
-    for b in req.swap_src:
+    src = ready_run(req.swap_src)
+    dst = [req.table[i] for i in req.swap_pos[:len(src)]]
+    for b in src:
         state.host.pin(b)
     for b in dst:
         state.device.pin(b)
     req.pending += 1
-    plan = state.copies.open(CopyKind.SWAP_IN, Purpose.SWAP_IN, src=req.swap_src, dst=dst, req=req,
+    plan = state.copies.open(CopyKind.SWAP_IN, Purpose.SWAP_IN, src=src, dst=dst, req=req,
                             positions=req.swap_pos[:len(dst)])
     req.swap_src = []
     req.swap_pos = []
     return plan
+
+
+def ready_run(swap_src: list[int]) -> list[int]:
+    """The leading host blocks of ``swap_src`` that are there (-1: a load that failed)."""
+    for i, b in enumerate(swap_src):
+        if b < 0:
+            return swap_src[:i]
+    return swap_src
 
 
 def store(state: CacheState, blocks: list[int], keys: list[bytes]) -> list[CopyPlan]:

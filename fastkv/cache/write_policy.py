@@ -44,6 +44,14 @@ class WritePolicy(IntEnum):
         return self is not WritePolicy.WRITE_BACK
 
 
+class StorageWrites(IntEnum):
+    """Which host blocks are STOREd to the storage tier (fastkv.cache.storage_writes)."""
+
+    PREEMPTED = 1
+    THROUGH = 2
+    BACK = 3
+
+
 class Tier(IntEnum):
     DEVICE = 0
     HOST = 1

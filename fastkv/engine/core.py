@@ -49,6 +49,7 @@ from fastkv.cache import handoff as cache_handoff
 from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.write_policy import StorageWrites
 from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.engine import protocol
 from fastkv.engine.handoff import Exporter, HandoffStats
@@ -107,7 +108,8 @@ def _enum(cls: type, value: Any) -> Any:
 def cache_config(spec: RunSpec) -> CacheConfig:
     return CacheConfig(num_device_blocks=spec.num_device_blocks, num_host_blocks=spec.num_host_blocks,
                        block_size=spec.layout.block_size, policy=_enum(CachePolicy, spec.cache_policy),
-                       eviction=spec.eviction, storage=bool(spec.storage_url), model_id=spec.model_id,
+                       eviction=spec.eviction, storage=bool(spec.storage_url),
+                       storage_writes=_enum(StorageWrites, spec.storage_writes), model_id=spec.model_id,
                        weights_version=spec.weights_version, layout=spec.layout)
 
 

@@ -144,7 +144,9 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         # what the shared store was asked at admission and what it confirmed (fastkv.engine.lookup)
         "storage_lookup": {} if engine.lookups is None else {
             **engine.lookups.stats.to_json(),
-            "bytes_loaded": engine.cache.stats.load_blocks * engine.spec.layout.block_bytes * engine.spec.tp_size},
+            "bytes_loaded": engine.cache.stats.load_blocks * engine.spec.layout.block_bytes * engine.spec.tp_size,
+            "blocks_loaded": engine.cache.stats.load_blocks,
+            "loads_joined": engine.cache.stats.joined_load_blocks},  # blocks taken from another's LOAD
         # what the workers' runners verified (summed over ranks); a mismatch fails the run
         "verified": {c: sum(sig[f"worker{r}.{c}"] for r in ranks) for c in VERIFY_COUNTERS},
         "host_checksum_mismatches": sum(sig[f"transfer{r}.host_checksum_mismatches"] for r in ranks),

@@ -51,7 +51,7 @@ def preempt(p: SchedulerParts, batch: StepBatch, req: Request, updating: bool, f
     batch.unschedule(req)
     table.preempt(req)
     if mode is not M.RECOMPUTE:
-        plans = p.cache.offload(req.request_id)
+        plans = p.cache.offload(req.request_id, to_storage=mode is M.STORAGE)
         if plans is None:
             stats.offload_no_room += 1
         else:

@@ -5,7 +5,8 @@ A LOOKUP carries the keys of several requests' prompts (an admission wave), conc
 its device and host match, in order, so only a run of present keys from the chain's start
 is usable: a hole means every later block is recomputed anyway. The rank answers, per
 chain, the length of that run, from one ``exists`` batch (one transaction or one pipelined
-round trip). ``exists`` does not verify: the LOAD that follows does, and a value that
+round trip) that names each key once, however many chains of the wave share it. ``exists``
+does not verify: the LOAD that follows does, and a value that
 vanished or fails its checksum by then is a miss that the request recomputes.
 """
 from __future__ import annotations
@@ -19,7 +20,9 @@ from fastkv.storage.base import StorageBackend
 
 def found_prefixes(store: StorageBackend, keys: Sequence[bytes], lengths: np.ndarray) -> np.ndarray:
     """Per chain, how many of its leading keys ``store`` holds (int32, one per chain)."""
-    present = store.exists(keys) if len(keys) else []
+    unique = list(dict.fromkeys(keys))  # chains of one wave share prefixes: ask once per key
+    held = dict(zip(unique, store.exists(unique), strict=True)) if unique else {}
+    present = [held[k] for k in keys]
     out = np.zeros(len(lengths), np.int32)
     start = 0
     for i, n in enumerate(lengths.tolist()):

@@ -73,3 +73,25 @@ def test_arrival_order_holds_and_aborts_while_parked_are_reported():
     assert lk.release() == []  # the known one waits behind the earlier arrival
     lk.complete(plan.plan_id, True, 0)
     assert [(r.request_id, ab) for r, ab in lk.release()] == [(0, False), (1, True)]
+
+
+class CountingStore:
+    """Holds ``held``; records every batch ``exists`` was asked."""
+
+    def __init__(self, held: set[bytes]) -> None:
+        self.held, self.asked = held, []
+
+    def exists(self, keys):
+        self.asked.append(list(keys))
+        return [k in self.held for k in keys]
+
+
+def test_a_wave_asks_the_store_about_each_key_once_however_many_chains_share_it():
+    from fastkv.storage.lookup import found_prefixes
+
+    store = CountingStore({b"a", b"b", b"c"})
+    chains = [b"a", b"b", b"c", b"d"], [b"a", b"b"], [b"a", b"x", b"c"]
+    keys = [k for c in chains for k in c]
+    found = found_prefixes(store, keys, np.array([len(c) for c in chains], np.int32))
+    assert found.tolist() == [3, 2, 1]
+    assert len(store.asked) == 1 and sorted(store.asked[0]) == [b"a", b"b", b"c", b"d", b"x"]

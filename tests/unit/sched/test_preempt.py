@@ -81,22 +81,23 @@ def test_offload_resumes_with_exactly_its_computed_tokens(cache_policy):
     assert r.finished[1].output_token_ids == r.worker.truth[1].tokens[10:]
 
 
-def test_storage_mode_stores_full_blocks_and_resumes_from_prefix_hits():
+def test_storage_mode_stores_every_block_and_resumes_without_recomputing():
     r = rig(storage=True, preemption=M.STORAGE)
     two_requests(r)
     out = step_until_preempted(r)
     q1 = r.sched.get_request(1)
     computed = q1.num_computed_tokens
-    assert q1.state is S.OFFLOADING and any(p.kind is CopyKind.SWAP_OUT for p in out.copies)
+    assert computed % BS and q1.state is S.OFFLOADING and any(p.kind is CopyKind.SWAP_OUT for p in out.copies)
     r.complete_all()
     assert q1.state is S.WAITING and 1 not in r.sched.cache.request_ids()  # host copies let go
     out = r.step()
     stores = [p for p in out.copies if p.kind is CopyKind.STORE]
-    assert sum(len(p.keys) for p in stores) == computed // BS  # the full blocks go to storage
+    # the full blocks and the partial last one (under its resume key) go to storage
+    assert sum(len(p.keys) for p in stores) == computed // BS + 1
     r.complete_all()
     r.run()
     assert r.sched.stats.preempt_storage == 1
-    assert 0 < r.finished[1].num_recomputed_tokens <= BS  # only what no full block held
+    assert r.finished[1].num_recomputed_tokens == 0 and r.sched.stats.recomputed_tokens == 0
     assert r.finished[1].output_token_ids == r.worker.truth[1].tokens[10:]
 
 

@@ -1,0 +1,122 @@
+"""Storage write policies: which host blocks the cache STOREs to the storage tier.
+
+The storage tier is a pool other engines and later runs read (fastkv.engine.lookup), so what
+reaches it decides what they can hit. Every STORE reads a host block (it stays pinned until
+the write lands), so each policy trades storage bandwidth and pinned host blocks for hits:
+
+===========  ========================================  =========================================
+policy       stored                                    costs
+===========  ========================================  =========================================
+PREEMPTED    the full blocks of a request preempted     the fewest writes; another engine or a
+             by copy (offload or storage mode)          restart hits only what was preempted
+THROUGH      every block once it lands in the host      one write per distinct block computed
+             tier (under host write-through: every      (the most bandwidth); every block is in
+             full block once computed)                  the pool while its host copy lives
+BACK         host blocks about to be evicted: under     one write per host eviction, so hot
+             eviction pressure the blocks nearest the   prefixes the host keeps are never
+             host's eviction end are flushed ahead      written; a block a burst of evictions
+             (up to ``flush_window`` blocks)            outruns is lost to storage (counted)
+===========  ========================================  =========================================
+
+Under every policy a request preempted in storage mode stores its full blocks and its partial
+last block (under a request-scoped key, ``keys.resume_key``): that is what the mode is for.
+
+BACK cannot write a block out at the moment the host evicts it: the evicting copy
+overwrites it on another lane, with no order between the two. So it flushes ahead, like a
+page cache's writeback: each time the host evicts ``n`` blocks, the next ``n`` (at most
+``flush_window``) unstored blocks at its eviction end are STOREd. A flushed block is pinned
+while it is written and re-enters the host queue as recently used (a second chance, as in
+CLOCK), so flushing keeps pace with evictions instead of writing the whole host tier.
+"""
+from __future__ import annotations
+
+from itertools import islice
+
+import numpy as np
+
+from fastkv.cache.keys import resume_key
+from fastkv.cache.plan import CopyPlan
+from fastkv.cache.requests import CacheRecord
+from fastkv.cache.state import CacheState
+from fastkv.cache.tiering import store
+from fastkv.cache.write_policy import StorageWrites
+
+
+def deferred(state: CacheState) -> list[CopyPlan]:
+    """Stores to hand out with the next plans the manager returns: those opened where no plan
+    can be returned (an offload that copied nothing), then the BACK flush."""
+    plans, state.deferred = state.deferred, []
+    return plans + _flush_back(state) if state.evicted_since_flush else plans
+
+
+def _flush_back(state: CacheState) -> list[CopyPlan]:
+    """BACK: STORE as many unstored blocks at the host's eviction end as it evicted since the
+    last flush (at most ``flush_window``)."""
+    n = min(state.evicted_since_flush, state.config.flush_window)
+    state.evicted_since_flush = 0
+    if state.config.storage_writes is not StorageWrites.BACK or not state.index.storage:
+        return []
+    host, stored, inflight = state.host, state.index.stored, state.copies.inflight
+    key = host.key
+    blocks: list[int] = []
+    keys: list[bytes] = []
+    # the scan is bounded: blocks already stored at the end are passed over, up to the window
+    for b in islice(host.evictable, state.config.flush_window + n):
+        k = key[b]
+        if k not in stored and k not in inflight:
+            blocks.append(b)
+            keys.append(k)
+            if len(blocks) == n:
+                break
+    return store(state, blocks, keys)
+
+
+def landed_stores(state: CacheState, blocks: list[int], keys: list[bytes]) -> list[CopyPlan]:
+    """A write-back or write-through copy landed these keyed host blocks: THROUGH stores them."""
+    if state.index.storage and state.config.storage_writes is StorageWrites.THROUGH:
+        return store(state, blocks, keys)
+    return []
+
+
+def offload_stores(state: CacheState, req: CacheRecord, copied: list[tuple[int, bytes]]) -> list[CopyPlan]:
+    """An offload landed (``copied``: the keyed blocks it copied). THROUGH stores those; a request
+    preempted in storage mode, or any under PREEMPTED, stores all its full blocks, and in
+    storage mode its partial last block under its resume key (on the host under that key too)."""
+    if not state.index.storage:
+        return []
+    sw = state.config.storage_writes
+    pairs = copied if sw is StorageWrites.THROUGH else []
+    if req.alive and (req.to_storage or sw is StorageWrites.PREEMPTED):
+        n_full = min(req.num_computed // state.block_size, len(req.keys))
+        pairs = [(req.host_refs[i], req.keys[i]) for i in range(n_full)]
+        if req.to_storage and req.private_key is not None and req.private_block < 0:
+            pairs.append((req.host_refs[n_full], req.private_key))
+    return store(state, [b for b, _ in pairs], [k for _, k in pairs])
+
+
+def partial_resume_key(state: CacheState, rid: object, root: bytes, keys: list[bytes], block: list[int] | None,
+                       computed: int) -> bytes | None:
+    """The resume key of a request whose first ``computed`` tokens hold KV, ``block`` the tokens
+    of the block they end in (None: no partial block, or its tokens are not known)."""
+    nf, r = divmod(computed, state.block_size)
+    if not r or block is None:
+        return None
+    return resume_key(state.namespace, keys[nf - 1] if nf else root, state.run, rid,
+                      np.asarray(block[:r], np.int32).tobytes())
+
+
+def remember_resume(state: CacheState, rid: object, key: bytes) -> None:
+    """``rid`` was preempted in storage mode with its partial block under ``key``. Bounded: a
+    request aborted before it resumed leaves its entry, which ages out."""
+    resumes = state.resumes
+    resumes[rid] = key
+    if len(resumes) > state.config.history:
+        resumes.popitem(last=False)
+
+
+def partial_tokens(req: CacheRecord, block_size: int) -> list[int] | None:
+    """Tokens of the block its computed KV ends in, if the record still knows them."""
+    nf = req.num_computed // block_size
+    if nf == len(req.keys):
+        return req.tail
+    return req.last_block if nf == len(req.keys) - 1 else None
