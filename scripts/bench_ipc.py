@@ -301,15 +301,21 @@ class Backend:
 def _echo(be: Backend, turn) -> None:
     """Echo messages back; a negative stamp ends a turn (-1) or the process (-2). Between
     turns the process blocks on ``turn``, so a polling backend loads no one else's turn."""
+    held: list = []  # what came after a turn's end in the same batch: the next turn's first messages
     while True:
         turn.acquire()
         while True:
-            msgs = be.a.recv_many(60)
-            stamp = be.stamp(msgs[-1])
-            if stamp < 0:
+            msgs, held = held or be.a.recv_many(60), []
+            if not msgs:
+                raise RuntimeError(f"{be.name}: echo got nothing for 60 s")
+            stamps = [be.stamp(m) for m in msgs]
+            end = next((i for i, s in enumerate(stamps) if s < 0), len(msgs))
+            if end:
+                be.b.send_many(msgs[:end])
+            if end < len(msgs):
+                held = msgs[end + 1:]
                 break
-            be.b.send_many(msgs)
-        if stamp == -2:
+        if stamps[end] == -2:
             return
 
 

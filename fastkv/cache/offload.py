@@ -62,7 +62,7 @@ def offload(state: CacheState, request_id: object, to_storage: bool = False) -> 
         if i < n_full:
             keys.append(req.keys[i])
         elif to_storage and (rk := partial_resume_key(state, req.rid, req.root, req.keys,
-                                                       partial_tokens(req, bs), req.num_computed)):
+                                                       partial_tokens(req, state.block_size), req.num_computed)):
             req.private_key = rk  # request-scoped: only its own re-admission can match it, so it stays cached
             remember_resume(state, req.rid, rk)
             keys.append(rk)
