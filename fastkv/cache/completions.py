@@ -3,7 +3,9 @@
 Common rules: destination blocks get their keys only if the copy succeeded (a failed copy
 never leaves a key on bad bytes) and before they are unpinned (so they enter the LRU queue as
 CACHED); every pin the plan took is dropped exactly once; a request freed while its copy was
-in flight is not touched (its blocks were released then and settle here as their pins drop).
+in flight is not touched (its blocks were released then and settle here as their pins drop,
+so a plan in table order is unpinned last to first: children enter the LRU queue before their
+parents, the leaves-first contract of fastkv.cache.eviction).
 """
 from __future__ import annotations
 
@@ -37,9 +39,9 @@ def finish(state: CacheState, rec: CopyRecord, ok: bool) -> Completion:
         for req, _ in rec.waiters:
             _progress(state, req, plans, ready)
     elif p is Purpose.SWAP_IN:
-        for b in rec.src:
+        for b in reversed(rec.src):
             state.host.unpin(b)
-        for b in rec.dst:
+        for b in reversed(rec.dst):
             state.device.unpin(b)
         if not ok and rec.req is not None and rec.req.alive:
             rec.req.fail_block = min(rec.req.fail_block, rec.positions[0])
@@ -117,7 +119,7 @@ def _loaded(state: CacheState, rec: CopyRecord, ok: bool) -> None:
             host.incref(hb)
             req.host_refs.append(hb)
             req.swap_src[slot] = hb
-    for hb in rec.dst:
+    for hb in reversed(rec.dst):
         host.unpin(hb)
     if not ok:
         state.stats.load_misses += len(rec.dst)
@@ -135,9 +137,9 @@ def _offloaded(state: CacheState, rec: CopyRecord, ok: bool, offloaded: list, fa
             private = k == req.private_key
             if (req.alive or not private) and host.set_key(hb, k) and not private:
                 keyed.append((hb, k))
-    for b in rec.src:
+    for b in reversed(rec.src):
         dev.unpin(b)
-    for hb in rec.dst:
+    for hb in reversed(rec.dst):
         host.unpin(hb)
     if req.alive:
         req.pending = 0
