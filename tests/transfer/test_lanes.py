@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -20,7 +22,7 @@ from fastkv.ipc.native import A
 from fastkv.ipc.ring import HEADER, OFF_HEAD
 from fastkv.run import attach_transfer
 from fastkv.transfer.executor import TaskExecutor
-from fastkv.transfer.lanes import HostHolds, StorageLane
+from fastkv.transfer.lanes import GIL_SWITCH_S, HostHolds, StorageLane
 from fastkv.transfer.process import EngineGone, TransferLoop
 from tests.transfer.helpers import (
     SlowStore,
@@ -280,3 +282,30 @@ def test_a_storage_lane_that_fails_drops_its_queue_frees_its_holds_and_reraises_
             lane.drain(lambda: None, 0.05)
     finally:
         lane.close()
+
+
+def test_a_storage_task_holding_the_gil_delays_a_woken_loop_thread_by_about_a_switch_interval_not_5_ms():
+    """A woken thread waits for the GIL up to the switch interval (CPython's default: 5 ms)
+    while another thread runs Python: the storage lane must not cost a swap that much."""
+    stop, previous = threading.Event(), sys.getswitchinterval()
+
+    def run(msg, hold):  # pure Python until stopped: never gives the GIL up by itself
+        while not stop.is_set():
+            pass
+        hold.release()
+
+    lane = StorageLane(run, "test-storage")
+    try:
+        lane.submit(TaskMsg(1, int(CopyKind.STORE)), HostHolds().hold([0], writes=False))
+        assert sys.getswitchinterval() <= GIL_SWITCH_S
+        late = []
+        for _ in range(20):  # the loop thread blocks (GIL released), wakes, and needs the GIL back
+            t0 = time.perf_counter()
+            time.sleep(1e-3)
+            late.append(time.perf_counter() - t0 - 1e-3)
+        waited = statistics.median(late)
+        assert waited < 2.5e-3, f"a woken thread waited {waited * 1e3:.2f} ms for the GIL"
+    finally:
+        stop.set()
+        lane.close()
+        sys.setswitchinterval(previous)
