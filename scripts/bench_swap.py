@@ -22,6 +22,12 @@ throttled backend (LMDB behind a 256 MB/s limit, as a remote store is slow) runs
 same rank, over the p99 of the same SWAP_IN alone, in rounds that take turns (``lane_p99``).
 With one loop per rank a SWAP_IN waits for the whole STORE; with lanes it runs beside it.
 
+Stages: where an empty task's round trip goes, from ``perf_counter_ns`` stamps taken in
+both processes (one clock): ``submit`` (the engine's call), ``to loop`` (submit's start to the
+transfer loop taking the task up: the wake-up), ``execute`` (to the start of the ack's send),
+``to engine`` (to the engine's inbox returning the ack: the other wake-up; the engine may run
+before the send returns) and ``complete`` (``on_done``); min and p50 of each, in us.
+
 The last line is the issue's JSON.
 """
 from __future__ import annotations
@@ -119,9 +125,32 @@ def throttled_transfer_main(spec_json: str, rank: int, bytes_per_s: float) -> in
     return process.main(spec_json, rank)
 
 
+def stamped_transfer_main(spec_json: str, rank: int, path: str) -> int:
+    """transfer[rank] saving to ``path``, per task, [task id, loop took it up, ack send
+    started] (``perf_counter_ns``; one clock for both processes)."""
+    stamps: dict[int, list[int]] = {}
+    handle, send = process.TransferLoop.handle, process.TransferLoop.send
+
+    def stamped_handle(self, msg) -> None:
+        stamps[msg.task_id] = [msg.task_id, time.perf_counter_ns()]
+        handle(self, msg)
+
+    def stamped_send(self, done) -> None:
+        stamps[done.task_id].append(time.perf_counter_ns())
+        send(self, done)
+
+    process.TransferLoop.handle, process.TransferLoop.send = stamped_handle, stamped_send
+    try:
+        return process.main(spec_json, rank)
+    finally:
+        np.save(path, np.array([row for row in stamps.values() if len(row) == 3], np.int64).reshape(-1, 3))
+
+
 @contextmanager
-def transfer_rank(layout: KVLayout, num_host_blocks: int = 8, storage_url: str = "", bytes_per_s: float = 0.0):
-    """(spec, ends, client) of a run with one real transfer process (spawned as the supervisor starts it)."""
+def transfer_rank(layout: KVLayout, num_host_blocks: int = 8, storage_url: str = "", bytes_per_s: float = 0.0,
+                  stamps_to: str = ""):
+    """(spec, ends, client) of a run with one real transfer process (spawned as the supervisor
+    starts it); with ``stamps_to``, ``stamped_transfer_main`` saves its stamps there."""
     ns = Namespace.create()
     spec = RunSpec(run_id=ns.run_id, layout=layout, num_device_blocks=8, num_host_blocks=num_host_blocks,
                    ops_threads=1, storage_url=storage_url)
@@ -134,8 +163,11 @@ def transfer_rank(layout: KVLayout, num_host_blocks: int = 8, storage_url: str =
         tiers.append(HostTier.create(spec.tier_prefix, 0, layout, num_host_blocks, populate=True))
         ends = attach_engine(ns, spec)
         client = TransferClient(ends, spec)
-        target, args = ((throttled_transfer_main, (spec.to_json(), 0, bytes_per_s)) if bytes_per_s
-                        else (process.main, (spec.to_json(), 0)))
+        target, args = process.main, (spec.to_json(), 0)
+        if bytes_per_s:
+            target, args = throttled_transfer_main, (*args, bytes_per_s)
+        elif stamps_to:
+            target, args = stamped_transfer_main, (*args, stamps_to)
         proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
         proc.start()
         deadline = time.monotonic() + 120
@@ -259,6 +291,31 @@ def task_rtt(layout: KVLayout, reps: int) -> dict[str, float]:
         out[f"{name} p50"] = float(np.percentile(got, 50))
         out[f"{name} p99"] = float(np.percentile(got, 99))
     return out
+
+
+def empty_task_stages(layout: KVLayout, reps: int) -> dict[str, tuple[float, float]]:
+    """(min, p50) in us of each stage of an empty task's round trip (module docstring)."""
+    clock = time.perf_counter_ns
+    with tempfile.TemporaryDirectory(prefix="fkvstages") as tmp:
+        path = os.path.join(tmp, "stamps.npy")
+        engine = []
+        with transfer_rank(layout, stamps_to=path) as (spec, ends, client):
+            for task_id in range(1, reps + 1):
+                plan = CopyPlan(task_id, CopyKind.SWAP_OUT, np.arange(0), np.arange(0))
+                t0 = clock()
+                client.submit(plan)
+                t1 = clock()
+                msgs = ends.inbox.recv_many(16, timeout=spec.task_timeout_s)
+                t2 = clock()
+                done = [r for m in msgs for r in client.on_done(m)]
+                engine.append((task_id, t0, t1, t2, clock()))
+                assert [r.plan.plan_id for r in done] == [task_id] and done[0].ok, done
+        far = np.load(path)  # written as the transfer process exited
+    e = np.array(engine, np.int64)[reps // 5:]  # the first fifth warms up
+    far = far[np.searchsorted(far[:, 0], e[:, 0])]
+    stages = {"submit": e[:, 2] - e[:, 1], "to loop": far[:, 1] - e[:, 1], "execute": far[:, 2] - far[:, 1],
+              "to engine": e[:, 3] - far[:, 2], "complete": e[:, 4] - e[:, 3], "round trip": e[:, 4] - e[:, 1]}
+    return {name: (float(ns.min()) / 1e3, float(np.percentile(ns, 50)) / 1e3) for name, ns in stages.items()}
 
 
 def lane_p99(layout: KVLayout, reps: int, store_bytes: int = 64 << 20, bytes_per_s: float = 256e6,
@@ -386,6 +443,9 @@ def main() -> None:
     copy_us = layout.block_bytes / (gbps["op_1t"] * 1e9) * 1e6
     print(f"empty task / IPC RTT {empty_us / ipc_us:.2f} (goal <= 3); 1-block swap - empty task - copy at op_1t "
           f"({copy_us:.0f} us) = {task_us - empty_us - copy_us:.0f} us (goal <= 30)")
+    print("empty task stages (us; min, p50):")
+    for name, (low, p50) in empty_task_stages(layout, rtt_reps).items():
+        print(f"  {name:<24} {low:>9.1f} {p50:>9.1f}")
     lanes = lane_p99(layout, lane_reps)
     ratio = lanes["SWAP_IN beside the STORE p99"] / lanes["SWAP_IN alone p99"]
     print(f"lanes ({lane_reps} SWAP_INs each; a 64 MiB STORE to LMDB throttled to 256 MB/s beside them):")
