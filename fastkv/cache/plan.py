@@ -31,7 +31,8 @@ class CopyPlan:
     keys: tuple[bytes, ...] = ()  # storage keys, one per block, for STORE and LOAD
 
     def __post_init__(self) -> None:
-        self.kind = CopyKind(self.kind)
+        if type(self.kind) is not CopyKind:  # CopyKind(member) costs a microsecond or two per task
+            self.kind = CopyKind(self.kind)
         self.src = np.ascontiguousarray(self.src, dtype=np.int32)
         self.dst = np.ascontiguousarray(self.dst, dtype=np.int32)
         if self.kind in (CopyKind.SWAP_OUT, CopyKind.SWAP_IN) and len(self.src) != len(self.dst):

@@ -202,11 +202,8 @@ class TaskExecutor:
             return found_prefixes(self.store, plan.keys, plan.src)
 
     def _run(self, msg: TaskMsg) -> tuple[int, str]:
-        try:
-            kind = CopyKind(msg.kind)
-        except ValueError:
-            raise ValueError(f"unknown task kind {msg.kind}") from None
         plan = task_plan(msg)  # CopyPlan checks src/dst/keys counts
+        kind = plan.kind
         if kind is CopyKind.CLEAR:
             if plan.keys not in ((), (FREE,)):
                 raise ValueError(f"CLEAR takes no keys or {FREE!r}, got {plan.keys[:2]!r}")

@@ -50,9 +50,15 @@ def task_msg(plan: CopyPlan) -> TaskMsg:
     return TaskMsg(plan.plan_id, int(plan.kind), plan.src, plan.dst, tuple(plan.keys))
 
 
+KINDS = {int(kind): kind for kind in CopyKind}  # a dict look-up, where CopyKind(n) costs microseconds per task
+
+
 def task_plan(msg: TaskMsg) -> CopyPlan:
     """The CopyPlan of a copy task (validated by CopyPlan itself: ValueError on inconsistent ids)."""
-    return CopyPlan(msg.task_id, CopyKind(msg.kind), msg.src, msg.dst, tuple(msg.keys))
+    kind = KINDS.get(msg.kind)
+    if kind is None:
+        raise ValueError(f"unknown task kind {msg.kind}")
+    return CopyPlan(msg.task_id, kind, msg.src, msg.dst, tuple(msg.keys))
 
 
 def fence_for(peer: Peer, weights_version: str) -> TaskMsg:

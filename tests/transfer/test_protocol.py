@@ -16,3 +16,8 @@ def test_copy_plan_conversion():
     bad = TaskMsg(8, CopyKind.SWAP_OUT, np.array([1, 2], np.int32), np.array([1], np.int32))
     with pytest.raises(ValueError, match="as many src as dst"):
         task_plan(decode(encode(bad)))
+
+
+def test_a_task_of_an_unknown_kind_names_it():
+    with pytest.raises(ValueError, match="^unknown task kind 42$"):
+        task_plan(decode(encode(TaskMsg(9, 42))))
