@@ -8,11 +8,12 @@ request waits for. So each rank has two lanes:
 * the storage lane (STORE, LOAD) is ``StorageLane``, one thread that runs them in order.
   The backends (LMDB, redis sockets), the value checksums and the copies release the
   GIL, so storage I/O runs beside the swaps; the thread blocks on a condition when idle.
-  Between those calls it runs Python (headers, LMDB bookkeeping, the throttle of a remote
-  store) and takes the GIL back at once, so a swap task that has just woken up on the loop
-  thread waited for the GIL up to the switch interval (CPython's 5 ms: a SWAP_IN beside a
-  STORE had a p99 of 4.5 ms against 0.8 ms alone). Starting the lane's thread cuts the
-  process's interval to ``GIL_SWITCH_S``: a woken loop thread waits at most about that long.
+  Between those calls it runs Python (headers, LMDB bookkeeping, key lists of a LOOKUP);
+  a loop thread woken for a swap during a long Python stretch waits for the GIL up to the
+  switch interval (CPython's 5 ms). Starting the lane's thread cuts the process's interval
+  to ``GIL_SWITCH_S``, so it waits at most about that long. (Around LMDB writes the swap
+  lane stalls as long whether the writes run in this process or another one: that part of
+  its tail is CPU contention, not the GIL.)
 
 Barriers (CLEAR, RESTORE, a fence, a bad task message): the loop ``drain``\\ s the storage
 lane first, so every task read before the barrier has finished and been acked.
