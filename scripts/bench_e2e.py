@@ -14,9 +14,10 @@ Runs (same workload, same capacities, fresh LMDB store each):
   (FastDeploy's way: re-admission swaps the victim's cached blocks back in, only the rest recomputes);
 - ``offload``, ``storage``, ``auto``: fastkv's preemption modes, with the same tiers.
 
-The synthetic runner burns the step time of ``--cost-model`` (``fastkv.engine.runners.cost_model``:
-a roofline of Llama-3-8B on an H100 SXM, scaled so that compute per token against this machine's
-copy time per token of KV is the deployment's compute against its PCIe copy). The copy bandwidth
+The synthetic runner waits out (a GPU computes: no host CPU) the step time of ``--cost-model``
+(``fastkv.engine.runners.cost_model``: a roofline of Llama-3-8B on an H100 SXM, scaled so that
+compute per token against this machine's copy time per token of KV is the deployment's compute
+against its PCIe copy). The copy bandwidth
 it scales by is measured once here and given to every run, so that all runs simulate the same
 compute. ``--cost-model flat`` keeps the runner's flat 300 us per token.
 

@@ -1,5 +1,7 @@
-"""The roofline cost model of a named deployment, and the synthetic runner burning its scaled step time."""
+"""The roofline cost model of a named deployment, and the synthetic runner waiting out its scaled step time."""
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -52,6 +54,29 @@ def test_runner_burns_the_scaled_step_time():
     assert want > 0.02  # a slow copy makes compute slow too
     out = runner.step(plan)
     assert out.seconds >= want
+
+
+def test_runner_leaves_the_cpu_free_while_the_gpu_computes():
+    """A GPU's compute takes no host CPU: the modelled step is waited out, so a 2-core host keeps
+    its cores for the real copies (burning them made copies and compute take turns)."""
+    runner, _, _ = make(layout("float32"), cost_model=D.name, copy_gbps=0.01)
+    plan = StepPlan(0, [SeqWork(1, np.arange(40) % 7, 0, np.arange(10), True)])
+    want = runner.cost.step_seconds([(0, 40)])
+    assert want > 0.1
+    cpu0 = time.thread_time()
+    out = runner.step(plan)
+    cpu = time.thread_time() - cpu0
+    assert out.seconds >= want
+    # burning got at least half a core even on a loaded 2-core machine
+    assert cpu < 0.1 * want, f"the step burnt {cpu * 1e3:.1f} ms of CPU for {want * 1e3:.1f} ms of GPU compute"
+
+
+def test_flat_cost_still_burns_cpu():
+    """The flat cost stands for CPU compute (the tiny decoder's): it does take the CPU."""
+    runner, _, _ = make(compute_us_per_token=10000.0)
+    cpu0 = time.thread_time()
+    runner.step(StepPlan(0, [SeqWork(1, np.arange(5), 0, np.array([0, 1]), True)]))
+    assert time.thread_time() - cpu0 >= 0.01  # of 50 ms burnt: a fifth, generous for a loaded machine
 
 
 def test_runner_takes_a_cost_model_or_a_flat_cost_not_both():
