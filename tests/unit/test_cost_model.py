@@ -47,6 +47,20 @@ def test_scaling_keeps_the_ratio_of_compute_to_copy_per_token():
         ScaledCostModel.calibrate(D, local_bytes, 0)
 
 
+def test_preemption_costs_show_a_decode_bound_step():
+    m = ScaledCostModel.calibrate(D, 4096, 8e9)
+    c = m.preemption_costs(batch=16, context=1024)
+    assert c["copy_us_per_token"] == pytest.approx(1e6 * 4096 / 8e9)  # this machine's real copy
+    assert 8 < c["recompute_us_per_token"] / c["copy_us_per_token"] < 16  # the GPU's ratio, as above
+    # A decode step reads 16 GB of weights (~6 ms on the GPU): ~200 prefill tokens (~30 us each) ride on it.
+    assert c["decode_step_us"] == pytest.approx(1e6 * m.step_seconds([(1023, 1024)] * 16))
+    free = c["free_recompute_tokens"]
+    assert 100 < free < 300
+    decode = [(1023, 1024)] * 16
+    assert m.step_seconds([*decode, (0, free)]) <= 1.05 * m.step_seconds(decode)
+    assert m.step_seconds([*decode, (0, free + 1)]) > 1.05 * m.step_seconds(decode)
+
+
 def test_runner_burns_the_scaled_step_time():
     runner, _, _ = make(layout("float32"), cost_model=D.name, copy_gbps=0.05)
     plan = StepPlan(0, [SeqWork(1, np.arange(40) % 7, 0, np.arange(10), True)])
