@@ -127,6 +127,10 @@ def main() -> int:
                     help="2 conversations x 2 short turns (tests: numbers mean nothing)")
     p.add_argument("--runner", choices=("synthetic", "tiny"), default="synthetic")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--layers", type=int, default=JobConfig.layers,
+                   help="layers of the KV cache: with --kv-heads, the KV bytes per token, which scale the "
+                   "cost model's step time (the cost model keeps compute / copy time per token)")
+    p.add_argument("--kv-heads", type=int, default=JobConfig.kv_heads, help="KV heads per rank")
     p.add_argument("--device-blocks", type=int, default=JobConfig.device_blocks)
     p.add_argument("--host-blocks", type=int, default=JobConfig.host_blocks)
     p.add_argument("--storage", default="default", help="storage URL for every run (default: fresh LMDB per run)")
@@ -151,11 +155,13 @@ def main() -> int:
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fastkv-bench-e2e-"))
     try:
         workload = str(mixed_workload(root / "mixed.jsonl")) if args.workload == "mixed" else args.workload
-        base = JobConfig(runner=args.runner, tp=args.tp, device_blocks=args.device_blocks,
-                         host_blocks=args.host_blocks, storage=args.storage, quick=args.quick or args.smoke,
-                         demo=SMOKE_DEMO if args.smoke else {}, workload=workload, runner_options=options)
+        base = JobConfig(runner=args.runner, tp=args.tp, layers=args.layers, kv_heads=args.kv_heads,
+                         device_blocks=args.device_blocks, host_blocks=args.host_blocks, storage=args.storage,
+                         quick=args.quick or args.smoke, demo=SMOKE_DEMO if args.smoke else {}, workload=workload,
+                         runner_options=options)
         print(f"{args.workload} workload: {len(base.requests())} requests; {args.runner} runner, tp {args.tp}, "
-              f"{base.device_blocks} device / {args.host_blocks} host blocks per rank; cost model "
+              f"{base.device_blocks} device / {args.host_blocks} host blocks per rank of "
+              f"{base.layout().block_bytes >> 10} KiB; cost model "
               f"{options.get('cost_model', 'flat')} at {options.get('copy_gbps', '-')} GB/s of copies here",
               flush=True)
         for r in range(rounds):
