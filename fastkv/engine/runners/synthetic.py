@@ -45,6 +45,7 @@ from fastkv.sched.output import StepOutput, StepPlan, validate_plan
 HEADER = 8  # elements: 4 token bytes, 3 position bytes, 1 check byte
 MAX_POSITION = 1 << 24
 DEFAULT_VOCAB = 1024
+WAKE_MARGIN_S = 2e-4  # of a cost model's step, burnt rather than slept (``_busy``)
 
 
 class KVMismatch(AssertionError):
@@ -488,10 +489,10 @@ class SyntheticRunner(ModelRunner):
         compute runs on a GPU and leaves the host's cores free: waiting without burning gives
         them to what a GPU host runs beside its steps (the scheduler, the copies, storage I/O), so
         on a 2-core machine the real copies overlap compute as DMA would, instead of taking turns
-        with it. One sleep, which may overshoot by the OS timer slack (tens of us), alike in every mode."""
+        with it. The last ``WAKE_MARGIN_S`` burns: a sleep's wake-up on a loaded machine comes late
+        by about that much, which measured ~10 % slower steps of under a millisecond."""
         if self.cost is not None:
-            time.sleep(max(0.0, deadline - time.perf_counter()))
-            return
+            time.sleep(max(0.0, deadline - WAKE_MARGIN_S - time.perf_counter()))
         x = self._burn
         while time.perf_counter() < deadline:
             x = np.tanh(x @ self._burn)
