@@ -14,14 +14,17 @@ Runs (same workload, same capacities, fresh LMDB store each):
   (FastDeploy's way: re-admission swaps the victim's cached blocks back in, only the rest recomputes);
 - ``offload``, ``storage``, ``auto``: fastkv's preemption modes, with the same tiers.
 
-The synthetic runner burns the step time of ``--cost-model`` (``fastkv.engine.runners.cost_model``:
-a roofline of Llama-3-8B on an H100 SXM, scaled so that compute per token against this machine's
-copy time per token of KV is the deployment's compute against its PCIe copy). The copy bandwidth
+The synthetic runner waits out (a GPU computes: no host CPU) the step time of ``--cost-model``
+(``fastkv.engine.runners.cost_model``: a roofline of Llama-3-8B on an H100 SXM, scaled so that
+compute per token against this machine's copy time per token of KV is the deployment's compute
+against its PCIe copy). The copy bandwidth
 it scales by is measured once here and given to every run, so that all runs simulate the same
 compute. ``--cost-model flat`` keeps the runner's flat 300 us per token.
 
-Prints tokens/s, recomputed tokens, time to first token, hit ratio per tier and preemptions
-per run, then, as the LAST line:
+Prints tokens/s, recomputed tokens, time to first token, hit ratio per tier, preemptions, step
+and copy task p50 per run, what preempting costs under the model (``preemption_costs``: recompute
+and copy per token, and how many recomputed tokens ride on a decode step for free), then, as the
+LAST line:
 
     {"bench": "e2e", "cost_model": NAME, "copy_gbps": ..., "tokens_per_s": {"recompute_device_only": ...,
      "recompute": ..., "offload": ..., "storage": ..., "auto": ...}, "recomputed_tokens": {...same keys},
@@ -51,7 +54,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fastkv import report  # noqa: E402
 from fastkv.cli import RUNNER_VOCAB, JobConfig, prepare  # noqa: E402
 from fastkv.demo import read_workload, write_workload  # noqa: E402
-from fastkv.engine.runners.cost_model import DEPLOYMENTS, LLAMA3_8B_H100, measure_copy_bandwidth  # noqa: E402
+from fastkv.engine.runners.cost_model import (  # noqa: E402
+    DEPLOYMENTS,
+    LLAMA3_8B_H100,
+    ScaledCostModel,
+    deployment,
+    measure_copy_bandwidth,
+)
 from fastkv.supervisor import Supervisor  # noqa: E402
 
 SMOKE_DEMO = {"conversations": 2, "turns": 2, "system_tokens": 32, "user_tokens": (8, 16), "reply_tokens": 8,
@@ -107,7 +116,8 @@ def fmt_row(label: str, d: dict) -> str:
     ms = lambda k: f"{1e3 * ttft[k]:.0f}" if k in ttft else "-"  # noqa: E731
     return (f"| {label} | {d['tokens_per_s']:.1f} | {d['recomputed_tokens']} | {ms('p50')} | {ms('p99')} | "
             f"{100 * hit['device']:.1f}/{100 * hit['host']:.1f}/{100 * hit['storage']:.1f} | "
-            f"{pre['recompute']}/{pre['offload']}/{pre['storage']} | {d['seconds']:.1f} |")
+            f"{pre['recompute']}/{pre['offload']}/{pre['storage']} | {d['step_ms_p50']:.2f} | {d['task_ms_p50']:.2f} | "
+            f"{d['seconds']:.1f} |")
 
 
 def main() -> int:
@@ -117,6 +127,10 @@ def main() -> int:
                     help="2 conversations x 2 short turns (tests: numbers mean nothing)")
     p.add_argument("--runner", choices=("synthetic", "tiny"), default="synthetic")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--layers", type=int, default=JobConfig.layers,
+                   help="layers of the KV cache: with --kv-heads, the KV bytes per token, which scale the "
+                   "cost model's step time (the cost model keeps compute / copy time per token)")
+    p.add_argument("--kv-heads", type=int, default=JobConfig.kv_heads, help="KV heads per rank")
     p.add_argument("--device-blocks", type=int, default=JobConfig.device_blocks)
     p.add_argument("--host-blocks", type=int, default=JobConfig.host_blocks)
     p.add_argument("--storage", default="default", help="storage URL for every run (default: fresh LMDB per run)")
@@ -141,11 +155,13 @@ def main() -> int:
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fastkv-bench-e2e-"))
     try:
         workload = str(mixed_workload(root / "mixed.jsonl")) if args.workload == "mixed" else args.workload
-        base = JobConfig(runner=args.runner, tp=args.tp, device_blocks=args.device_blocks,
-                         host_blocks=args.host_blocks, storage=args.storage, quick=args.quick or args.smoke,
-                         demo=SMOKE_DEMO if args.smoke else {}, workload=workload, runner_options=options)
+        base = JobConfig(runner=args.runner, tp=args.tp, layers=args.layers, kv_heads=args.kv_heads,
+                         device_blocks=args.device_blocks, host_blocks=args.host_blocks, storage=args.storage,
+                         quick=args.quick or args.smoke, demo=SMOKE_DEMO if args.smoke else {}, workload=workload,
+                         runner_options=options)
         print(f"{args.workload} workload: {len(base.requests())} requests; {args.runner} runner, tp {args.tp}, "
-              f"{base.device_blocks} device / {args.host_blocks} host blocks per rank; cost model "
+              f"{base.device_blocks} device / {args.host_blocks} host blocks per rank of "
+              f"{base.layout().block_bytes >> 10} KiB; cost model "
               f"{options.get('cost_model', 'flat')} at {options.get('copy_gbps', '-')} GB/s of copies here",
               flush=True)
         for r in range(rounds):
@@ -161,8 +177,8 @@ def main() -> int:
     per_round = "; ".join(f"{m} " + ", ".join(str(round(d["tokens_per_s"])) for d in ds) for m, ds in runs.items())
     print(f"\nfastest of {rounds} interleaved rounds per run; tokens/s of every round: {per_round}")
     print("\n| run | tokens/s | recomputed tokens | TTFT p50 ms | TTFT p99 ms | hit % device/host/storage "
-          "| preemptions recompute/offload/storage | seconds |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| preemptions recompute/offload/storage | step p50 ms | copy task p50 ms | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, d in results.items():
         print(fmt_row(label, d))
     every_run = [d for ds in runs.values() for d in ds]
@@ -171,6 +187,16 @@ def main() -> int:
     identical = finished and all(o == outputs[0] for o in outputs)
     correct = [d.get("outputs_correct") for d in every_run]
     correct = None if None in correct else all(correct)
+    if options:  # what preempting costs under the model, beside what the copy path costs here
+        layout = base.layout()
+        costs = {k: round(v, 2) for k, v in ScaledCostModel.calibrate(
+            deployment(options["cost_model"]), layout.block_bytes // layout.block_size,
+            options["copy_gbps"] * 1e9).preemption_costs().items()}
+        print(f"\nunder {options['cost_model']} here: recompute {costs['recompute_us_per_token']} us per token, "
+              f"copy {costs['copy_us_per_token']} us per token each way; a decode step of 16 x 1024 tokens "
+              f"{costs['decode_step_us']:.0f} us carries {costs['free_recompute_tokens']:.0f} recomputed tokens "
+              f"at < 5 % extra (decode bound: recompute nearly free); a copy task costs the table's p50 whatever "
+              f"its size")
     tps = {m: round(d["tokens_per_s"], 1) for m, d in results.items()}
     best_fixed = max(v for m, v in tps.items() if m != "auto")
     print(f"\noffload / recompute {tps['offload'] / max(tps['recompute'], 1e-9):.2f}x, / recompute_device_only "

@@ -1,5 +1,7 @@
-"""The roofline cost model of a named deployment, and the synthetic runner burning its scaled step time."""
+"""The roofline cost model of a named deployment, and the synthetic runner waiting out its scaled step time."""
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -45,6 +47,20 @@ def test_scaling_keeps_the_ratio_of_compute_to_copy_per_token():
         ScaledCostModel.calibrate(D, local_bytes, 0)
 
 
+def test_preemption_costs_show_a_decode_bound_step():
+    m = ScaledCostModel.calibrate(D, 4096, 8e9)
+    c = m.preemption_costs(batch=16, context=1024)
+    assert c["copy_us_per_token"] == pytest.approx(1e6 * 4096 / 8e9)  # this machine's real copy
+    assert 8 < c["recompute_us_per_token"] / c["copy_us_per_token"] < 16  # the GPU's ratio, as above
+    # A decode step reads 16 GB of weights (~6 ms on the GPU): ~200 prefill tokens (~30 us each) ride on it.
+    assert c["decode_step_us"] == pytest.approx(1e6 * m.step_seconds([(1023, 1024)] * 16))
+    free = c["free_recompute_tokens"]
+    assert 100 < free < 300
+    decode = [(1023, 1024)] * 16
+    assert m.step_seconds([*decode, (0, free)]) <= 1.05 * m.step_seconds(decode)
+    assert m.step_seconds([*decode, (0, free + 1)]) > 1.05 * m.step_seconds(decode)
+
+
 def test_runner_burns_the_scaled_step_time():
     runner, _, _ = make(layout("float32"), cost_model=D.name, copy_gbps=0.05)
     plan = StepPlan(0, [SeqWork(1, np.arange(40) % 7, 0, np.arange(10), True)])
@@ -52,6 +68,29 @@ def test_runner_burns_the_scaled_step_time():
     assert want > 0.02  # a slow copy makes compute slow too
     out = runner.step(plan)
     assert out.seconds >= want
+
+
+def test_runner_leaves_the_cpu_free_while_the_gpu_computes():
+    """A GPU's compute takes no host CPU: the modelled step is waited out, so a 2-core host keeps
+    its cores for the real copies (burning them made copies and compute take turns)."""
+    runner, _, _ = make(layout("float32"), cost_model=D.name, copy_gbps=0.01)
+    plan = StepPlan(0, [SeqWork(1, np.arange(40) % 7, 0, np.arange(10), True)])
+    want = runner.cost.step_seconds([(0, 40)])
+    assert want > 0.1
+    cpu0 = time.thread_time()
+    out = runner.step(plan)
+    cpu = time.thread_time() - cpu0
+    assert out.seconds >= want
+    # burning got at least half a core even on a loaded 2-core machine
+    assert cpu < 0.1 * want, f"the step burnt {cpu * 1e3:.1f} ms of CPU for {want * 1e3:.1f} ms of GPU compute"
+
+
+def test_flat_cost_still_burns_cpu():
+    """The flat cost stands for CPU compute (the tiny decoder's): it does take the CPU."""
+    runner, _, _ = make(compute_us_per_token=10000.0)
+    cpu0 = time.thread_time()
+    runner.step(StepPlan(0, [SeqWork(1, np.arange(5), 0, np.array([0, 1]), True)]))
+    assert time.thread_time() - cpu0 >= 0.01  # of 50 ms burnt: a fifth, generous for a loaded machine
 
 
 def test_runner_takes_a_cost_model_or_a_flat_cost_not_both():

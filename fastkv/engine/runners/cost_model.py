@@ -138,3 +138,22 @@ class ScaledCostModel:
 
     def step_seconds(self, seqs: Iterable[tuple[int, int]]) -> float:
         return self.scale * self.deployment.step_seconds(seqs)
+
+    def preemption_costs(self, batch: int = 16, context: int = 1024, chunk: int = 2048) -> dict[str, float]:
+        """What preempting costs under this model, here (microseconds; scaled like the steps):
+        ``recompute_us_per_token`` (a prefill token in a compute-bound chunk of ``chunk``),
+        ``copy_us_per_token`` (one direction of its KV at this machine's copy bandwidth),
+        ``decode_step_us`` (``batch`` sequences of ``context`` tokens) and ``free_recompute_tokens``:
+        prefill tokens that ride on such a decode step before it takes 5 % longer (the step reads
+        the weights anyway: their compute hides under it). A run whose steps have that much room
+        is decode bound: its recomputes cost nearly nothing, whatever the mode."""
+        decode = [(context - 1, context)] * batch
+        floor = self.step_seconds(decode)
+        lo, hi = 0, chunk  # the largest chunk beside the decode batch within 5 % of its time
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.step_seconds([*decode, (0, mid)]) <= 1.05 * floor else (lo, mid - 1)
+        return {"recompute_us_per_token": 1e6 * self.step_seconds([(0, chunk)]) / chunk,
+                "copy_us_per_token": 1e6 * self.scale * self.deployment.copy_seconds_per_token(),
+                "decode_step_us": 1e6 * floor, "free_recompute_tokens": lo}
+
