@@ -328,8 +328,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.transfer.storage)
     @rule(data=st.data())
     def storage_loses_a_key(self, data):
-        """Storage drops a key (eviction, a restart)."""
-        del self.transfer.storage[data.draw(st.sampled_from(sorted(self.transfer.storage)))]
+        """Storage drops a key (eviction, a restart); picked by the order it was stored in (see
+        ``_loading_keys``)."""
+        del self.transfer.storage[data.draw(st.sampled_from(list(self.transfer.storage)))]
 
     @precondition(lambda self: self._loading_keys())
     @rule(data=st.data())
@@ -339,8 +340,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         del self.transfer.storage[data.draw(st.sampled_from(self._loading_keys()))]
 
     def _loading_keys(self) -> list[bytes]:
-        return sorted({k for p, _ in self.transfer.pending if p.kind is K.LOAD for k in p.keys}
-                      & self.transfer.storage.keys())
+        """In the order the LOADs went out, never sorted: resume keys are random per cache
+        (CacheState.run), so an order by key would differ between two runs of one example."""
+        return list(dict.fromkeys(k for p, _ in self.transfer.pending if p.kind is K.LOAD for k in p.keys
+                                  if k in self.transfer.storage))
 
     def _states(self) -> list[RequestState]:
         return sorted({r.state for r in self.sched.requests.values()})
@@ -370,12 +373,36 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Abort a request whose copy the last completion queued: the next step hands it out for
         nobody; with ``fail``, that step comes now and the copy fails."""
         served = self._served()
-        self._abort(data.draw(st.sampled_from(sorted(set().union(*(v for k, v in served.items()
-                                                                    if k.startswith("queued")))))))
+        self._abort_queued(data.draw(st.sampled_from(sorted(set().union(*(v for k, v in served.items()
+                                                                           if k.startswith("queued")))))), fail)
+
+    def _abort_queued(self, rid: int, fail: bool) -> None:
+        self._abort(rid)
         if fail:
             self._one_step(hold=True)
             while nobody := self._pending_for("nobody"):
                 self._complete(nobody[0], False)
+
+    @precondition(lambda self: len(self.sched.requests) < MAX_LIVE and self.cache.index.storage
+                  and self.sched.weight_update_state is WeightUpdate.NONE)
+    @rule(data=st.data(), fail=st.booleans())
+    def abort_before_its_swap_in(self, data, fail):
+        """A prompt another engine stored joins, and steps run with every copy in flight until
+        its LOAD flies; its copies land, which queues its SWAP_IN (storage to host, then host to
+        device), and it is aborted before a step hands that out (``abort_with_a_copy_queued``)."""
+        rid = self.next_id
+        self.add_stored_elsewhere(data, 4)
+        for _ in range(4):
+            mine = [i for i, (p, _) in enumerate(self.transfer.pending) if self.owners.get(p.plan_id)[0] == rid]
+            if any(self.transfer.pending[i][0].kind is K.LOAD for i in mine):
+                break
+            self._one_step(hold=True)
+        else:
+            return
+        for i in reversed(mine):  # from the end: the indexes before it stay put
+            self._complete(i, True)
+        if rid in self._served().get("queued SWAP_IN", ()):
+            self._abort_queued(rid, fail)
 
     def _served(self) -> dict[str, set[int]]:
         """Live requests a copy serves, by the copy's kind (and whether it is still queued)."""
