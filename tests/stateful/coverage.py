@@ -5,8 +5,8 @@ also reported with ``hypothesis.event``). Under the CI profile (derandomized) a 
 all but ``max_missed`` of them. Hypothesis derives the fixed examples from the test's identity,
 so a checkout in another directory, or any edit of the machine, draws other examples: the
 machines steer into the rare cases with targeted rules so that the bound holds under any seed
-(check with a few ``@seed``s, not only the CI one). The manager machine reaches every case; the
-scheduler machine may miss up to two of its restore cases (issue 16).
+(check with a few ``@seed``s, not only the CI one). Both the manager and the scheduler machine
+reach every case (issue 16).
 """
 from __future__ import annotations
 
