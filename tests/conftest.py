@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -42,24 +43,53 @@ def _run_id(name: str) -> str | None:
     return parts[1] if parts[0] == "fkv" and len(parts) > 2 else None
 
 
-def _owned_elsewhere(run_id: str) -> bool:
-    """True when ``run_id``'s manifest names a live owner other than this process.
+def _shm_file(kind: str, name: str) -> str:
+    """/dev/shm's name of a POSIX object: ``/fkv.x`` is ``fkv.x`` (shm) or ``sem.fkv.x`` (sem)."""
+    return ("sem." if kind == "sem" else "") + name.lstrip("/")
+
+
+def held_elsewhere() -> tuple[set[str], set[str]]:
+    """(run ids, object files) of the live runs another process owns: their manifests list
+    their own objects and the ones they share with other runs (a PD handoff's semaphore).
 
     Our own children are dead by the session's end, and runs this process owns have us as
     owner, so anything left by this session still counts; a concurrent run does not."""
     from fastkv.ipc.peers import pid_alive
 
-    try:
-        doc = json.loads((SHM_DIR / f"fkv.{run_id}.manifest.json").read_text())
-        pid, started = int(doc["owner_pid"]), int(doc.get("owner_started", 0))
-    except (OSError, ValueError, KeyError, TypeError):
-        return False  # no readable manifest: a stray object, whoever made it
-    return pid != os.getpid() and pid_alive(pid, started)
+    runs: set[str] = set()
+    files: set[str] = set()
+    for path in SHM_DIR.glob("fkv.*.manifest.json"):
+        try:
+            doc = json.loads(path.read_text())
+            pid, started = int(doc["owner_pid"]), int(doc.get("owner_started", 0))
+            objects = [_shm_file(kind, name) for kind, name in doc.get("objects", [])]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # no readable manifest: its objects are strays, whoever made them
+        if pid != os.getpid() and pid_alive(pid, started):
+            runs.add(str(doc.get("run_id")))
+            files.update(objects)
+    return runs, files
+
+
+def shm_test_name() -> str:
+    """A name for a test's own shared-memory objects outside any run (collectives): it carries
+    this session's pid, so a session beside ours does not count them as its leaks."""
+    return f"fkvtest{os.getpid()}x{uuid.uuid4().hex[:8]}"
+
+
+def _other_session(name: str) -> bool:
+    """A test object (``shm_test_name``) of another live test session."""
+    from fastkv.ipc.peers import pid_alive
+
+    head = name.removeprefix("sem.").removeprefix("fkvtest").split("x", 1)[0]
+    return head.isdigit() and int(head) != os.getpid() and pid_alive(int(head))
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_shm_leaks():
     before = fastkv_shm_objects()
     yield
-    leaked = {n for n in fastkv_shm_objects() - before if _run_id(n) is None or not _owned_elsewhere(_run_id(n))}
+    runs, files = held_elsewhere()
+    leaked = {n for n in fastkv_shm_objects() - before
+              if n not in files and _run_id(n) not in runs and not _other_session(n)}
     assert not leaked, f"fastkv shared-memory objects left in /dev/shm: {sorted(leaked)}"

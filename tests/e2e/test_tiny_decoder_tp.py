@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import uuid
 
 import numpy as np
 
 from fastkv.config import KVLayout
 from fastkv.engine.runners.tiny_decoder import TinyConfig, TinyDecoderRunner
 from fastkv.ipc.collective import ShmCollective
+from tests.conftest import shm_test_name
 from tests.runner_driver import drive
 
 CFG = TinyConfig(vocab=512, hidden=64, intermediate=128, max_positions=256, seed=11)
@@ -38,7 +38,7 @@ def worker(name: str, rank: int, results) -> None:
 def test_tp2_in_two_processes_equals_tp1():
     want_out, steps, preemptions, k1, v1 = run(1, 0, None)
     assert steps > 10 and preemptions > 0, "the schedule should batch, chunk and preempt"
-    name = f"fkvtest{uuid.uuid4().hex[:8]}"
+    name = shm_test_name()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with ShmCollective.create(name, 2, slot_bytes=1 << 20):

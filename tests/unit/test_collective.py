@@ -4,16 +4,16 @@ from __future__ import annotations
 import os
 import stat
 import threading
-import uuid
 
 import numpy as np
 import pytest
 
 from fastkv.ipc.collective import ShmCollective
+from tests.conftest import shm_test_name
 
 
 def prefix():
-    return f"fkvtest{uuid.uuid4().hex[:8]}"
+    return shm_test_name()
 
 
 def run_ranks(name, world, fn, timeout_s=10.0):
