@@ -48,7 +48,7 @@ from bench_ipc import kv_msg  # scripts/ is on the path of a script run from it
 from fastkv import ops
 from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.config import KVLayout
-from fastkv.ipc import Channel, DoneMsg, Namespace
+from fastkv.ipc import Channel, ChannelClosed, DoneMsg, Namespace, PeerDied
 from fastkv.run import RunSpec, attach_engine, create_run
 from fastkv.transfer import process
 from fastkv.transfer.client import TransferClient
@@ -197,10 +197,13 @@ def _echo(run_id: str) -> None:
     ns = Namespace.attach(run_id)
     a = Channel.attach(ns, "a").bind("recv", "echo")
     b = Channel.attach(ns, "b").bind("send", "echo")
-    while True:
-        msgs = a.recv_many(64, timeout=60)
+    while True:  # no timeout: a slow start of the transfer process beside it is no reason to leave
+        try:
+            msgs = a.recv_many(64)
+        except (PeerDied, ChannelClosed):  # the bench is gone
+            return
         b.send_many(msgs)
-        if not msgs or msgs[-1].task_id < 0:
+        if msgs[-1].task_id < 0:
             return
 
 
@@ -223,7 +226,7 @@ class EchoPeer:
         self.a.send(kv_msg(self.n))
         got = self.b.recv_many(64, timeout=timeout)
         seconds = time.perf_counter() - t0
-        assert got and got[0].task_id == self.n, "echo mismatch"
+        assert got and got[0].task_id == self.n, f"echo mismatch: sent {self.n}, got {[m.task_id for m in got]} in {seconds:.3f} s"
         return seconds
 
     def close(self) -> None:
