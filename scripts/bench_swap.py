@@ -226,7 +226,8 @@ class EchoPeer:
         self.a.send(kv_msg(self.n))
         got = self.b.recv_many(64, timeout=timeout)
         seconds = time.perf_counter() - t0
-        assert got and got[0].task_id == self.n, f"echo mismatch: sent {self.n}, got {[m.task_id for m in got]} in {seconds:.3f} s"
+        assert got and got[0].task_id == self.n, \
+            f"echo mismatch: sent {self.n}, got {[m.task_id for m in got]} in {seconds:.3f} s"
         return seconds
 
     def close(self) -> None:
