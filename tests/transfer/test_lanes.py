@@ -175,9 +175,11 @@ def test_a_swap_in_behind_a_load_copies_block_i_while_block_i_plus_1_loads(tmp_p
         slow.per_block_s = 0.3
         load = plan(CopyKind.LOAD, [], range(20, 24), [key(i, "pipe") for i in range(4)])
         swap_in = plan(CopyKind.SWAP_IN, range(20, 24), range(4, 8))
-        results, order = finish_order(sup, client, [load, swap_in])
+        # the acks may come in either order: the SWAP_IN's last part runs as soon as the LOAD's
+        # last part lets its block go, before the storage thread sends the LOAD's ack (seen
+        # beside another fastkv run); what it copied and when is checked below
+        results, _ = finish_order(sup, client, [load, swap_in])
         assert all(r.ok for r in results), [r.error for r in results]
-        assert order == [load.plan_id, swap_in.plan_id]
         for i in range(4):
             assert same(sup.devices[0].k_arrays[0][4 + i], expected[20 + i])
         assert seen == [True], "block 20 was not on the device while block 23 was loading"
