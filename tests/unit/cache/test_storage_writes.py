@@ -46,16 +46,23 @@ def test_back_stores_host_blocks_only_as_evictions_approach_them():
     assert m.match(toks(2, extra=1)).host_blocks  # flushed blocks stay cached on the host
 
 
-def test_a_storage_mode_resume_loads_the_partial_block_from_storage_and_recomputes_nothing():
+def preempted_to_storage(rid: str = "r"):
+    """A pool whose request ``rid`` (two full blocks and a partial one, one sampled token
+    pending) was preempted in storage mode and freed; returns (pool, prompt, the offload's completions)."""
     m = pool(StorageWrites.PREEMPTED, dev=4, host=3)
     prompt = toks(1, 2, extra=2)
-    a = m.allocate("r", prompt)
-    drain(m, a.plans)
-    drain(m, m.mark_computed("r", len(prompt)))
-    m.append_slots("r", [77])  # its first sampled token, not computed yet
-    stores = [p for c in drain(m, m.offload("r", to_storage=True)) for p in c.plans if p.kind is CopyKind.STORE]
+    drain(m, m.allocate(rid, prompt).plans)
+    drain(m, m.mark_computed(rid, len(prompt)))
+    m.append_slots(rid, [77])  # its first sampled token, not computed yet
+    done = drain(m, m.offload(rid, to_storage=True))
+    m.free(rid)  # storage mode: the host copies are let go
+    return m, prompt, done
+
+
+def test_a_storage_mode_resume_loads_the_partial_block_from_storage_and_recomputes_nothing():
+    m, prompt, done = preempted_to_storage()
+    stores = [p for c in done for p in c.plans if p.kind is CopyKind.STORE]
     assert sum(len(p.keys) for p in stores) == 3  # two full blocks and the partial one
-    m.free("r")  # storage mode: the host copies are let go
     for lab in (5, 6, 7):
         run_prompt(m, f"x{lab}", toks(lab, extra=1))  # push r's blocks out of the host
     resumed = list(prompt) + [77]
@@ -70,14 +77,7 @@ def test_a_storage_mode_resume_loads_the_partial_block_from_storage_and_recomput
 
 
 def test_another_request_with_the_same_tokens_never_matches_a_resume_key():
-    m = pool(StorageWrites.PREEMPTED, dev=4, host=3)
-    prompt = toks(1, 2, extra=2)
-    a = m.allocate("r", prompt)
-    drain(m, a.plans)
-    drain(m, m.mark_computed("r", len(prompt)))
-    m.append_slots("r", [77])
-    drain(m, m.offload("r", to_storage=True))
-    m.free("r")
+    m, prompt, _ = preempted_to_storage()
     other = m.allocate("s", list(prompt) + [77])
     assert other.num_cached_tokens + other.num_pending_tokens == 2 * BS  # full blocks only
 
