@@ -94,14 +94,19 @@ class Follower:
             raise ValueError(f"{self.path}:{self._line}: not a handoff record ({exc})") from None
         return doc
 
+    def _posted(self, timeout: float) -> bool:
+        """The prefill side posted within ``timeout`` (False: it timed out, a time to check on it)."""
+        try:
+            self._sem.acquire(timeout)
+        except posix_ipc.BusyError:
+            return False
+        return True
+
     def wait(self, timeout: float) -> str | None:
         """Block until the prefill side appends (or ``timeout``); None, or on a timeout after
         which the prefill run is gone without ending the file, the line that says so."""
-        try:
-            self._sem.acquire(timeout)
+        if self._posted(timeout):
             return None
-        except posix_ipc.BusyError:
-            pass
         h = self.header
         if h is None or self.end is not None or pid_alive(int(h["pid"]), int(h.get("started", 0))):
             return None
