@@ -45,22 +45,40 @@ def check_outputs(results: dict, wl: list[dict]) -> None:
         assert row["finish"] == "length" and row["output"] == expected(w["prompt"], w["max_new_tokens"]), row
 
 
-@pytest.mark.slow
-def test_every_block_verified_after_host_and_storage_round_trips(tmp_path):
-    wl = workload(16, 12, ["offload", "storage"])
-    s = spec(2, tmp_path / "out", num_device_blocks=24, num_host_blocks=6,
-             storage_url=f"lmdb://{tmp_path}/lmdb?max_bytes=64M",
-             runner_options={"verify": "all", "vocab": VOCAB}, scheduler={"max_num_batched_tokens": 48})
+def run_once(tmp_path, name: str, url: str, wl: list[dict], tp: int = 1, reference: bool = True,
+             num_host_blocks: int = 12, **kw) -> tuple[dict, dict]:
+    """One run that every worker ends cleanly; ``reference``: outputs equal the synthetic reference."""
+    s = spec(tp, tmp_path / name, num_device_blocks=24, num_host_blocks=num_host_blocks, storage_url=url,
+             runner_options={"verify": "all", "vocab": VOCAB}, scheduler={"max_num_batched_tokens": 48}, **kw)
     with Run(s, wl) as run:
         assert run.wait(120) == 0, "engine failed: a KV mismatch or a worker error (see stderr)"
         results, summary = run.results(), run.summary()
         codes = run.close()
     assert all(c == 0 for c in codes.values()), codes
-    check_outputs(results, wl)
-    pre, hit, tasks = summary["preemptions"], summary["hit_ratio"], summary["copy_tasks"]
-    assert pre["offload"] > 0 and pre["storage"] > 0, summary
-    assert tasks.get("swap_in", 0) > 0 and tasks.get("load", 0) > 0, f"no round trip to verify: {summary}"
-    assert hit["host"] > 0 and hit["storage"] > 0, summary
+    if reference:
+        check_outputs(results, wl)
+    return results, summary
+
+
+@pytest.mark.slow
+def test_every_block_verified_after_host_and_storage_round_trips(tmp_path):
+    """Run A preempts by copy under pressure; run B restarts on A's store. Which mode a preemption
+    ends up using (a victim that stalls past its patience, or is LOADING, recomputes), whether a
+    storage victim comes back by LOAD or from the 6-block host tier, and which lower tier serves a
+    prefix all depend on timing: CI once saw no host prefix hit, and 50 local runs saw each of
+    offload 0, storage 0 and LOAD 0. So A claims copies in aggregate, and the storage round trip
+    that must happen is B's: its tiers start empty, and A wrote through. The per-mode paths are
+    checked deterministically in tests/unit/sched."""
+    wl = workload(16, 12, ["offload", "storage"])
+    url = f"lmdb://{tmp_path}/lmdb?max_bytes=64M"
+    _, a = run_once(tmp_path, "a", url, wl, tp=2, num_host_blocks=6)
+    pre, tasks = a["preemptions"], a["copy_tasks"]
+    assert pre["offload"] + pre["storage"] > 0, f"no preemption by copy: {a}"
+    assert tasks.get("swap_out", 0) > 0 and tasks.get("swap_in", 0) > 0, f"no host round trip: {a}"
+    assert tasks.get("store", 0) > 0, a
+    _, b = run_once(tmp_path, "b", url, wl, tp=2, num_host_blocks=6)
+    assert b["copy_tasks"].get("load", 0) > 0 and b["hit_ratio"]["storage"] > 0, f"no storage round trip: {b}"
+    assert b["corrupt_values"] == 0, b
 
 
 @pytest.mark.slow

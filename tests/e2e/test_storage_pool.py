@@ -11,27 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.launch import Run
-from tests.e2e.test_engine_synthetic import SYSTEM, VOCAB, check_outputs, spec, workload
+from tests.e2e.test_engine_synthetic import SYSTEM, VOCAB, check_outputs, run_once, spec, workload
 from tests.storage.conftest import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
 RESTART_SHAPE = ["--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--block-size", "16",
                  "--device-blocks", "48", "--host-blocks", "64"]
-
-
-def run_once(tmp_path, name: str, url: str, wl: list[dict], tp: int = 1, reference: bool = True,
-             **kw) -> tuple[dict, dict]:
-    """One run; ``reference``: outputs must equal the synthetic reference (of weights "0")."""
-    s = spec(tp, tmp_path / name, num_device_blocks=24, num_host_blocks=12, storage_url=url,
-             runner_options={"verify": "all", "vocab": VOCAB}, scheduler={"max_num_batched_tokens": 48}, **kw)
-    with Run(s, wl) as run:
-        assert run.wait(120) == 0, "engine failed: a KV mismatch or a worker error (see stderr)"
-        results, summary = run.results(), run.summary()
-        codes = run.close()
-    assert all(c == 0 for c in codes.values()), codes
-    if reference:
-        check_outputs(results, wl)
-    return results, summary
 
 
 @pytest.mark.slow
