@@ -10,9 +10,11 @@ only this handoff can name it.
 
 ``export`` copies what is missing from storage (device -> host -> storage, the write-through
 path: host copies are keyed, then STOREd); ``exported`` says when all of it is stored; ``retry``
-copies what found no host block then (copies in flight pin them all), or whose copy failed: the
-full blocks from the prefix cache, the partial block from the device block ``export`` holds for
-it (unkeyed, it would be freed with its request) until ``release``.
+copies what found no host block then (copies in flight pin them all), or whose copy failed, from
+the device blocks ``export`` holds until ``release``: every one of them, since a full block left
+in the prefix cache can be evicted before its retry (a loaded machine lost one that way), and the
+partial block has no key, so it would be freed with its request. Exports that share a prefix
+share its holds (counted).
 ``CacheManager.allocate(tail_key=...)`` is the decode side's load.
 """
 from __future__ import annotations
@@ -50,28 +52,42 @@ def export(state: CacheState, request_id: object, upto: int, tail: bytes | None)
         raise ValueError(f"request {request_id!r}: export of {upto} tokens, {req.num_computed} computed")
     full, part = divmod(upto, state.block_size)
     pairs = list(zip(req.table[:full], req.keys[:full], strict=True))
-    keys = [k for _, k in pairs]
     if part:
         assert tail is not None, f"request {request_id!r}: a partial block to export and no tail key"
         pairs.insert(0, (req.table[full], tail))
-        keys.append(tail)
-        if tail not in state.handoff_holds:
-            state.device.incref(req.table[full])
-            state.handoff_holds[tail] = req.table[full]
+    for b, k in pairs:
+        _hold(state, b, k)
+    keys = [k for _, k in pairs[1:]] + [tail] if part else [k for _, k in pairs]
     return keys, _copy(state, pairs)
+
+
+def _hold(state: CacheState, block: int, key: bytes) -> None:
+    held = state.handoff_holds.get(key)
+    if held is None:
+        state.device.incref(block)
+        state.handoff_holds[key] = [block, 1]
+    else:
+        held[1] += 1
 
 
 def retry(state: CacheState, keys: Sequence[bytes]) -> list[CopyPlan]:
     """Copy again what of ``keys`` is neither stored nor moving but still cached on the device
     or the host (the export found no host block for it)."""
-    moving, dlookup, held = _moving(state), state.device.lookup, state.handoff_holds
-    return _copy(state, [(dlookup.get(k, held.get(k, -1)), k) for k in keys if k not in moving])
+    moving, held = _moving(state), state.handoff_holds
+    return _copy(state, [(held[k][0] if k in held else state.device.lookup.get(k, -1), k)
+                         for k in keys if k not in moving])
 
 
 def release(state: CacheState, keys: Sequence[bytes]) -> None:
-    """The export of ``keys`` is over (stored, or given up): free the partial block it held."""
-    if keys and (b := state.handoff_holds.pop(keys[-1], None)) is not None:
-        state.device.release(b, keep=False)
+    """The export of ``keys`` is over (stored, or given up): let go of the blocks it held (a full
+    one stays in the prefix cache, keyed as before)."""
+    holds = state.handoff_holds
+    for k in keys:
+        held = holds[k]
+        held[1] -= 1
+        if not held[1]:
+            del holds[k]
+            state.device.release(held[0])
 
 
 def _copy(state: CacheState, pairs: list[tuple[int, bytes]]) -> list[CopyPlan]:

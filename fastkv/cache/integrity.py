@@ -57,7 +57,7 @@ def check(state: CacheState) -> None:
         for b in req.host_refs:
             host_refs[b] += 1
         assert len(set(req.table)) == len(req.table), f"request {rid!r}: a block twice in its table"
-    for b in state.handoff_holds.values():
+    for b, _ in state.handoff_holds.values():
         dev_refs[b] += 1
     assert reserved == state.reserved, f"reserved {state.reserved} != sum over requests {reserved}"
     for pool, refs in ((dev, dev_refs), (host, host_refs)):

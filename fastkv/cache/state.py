@@ -77,9 +77,9 @@ class CacheState:
         self.retired: list[KeyNamespace] = []  # namespaces of earlier weights, for explain_miss
         self.reqs: dict[object, CacheRecord] = {}
         self.reserved = 0  # device blocks promised to requests for decode growth
-        # a prefill handoff's partial block, kept (one reference) until its export is stored: it
-        # has no key, so once its request is freed nothing else could copy it (fastkv.cache.handoff)
-        self.handoff_holds: dict[bytes, int] = {}  # tail key -> device block
+        # a prefill handoff's blocks, kept (one reference each) until its export is stored: once
+        # its request is freed, eviction could take them before a retry (fastkv.cache.handoff)
+        self.handoff_holds: dict[bytes, list[int]] = {}  # key -> [device block, exports holding it]
         self.hits: dict[bytes, int] = {}  # WRITE_THROUGH_SELECTIVE hit counts of device keys
         self.epoch = 0  # offloads so far: makes each partial block's private key unique
         self.run = os.urandom(16)  # scopes resume keys to this cache (keys.resume_key)

@@ -136,7 +136,60 @@ def test_the_partial_block_is_held_for_its_export_when_the_host_tier_is_all_in_f
     free = p.device.num_available
     handoff.release(p.state, keys)
     p.check_integrity()
-    assert p.device.num_available == free + 1 and keys[2] not in p.state.handoff_holds  # r1 gives its block back
+    assert p.device.num_available == free + len(keys)  # r1's blocks come back: full ones cached, the partial one free
+    assert set(p.state.handoff_holds).isdisjoint(keys)
     d.confirm_stored(keys[:2])
     (ready,) = drain(d, d.allocate("x", PROMPT, tail_key=keys[2]).plans)
     assert ready.num_computed_tokens == KNOWN and d.stats.storage_lost_tokens == 0
+
+
+def test_full_blocks_of_an_export_outlive_device_pressure_until_stored():
+    """Regression (a PD run on a loaded machine recorded ``failed: 1``): r1's export finds no host
+    block; once r1 is freed its full blocks were only CACHED, so r2's allocation evicted them
+    before the retry, and the export was lost. The export holds them until it is stored."""
+    p = mk(dev=8, host=1)
+    other = PROMPT + 1000
+    drain(p, p.allocate("r0", other).plans)
+    drain(p, p.mark_computed("r0", len(other)))
+    k0, busy = handoff.export(p.state, "r0", KNOWN, handoff.tail_key(p.state, p.keys_for(other), p.state.root, "r0",
+                                                                     other.tolist()))
+    p.free("r0")
+    drain(p, p.allocate("r1", PROMPT).plans)
+    drain(p, p.mark_computed("r1", len(PROMPT)))
+    keys, plans = handoff.export(p.state, "r1", KNOWN, tail_of(p))
+    assert plans == []  # the host tier is all in flight
+    p.free("r1")
+    big = np.arange(5000, 5000 + BS * p.device.num_available, dtype=np.int32)
+    drain(p, p.allocate("r2", big).plans)  # takes every block it can, evicting what is only cached
+    p.check_integrity()
+    drain(p, busy)
+    for _ in range(2 * len(keys)):
+        if handoff.exported(p.state, keys):
+            break
+        drain(p, handoff.retry(p.state, keys))
+    assert handoff.exported(p.state, keys) is True
+    handoff.release(p.state, keys)
+    handoff.release(p.state, k0)
+    p.check_integrity()
+    assert not p.state.handoff_holds
+
+
+def test_exports_sharing_a_prefix_share_its_holds():
+    p = mk(dev=12, host=4)
+    drain(p, p.allocate("r1", PROMPT).plans)
+    drain(p, p.mark_computed("r1", len(PROMPT)))
+    drain(p, p.allocate("r2", PROMPT).plans)  # the same full blocks (prefix hits), its own partial one
+    drain(p, p.mark_computed("r2", len(PROMPT)))
+    k1, pl1 = handoff.export(p.state, "r1", KNOWN, tail_of(p, "r1"))
+    k2, pl2 = handoff.export(p.state, "r2", KNOWN, tail_of(p, "r2"))
+    assert k1[:2] == k2[:2] and k1[2] != k2[2]
+    assert [p.state.handoff_holds[k][1] for k in k1[:2]] == [2, 2]
+    p.free("r1")
+    p.free("r2")
+    drain(p, pl1 + pl2)
+    handoff.release(p.state, k1)
+    p.check_integrity()
+    assert set(p.state.handoff_holds) == set(k2)
+    handoff.release(p.state, k2)
+    p.check_integrity()
+    assert not p.state.handoff_holds and p.device.num_available == 12
