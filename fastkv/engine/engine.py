@@ -141,6 +141,8 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         "storage_errors": engine.ends.signals["storage.errors"],
         "corrupt_values": engine.ends.signals["storage.corrupt"],
         "recomputed_because_storage": engine.cache.stats.storage_lost_tokens,
+        # device blocks computed or loaded again while another copy of the same prefix block was there
+        "duplicate_blocks": engine.cache.stats.duplicate_blocks,
         # what the shared store was asked at admission and what it confirmed (fastkv.engine.lookup)
         "storage_lookup": {} if engine.lookups is None else {
             **engine.lookups.stats.to_json(),
