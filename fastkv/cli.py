@@ -307,6 +307,8 @@ class JobConfig:
         if self.role == "decode" and (not self.handoff or Path(self.handoff).is_dir()):
             raise ValueError("--role decode needs --handoff FILE, the prefill run's OUT/handoff.jsonl (it may not "
                              f"exist yet: the decode run follows it as it is written); got {self.handoff!r}")
+        if self.role == "decode":
+            _check_handoff_file(Path(self.handoff))
 
     def to_spec(self, run_id: str, out_dir: Path):
         from fastkv.run import RunSpec
@@ -586,3 +588,24 @@ def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _check_handoff_file(path: Path) -> None:
+    """A handoff file that is already there must start as a prefill run writes it (a header
+    line); one that is not there yet is followed once it appears."""
+    try:
+        with path.open("rb") as f:
+            first = f.readline()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ValueError(f"--handoff {path}: cannot read it ({exc.strerror})") from None
+    if not first.endswith(b"\n"):
+        return  # empty, or its header is being written
+    try:
+        doc = json.loads(first)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or "header" not in doc:
+        raise ValueError(f"--handoff {path}:1: not a prefill run's handoff.jsonl (its first line is no header)")
+

@@ -23,7 +23,11 @@ def drive_decode(engine: Engine, items: list[Any], results: list[Any]) -> None:
     queue: deque[tuple[Any, bool]] = deque()
     try:
         while not engine.ends.signals["stop"]:
-            queue += [(by_id[r["id"]], r["ok"]) for r in follow.read() if r["id"] in by_id]
+            try:
+                records = follow.read()
+            except ValueError as exc:  # a bad line, named file:line: the run cannot follow the file
+                raise EngineError(f"--handoff {exc}") from None
+            queue += [(by_id[r["id"]], r["ok"]) for r in records if r["id"] in by_id]
             while queue:
                 it, ok = queue[0]
                 try:

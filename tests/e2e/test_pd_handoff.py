@@ -99,3 +99,16 @@ def test_a_prefill_run_that_dies_ends_the_decode_run_with_one_line(tmp_path):
     assert status.startswith("failed: the prefill run (engine pid ") and "died before ending" in status, status
     assert "\n" not in status
     assert not sem_left(handoff)
+
+
+def test_a_bad_line_in_the_handoff_file_ends_the_decode_run_naming_it(tmp_path):
+    """A line that is no handoff record (a file edited by hand, another file's lines): the decode
+    run fails with one line naming file:line, not a traceback."""
+    wl = workload(4, 8, [None])
+    handoff = tmp_path / "handoff.jsonl"
+    handoff.write_text('{"header": {"pid": 1, "started": 0}}\n{"id": "s0", "ok": true}\nnot json\n')
+    with Run(role_spec(tmp_path, "dec", f"lmdb://{tmp_path}/store?max_bytes=64M", role="decode",
+                       handoff=str(handoff)), wl) as run:
+        assert run.wait(60) == 1
+        status = run.summary()["status"]
+    assert status == f"failed: --handoff {handoff}:3: not a handoff record (Expecting value: line 1 column 1 (char 0))", status

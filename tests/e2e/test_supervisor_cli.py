@@ -219,3 +219,26 @@ def test_fastdeploy_names_map_onto_fastkvs_settings(tmp_path):
 def test_bad_control_settings_are_named(values, message):
     with pytest.raises(ValueError, match=message):
         JobConfig(**values)
+
+
+def test_role_settings_are_named(tmp_path):
+    store = f"lmdb://{tmp_path}/s"
+    with pytest.raises(ValueError, match="hands KV over through a shared store"):
+        JobConfig(role="decode", handoff=str(tmp_path / "h.jsonl"))
+    with pytest.raises(ValueError, match="needs --handoff FILE"):
+        JobConfig(role="decode", storage=store)
+    with pytest.raises(ValueError, match="'handoff' is for --role decode"):
+        JobConfig(handoff=str(tmp_path / "h.jsonl"))
+    JobConfig(role="decode", storage=store, handoff=str(tmp_path / "later" / "h.jsonl"))  # may appear later
+
+
+def test_a_handoff_file_that_is_no_handoff_stream_is_refused_by_name(tmp_path, capsys):
+    other = tmp_path / "results.jsonl"
+    other.write_text('{"id": "a", "output": []}\n')
+    with pytest.raises(SystemExit) as exc:
+        main(["--role", "decode", "--storage", f"lmdb://{tmp_path}/s", "--handoff", str(other), "--out", str(tmp_path / "o")])
+    assert exc.value.code == 2
+    assert f"--handoff {other}:1: not a prefill run's handoff.jsonl" in capsys.readouterr().err
+    header = tmp_path / "handoff.jsonl"
+    header.write_text('{"header": {"pid": 1, "started": 0}}\n')
+    JobConfig(role="decode", storage=f"lmdb://{tmp_path}/s", handoff=str(header))
