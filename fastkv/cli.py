@@ -132,6 +132,10 @@ class JobConfig:
         if self.host_blocks == 0 and self.storage not in ("default", "none"):
             raise ValueError("a storage tier needs a host tier (blocks are stored from and loaded into host "
                              "memory): set host_blocks > 0 or storage 'none'")
+        if self.storage_write != "through" and (self.storage == "none" or (self.storage == "default"
+                                                                            and self.host_blocks == 0)):
+            raise ValueError(f"storage_write {self.storage_write!r} says what reaches a storage tier, and this run "
+                             "has none: drop it or give 'storage'")
         if self.storage not in ("default", "none") and self.storage.split("://")[0] not in STORAGE_SCHEMES:
             raise ValueError(f"setting 'storage' must be 'default', 'none' or a URL with scheme in {STORAGE_SCHEMES}, "
                              f"got {self.storage!r}")

@@ -73,6 +73,8 @@ def test_json_config_and_quick(tmp_path):
     ({"runner": "llama"}, "'runner' must be one of"),
     ({"storage": "s3://bucket"}, "'storage' must be 'default', 'none' or a URL"),
     ({"storage": "none", "preemption": "storage"}, "needs a storage tier"),
+    ({"storage": "none", "storage_write": "back"}, "storage_write 'back' says what reaches a storage tier"),
+    ({"host_blocks": 0, "preemption": "recompute", "storage_write": "preempted"}, "this run has none"),
     ({"host_blocks": 0}, "preemption 'offload' needs a host tier"),
     ({"host_blocks": 0, "preemption": "storage"}, "preemption 'storage' needs a host tier"),
     ({"host_blocks": 0, "preemption": "recompute", "storage": "lmdb:///tmp/x"}, "storage tier needs a host tier"),
