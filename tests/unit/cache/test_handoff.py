@@ -108,22 +108,29 @@ def test_blocks_that_found_no_host_room_are_copied_again_from_the_prefix_cache()
     assert ready.num_computed_tokens == KNOWN and d.stats.storage_lost_tokens == 0
 
 
+def export_behind_a_busy_host_tier(p):
+    """r0's export holds the only host block (its copy not done) when r1 finishes and exports:
+    nothing of r1 finds a host block. Returns r0's keys, r0's plans and r1's keys."""
+    other = PROMPT + 1000
+    drain(p, p.allocate("r0", other).plans)
+    drain(p, p.mark_computed("r0", len(other)))
+    k0, busy = handoff.export(p.state, "r0", KNOWN, handoff.tail_key(p.state, p.keys_for(other), p.state.root, "r0",
+                                                                      other.tolist()))
+    p.free("r0")
+    assert busy and p.host.num_available == 0
+    drain(p, p.allocate("r1", PROMPT).plans)
+    drain(p, p.mark_computed("r1", len(PROMPT)))
+    keys, plans = handoff.export(p.state, "r1", KNOWN, tail_of(p))
+    assert plans == []
+    return k0, busy, keys
+
+
 def test_the_partial_block_is_held_for_its_export_when_the_host_tier_is_all_in_flight_at_finish():
     """The only host block is pinned by another export's copy when r1 finishes: nothing of r1
     finds a host block, and its partial block (unkeyed, so not in the prefix cache) must still
     be there for the retry once that copy is done."""
     p, d = mk(host=1), mk()
-    other = PROMPT + 1000
-    drain(p, p.allocate("r0", other).plans)
-    drain(p, p.mark_computed("r0", len(other)))
-    _, busy = handoff.export(p.state, "r0", KNOWN, handoff.tail_key(p.state, p.keys_for(other), p.state.root, "r0",
-                                                                     other.tolist()))
-    p.free("r0")
-    assert busy and p.host.num_available == 0  # r0's copy holds the whole host tier
-    drain(p, p.allocate("r1", PROMPT).plans)
-    drain(p, p.mark_computed("r1", len(PROMPT)))
-    keys, plans = handoff.export(p.state, "r1", KNOWN, tail_of(p))
-    assert plans == []  # nothing of r1 found a host block
+    _, busy, keys = export_behind_a_busy_host_tier(p)
     p.free("r1")
     p.check_integrity()
     drain(p, busy)
@@ -148,16 +155,7 @@ def test_full_blocks_of_an_export_outlive_device_pressure_until_stored():
     block; once r1 is freed its full blocks were only CACHED, so r2's allocation evicted them
     before the retry, and the export was lost. The export holds them until it is stored."""
     p = mk(dev=8, host=1)
-    other = PROMPT + 1000
-    drain(p, p.allocate("r0", other).plans)
-    drain(p, p.mark_computed("r0", len(other)))
-    k0, busy = handoff.export(p.state, "r0", KNOWN, handoff.tail_key(p.state, p.keys_for(other), p.state.root, "r0",
-                                                                     other.tolist()))
-    p.free("r0")
-    drain(p, p.allocate("r1", PROMPT).plans)
-    drain(p, p.mark_computed("r1", len(PROMPT)))
-    keys, plans = handoff.export(p.state, "r1", KNOWN, tail_of(p))
-    assert plans == []  # the host tier is all in flight
+    k0, busy, keys = export_behind_a_busy_host_tier(p)
     p.free("r1")
     big = np.arange(5000, 5000 + BS * p.device.num_available, dtype=np.int32)
     drain(p, p.allocate("r2", big).plans)  # takes every block it can, evicting what is only cached
