@@ -590,9 +590,6 @@ def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def _check_handoff_file(path: Path) -> None:
     """A handoff file that is already there must start as a prefill run writes it (a header
@@ -613,3 +610,6 @@ def _check_handoff_file(path: Path) -> None:
     if not isinstance(doc, dict) or "header" not in doc:
         raise ValueError(f"--handoff {path}:1: not a prefill run's handoff.jsonl (its first line is no header)")
 
+
+if __name__ == "__main__":
+    sys.exit(main())
