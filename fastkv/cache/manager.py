@@ -115,6 +115,11 @@ class CacheManager:
         """Whether there are host blocks to offload to."""
         return self.host.capacity > 0
 
+    @property
+    def num_export_holds(self) -> int:
+        """Device blocks prefill exports hold until they are stored (``fastkv.cache.handoff``)."""
+        return len(self.state.handoff_holds)
+
     def copies_in_flight(self) -> set[int]:
         """Ids of the plans handed out and not yet completed."""
         return set(self.copies.records)

@@ -42,7 +42,9 @@ def progress(p: SchedulerParts, batch: StepBatch, drain: bool) -> bool:
         for req in list(table.offloading.values()):
             cache.free(req.request_id, cache=False)
             table.to_waiting(req, S.OFFLOADING)
-    if table.running or table.loading or table.offloading or p.outbox or cache.copies_in_flight():
+    # an export still holding device blocks would copy them after the CLEAR: old KV, or none
+    if (table.running or table.loading or table.offloading or p.outbox or cache.copies_in_flight()
+            or cache.num_export_holds):
         return False
     p.outbox.emit([cache.begin_weight_update()])
     return True

@@ -87,3 +87,31 @@ def test_clear_waits_for_copies_in_flight():
     s.finish_weight_update("v2")
     r.run()
     assert set(r.finished) == {0, 1}
+
+
+def test_clear_waits_for_prefill_exports_holding_device_blocks():
+    """A prefill export whose copy failed holds its device blocks for a retry; a CLEAR before
+    it is over would let the retry copy cleared memory under the old weights' keys."""
+    from fastkv.cache import handoff
+
+    def drain(plans, ok=True):
+        plans = list(plans)
+        while plans:
+            plans += cache.complete(plans.pop(), ok).plans
+
+    cache = CacheManager(CacheConfig(num_device_blocks=8, num_host_blocks=8, block_size=BS,
+                                     policy=CachePolicy.WRITE_BACK, storage=True))
+    r = Rig(Scheduler(cache, SchedulerConfig()))
+    s = r.sched
+    tokens = list(range(100, 111))
+    drain(cache.allocate("x", tokens).plans)
+    drain(cache.mark_computed("x", len(tokens)))
+    keys, plans = handoff.export(cache.state, "x", len(tokens) - 1, b"t" * 32)
+    cache.free("x")
+    drain(plans, ok=False)  # the copies failed: the export holds its blocks for a retry
+    assert cache.num_export_holds == len(keys) and handoff.exported(cache.state, keys) is False
+    s.begin_weight_update(drain=False)
+    assert CopyKind.CLEAR not in [p.kind for p in r.step().copies]
+    assert s.weight_update_state is W.DRAINING
+    handoff.release(cache.state, keys)  # given up (or stored)
+    assert [p.kind for p in r.step().copies] == [CopyKind.CLEAR]
