@@ -2,7 +2,8 @@
 
 * Hypothesis: the ``ci`` profile (selected when CI is set) runs a fixed (derandomized) set of
   500 examples per property or state machine; the ``dev`` profile runs 60 fresh random ones,
-  and ``long`` (HYPOTHESIS_PROFILE=long) 2000, the randomized run to take before stopping work.
+  and ``long`` (HYPOTHESIS_PROFILE=long, with --timeout 0) 2000, the randomized run to take
+  before stopping work.
 * Leaks: every fastkv shared-memory object and semaphore is named ``fkv*`` and lives in
   /dev/shm (semaphores as ``sem.fkv*``). The session fails if any is left behind, so a
   test or shutdown path that leaks, even after SIGKILL, is caught. Only this session's runs
@@ -27,7 +28,7 @@ settings.register_profile(
 settings.register_profile(
     "dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-settings.register_profile(  # before stopping work: HYPOTHESIS_PROFILE=long pytest tests/stateful
+settings.register_profile(  # before stopping work: HYPOTHESIS_PROFILE=long pytest --timeout 0 tests/stateful
     "long", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
