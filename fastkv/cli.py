@@ -590,7 +590,6 @@ def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress
     return 0
 
 
-
 def _check_handoff_file(path: Path) -> None:
     """A handoff file that is already there must start as a prefill run writes it (a header
     line); one that is not there yet is followed once it appears."""

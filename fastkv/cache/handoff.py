@@ -52,12 +52,13 @@ def export(state: CacheState, request_id: object, upto: int, tail: bytes | None)
         raise ValueError(f"request {request_id!r}: export of {upto} tokens, {req.num_computed} computed")
     full, part = divmod(upto, state.block_size)
     pairs = list(zip(req.table[:full], req.keys[:full], strict=True))
+    keys = [k for _, k in pairs]
     if part:
         assert tail is not None, f"request {request_id!r}: a partial block to export and no tail key"
         pairs.insert(0, (req.table[full], tail))
+        keys.append(tail)
     for b, k in pairs:
         _hold(state, b, k)
-    keys = [k for _, k in pairs[1:]] + [tail] if part else [k for _, k in pairs]
     return keys, _copy(state, pairs)
 
 
