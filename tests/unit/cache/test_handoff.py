@@ -191,3 +191,15 @@ def test_exports_sharing_a_prefix_share_its_holds():
     handoff.release(p.state, k2)
     p.check_integrity()
     assert not p.state.handoff_holds and p.device.num_available == 12
+
+
+def test_a_weight_update_is_refused_while_an_export_holds_device_blocks():
+    p = mk(dev=8, host=1)
+    k0, busy, keys = export_behind_a_busy_host_tier(p)
+    p.free("r1")
+    drain(p, busy)
+    with pytest.raises(ValueError, match="device blocks held by prefill exports"):
+        p.begin_weight_update()
+    handoff.release(p.state, keys)
+    handoff.release(p.state, k0)
+    p.begin_weight_update()
