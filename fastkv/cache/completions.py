@@ -94,12 +94,26 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
     order = rec.dst if rec.purpose is Purpose.WRITE_BACK else rec.dst[::-1]
     for hb in order:
         host.unpin(hb)
+    if ok and rec.chain:
+        _refresh_chain(state, rec.chain)
     if ok:
         st.swap_out_blocks += len(rec.src)
     elif rec.purpose is Purpose.WRITE_BACK:
         for k in rec.keys:
             state.gone_if_last(k, Tier.DEVICE, Cause.COPY_FAILED, skip=Tier.STORAGE)
     return landed_stores(state, [hb for hb, _ in keyed], [k for _, k in keyed])
+
+
+def _refresh_chain(state: CacheState, chain: list[bytes]) -> None:
+    """A write-through landed after its chain's earlier plans (parents first on the host) and
+    unpinned its device sources (back at the young end of the device queue): refresh the
+    chain's blocks in both tiers leaves first, so that eviction takes children first again."""
+    for pool in (state.host, state.device):
+        lookup, touch = pool.lookup, pool.touch
+        for k in reversed(chain):
+            b = lookup.get(k)
+            if b is not None:
+                touch(b)
 
 
 def _loaded(state: CacheState, rec: CopyRecord, ok: bool) -> None:

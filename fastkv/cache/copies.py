@@ -29,6 +29,8 @@ class CopyRecord:
     positions: list[int] | None  # table positions a request's copy fills
     # PREFIX_LOAD: every request its blocks land for (its owner first), with plan index -> swap_src slot
     waiters: list[tuple[CacheRecord, dict[int, int]]] | None = None
+    # WRITE_THROUGH: the request's chain of keys up to the plan's last one, root first
+    chain: list[bytes] | None = None
 
 
 class CopyBook:

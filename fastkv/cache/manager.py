@@ -342,7 +342,7 @@ class CacheManager:
         if self.policy.copies_on_insert and self.host.capacity:
             dkey = self.device.key
             mine = [(b, k) for b, k in zip(blocks, keys, strict=True) if dkey[b] is k]
-            return host_copies(self.state, mine) + deferred(self.state)
+            return host_copies(self.state, mine, req.keys[:full]) + deferred(self.state)
         return deferred(self.state)
 
     def _repair_dups(self, req: CacheRecord) -> None:

@@ -88,7 +88,11 @@ class CacheState:
         self.deferred: list[CopyPlan] = []  # opened STOREs the next call returning plans hands out
         self.evicted_since_flush = 0  # host evictions the BACK storage flush has not answered yet
         self.paused = False  # a weight update is in progress
-        self.write_back = config.policy.copies_on_evict and config.num_host_blocks > 0
+        # a device victim without a host copy is written back to the host: always under WRITE_BACK;
+        # under WRITE_THROUGH, when the host evicted its copy first (a child's copy was still
+        # flying then), so that a parent still leaves the device only for the host
+        self.write_back = ((config.policy.copies_on_evict or config.policy.copies_on_insert)
+                           and config.num_host_blocks > 0)
         self.touch_host = config.policy.host_inclusive and config.num_host_blocks > 0
 
     def get(self, request_id: object, *states: ReqState) -> CacheRecord:

@@ -80,8 +80,11 @@ def take_host(state: CacheState, n: int, pinned: bool, partial: bool = False) ->
     return blocks
 
 
-def host_copies(state: CacheState, pairs: list[tuple[int, bytes]]) -> list[CopyPlan]:
-    """Write-through: copy keyed device blocks to the host (skipping keys it has or gets)."""
+def host_copies(state: CacheState, pairs: list[tuple[int, bytes]], chain: list[bytes] | None = None) -> list[CopyPlan]:
+    """Write-through: copy keyed device blocks to the host (skipping keys it has or gets).
+
+    ``chain``: the keys from the root to the last of ``pairs``, refreshed when the copy lands
+    (see ``completions._refresh_chain``)."""
     hlookup, inflight = state.host.lookup, state.copies.inflight
     pairs = [(b, k) for b, k in pairs if k not in hlookup and k not in inflight]
     if not pairs:
@@ -94,7 +97,9 @@ def host_copies(state: CacheState, pairs: list[tuple[int, bytes]]) -> list[CopyP
     for b in src:
         state.device.pin(b)
     keys = [k for _, k in pairs[:len(dst)]]
-    return [state.copies.open(CopyKind.SWAP_OUT, Purpose.WRITE_THROUGH, src=src, dst=dst, keys=keys)]
+    plan = state.copies.open(CopyKind.SWAP_OUT, Purpose.WRITE_THROUGH, src=src, dst=dst, keys=keys)
+    state.copies.records[plan.plan_id].chain = chain
+    return [plan]
 
 
 def count_hits(state: CacheState, req: CacheRecord, nd: int) -> list[CopyPlan]:
@@ -105,7 +110,7 @@ def count_hits(state: CacheState, req: CacheRecord, nd: int) -> list[CopyPlan]:
         hits[k] = c
         if c == threshold:
             hot.append((req.table[i], k))
-    return host_copies(state, hot) if hot else []
+    return host_copies(state, hot, req.keys[:nd]) if hot else []
 
 
 def swap_in(state: CacheState, req: CacheRecord) -> CopyPlan:

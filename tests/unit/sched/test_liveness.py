@@ -16,7 +16,7 @@ P = list(range(100, 112))  # three full blocks
 
 
 def seeded(dev=16, **kw) -> Rig:
-    cache = CacheManager(CacheConfig(num_device_blocks=dev, num_host_blocks=16, block_size=BS,
+    cache = CacheManager(CacheConfig(num_device_blocks=dev, num_host_blocks=2 * dev, block_size=BS,
                                      policy=CachePolicy.WRITE_THROUGH))
     r = Rig(Scheduler(cache, SchedulerConfig(**kw)))
     r.add(1000, P, max_new_tokens=1)
