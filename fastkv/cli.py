@@ -57,7 +57,7 @@ class JobConfig:
     kv_heads: int = 2  # per rank
     head_dim: int = 64
     dtype: str = "float32"
-    # 0: the workload's default: DEMO_DEVICE_BLOCKS, or for the trace room for its longest request
+    # 0: the workload's default: DEMO_DEVICE_BLOCKS, or room for the longest request of a trace or a file
     device_blocks: int = 0
     host_blocks: int = 1024  # 0 = no host tier
     # "default": lmdb://<out>/store, fresh every run (none without a host tier); "none": no storage tier
@@ -228,11 +228,12 @@ class JobConfig:
                              f"known: {sorted(known)}")
 
     def _default_device_blocks(self) -> int:
-        """The demo's device tier is small on purpose. The trace's prompts reach thousands of
-        tokens: its tier holds the longest request of the slice (prompt and output), so every
-        request runs to its end and the pressure comes from requests running side by side,
-        as in the trace, rather than from requests that could never run."""
-        if not self._is_trace():
+        """The demo's device tier is small on purpose. The trace's prompts, and a workload
+        file's (say, a trace run's own workload.jsonl run again on its store), may reach
+        thousands of tokens: their tier holds at least the longest request (prompt and output),
+        so every request runs to its end and the pressure comes from requests running side by
+        side, rather than from requests that could never run."""
+        if self.workload == "demo":
             return DEMO_DEVICE_BLOCKS
         longest = max(len(r["prompt"]) + r["max_new_tokens"] for r in self.requests())
         return max(DEMO_DEVICE_BLOCKS, -(-longest // self.block_size))
@@ -382,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--head-dim", type=int, help="head dimension (default 64)")
     a("--dtype", help="KV dtype (default float32)")
     a("--device-blocks", type=int, help=f"device tier capacity in blocks per rank (default {DEMO_DEVICE_BLOCKS}; "
-      "the trace's default holds its longest request)")
+      "a trace or a workload file defaults to room for its longest request)")
     a("--host-blocks", type=int, help="host tier capacity in blocks per rank, 0 = none (default 1024)")
     a("--storage", help="storage URL (lmdb://DIR, redis://HOST:PORT), 'none', or 'default' = lmdb://<out>/store")
     a("--preemption", choices=PREEMPTION_MODES, help="what preempting a request does (default offload)")

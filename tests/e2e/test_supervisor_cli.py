@@ -37,6 +37,19 @@ def test_defaults_are_the_main_job(tmp_path):
         assert min(wave) > c.device_blocks and wave[-1] > 1.8 * c.device_blocks, wave
 
 
+def test_a_trace_runs_own_workload_file_gets_the_traces_device_tier(tmp_path):
+    """The restart pair on a trace: run B replays run A's workload.jsonl on A's store. Before,
+    a file got the demo's 64 blocks and B rejected 15 of 64 requests that A had run."""
+    trace = JobConfig(workload="trace:64")
+    wl = tmp_path / "workload.jsonl"
+    wl.write_text("".join(json.dumps(r) + "\n" for r in trace.requests()))
+    again = JobConfig(workload=str(wl))
+    longest = max(len(r["prompt"]) + r["max_new_tokens"] for r in trace.requests())
+    assert again.device_blocks == trace.device_blocks >= -(-longest // trace.block_size) > 64
+    assert JobConfig(device_blocks=32, workload=str(wl)).device_blocks == 32  # given: kept
+    assert JobConfig().device_blocks == 64  # the demo keeps its small tier
+
+
 def test_toml_then_flags(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text('tp = 2\nblock_size = 8\npreemption = "recompute"\nstorage = "none"\n'
