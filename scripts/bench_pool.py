@@ -41,14 +41,15 @@ from bench_swap import EchoPeer  # noqa: E402
 SMOKE_SHAPE = ["--layers", "1", "--kv-heads", "1", "--head-dim", "16"]
 
 
-def supervise(out: Path, store: str, workload: str, shape: list[str]) -> dict:
-    """One supervisor run; its report.json."""
+def supervise(out: Path, store: str, workload: str, shape: list[str]) -> tuple[dict, dict[str, dict]]:
+    """One supervisor run: its report.json, and its results.jsonl rows by request id."""
     cmd = [sys.executable, "-m", "fastkv", "--no-progress", "--out", str(out), "--storage", store,
            "--workload", workload, *shape]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"bench_pool: {out.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads((out / "report.json").read_text())
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return json.loads((out / "report.json").read_text()), {r["id"]: r for r in rows}
 
 
 def ideals(workload: Path, block_size: int) -> tuple[float, float]:
@@ -88,13 +89,20 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="fkv-bench-pool-"))
     try:
         store = args.storage or f"lmdb://{tmp}/store"
-        first = supervise(tmp / "engine1", store, f"trace:{n}", shape)
+        first, first_rows = supervise(tmp / "engine1", store, f"trace:{n}", shape)
         wl = tmp / "engine1" / "workload.jsonl"
-        second = supervise(tmp / "engine2", store, str(wl), shape)
+        second, second_rows = supervise(tmp / "engine2", store, str(wl), shape)
         spec = json.loads((tmp / "engine1" / "spec.json").read_text())
         ideal, ideal_distinct = ideals(wl, int(spec["layout"]["block_size"]))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    # a hit ratio counts only when both engines served every request, the same tokens
+    unfinished = [(rid, r["state"], r.get("reason")) for rows in (first_rows, second_rows) for rid, r in rows.items()
+                  if r["state"] != "finished"]
+    if unfinished:
+        sys.exit(f"bench_pool: {len(unfinished)} requests did not finish, e.g. {unfinished[0]}")
+    identical = first_rows.keys() == second_rows.keys() and all(
+        first_rows[rid]["output"] == second_rows[rid]["output"] for rid in first_rows)
     lk = second["storage_lookup"]
     lookup_us = 1e6 * lk["seconds"] / max(lk["requests"], 1)
     rtt = ipc_rtt_us(20 if args.smoke else 2000)
@@ -105,7 +113,7 @@ def main() -> None:
            "ttft_p50_s": {"first": round(first["ttft_s"]["p50"], 4), "second": round(second["ttft_s"]["p50"], 4)},
            "lookup_us_per_request": round(lookup_us, 1), "lookup_ms_per_wave": round(lk["latency_ms_mean"], 3),
            "ipc_rtt_us": round(rtt, 1), "keys_found": lk["keys_found"], "keys_asked": lk["keys_asked"],
-           "loads_joined": lk.get("loads_joined", 0)}
+           "loads_joined": lk.get("loads_joined", 0), "outputs_identical": identical}
     h = res["hit"]
     print(f"{'':28}{'engine 1':>12}{'engine 2':>12}{'ideal':>12}")
     print(f"{'storage hit ratio':28}{0:12.3f}{h['storage']:12.3f}{h['ideal_distinct']:12.3f}  (distinct blocks)")
@@ -113,7 +121,8 @@ def main() -> None:
     print(f"{'TTFT p50 s':28}{res['ttft_p50_s']['first']:12.3f}{res['ttft_p50_s']['second']:12.3f}")
     print(f"lookup: {lk['lookups']} waves for {lk['requests']} requests, {lookup_us:.0f} us per request "
           f"({lk['latency_ms_mean']:.2f} ms per wave); fastkv IPC round trip {rtt:.1f} us; "
-          f"{lk['keys_found']} of {lk['keys_asked']} keys found, {res['loads_joined']} blocks from loads in flight")
+          f"{lk['keys_found']} of {lk['keys_asked']} keys found, {res['loads_joined']} blocks from loads in flight; "
+          f"every request finished in both, outputs identical: {identical}")
     print(json.dumps(res))
 
 
