@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <vector>
@@ -155,17 +156,22 @@ struct CopyPolicy {
   }
 };
 
-// Copies pages [begin, end) of the flattened (pair, layer, kv) space. Pages of one pair are
-// consecutive, so a thread streams through whole host blocks (each one contiguous span).
+// Copies pages [begin, end) of the flattened page space, in an order that reads each source
+// in rising addresses: a read that jumps to a page elsewhere costs the hardware prefetcher a
+// new stream (128 KiB pages read in random order copy at ~0.89 of one span here; written in
+// random order, at ~0.96). A SWAP_IN reads host blocks, whose pages are consecutive: pair by
+// pair (`order`: the pairs by rising host block), its pages in turn. A SWAP_OUT reads 2 *
+// num_layers device tensors: tensor by tensor, the pairs by rising device block within each
+// (about 9% faster than pair by pair).
 inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const SwapGeometry& g,
-                       const int32_t* src, const int32_t* dst, bool to_host, bool streaming, int64_t begin,
-                       int64_t end) {
+                       const int32_t* src, const int32_t* dst, const int32_t* order, int64_t n, bool to_host,
+                       bool streaming, int64_t begin, int64_t end) {
   const int64_t pages_per_pair = 2 * g.num_layers;
   const int64_t page = g.page_bytes;
   const int64_t block = g.block_bytes();
   for (int64_t p = begin; p < end; ++p) {
-    const int64_t pair = p / pages_per_pair;
-    const int64_t slot = p % pages_per_pair;  // 2 * layer + kv: the page's index inside a host block
+    const int64_t pair = order[to_host ? p % n : p / pages_per_pair];
+    const int64_t slot = to_host ? p / n : p % pages_per_pair;  // 2 * layer + kv: the page's index in a host block
     const int64_t layer = slot / 2;
     char* dev_base = (slot % 2 == 0) ? dev_k[layer] : dev_v[layer];
     const int64_t dev_id = to_host ? src[pair] : dst[pair];
@@ -192,8 +198,12 @@ inline void swap_cpu(char* const* dev_k, char* const* dev_v, char* host, const S
   if (total_pages == 0) return;
   const int64_t threads = std::min<int64_t>(std::max(how.threads, 1), total_pages);
   const bool streaming = how.streaming;
+  std::vector<int32_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [src](int32_t a, int32_t b) { return src[a] < src[b]; });
+  const int32_t* ord = order.data();
   if (threads == 1) {
-    copy_pages(dev_k, dev_v, host, g, src, dst, to_host, streaming, 0, total_pages);
+    copy_pages(dev_k, dev_v, host, g, src, dst, ord, n, to_host, streaming, 0, total_pages);
     return;
   }
   std::vector<std::thread> workers;
@@ -202,9 +212,10 @@ inline void swap_cpu(char* const* dev_k, char* const* dev_v, char* host, const S
   for (int64_t t = 1; t < threads; ++t) {
     const int64_t begin = std::min(total_pages, t * chunk);
     const int64_t end = std::min(total_pages, begin + chunk);
-    workers.emplace_back(copy_pages, dev_k, dev_v, host, std::cref(g), src, dst, to_host, streaming, begin, end);
+    workers.emplace_back(copy_pages, dev_k, dev_v, host, std::cref(g), src, dst, ord, n, to_host, streaming, begin,
+                         end);
   }
-  copy_pages(dev_k, dev_v, host, g, src, dst, to_host, streaming, 0, std::min(total_pages, chunk));
+  copy_pages(dev_k, dev_v, host, g, src, dst, ord, n, to_host, streaming, 0, std::min(total_pages, chunk));
   for (auto& w : workers) w.join();
 }
 
