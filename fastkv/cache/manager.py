@@ -415,7 +415,8 @@ class CacheManager:
         if self.copies.records:
             raise ValueError(f"weight update with copies in flight: plans {sorted(self.copies.records)[:8]}")
         if self.state.handoff_holds:  # a retry after the CLEAR would copy cleared memory under old keys
-            raise ValueError(f"weight update with {len(self.state.handoff_holds)} device blocks held by prefill exports")
+            raise ValueError(f"weight update with {len(self.state.handoff_holds)} device blocks held by "
+                             "prefill exports")
         if self.state.paused:
             raise ValueError("weight update already in progress")
         for k in self.index.clear():
