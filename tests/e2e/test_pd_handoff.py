@@ -111,4 +111,5 @@ def test_a_bad_line_in_the_handoff_file_ends_the_decode_run_naming_it(tmp_path):
                        handoff=str(handoff)), wl) as run:
         assert run.wait(60) == 1
         status = run.summary()["status"]
-    assert status == f"failed: --handoff {handoff}:3: not a handoff record (Expecting value: line 1 column 1 (char 0))", status
+    want = f"failed: --handoff {handoff}:3: not a handoff record (Expecting value: line 1 column 1 (char 0))"
+    assert status == want, status

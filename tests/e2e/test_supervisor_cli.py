@@ -251,7 +251,8 @@ def test_a_handoff_file_that_is_no_handoff_stream_is_refused_by_name(tmp_path, c
     other = tmp_path / "results.jsonl"
     other.write_text('{"id": "a", "output": []}\n')
     with pytest.raises(SystemExit) as exc:
-        main(["--role", "decode", "--storage", f"lmdb://{tmp_path}/s", "--handoff", str(other), "--out", str(tmp_path / "o")])
+        main(["--role", "decode", "--storage", f"lmdb://{tmp_path}/s", "--handoff", str(other),
+              "--out", str(tmp_path / "o")])
     assert exc.value.code == 2
     assert f"--handoff {other}:1: not a prefill run's handoff.jsonl" in capsys.readouterr().err
     header = tmp_path / "handoff.jsonl"
