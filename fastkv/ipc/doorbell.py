@@ -28,22 +28,9 @@ wait returns at once, finds nothing, and sleeps again (a spurious wake-up).
 The waiter sleeps in slices (``SLICE_S``): between slices it calls ``check()``, which
 raises if a peer died, so a blocked wait notices a dead peer within one slice. That is
 a blocked kernel wait with a periodic liveness check, not sleep-polling of the rings.
-
-Before it sleeps, the waiter may look at its rings for up to ``SPIN_S`` (``Spin``). Waking a
-sleeping process costs far more than the message: on the dev VM an empty transfer task took
-75 us p50, of which ~35 us were the two wake-ups of halted vCPUs, and a 1-block swap (~200 us)
-paid the same. Looking for the answer for up to 200 us first made them 20-30 us and ~170 us.
-Between looks the spinner yields its core (``sched_yield``): any runnable thread gets it
-(a worker computing, a niced storage thread holding the GIL), and the vCPU does not halt. A
-spin still costs CPU when nothing else runs, so it is adaptive: a waiter whose recent spins
-all ended asleep (its peer answers in milliseconds: a model step) stops spinning and only
-probes now and then; one whose spin is answered keeps spinning. At most ``SPIN_S`` per wait,
-and about ``SPIN_S / PROBE_EVERY`` per wait where it does not pay. The owner can turn it off
-(``Spin.enabled``).
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
@@ -57,36 +44,12 @@ SIZE = 64
 OFF_WAITING = 8
 OFF_POSTS = 16
 SLICE_S = 0.05
-SPIN_S = 200e-6  # the longest a waiter looks at its rings before it sleeps
-SPIN_MISSES = 4  # this many spins in a row that ended asleep stop the spinning ...
-PROBE_EVERY = 16  # ... but for one wait in this many
-
-
-class Spin:
-    """Whether a waiter spins before it sleeps, from how its recent spins ended."""
-
-    __slots__ = ("misses", "waits", "enabled")
-
-    def __init__(self) -> None:
-        self.misses = 0
-        self.waits = 0
-        self.enabled = True  # the owner turns it off while its core is better left to others
-
-    def budget(self) -> float:
-        self.waits += 1
-        if not self.enabled:
-            return 0.0
-        return SPIN_S if self.misses < SPIN_MISSES or self.waits % PROBE_EVERY == 0 else 0.0
-
-    def ended(self, answered: bool) -> None:
-        self.misses = 0 if answered else self.misses + 1
 
 
 class Doorbell:
     def __init__(self, ns: Namespace, local: str, mm, sem: posix_ipc.Semaphore) -> None:
         self.ns, self.local, self._mm, self._sem = ns, local, mm, sem
         self._pin = memoryview(mm)  # keeps the mapping open while we hold raw addresses
-        self.spin = Spin()  # this process's waits on this doorbell (one consumer)
         self._base = A.address(self._pin)
         self.flag_addr = self._base + OFF_WAITING
         if A.load(self._base) != MAGIC:
@@ -123,15 +86,6 @@ class Doorbell:
         wait times out; it raises to abort (peer death)."""
         if ready():
             return True
-        spin_s = self.spin.budget() if timeout != 0 else 0.0
-        if spin_s:
-            end = time.perf_counter() + spin_s
-            while time.perf_counter() < end:
-                if ready():
-                    self.spin.ended(True)
-                    return True
-                os.sched_yield()  # any runnable thread gets this core; the vCPU stays awake
-            self.spin.ended(False)
         deadline = None if timeout is None else time.monotonic() + timeout
         flag = self.flag_addr
         while True:

@@ -138,11 +138,6 @@ class StorageLane:
             self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
             self._thread.start()
 
-    @property
-    def active(self) -> bool:
-        """A task is queued or running (only the loop thread submits: it reads this safely)."""
-        return self._busy or bool(self._queue)
-
     def check(self) -> None:
         """Re-raises what ended the lane, if anything did."""
         if self._error is not None:

@@ -84,12 +84,8 @@ class TransferLoop:
 
     def run(self) -> int:
         """Serves tasks until ``stop``; returns the exit code."""
-        spin = self.ends.task.ring.data_bell.spin
         try:
             while not self.signals["stop"]:
-                # A spinning loop thread would keep the niced storage thread, and the GIL it may
-                # hold, off the cores (fastkv.transfer.lanes): spin for tasks only while it is idle.
-                spin.enabled = not self.storage.active
                 try:
                     msgs = self.ends.task.recv_many(BATCH, timeout=self.spec.heartbeat_s)
                 except BadMessage as exc:  # the ring or codec dropped exactly this message
