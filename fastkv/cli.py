@@ -44,6 +44,7 @@ CACHE_POLICIES = ("write_back", "write_through", "write_through_selective")
 STORAGE_WRITES = ("preempted", "through", "back")  # fastkv.cache.storage_writes: what each costs
 QUICK_DEMO = {"conversations": 8, "turns": 3}
 DEMO_DEVICE_BLOCKS = 64  # the demo's conversations need several times this: memory pressure
+AUTO_DEVICE_BYTES = 1 << 30  # the most device tier per rank a workload's longest request sizes by default
 RUNNER_VOCAB = 1024  # both reference runners' default vocab (runner option "vocab", tiny: config.vocab)
 
 
@@ -232,11 +233,14 @@ class JobConfig:
         file's (say, a trace run's own workload.jsonl run again on its store), may reach
         thousands of tokens: their tier holds at least the longest request (prompt and output),
         so every request runs to its end and the pressure comes from requests running side by
-        side, rather than from requests that could never run."""
+        side, rather than from requests that could never run. Up to ``AUTO_DEVICE_BYTES`` per
+        rank: a longer request is rejected alone (its reason names the tier it exceeds), and
+        ``--device-blocks`` gives it room."""
         if self.workload == "demo":
             return DEMO_DEVICE_BLOCKS
         longest = max(len(r["prompt"]) + r["max_new_tokens"] for r in self.requests())
-        return max(DEMO_DEVICE_BLOCKS, -(-longest // self.block_size))
+        cap = max(DEMO_DEVICE_BLOCKS, AUTO_DEVICE_BYTES // self.layout().block_bytes)
+        return min(cap, max(DEMO_DEVICE_BLOCKS, -(-longest // self.block_size)))
 
     def _is_trace(self) -> bool:
         return self.workload == "trace" or self.workload.startswith("trace:")

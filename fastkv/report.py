@@ -80,8 +80,10 @@ def table(data: dict[str, Any]) -> str:
     def ms(d: dict, k: str) -> str:
         return f"{1e3 * d[k]:.1f} ms" if k in d else "-"
 
+    done, total = data["requests"], sum((data.get("states") or {}).values())
     rows = [
-        ("requests", f"{data['requests']}" + (f"  ({_fmt_counts(data['finish'])})" if data.get("finish") else "")),
+        ("requests", (f"{done}" if total <= done else f"{done} finished of {total}")
+         + (f"  ({_fmt_counts(data['finish'])})" if data.get("finish") else "")),
         ("prompt / generated tokens", f"{data['prompt_tokens']} / {data['generated_tokens']}"),
         ("wall time", f"{data['seconds']:.2f} s"),
         ("throughput", f"{data['tokens_per_s']:.1f} generated tokens/s"),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fastkv.cli import JobConfig, _flags, build_parser, main, prepare, read_config_file
+from fastkv.cli import AUTO_DEVICE_BYTES, JobConfig, _flags, build_parser, main, prepare, read_config_file
 from fastkv.run import RunSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +48,10 @@ def test_a_trace_runs_own_workload_file_gets_the_traces_device_tier(tmp_path):
     assert again.device_blocks == trace.device_blocks >= -(-longest // trace.block_size) > 64
     assert JobConfig(device_blocks=32, workload=str(wl)).device_blocks == 32  # given: kept
     assert JobConfig().device_blocks == 64  # the demo keeps its small tier
+    huge = tmp_path / "huge.jsonl"  # sized by its longest request only up to AUTO_DEVICE_BYTES
+    huge.write_text(json.dumps({"id": "h", "arrival_s": 0, "prompt": [1] * 2_000_000, "max_new_tokens": 4}) + "\n")
+    capped = JobConfig(workload=str(huge))
+    assert capped.device_blocks * capped.layout().block_bytes == AUTO_DEVICE_BYTES
 
 
 def test_toml_then_flags(tmp_path):
