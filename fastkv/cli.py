@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--head-dim", type=int, help="head dimension (default 64)")
     a("--dtype", help="KV dtype (default float32)")
     a("--device-blocks", type=int, help=f"device tier capacity in blocks per rank (default {DEMO_DEVICE_BLOCKS}; "
-      "a trace or a workload file defaults to room for its longest request)")
+      "a trace or a workload file defaults to room for its longest request, up to 1 GiB per rank)")
     a("--host-blocks", type=int, help="host tier capacity in blocks per rank, 0 = none (default 1024)")
     a("--storage", help="storage URL (lmdb://DIR, redis://HOST:PORT), 'none', or 'default' = lmdb://<out>/store")
     a("--preemption", choices=PREEMPTION_MODES, help="what preempting a request does (default offload)")
