@@ -372,6 +372,11 @@ class CacheManager:
         and to the storage tier, its partial last block included (storage-mode preemption)."""
         return offload_request(self.state, request_id, to_storage and self.index.storage)
 
+    def take_deferred(self) -> tuple[CopyPlan, ...]:
+        """Plans opened where none could be returned (the STOREs of an offload that had nothing
+        to copy, so it returned no plans): hand them out now."""
+        return tuple(deferred(self.state))
+
     def preemption_work(self, request_id: object) -> PreemptionWork:
         """What offloading or recomputing the request would do now (see fastkv.cache.offload)."""
         return preemption_work(self.state, request_id)

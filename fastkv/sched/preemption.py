@@ -63,6 +63,7 @@ def preempt(p: SchedulerParts, batch: StepBatch, req: Request, updating: bool, f
                 table.start_offloading(req, cdiv(req.num_slotted, p.block_size))
             else:
                 table.offloaded(req)
+                p.outbox.emit(p.cache.take_deferred())  # its STOREs, if it had nothing to copy
                 offload_done(p, req, updating)
             return
     req.mode_used = M.RECOMPUTE
