@@ -95,10 +95,15 @@ def test_outputs_identical_in_every_mode(tp, mode, tmp_path, request):
     if mode == "offload":  # (a LOADING request may still be preempted by recompute: it has nothing to copy)
         assert summary["recomputed_tokens"] == 0
         assert all(row["recomputed_tokens"] == 0 for row in results.values())
-    if mode.startswith("storage"):  # the 8-block host tier cannot keep the victims: they come back by LOAD
-        tasks = summary["copy_tasks"]
+    if mode.startswith("storage"):
+        # A victim comes back by LOAD once its STOREs are done and the 8-block host tier has let
+        # its copies go; re-admitted sooner (a slow store, a loaded machine: CI saw it with Redis),
+        # it hits its host copies instead. Timing picks which, not correctness: the outputs above
+        # are checked either way, and the restart tests in test_storage_pool.py always LOAD.
+        tasks, hits = summary["copy_tasks"], summary["hit_ratio"]
         assert tasks.get("store", 0) > 0, f"nothing written to storage: {summary}"
-        assert tasks.get("load", 0) > 0 and summary["hit_ratio"]["storage"] > 0, f"nothing loaded back: {summary}"
+        assert hits["storage"] + hits["host"] > 0, f"no victim came back from storage or its host copies: {summary}"
+        assert (tasks.get("load", 0) > 0) == (hits["storage"] > 0), summary
     if mode == "recompute":
         assert summary["recomputed_tokens"] > 0
 
