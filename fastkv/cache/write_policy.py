@@ -5,7 +5,8 @@ policy                     host copy made                   host tier is
 =========================  ===============================  ======================================
 WRITE_THROUGH              when the block is full and        inclusive: most device blocks also
                            inserted (after compute)          have a host copy; device eviction
-                                                             drops the device copy
+                                                             drops the device copy (writes it
+                                                             back if the host evicted its copy)
 WRITE_THROUGH_SELECTIVE    once the block has been hit       inclusive for hot blocks only: saves
                            ``selective_hits`` times          copy bandwidth on one-off prompts
 WRITE_BACK                 when the device evicts it         exclusive: a victim cache; a block
