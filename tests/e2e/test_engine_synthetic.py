@@ -66,14 +66,16 @@ def test_every_block_verified_after_host_and_storage_round_trips(tmp_path):
     ends up using (a victim that stalls past its patience, or is LOADING, recomputes), whether a
     storage victim comes back by LOAD or from the 6-block host tier, and which lower tier serves a
     prefix all depend on timing: CI once saw no host prefix hit, and 50 local runs saw each of
-    offload 0, storage 0 and LOAD 0. So A claims copies in aggregate, and the storage round trip
+    offload 0, storage 0 and LOAD 0, and CI later saw every preemption of A recompute (under
+    write-through a request waits in LOADING for the write-back of a block it evicted, and a
+    LOADING victim recomputes). So A claims copies in aggregate, and the storage round trip
     that must happen is B's: its tiers start empty, and A wrote through. The per-mode paths are
     checked deterministically in tests/unit/sched."""
     wl = workload(16, 12, ["offload", "storage"])
     url = f"lmdb://{tmp_path}/lmdb?max_bytes=64M"
     _, a = run_once(tmp_path, "a", url, wl, tp=2, num_host_blocks=6)
     pre, tasks = a["preemptions"], a["copy_tasks"]
-    assert pre["offload"] + pre["storage"] > 0, f"no preemption by copy: {a}"
+    assert sum(pre.values()) > 0, f"no preemption under pressure: {a}"
     assert tasks.get("swap_out", 0) > 0 and tasks.get("swap_in", 0) > 0, f"no host round trip: {a}"
     assert tasks.get("store", 0) > 0, a
     _, b = run_once(tmp_path, "b", url, wl, tp=2, num_host_blocks=6)
