@@ -26,7 +26,8 @@ def no_events(monkeypatch):
     monkeypatch.setattr(test_sched_machine, "event", lambda _case: None)  # hypothesis's, outside a test
 
 
-def test_storage_preemption_with_nothing_to_copy_hands_out_its_stores_at_teardown():
+def shared_start():
+    """The rules both examples begin with (they part at the next step)."""
     machine = SchedulerMachine()
     m = checked_by(machine, "integrity")
     m.setup(dev=8, mode=PreemptionMode.RECOMPUTE, policy=QueuePolicy.FCFS, budget=16, max_seqs=5, host=16, cache_policy=WritePolicy.WRITE_THROUGH, patience=4, storage=True, max_loading=None, chunked=True, watermark_admission=False)
@@ -67,6 +68,11 @@ def test_storage_preemption_with_nothing_to_copy_hands_out_its_stores_at_teardow
     m.begin_weight_update(drain=False, free=True, go=0)
     m.storage_loses_a_key(data=Draws(b'\x8am\x82*\xbc\xce?\rX\xd7\x7f\x01\xc6\xa4\xf8R\x07s\xc6wI\x97\xf7\x82\x07!\xb4\xb9\x1bS\xd8\x99'))
     m.storage_loses_a_key(data=Draws(b'\xb9\xd0TF\x9e+\x00\xcb\xb3N\xfdK&f\x08\x87b \x9ca\xe4\x1c\x87\x93=\x04\xfd\x9f;\x1a\xfb\x9d'))
+    return machine, m
+
+
+def test_storage_preemption_with_nothing_to_copy_hands_out_its_stores_at_teardown():
+    machine, m = shared_start()
     m.step(hold=True, n=1)
     m.fail(data=Draws('RESTORE nobody', 0))
     m.step(hold=True, n=2)
@@ -113,46 +119,7 @@ def test_storage_preemption_with_nothing_to_copy_hands_out_its_stores_at_teardow
 
 
 def test_storage_preemption_with_nothing_to_copy_hands_out_its_stores_before_a_restore():
-    machine = SchedulerMachine()
-    m = checked_by(machine, "integrity")
-    m.setup(dev=8, mode=PreemptionMode.RECOMPUTE, policy=QueuePolicy.FCFS, budget=16, max_seqs=5, host=16, cache_policy=WritePolicy.WRITE_THROUGH, patience=4, storage=True, max_loading=None, chunked=True, watermark_admission=False)
-    m.abort_before_its_swap_in(data=Draws([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111], 2, [45, 20, 6, 47, 10, 16, 13, 44, 37]), fail=True)
-    m.reserve_prefilled(data=Draws([120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131], 1, [34, 29, 33, 32]), max_new=6)
-    m.add(data=Draws([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111], 0, [40, 10]), eos=True, max_new=15, mode=None, priority=0)
-    m.storage_loses_a_key(data=Draws(b'&\x9f\x1f\xe0\xeak\xdb\t\x0f\x02\x05\xe9v\xd8\xc0\xec\xc9\xc1\xf8\xfb\xd9\xa2\xb2\xca\xe9\x15S\x16\xd6\x18\x8f\xc4'))
-    m.abort_before_its_swap_in(data=Draws([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111], 0, [14, 35, 41, 30, 33, 16, 5, 7, 25]), fail=False)
-    m.abort_before_its_swap_in(data=Draws([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111], 0, [9, 26, 34, 23, 37, 1, 2, 13, 5]), fail=False)
-    m.add(data=Draws([140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151], 3, [23, 1, 8, 20, 28, 5, 30, 32, 33]), eos=True, max_new=12, mode=PreemptionMode.OFFLOAD, priority=0)
-    m.fail(data=Draws('SWAP_OUT nobody', 0))
-    m.prefilled_arrives(i=13, roll=0)
-    m.fail(data=Draws('SWAP_OUT nobody', 0))
-    m.step(hold=True, n=2)
-    m.storage_loses_a_key(data=Draws(b'\x83=\xfdB\xd5\xca1\xc2\xed\x87\xd7\xa0\xe6\x11\xf8\xed\xef\x88\xb2\xcd\x0b!\x87\xca,\xef\xdc\xce3\x80D\x88'))
-    m.step(hold=False, n=2)
-    m.begin_weight_update(drain=True, free=False, go=1)
-    m.fail(data=Draws('SWAP_OUT nobody', 0))
-    m.step(hold=True, n=4)
-    m.abort_before_its_swap_in(data=Draws([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111], 0, [9, 9, 32, 34, 37, 15, 13]), fail=False)
-    m.reserve_prefilled(data=Draws([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111], 1, [27, 24, 34, 11, 24]), max_new=3)
-    m.begin_weight_update(drain=False, free=True, go=1)
-    m.step(hold=False, n=4)
-    m.add(data=Draws([140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151], 0, [28]), eos=False, max_new=6, mode=None, priority=0)
-    m.begin_weight_update(drain=True, free=True, go=0)
-    m.step(hold=False, n=3)
-    m.fail(data=Draws('STORE nobody', 0))
-    m.add(data=Draws([140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151], 3, [44, 23, 25, 38, 1]), eos=True, max_new=3, mode=None, priority=0)
-    m.step(hold=False, n=2)
-    m.storage_loses_a_key(data=Draws(b'\x16\xf64F\xdc\xe6;\xe2T\xefI\xc8\xc8#I\x9c\x9f\x13\xad\x82\xd3\xd9\xb5\x8f\xfb,\xf2\xc3\xd2\xc8\xc2\xb2'))
-    m.storage_loses_a_key(data=Draws(b"i\xe9\xe8o\x173\x12hU0\x9eav\xf2q'2\xd6\xb5\xed\xf2\xdfU\xa0S\x97\x81>/\x8e\x92\x16"))
-    m.step(hold=False, n=4)
-    m.storage_loses_a_key(data=Draws(b'/\x8d\xba\xd8\x85\x8ew`\x85;I\xa6\xd9\xda\x80\xc0%\x8c\xf83Pt`\x8d\x19\xfdb\x9c\x13K\xbd\\'))
-    m.reserve_prefilled(data=Draws([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111], 0, [15, 34, 14, 20, 43, 28, 6, 1, 17]), max_new=4)
-    m.add(data=Draws([140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151], 0, [47, 35, 21, 7]), eos=True, max_new=11, mode=PreemptionMode.STORAGE, priority=0)
-    m.finish_weight_update()
-    m.begin_weight_update(drain=True, free=False, go=1)
-    m.begin_weight_update(drain=False, free=True, go=0)
-    m.storage_loses_a_key(data=Draws(b'\x8am\x82*\xbc\xce?\rX\xd7\x7f\x01\xc6\xa4\xf8R\x07s\xc6wI\x97\xf7\x82\x07!\xb4\xb9\x1bS\xd8\x99'))
-    m.storage_loses_a_key(data=Draws(b'\xb9\xd0TF\x9e+\x00\xcb\xb3N\xfdK&f\x08\x87b \x9ca\xe4\x1c\x87\x93=\x04\xfd\x9f;\x1a\xfb\x9d'))
+    machine, m = shared_start()
     m.step(hold=False, n=4)
     m.storage_loses_a_key(data=Draws(b'\xb0&\xb7\x03\xb22\xcd\x8dNn\x0ei\xe5JF>\xfc\xfa\xac) \xa3\xf3\xa0g\xae)5z\x89\xb7\x91'))
     m.finish_weight_update()
