@@ -372,10 +372,9 @@ class CacheManager:
         and to the storage tier, its partial last block included (storage-mode preemption)."""
         return offload_request(self.state, request_id, to_storage and self.index.storage)
 
-    def take_deferred(self) -> tuple[CopyPlan, ...]:
-        """Plans opened where none could be returned (the STOREs of an offload that had nothing
-        to copy, so it returned no plans): hand them out now."""
-        return tuple(deferred(self.state))
+    def is_offloaded(self, request_id: object) -> bool:
+        """OFFLOADED: its KV is on the host (an offload that had nothing to copy is at once)."""
+        return self.state.get(request_id).state is ReqState.OFFLOADED
 
     def preemption_work(self, request_id: object) -> PreemptionWork:
         """What offloading or recomputing the request would do now (see fastkv.cache.offload)."""

@@ -27,9 +27,10 @@ _CACHED = int(BlockState.CACHED)
 
 def offload(state: CacheState, request_id: object, to_storage: bool = False) -> tuple[CopyPlan, ...] | None:
     """Copy every block holding computed KV (the partial last one too, under a private key)
-    to the host. The device blocks are released when the copy completes
-    (Completion.offloaded). () : nothing needed copying (or its restore was still loading)
-    and the request is OFFLOADED now. None: not enough host blocks now. ``to_storage``
+    to the host. Returns the plans to hand out; the device blocks are released when the copy
+    completes (Completion.offloaded). When nothing needed copying (or its restore was still
+    loading) the request is OFFLOADED now (``CacheManager.is_offloaded``), and the plans are
+    only its STOREs, if any. None: not enough host blocks now. ``to_storage``
     (storage-mode preemption): its blocks are also STOREd, the partial one under its resume
     key, which it keeps on the host too (see storage_writes.py)."""
     req = state.get(request_id, ReqState.RUNNING)
@@ -76,8 +77,7 @@ def offload(state: CacheState, request_id: object, to_storage: bool = False) -> 
     state.stats.offloads += 1
     if not copy:
         finish_offload(state, req)
-        state.deferred += offload_stores(state, req, [])
-        return ()
+        return tuple(offload_stores(state, req, []))
     req.pending = 1
     src = [req.table[i] for i in copy]
     return (state.copies.open(CopyKind.SWAP_OUT, Purpose.OFFLOAD, src=src, dst=fresh, keys=keys, req=req),)

@@ -15,7 +15,6 @@ from fastkv.cache.copies import CopyBook
 from fastkv.cache.eviction import POLICIES
 from fastkv.cache.index import Cause, PrefixIndex
 from fastkv.cache.keys import KeyNamespace, root_key
-from fastkv.cache.plan import CopyPlan
 from fastkv.cache.pool import BlockPool
 from fastkv.cache.requests import CacheRecord, ReqState
 from fastkv.cache.stats import CacheStats
@@ -85,7 +84,6 @@ class CacheState:
         self.run = os.urandom(16)  # scopes resume keys to this cache (keys.resume_key)
         # storage-mode preempted requests -> their resume key: only their own re-admission looks it up, once
         self.resumes: OrderedDict[object, bytes] = OrderedDict()
-        self.deferred: list[CopyPlan] = []  # opened STOREs the next call returning plans hands out
         self.evicted_since_flush = 0  # host evictions the BACK storage flush has not answered yet
         self.paused = False  # a weight update is in progress
         # a device victim without a host copy is written back to the host: always under WRITE_BACK;

@@ -43,10 +43,9 @@ from fastkv.cache.write_policy import StorageWrites
 
 
 def deferred(state: CacheState) -> list[CopyPlan]:
-    """Stores to hand out with the next plans the manager returns: those opened where no plan
-    can be returned (an offload that copied nothing), then the BACK flush."""
-    plans, state.deferred = state.deferred, []
-    return plans + _flush_back(state) if state.evicted_since_flush else plans
+    """The BACK flush's STOREs, handed out with the next plans the manager returns (host
+    evictions happen deep inside calls that return other plans)."""
+    return _flush_back(state) if state.evicted_since_flush else []
 
 
 def _flush_back(state: CacheState) -> list[CopyPlan]:

@@ -59,12 +59,11 @@ def preempt(p: SchedulerParts, batch: StepBatch, req: Request, updating: bool, f
             req.num_offloads += 1
             stats.count_preemption(mode)
             p.outbox.emit(plans)
-            if plans:
-                table.start_offloading(req, cdiv(req.num_slotted, p.block_size))
-            else:
+            if p.cache.is_offloaded(req.request_id):  # nothing to copy: the plans are only STOREs
                 table.offloaded(req)
-                p.outbox.emit(p.cache.take_deferred())  # its STOREs, if it had nothing to copy
                 offload_done(p, req, updating)
+            else:
+                table.start_offloading(req, cdiv(req.num_slotted, p.block_size))
             return
     req.mode_used = M.RECOMPUTE
     stats.count_preemption(M.RECOMPUTE)
