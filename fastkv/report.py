@@ -105,7 +105,8 @@ def table(data: dict[str, Any]) -> str:
         v = data["verified"]
         rows.append(("KV verified", f"{v['kv_blocks_verified']} blocks of {v['kv_requests_verified']} resumed "
                                     f"requests, {v['kv_positions_read']} positions read by the oracle; "
-                                    f"{v['kv_mismatches']} mismatches"))
+                                    f"{v['kv_mismatches']} mismatches; the runner's own byte work took "
+                                    f"{v.get('synthetic_us', 0) / 1e6:.2f} s"))
     if data.get("storage_lookup"):
         lk = data["storage_lookup"]
         rows.append(("storage lookups", f"{lk['lookups']} for {lk['requests']} requests, {lk['keys_found']} of "

@@ -141,8 +141,10 @@ class RunSpec:
 
 # What a runner verified (``ModelRunner.checks``), published by each worker after every step.
 # kv_stale_hits: KV read under the current weights that was computed under older ones.
+# synthetic_us: time the synthetic runner spent making, checking and reading its KV bytes, a stand-in
+# for what a GPU does inside the modelled step time (bench_e2e takes it out of the wall time).
 VERIFY_COUNTERS = ("kv_blocks_verified", "kv_requests_verified", "kv_positions_read", "kv_mismatches",
-                   "kv_stale_hits")
+                   "kv_stale_hits", "synthetic_us")
 
 
 HANDOFF_FILE = "handoff.jsonl"

@@ -104,3 +104,21 @@ def test_job_config_replaces_the_flat_default_and_rejects_unknown_names():
     assert JobConfig().full_runner_options()["compute_us_per_token"] == 300.0
     with pytest.raises(ValueError, match="unknown cost model 'h100'"):
         JobConfig(runner_options={"cost_model": "h100"})
+
+
+def test_the_runners_own_byte_work_comes_before_the_modelled_compute_and_is_counted():
+    """Making and checking the synthetic bytes stands for the GPU's work, not this CPU's: a step
+    waits the modelled time out after it (hidden under it, it charged recompute and resuming at
+    this CPU's rates), counts it in synthetic_us, and reports the modelled time alone."""
+    runner, _, _ = make(layout("float32"), blocks=65, cost_model=D.name, copy_gbps=1.0, verify="all")
+    table = np.arange(65)
+    runner.step(StepPlan(0, [SeqWork(1, np.arange(256) % 7, 0, table, True)]))
+    before = runner.checks()["synthetic_us"]
+    t0 = time.perf_counter()
+    out = runner.step(StepPlan(1, [SeqWork(1, np.array([3]), 256, table, True)]))  # checks 256 positions
+    wall = time.perf_counter() - t0
+    own = (runner.checks()["synthetic_us"] - before) * 1e-6
+    want = runner.cost.step_seconds([(256, 257)])
+    assert own > 0
+    assert wall >= want + own
+    assert want <= out.seconds <= wall - own + 1e-3
