@@ -46,6 +46,7 @@ HEADER = 8  # elements: 4 token bytes, 3 position bytes, 1 check byte
 MAX_POSITION = 1 << 24
 DEFAULT_VOCAB = 1024
 WAKE_MARGIN_S = 2e-4  # of a cost model's step, burnt rather than slept (``_busy``)
+ROWS_CHUNK_BYTES = 4 << 20  # of each uint64 temporary of ``kv_rows``
 
 
 class KVMismatch(AssertionError):
@@ -53,12 +54,15 @@ class KVMismatch(AssertionError):
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer on uint64 arrays (wrapping arithmetic)."""
+    """splitmix64 finalizer on uint64 arrays (wrapping arithmetic), in one new array."""
     with np.errstate(over="ignore"):
         z = x + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return z
 
 
 @lru_cache(maxsize=64)
@@ -146,7 +150,13 @@ def kv_rows(
     L, H, D = layout.num_layers, layout.kv_heads, layout.head_dim
     out = np.empty((L, 2, H, len(tok), D), dtype=layout.numpy_dtype)
     key = _keys(tok, pos, weights_version)
-    out[..., HEADER:] = _bits_to_values(_mix(_row_salts(layout, rank) ^ key[:, None]), layout.dtype)
+    salts = _row_salts(layout, rank)
+    # In chunks of tokens whose uint64 temporaries stay around ROWS_CHUNK_BYTES: whole-call
+    # temporaries (hundreds of MiB for a long prefill) were fresh mappings, page-faulted on
+    # every call, and made this ~5x slower.
+    step = max(1, ROWS_CHUNK_BYTES // (8 * salts.size))
+    for i in range(0, len(tok), step):
+        out[:, :, :, i:i + step, HEADER:] = _bits_to_values(_mix(salts ^ key[i:i + step, None]), layout.dtype)
     out[..., :HEADER] = _bytes_to_elems(_header(tok, pos, key), layout.dtype)
     return out
 
