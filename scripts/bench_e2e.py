@@ -153,6 +153,7 @@ def main() -> int:
                    f"{JobConfig.layers}; {MIXED['layers']} with --workload mixed)")
     p.add_argument("--kv-heads", type=int, help=f"KV heads per rank (default {JobConfig.kv_heads}; "
                    f"{MIXED['kv_heads']} with --workload mixed)")
+    p.add_argument("--dtype", help=f"KV dtype (default {JobConfig.dtype}; {MIXED['dtype']} with --workload mixed)")
     p.add_argument("--device-blocks", type=int, help="default: the supervisor's for the workload; "
                    f"{MIXED['device_blocks']} with --workload mixed")
     p.add_argument("--host-blocks", type=int, help=f"default {JobConfig.host_blocks}; "
@@ -172,7 +173,7 @@ def main() -> int:
         "layers": JobConfig.layers, "kv_heads": JobConfig.kv_heads, "dtype": JobConfig.dtype,
         "device_blocks": JobConfig.device_blocks, "host_blocks": JobConfig.host_blocks}
     for name, value in defaults.items():
-        if getattr(args, name, None) is None:
+        if getattr(args, name) is None:
             setattr(args, name, value)
     warnings.filterwarnings("ignore", message="No ccache found")
     entries = dict(e.split("=", 1) for e in args.entry)
