@@ -24,7 +24,7 @@ compute. ``--cost-model flat`` keeps the runner's flat 300 us per token.
 Tokens/s are generated tokens over the run's wall time less the synthetic runner's own byte work
 (``synthetic_us``: making, checking and reading its KV rows), which stands for work the GPU does
 inside the modelled step time and which the runner does before waiting that time out. On this CPU
-it costs far more than the model: making a token's rows ~10x a prefill token, checking a resumed
+it costs far more than the model: making a token's rows 3-15x a prefill token, checking a resumed
 prefix about as much again. Left in the time, it charged recompute and resuming at this CPU's
 rates, not the deployment's. The table shows both figures.
 

@@ -420,9 +420,9 @@ class SyntheticRunner(ModelRunner):
         sampled = self._sample([s for s in plan.seqs if s.sample])
         # Making, checking and reading the synthetic bytes stands for what the model's compute
         # does, and costs this CPU far more than the model's time: making a token's KV rows
-        # ~10x a prefill token under the cost model, checking a resumed prefix about as much
-        # again. Hidden under the modelled time, it charged recompute (rows) and resuming
-        # (checks) at this CPU's rates. So the modelled time starts after it, and it is
+        # 3-15x a prefill token under the cost model (by layout), checking a resumed prefix
+        # about as much again. Hidden under the modelled time, it charged recompute (rows) and
+        # resuming (checks) at this CPU's rates. So the modelled time starts after it, and it is
         # counted (synthetic_us): wall time less synthetic_us is the run as the model times it.
         own = time.perf_counter() - t0
         self._checks["synthetic_us"] += round(own * 1e6)
