@@ -186,14 +186,17 @@ def main() -> int:
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fastkv-bench-e2e-"))
     try:
         workload = str(mixed_workload(root / "mixed.jsonl")) if args.workload == "mixed" else args.workload
-        base = JobConfig(runner=args.runner, tp=args.tp, layers=args.layers, kv_heads=args.kv_heads,
-                         dtype=args.dtype,
-                         device_blocks=args.device_blocks, host_blocks=args.host_blocks, storage=args.storage,
-                         quick=args.quick or args.smoke, demo=SMOKE_DEMO if args.smoke else {}, workload=workload,
-                         runner_options=options)
-        print(f"{args.workload} workload: {len(base.requests())} requests; {args.runner} runner, tp {args.tp}, "
+        try:  # bad settings: one line naming the setting, as fastkv-supervisor says it
+            base = JobConfig(runner=args.runner, tp=args.tp, layers=args.layers, kv_heads=args.kv_heads,
+                             dtype=args.dtype, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
+                             storage=args.storage, quick=args.quick or args.smoke,
+                             demo=SMOKE_DEMO if args.smoke else {}, workload=workload, runner_options=options)
+            num_requests, block_bytes = len(base.requests()), base.layout().block_bytes
+        except (ValueError, OSError) as exc:
+            raise SystemExit(f"bench_e2e: {exc}") from None
+        print(f"{args.workload} workload: {num_requests} requests; {args.runner} runner, tp {args.tp}, "
               f"{base.device_blocks} device / {args.host_blocks} host blocks per rank of "
-              f"{base.layout().block_bytes >> 10} KiB; cost model "
+              f"{block_bytes >> 10} KiB; cost model "
               f"{options.get('cost_model', 'flat')} at {options.get('copy_gbps', '-')} GB/s of copies here",
               flush=True)
         for r in range(rounds):
