@@ -115,7 +115,8 @@ def run_one(base: JobConfig, label: str, out: Path, entries: dict[str, str]) -> 
     # The run as the cost model times it: without the runner's own byte work (module docstring).
     # Ranks do theirs side by side: their mean is the delay.
     data["wall_tokens_per_s"] = data["tokens_per_s"]
-    data["synthetic_s"] = data.get("verified", {}).get("synthetic_us", 0) / 1e6 / spec.tp_size
+    modelled = spec.runner_options.get("cost_model")  # the flat cost already counts it: CPU time per token
+    data["synthetic_s"] = data.get("verified", {}).get("synthetic_us", 0) / 1e6 / spec.tp_size if modelled else 0.0
     data["tokens_per_s"] = data["generated_tokens"] / max(data["seconds"] - data["synthetic_s"], 1e-9)
     with (out / "results.jsonl").open() as f:
         data["outputs"] = {r["id"]: (r["finish"], r["output"]) for r in map(json.loads, f)}

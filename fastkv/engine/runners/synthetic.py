@@ -334,8 +334,8 @@ class SyntheticRunner(ModelRunner):
     roofline step time, scaled to this machine's copy bandwidth (``copy_gbps``, 0: measured
     here), replaces ``compute_us_per_token`` and is waited out without burning CPU (a GPU's
     compute leaves the host's cores to the copies: ``_busy``). ``checks()`` counts what was verified
-    and read, and the time the runner's own byte work took (``synthetic_us``): a step's modelled
-    compute starts after it, and the step reports the modelled time alone.
+    and read, and the time the runner's own byte work took (``synthetic_us``): under a cost model
+    a step's modelled compute starts after it, and the step reports the modelled time alone.
     """
 
     def __init__(
@@ -419,15 +419,17 @@ class SyntheticRunner(ModelRunner):
                 self.v_views[layer][blk, :, slot, :] = rows[layer, 1].transpose(1, 0, 2)
         sampled = self._sample([s for s in plan.seqs if s.sample])
         # Making, checking and reading the synthetic bytes stands for what the model's compute
-        # does, and costs this CPU far more than the model's time: making a token's KV rows
-        # 3-15x a prefill token under the cost model (by layout), checking a resumed prefix
-        # about as much again. Hidden under the modelled time, it charged recompute (rows) and
-        # resuming (checks) at this CPU's rates. So the modelled time starts after it, and it is
-        # counted (synthetic_us): wall time less synthetic_us is the run as the model times it.
+        # does, and costs this CPU far more than a GPU's time: making a token's KV rows 3-15x a
+        # prefill token under the cost model (by layout), checking a resumed prefix about as
+        # much again. Hidden under the modelled time, it charged recompute (rows) and resuming
+        # (checks) at this CPU's rates. So under a cost model the modelled time starts after it,
+        # and it is counted (synthetic_us): wall time less synthetic_us is the run as the model
+        # times it. The flat cost is CPU time per token that includes this work, as before.
         own = time.perf_counter() - t0
         self._checks["synthetic_us"] += round(own * 1e6)
-        self._busy(time.perf_counter() + self.step_us * 1e-6 + self._compute_seconds(plan))
-        return StepOutput(plan.step_id, sampled, time.perf_counter() - t0 - own)  # the model's time
+        start = t0 if self.cost is None else time.perf_counter()
+        self._busy(start + self.step_us * 1e-6 + self._compute_seconds(plan))
+        return StepOutput(plan.step_id, sampled, time.perf_counter() - start)  # the modelled time, if any
 
     def _compute_seconds(self, plan: StepPlan) -> float:
         if self.cost is not None:
