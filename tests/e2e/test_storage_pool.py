@@ -24,6 +24,7 @@ RESTART_SHAPE = ["--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--bloc
 def test_restarted_engine_hits_what_the_first_one_stored(tmp_path, tp):
     wl = workload(12, 6, ["offload"])
     url = f"lmdb://{tmp_path}/store?max_bytes=64M"
+    assert not (tmp_path / "store").exists(), "run A starts on an empty store"
     _, a = run_once(tmp_path, "a", url, wl, tp)
     _, b = run_once(tmp_path, "b", url, wl, tp)
     print("hit ratios A", a["hit_ratio"], "B", b["hit_ratio"], "lookup", b.get("storage_lookup"))
@@ -32,7 +33,7 @@ def test_restarted_engine_hits_what_the_first_one_stored(tmp_path, tp):
     # B's gain over A measured 0.19-0.27 across runs (a loaded CI machine gave the 0.19).
     loaded = {r: s["hit_ratio"]["storage"] + s["hit_ratio"]["host"] for r, s in (("a", a), ("b", b))}
     assert loaded["b"] >= loaded["a"] + 0.1 and b["hit_ratio"]["storage"] > 0, (a["hit_ratio"], b["hit_ratio"])
-    assert a["hit_ratio"]["storage"] == 0, "run A started on an empty store"
+    # (A may hit its own STOREs late in its run, as B may: A's storage ratio is not asserted to be 0)
     lk = b["storage_lookup"]
     assert lk["keys_found"] > 0 and lk["failed"] == 0, lk
     assert b["recomputed_because_storage"] == 0 and b["corrupt_values"] == 0, b
@@ -75,7 +76,10 @@ def test_other_weights_on_the_same_store_get_no_hits(tmp_path):
     run_once(tmp_path, "a", url, wl)
     _, b = run_once(tmp_path, "b", url, wl, reference=False, weights_version="v2")
     assert b["storage_lookup"]["keys_asked"] > 0 and b["storage_lookup"]["keys_found"] == 0, b["storage_lookup"]
-    assert b["hit_ratio"]["storage"] == 0 and b["corrupt_values"] == 0 and b["stale_hits"] == 0, b
+    # B may hit its own STOREs later in its run (a prefix evicted from device and host: timing; CI
+    # saw 0.033), so its storage hit ratio need not be 0. None of what it read was A's: B verifies
+    # every position it reads under v2 ("all"), where a block of A's would be a stale hit and fail it.
+    assert b["corrupt_values"] == 0 and b["stale_hits"] == 0 and b["verified"]["kv_mismatches"] == 0, b
 
 
 @pytest.fixture
