@@ -64,7 +64,9 @@ def test_corrupt_store_is_detected_recomputed_and_never_served(tmp_path):
     assert corrupt_every_value(tmp_path / "store") > 0
     _, b = run_once(tmp_path, "b", url, wl)  # check_outputs: every token right, the runner verified every block
     assert b["corrupt_values"] > 0 and b["recomputed_because_storage"] > 0, b
-    assert b["hit_ratio"]["storage"] == 0 and b["storage_lookup"]["bytes_loaded"] == 0, b
+    # None was served: B verifies every position it reads ("all"), and a corrupt value would fail
+    # the run. (B may load its own STOREs of the blocks it recomputed later in the run: timing.)
+    assert b["verified"]["kv_mismatches"] == 0 and b["stale_hits"] == 0, b
 
 
 @pytest.mark.slow
@@ -130,7 +132,9 @@ def test_two_engines_with_other_weights_on_one_redis_get_no_hits_from_each_other
     a, b = two_engines_at_once(tmp_path, redis_url, ("0", "v2"))
     for s in (a, b):
         assert s["storage_lookup"]["keys_asked"] > 0 and s["storage_lookup"]["keys_found"] == 0, s["storage_lookup"]
-        assert s["hit_ratio"]["storage"] == 0 and s["stale_hits"] == 0, s
+        # an engine may hit its own STOREs (timing), never the other's: a block of other weights
+        # is a stale hit and fails the run, which verifies every position it reads
+        assert s["stale_hits"] == 0 and s["verified"]["kv_mismatches"] == 0, s
 
 
 def supervise(tmp_path, name: str, url: str, workload_file) -> tuple[dict[str, dict], dict]:
