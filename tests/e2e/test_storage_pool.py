@@ -163,7 +163,8 @@ def restart_pair(tmp_path, url: str) -> None:
     assert sorted(b_out) == sorted(a_out) and len(a_out) == 16
     for rid, row in a_out.items():
         assert row["state"] == "finished" and b_out[rid]["output"] == row["output"], (rid, row, b_out[rid])
-    assert a["hit_ratio"]["storage"] == 0 and b["hit_ratio"]["storage"] >= 0.9, (a["hit_ratio"], b["hit_ratio"])
+    # (A may hit its own STOREs of a preempted request's blocks: its storage ratio is timing's)
+    assert b["hit_ratio"]["storage"] >= 0.9, (a["hit_ratio"], b["hit_ratio"])
     assert b["recomputed_because_storage"] == 0 and b["storage_lookup"]["timed_out"] == 0, b["storage_lookup"]
     assert b["ttft_s"]["p50"] < a["ttft_s"]["p50"], (a["ttft_s"], b["ttft_s"])
 
