@@ -170,12 +170,9 @@ def main() -> int:
     p.add_argument("--out", help="keep each run's output here (default: a temporary directory, removed)")
     p.add_argument("--entry", action="append", default=[], metavar="ROLE=MODULE:FUNC", help="as fastkv-supervisor")
     args = p.parse_args()
-    defaults = MIXED if args.workload == "mixed" else {
-        "layers": JobConfig.layers, "kv_heads": JobConfig.kv_heads, "dtype": JobConfig.dtype,
-        "device_blocks": JobConfig.device_blocks, "host_blocks": JobConfig.host_blocks}
-    for name, value in defaults.items():
+    for name in MIXED:  # unset: the mixed workload's, or the supervisor's
         if getattr(args, name) is None:
-            setattr(args, name, value)
+            setattr(args, name, MIXED[name] if args.workload == "mixed" else getattr(JobConfig, name))
     warnings.filterwarnings("ignore", message="No ccache found")
     entries = dict(e.split("=", 1) for e in args.entry)
     options: dict = {}

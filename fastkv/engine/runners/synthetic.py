@@ -425,9 +425,9 @@ class SyntheticRunner(ModelRunner):
         # (checks) at this CPU's rates. So under a cost model the modelled time starts after it,
         # and it is counted (synthetic_us): wall time less synthetic_us is the run as the model
         # times it. The flat cost is CPU time per token that includes this work, as before.
-        own = time.perf_counter() - t0
-        self._checks["synthetic_us"] += round(own * 1e6)
-        start = t0 if self.cost is None else time.perf_counter()
+        now = time.perf_counter()
+        self._checks["synthetic_us"] += round((now - t0) * 1e6)
+        start = t0 if self.cost is None else now
         self._busy(start + self.step_us * 1e-6 + self._compute_seconds(plan))
         return StepOutput(plan.step_id, sampled, time.perf_counter() - start)  # the modelled time, if any
 
