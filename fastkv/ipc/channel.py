@@ -174,7 +174,7 @@ class Inbox:
             if out:
                 return out
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.bell.wait(self._ready, remaining, self._check):
+            if not self.bell.wait(self._ready, remaining, self._check, [ch.ring.hdr for ch in self.channels]):
                 return []
 
 

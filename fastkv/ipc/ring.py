@@ -306,7 +306,7 @@ class Ring:
             if A.load(hdr + OFF_CLOSED) & 1 and A.used(hdr) == 0:
                 raise self._closed_by(Side.PRODUCER)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.data_bell.wait(ready, remaining, lambda: self.check_peer(Side.PRODUCER)):
+            if not self.data_bell.wait(ready, remaining, lambda: self.check_peer(Side.PRODUCER), (hdr,)):
                 return []
             bufs = self.try_pop_many(max_n)
             if bufs:

@@ -76,6 +76,7 @@ from fastkv.run import EngineEnds, RunSpec
 from fastkv.transfer.protocol import BAD_TASK_ID, fence_for, task_msg
 
 log = logging.getLogger(__name__)
+STORAGE_KINDS = frozenset((CopyKind.STORE, CopyKind.LOAD, CopyKind.LOOKUP))
 
 
 class CopyResult(NamedTuple):
@@ -109,6 +110,7 @@ class TransferClient:
         for r in range(self.tp):
             self._gather.fail_rank(r, self._ranks[r].why)
         self._plans: dict[int, tuple[CopyPlan, float]] = {}  # pending, in submit order
+        self._storage_pending = 0  # of them, tasks on the storage tier (the ranks' storage lanes run them)
         self._ready: list[CopyResult] = []  # completed inside submit, handed out by the next call
         self._next_liveness = 0.0
         self.stale = 0  # acks ignored: for tasks already failed on that rank
@@ -146,6 +148,9 @@ class TransferClient:
         if plan.kind is CopyKind.RESTORE and plan.keys:
             self.weights_version = plan.keys[0].decode("utf-8")
         self._plans[task_id] = (plan, time.monotonic())
+        if plan.kind in STORAGE_KINDS:
+            self._storage_pending += 1
+            self._spin_for_acks()
         done = self._gather.expect(task_id)  # ranks that are down ack it as failed right here
         if done is not None:
             self._ready.append(self._finish(done))
@@ -325,7 +330,16 @@ class TransferClient:
     # -- results -----------------------------------------------------------------------
     def _finish(self, done: TaskResult) -> CopyResult:
         plan, _ = self._plans.pop(done.task_id)
+        if plan.kind in STORAGE_KINDS:
+            self._storage_pending -= 1
+            self._spin_for_acks()
         return CopyResult(plan, done.ok, done.error, done.nbytes, done.seconds)
+
+    def _spin_for_acks(self) -> None:
+        """The engine's inbox spins before it sleeps (``fastkv.ipc.doorbell``) only while no
+        storage task is in flight: a rank's storage lane is a low-priority thread that a spinning
+        engine would keep off a core, on a machine with few."""
+        self.ends.inbox.bell.spin.enabled = not self._storage_pending
 
     def _take_ready(self) -> list[CopyResult]:
         out, self._ready = self._ready, []

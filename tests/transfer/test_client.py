@@ -108,6 +108,33 @@ def test_adoption_fences_then_gathers_acks(run):
             f.close()
 
 
+def test_the_inbox_spins_for_acks_only_while_no_storage_task_is_in_flight(run):
+    """A rank's storage lane is a low-priority thread that a spinning engine would keep off a core
+    (fastkv.ipc.doorbell, fastkv.transfer.lanes): the client turns its inbox's spin off from a
+    storage task's submit to its result, and back on after the last one."""
+    ns, spec, ends = run
+    fake = [attach_transfer(ns, spec, r) for r in range(2)]
+    try:
+        client = TransferClient(ends, spec, kill_late=False)
+        assert client.ready()
+        spin = ends.inbox.bell.spin
+        swap, store, load = (plan(CopyKind.SWAP_OUT, [1], [2]), plan(CopyKind.STORE, [5], [], [b"k" * 32]),
+                             plan(CopyKind.LOAD, [], [6], [b"k" * 32]))
+        client.submit(swap)
+        assert spin.enabled
+        client.submit(store)
+        client.submit(load)
+        assert not spin.enabled
+        for p in (swap, store, load):
+            for r in range(2):
+                client.on_done(DoneMsg(p.plan_id, r, True))
+            assert spin.enabled == (p is load), p.kind
+        assert client.pending == 0
+    finally:
+        for f in fake:
+            f.close()
+
+
 def test_a_late_rank_that_cannot_be_killed_keeps_its_task_in_flight(run):
     ns, spec, ends = run
     fake = [attach_transfer(ns, spec, r) for r in range(2)]

@@ -115,16 +115,22 @@ def test_a_long_store_on_slow_storage_keeps_the_heartbeat(tmp_path):
         store = plan(CopyKind.STORE, range(n), [], [key(i, "slow") for i in range(n)])
         silences, done = [], threading.Event()
 
+        spins: list[bool] = []  # the loop's spin for tasks, sampled well inside the STORE
+        engine_spins: list[bool] = []
+
         def watch() -> None:  # the supervisor's liveness rule, sampled
             while not done.is_set():
                 silences.append(time.monotonic_ns() - sup.signals["transfer0.beat"])
+                if loop.storage.active and time.monotonic() - t0 > 0.3:
+                    spins.append(ends.task.ring.data_bell.spin.enabled)
+                    engine_spins.append(sup.ends.inbox.bell.spin.enabled)
                 time.sleep(0.02)
 
         server, watcher = threading.Thread(target=loop.run), threading.Thread(target=watch)
+        t0 = time.monotonic()
         server.start()
         watcher.start()
         try:
-            t0 = time.monotonic()
             client.submit(store)
             res = pump(sup, client, [store.plan_id], timeout=30)[store.plan_id]
             took = time.monotonic() - t0
@@ -136,5 +142,8 @@ def test_a_long_store_on_slow_storage_keeps_the_heartbeat(tmp_path):
         assert res.ok, res.error
         assert took > sup.spec.dead_after_s, took
         assert max(silences) < sup.spec.dead_after_s * 1e9 / 2, f"heartbeat silent for {max(silences) / 1e9:.2f} s"
+        # neither side spins while the low-priority storage thread needs a core (fastkv.transfer.lanes)
+        assert spins and not any(spins) and not any(engine_spins), (spins, engine_spins)
+        assert sup.ends.inbox.bell.spin.enabled, "the engine spins for acks again once the STORE is done"
     finally:
         close_all(loop, ends, executor, sup)

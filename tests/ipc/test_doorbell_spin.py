@@ -1,0 +1,71 @@
+"""The doorbell's spin before sleep (fastkv.ipc.doorbell): a waiter watches its rings without
+the GIL for a while, so a message published meanwhile needs no semaphore post; the spin stops
+where it does not pay and where its owner turns it off."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fastkv.ipc import Ring, doorbell
+from fastkv.ipc.doorbell import PROBE_EVERY, SPIN_MISSES, SPIN_S, Spin
+from fastkv.ipc.native import A
+
+
+def test_spins_stop_after_misses_probe_now_and_then_and_resume_on_a_hit():
+    s, full = Spin(), int(SPIN_S * 1e9)
+    for _ in range(SPIN_MISSES):
+        assert s.budget_ns() == full
+        s.ended(False)
+    budgets = [s.budget_ns() for _ in range(3 * PROBE_EVERY)]
+    assert budgets.count(full) == 3 and budgets.count(0) == 3 * PROBE_EVERY - 3
+    s.ended(True)  # a probe found its answer: spinning pays again
+    assert all(s.budget_ns() == full for _ in range(SPIN_MISSES))
+    s.enabled = False
+    assert s.budget_ns() == 0
+
+
+def test_spin_any_returns_on_a_message_or_at_the_end_of_its_budget(ns):
+    rings = [Ring.create(ns, f"r{i}", slot_size=32, nslots=4) for i in range(3)]
+    try:
+        hdrs = [r.hdr for r in rings]
+        t0 = time.perf_counter()
+        assert A.spin_any(hdrs, 2_000_000) is False
+        assert time.perf_counter() - t0 >= 0.002
+        rings[2].push(b"x")
+        t0 = time.perf_counter()
+        assert A.spin_any(hdrs, 5_000_000_000) is True
+        assert time.perf_counter() - t0 < 1.0
+        with pytest.raises(ValueError, match="at most 64"):
+            A.spin_any(hdrs * 22, 1000)
+        with pytest.raises(ValueError, match="aligned"):
+            A.spin_any([hdrs[0] + 1], 1000)
+    finally:
+        for r in rings:
+            r.close()
+
+
+@pytest.mark.parametrize("spin", [True, False])
+def test_a_spinning_waiter_takes_a_message_published_meanwhile_without_a_post(ns, monkeypatch, spin):
+    monkeypatch.setattr(doorbell, "SPIN_S", 5.0)  # the producer thread surely publishes mid-spin
+    ring = Ring.create(ns, "r", slot_size=32, nslots=4)
+    ring.data_bell.spin.enabled = spin
+    go = threading.Event()
+
+    def produce() -> None:
+        go.wait()
+        time.sleep(0.05)  # the consumer is spinning (or asleep) by now
+        ring.push(b"late")
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        go.set()
+        assert ring.pop_many(4, timeout=10) == [b"late"]
+    finally:
+        producer.join()
+    # spinning, the consumer never armed its doorbell; asleep, it needed the producer's post
+    assert ring.data_bell.posts == (0 if spin else 1)
+    assert ring.data_bell.spin.misses == 0
+    ring.close()
