@@ -59,7 +59,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastkv import report  # noqa: E402
-from fastkv.cli import RUNNER_VOCAB, JobConfig, prepare  # noqa: E402
+from fastkv.cli import CACHE_POLICIES, RUNNER_VOCAB, JobConfig, prepare  # noqa: E402
 from fastkv.demo import read_workload, write_workload  # noqa: E402
 from fastkv.engine.runners.cost_model import (  # noqa: E402
     DEPLOYMENTS,
@@ -159,6 +159,8 @@ def main() -> int:
                    f"{MIXED['device_blocks']} with --workload mixed")
     p.add_argument("--host-blocks", type=int, help=f"default {JobConfig.host_blocks}; "
                    f"{MIXED['host_blocks']} with --workload mixed")
+    p.add_argument("--cache-policy", choices=CACHE_POLICIES, default=JobConfig.cache_policy,
+                   help=f"when blocks get a host copy, in every run (default {JobConfig.cache_policy})")
     p.add_argument("--storage", default="default", help="storage URL for every run (default: fresh LMDB per run)")
     p.add_argument("--cost-model", default=LLAMA3_8B_H100.name, choices=[*DEPLOYMENTS, "flat"],
                    help="the deployment the synthetic runner simulates (flat: 300 us per token)")
@@ -187,7 +189,7 @@ def main() -> int:
         try:  # bad settings: one line naming the setting, as fastkv-supervisor says it
             base = JobConfig(runner=args.runner, tp=args.tp, layers=args.layers, kv_heads=args.kv_heads,
                              dtype=args.dtype, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-                             storage=args.storage, quick=args.quick or args.smoke,
+                             cache_policy=args.cache_policy, storage=args.storage, quick=args.quick or args.smoke,
                              demo=SMOKE_DEMO if args.smoke else {}, workload=workload, runner_options=options)
             num_requests, block_bytes = len(base.requests()), base.layout().block_bytes
         except (ValueError, OSError) as exc:
