@@ -320,25 +320,21 @@ static PyObject *a_any_used(PyObject *self, PyObject *arg) {
  * calls it before it sleeps on its doorbell: waking a process whose vCPU has halted costs
  * tens of microseconds on a VM, more than most answers take (fastkv/ipc/doorbell.py). The
  * caller keeps the mappings alive and closes no ring it is spinning on. */
-#define SPIN_MAX_RINGS 64
 static PyObject *a_spin_any(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "spin_any(hdrs, budget_ns) takes 2 arguments");
         return NULL;
     }
+    long long budget = PyLong_AsLongLong(args[1]);
+    if (budget == -1 && PyErr_Occurred()) return NULL;
     PyObject *seq = PySequence_Fast(args[0], "spin_any: expected a sequence of ring addresses");
     if (!seq) return NULL;
-    long long budget = PyLong_AsLongLong(args[1]);
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if ((budget == -1 && PyErr_Occurred()) || n > SPIN_MAX_RINGS) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "spin_any: at most 64 rings");
-        Py_DECREF(seq);
-        return NULL;
-    }
-    char *bases[SPIN_MAX_RINGS];
+    char **bases = PyMem_Malloc((n ? n : 1) * sizeof(char *));
+    if (!bases) { Py_DECREF(seq); return PyErr_NoMemory(); }
     for (Py_ssize_t i = 0; i < n; i++) {
         ring_t r;
-        if (ring_open(PySequence_Fast_GET_ITEM(seq, i), &r) < 0) { Py_DECREF(seq); return NULL; }
+        if (ring_open(PySequence_Fast_GET_ITEM(seq, i), &r) < 0) { PyMem_Free(bases); Py_DECREF(seq); return NULL; }
         bases[i] = r.base;
     }
     Py_DECREF(seq);
@@ -357,6 +353,7 @@ static PyObject *a_spin_any(PyObject *self, PyObject *const *args, Py_ssize_t na
         sched_yield(); /* any runnable thread gets this core; the vCPU stays awake */
     }
     Py_END_ALLOW_THREADS
+    PyMem_Free(bases);
     return PyBool_FromLong(any);
 }
 
