@@ -314,24 +314,29 @@ def test_the_storage_lane_cuts_the_gil_switch_interval_so_a_woken_swap_waits_a_f
         sys.setswitchinterval(previous)
 
 
-def test_the_storage_thread_runs_under_sched_idle_and_the_loop_thread_does_not():
-    """On two cores, a busy storage thread beside the loop thread and the engine left a woken
-    swap or engine waiting for a core (bench_swap's lane_p99_ratio 4-7; at nice 19 still 2-3% of
-    the swaps beside a STORE over 1 ms): under SCHED_IDLE it gives way at once."""
+def storage_thread_sees(probe):
+    """What ``probe(tid)`` returns on a storage lane's thread as it runs a task."""
     seen = []
 
     def run(msg, hold):
-        seen.append(os.sched_getscheduler(threading.get_native_id()))
+        seen.append(probe(threading.get_native_id()))
         hold.release()
 
-    mine = os.sched_getscheduler(threading.get_native_id())
     lane = StorageLane(run, "test-storage")
     try:
         lane.submit(TaskMsg(1, int(CopyKind.STORE)), HostHolds().hold([0], writes=False))
         lane.drain(lambda: None, 0.05)
     finally:
         lane.close()
-    assert seen == [os.SCHED_IDLE] and mine != os.SCHED_IDLE
+    return seen
+
+
+def test_the_storage_thread_runs_under_sched_idle_and_the_loop_thread_does_not():
+    """On two cores, a busy storage thread beside the loop thread and the engine left a woken
+    swap or engine waiting for a core (bench_swap's lane_p99_ratio 4-7; at nice 19 still 2-3% of
+    the swaps beside a STORE over 1 ms): under SCHED_IDLE it gives way at once."""
+    mine = os.sched_getscheduler(threading.get_native_id())
+    assert storage_thread_sees(os.sched_getscheduler) == [os.SCHED_IDLE] and mine != os.SCHED_IDLE
     assert os.sched_getscheduler(threading.get_native_id()) == mine, "the loop thread went SCHED_IDLE too"
 
 
@@ -340,18 +345,7 @@ def test_where_sched_idle_is_refused_the_storage_thread_is_niced(monkeypatch):
         raise PermissionError("sched_setscheduler refused")
 
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
-    seen = []
-
-    def run(msg, hold):
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        hold.release()
-
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    lane = StorageLane(run, "test-storage")
-    try:
-        lane.submit(TaskMsg(1, int(CopyKind.STORE)), HostHolds().hold([0], writes=False))
-        lane.drain(lambda: None, 0.05)
-    finally:
-        lane.close()
+    seen = storage_thread_sees(lambda tid: os.getpriority(os.PRIO_PROCESS, tid))
     assert seen == [min(19, mine + STORAGE_NICE)] and STORAGE_NICE > 0
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine, "the loop thread was niced too"
