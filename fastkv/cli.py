@@ -548,7 +548,6 @@ def _prepare_and_run(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     # supervisor's own go in, a signal unwinds the start-up and the run ends as stopped.
     _cuda_available()
     old_handlers = {signum: signal.signal(signum, _interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
-    spec = workload = None
     try:
         # held back by fastkv.__main__ until now (a no-op otherwise); one that came meanwhile lands here
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -562,8 +561,10 @@ def _prepare_and_run(parser: argparse.ArgumentParser, args: argparse.Namespace, 
             _config_error(parser, exc)
         return _run(cfg, spec, workload, entries, not args.no_progress)
     except _Interrupted as exc:
-        if workload is not None:
-            write_missing(spec.out_dir, workload, "stopped")
+        # prepare() may have written the workload (atomically) and not returned yet: the file,
+        # once the previous run's are gone, says whether this run owes a summary
+        if outdir.cleared and (outdir.path / "workload.jsonl").is_file():
+            write_missing(outdir.path, outdir.path / "workload.jsonl", "stopped")
         print(f"fastkv-supervisor: run failed: interrupted by {exc.signal.name}", file=sys.stderr)
         return 128 + exc.signal
     finally:

@@ -33,6 +33,7 @@ class OutDir:
     def __init__(self, path: Path, run_id: str, fd: int, fastkvs: bool) -> None:
         self.path, self.run_id, self._fd = path, run_id, fd
         self.was_fastkvs = fastkvs  # the lock file was there before: a previous run's directory
+        self.cleared = False  # clear_previous() is done: every output file here is this run's
 
     @classmethod
     def claim(cls, path: str | Path, run_id: str) -> OutDir:
@@ -69,6 +70,7 @@ class OutDir:
                              "give this run another --out")
         for name in found:
             (self.path / name).unlink()
+        self.cleared = True
 
     def fresh_store(self) -> Path:
         """An empty ``store/`` marked as fastkv's: a previous fastkv store is cleared (runs

@@ -126,3 +126,49 @@ def test_a_dead_peer_worker_ends_the_collective_wait_at_once(tmp_path):
     assert result.seconds < 40, f"took {result.seconds:.1f} s"
     assert result.exit_codes.get("worker0") not in (None, -9), result.exit_codes  # it left on its own, not killed
     assert leftovers(spec.run_id) == []
+
+
+@pytest.mark.parametrize("moment", ["spec", "store probe"])
+def test_a_signal_after_the_workload_is_written_still_leaves_a_summary(tmp_path, monkeypatch, capsys, moment):
+    """The test above found it at 1.1 s: a SIGTERM after prepare() wrote workload.jsonl but
+    before it returned left the workload without a summary (the handler saw no workload yet).
+    The handler's exception is raised where the signal lands: here, in each of those steps."""
+    from fastkv import cli, run
+
+    def interrupted(*args, **kwargs):
+        raise cli._Interrupted(signal.SIGTERM)
+
+    if moment == "spec":
+        monkeypatch.setattr(run.RunSpec, "save", interrupted)
+    else:
+        import fastkv.storage
+
+        monkeypatch.setattr(fastkv.storage, "probe_store", interrupted)
+    out = tmp_path / "out"
+    assert cli.main(["--out", str(out), "--quick", "--no-progress"]) == 128 + signal.SIGTERM
+    assert "run failed: interrupted by SIGTERM" in capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    requests = (out / "workload.jsonl").read_text().splitlines()
+    assert summary["status"] == "stopped" and sum(summary["states"].values()) == len(requests) > 0
+    assert len((out / "results.jsonl").read_text().splitlines()) == len(requests)
+
+
+def test_a_signal_before_the_previous_run_is_cleared_writes_nothing_for_its_workload(tmp_path, monkeypatch, capsys):
+    """A previous run's workload.jsonl (it crashed before its summary) is not this run's: a
+    signal before clear_previous() is done must not write a summary for it."""
+    from fastkv import cli
+    from fastkv.demo import write_workload
+    from fastkv.outdir import OutDir
+
+    out = tmp_path / "out"
+    with OutDir.claim(out, "previous"):  # marks the directory as fastkv's, as a previous run did
+        write_workload([{"id": "old", "arrival_s": 0.0, "prompt": [1, 2, 3], "max_new_tokens": 2}],
+                       out / "workload.jsonl")
+
+    def interrupted(self):
+        raise cli._Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(OutDir, "clear_previous", interrupted)
+    assert cli.main(["--out", str(out), "--quick", "--no-progress"]) == 128 + signal.SIGINT
+    assert "run failed: interrupted by SIGINT" in capsys.readouterr().err
+    assert not (out / "summary.json").exists() and not (out / "results.jsonl").exists()
