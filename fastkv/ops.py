@@ -329,6 +329,15 @@ def _thread_counts(max_threads: int) -> list[int]:
     return sorted({t for t in (1, 2, 4, 8, 16, 32, 64) if t < max_threads} | {max_threads})
 
 
+def _page_aligned_ones(shape: tuple[int, int]) -> np.ndarray:
+    """Ones on a page boundary, as the tiers are (shm, device memory): numpy's own buffers are
+    16-byte aligned, which sends streaming copies down their unaligned path."""
+    nbytes = shape[0] * shape[1]
+    raw = np.ones(nbytes + 4096, np.uint8)
+    start = -raw.ctypes.data % 4096
+    return raw[start:start + nbytes].reshape(shape)
+
+
 def measure_copy_methods(max_threads: int | None = None, sizes: Sequence[int] = CALIBRATION_SIZES,
                          ) -> dict[tuple[int, bool, int], float]:
     """Best seconds of a swap out plus a swap in of each size, per (size, streaming, threads),
@@ -337,9 +346,9 @@ def measure_copy_methods(max_threads: int | None = None, sizes: Sequence[int] = 
     max_threads = max_threads or default_num_threads()
     lib = c_abi()
     blocks = max(_CAL_BLOCKS, 2 * max(sizes) // (2 * _CAL_PAGE))
-    k = np.ones((blocks, _CAL_PAGE), np.uint8)  # written: every page mapped before timing
-    v = np.ones_like(k)
-    host = np.ones((blocks, 2 * _CAL_PAGE), np.uint8)
+    k = _page_aligned_ones((blocks, _CAL_PAGE))  # written: every page mapped before timing
+    v = _page_aligned_ones((blocks, _CAL_PAGE))
+    host = _page_aligned_ones((blocks, 2 * _CAL_PAGE))
     k_ptr, v_ptr = (ctypes.c_void_p * 1)(k.ctypes.data), (ctypes.c_void_p * 1)(v.ctypes.data)
     rng = np.random.default_rng(0)
     choices = [(s, bool(m), t) for s in sizes for m in (0, 1) for t in _thread_counts(max_threads)]

@@ -1,6 +1,8 @@
 """fastkv_swap_blocks against the numpy reference: ids, shapes, dtypes, directions, thread counts."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -125,3 +127,43 @@ def test_paddle_copies_strided_inputs_of_custom_ops(paddle_ops):
     ids = from_dlpack(np.array([0], np.int32))
     paddle_ops._C_ops._run_custom_op("fastkv_swap_blocks", [view], tiers.v_t, tiers.host_t, ids, ids, False, 1, 0)
     assert float(wide.abs().sum()) == 0.0, "Paddle now writes strided inputs in place: the wrapper check can go"
+
+
+def _aligned(nbytes: int, rng: np.random.Generator, offset: int = 0) -> np.ndarray:
+    """Random bytes starting ``offset`` bytes past a page boundary."""
+    raw = np.empty(nbytes + 8192, np.uint8)
+    start = -raw.ctypes.data % 4096 + offset
+    out = raw[start:start + nbytes]
+    out[:] = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    return out
+
+
+@pytest.mark.parametrize("page", [32, 96, 1056, 5 * 1024 + 160, (128 << 10) + 32])
+@pytest.mark.parametrize("offset", [0, 16])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("to_host", [True, False])
+def test_forced_streaming_copies_match_the_reference(page, offset, threads, to_host):
+    """Streaming stores, two pages side by side in chunks (ops/swap_common.h): page sizes that
+    are and are not multiples of a chunk or of the stream loop, destinations on and off the
+    32-byte grid (those go one page at a time), odd page counts per thread."""
+    lib, rng, layers, ndev, nhost, n = ops.c_abi(), np.random.default_rng(page + offset), 2, 9, 7, 5
+    k = [_aligned(ndev * page, rng, offset) for _ in range(layers)]
+    v = [_aligned(ndev * page, rng, offset) for _ in range(layers)]
+    host = _aligned(nhost * 2 * layers * page, rng, offset)
+    dev_ids, host_ids = rng.permutation(ndev)[:n].astype(np.int32), rng.permutation(nhost)[:n].astype(np.int32)
+    src, dst = (dev_ids, host_ids) if to_host else (host_ids, dev_ids)
+    hv = host.reshape(nhost, layers, 2, page)
+    want_k, want_v, want_h = [a.copy() for a in k], [a.copy() for a in v], hv.copy()
+    for d, h in zip(dev_ids, host_ids, strict=True):
+        for layer in range(layers):
+            for kv, tier in ((0, want_k), (1, want_v)):
+                if to_host:
+                    want_h[h, layer, kv] = tier[layer][d * page:(d + 1) * page]
+                else:
+                    tier[layer][d * page:(d + 1) * page] = hv[h, layer, kv]
+    ptrs = [(ctypes.c_void_p * layers)(*(a.ctypes.data for a in t)) for t in (k, v)]
+    assert lib.fkv_cpu_swap(ptrs[0], ptrs[1], layers, host.ctypes.data, page, ndev, nhost, src.ctypes.data,
+                            dst.ctypes.data, n, int(to_host), threads, 1) == 0, lib.fkv_cpu_last_error()
+    assert np.array_equal(hv, want_h)
+    for got, want in ((k, want_k), (v, want_v)):
+        assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
