@@ -131,9 +131,9 @@ inline void store_fence() {}
 // Two copies of n bytes side by side, kInterleave bytes of each in turn. A swap's pages are
 // scattered: a copy that starts on a page elsewhere first waits on address translation and a
 // new prefetch stream (about 0.9 us per 128 KiB page here, 12% of its copy). Two streams in
-// flight overlap that wait with the other's copy: in a C probe of 256 scattered of 320 blocks,
-// 0.87-0.94 of one contiguous span against 0.78-0.83 one page at a time; 0.5-1 KiB chunks did
-// best, 4 KiB and more lost the overlap.
+// flight overlap that wait with the other's copy: this kernel on 256 scattered of 320 blocks
+// (bench_swap's shape) copied at 0.83-0.90 of one contiguous span, against 0.78-0.83 one page
+// at a time; 0.5-1 KiB chunks did best, 4 KiB and more lost the overlap, 3-4 pages gained no more.
 // A destination off the 32-byte grid would take each chunk's head and tail as regular stores
 // into lines the streaming stores also write (measured: 2 GB/s): those pages go one at a time.
 constexpr size_t kInterleave = 1024;  // a multiple of the stream loop's 128 bytes

@@ -22,9 +22,9 @@ the first swaps after a 64 MiB STORE took 1-4 ms instead of 0.2 (bench_swap's
 ``lane_p99_ratio`` 4-7). At nice 19 the storage thread still delayed 2-3% of the SWAP_INs
 beside a STORE by 1-3 ms, and stamps in both processes put all that delay in the engine's
 wake-up for the ack, as when the scheduler wakes the engine onto the core the niced thread
-holds and lets it run out its slice. So the storage thread runs under ``SCHED_IDLE`` (falling back to
-nice +19 where that is refused): the kernel counts a core running only such threads as idle
-when it places a woken thread, and preempts them at once for it. Beside the same STORE, 0-2
+holds and lets it run out its slice. So the storage thread runs under ``SCHED_IDLE`` (falling
+back to nice +19 where that is refused): the kernel counts a core running only such threads as
+idle when it places a woken thread, and preempts them at once for it. Beside the same STORE, 0-2
 of 900 SWAP_INs took over 1 ms (20-29 at nice 19). Idle cores still run the storage thread at
 full speed, and ``SCHED_IDLE`` is a low weight, not a strict priority: a STORE on machines
 whose cores are all busy still moves, slowly.
