@@ -22,9 +22,10 @@ the first swaps after a 64 MiB STORE took 1-4 ms instead of 0.2 (bench_swap's
 ``lane_p99_ratio`` 4-7). At nice 19 the storage thread still delayed 2-3% of the SWAP_INs
 beside a STORE by 1-3 ms, and stamps in both processes put all that delay in the engine's
 wake-up for the ack, as when the scheduler wakes the engine onto the core the niced thread
-holds and lets it run out its slice. So the storage thread runs under ``SCHED_IDLE`` (falling
-back to nice +19 where that is refused): the kernel counts a core running only such threads as
-idle when it places a woken thread, and preempts them at once for it. Beside the same STORE, 0-2
+holds and lets it run out its slice. So STOREs run under ``SCHED_IDLE`` (falling back to nice
++19 where that is refused): the kernel counts a core running only such threads as idle when it
+places a woken thread, and preempts them at once for it. LOOKUP and LOAD, which a request
+waits for, run at the thread's own priority where the kernel lets it return (``Priority``). Beside the same STORE, 0-2
 of 900 SWAP_INs took over 1 ms (20-29 at nice 19). Idle cores still run the storage thread at
 full speed, and ``SCHED_IDLE`` is a low weight, not a strict priority: a STORE on machines
 whose cores are all busy still moves, slowly.
@@ -53,25 +54,51 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from fastkv.cache.plan import CopyKind
 from fastkv.ipc import TaskMsg
 
 log = logging.getLogger(__name__)
 GIL_SWITCH_S = 2e-4  # the longest a woken loop thread waits for the GIL the storage lane holds
 STORAGE_NICE = 19  # added to the storage thread's nice value (Linux: per thread; capped at 19)
+BACKGROUND_KIND = int(CopyKind.STORE)  # the storage task nobody waits for
 
 
-def lower_priority(tid: int, name: str) -> None:
-    """Puts thread ``tid`` under ``SCHED_IDLE`` (module docstring), else at nice +``STORAGE_NICE``;
-    never fatal: only the swap lane's tail latency depends on it."""
-    try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        return
-    except (AttributeError, OSError) as exc:  # not Linux, or a seccomp profile that forbids it
-        why = exc
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + STORAGE_NICE)
-    except OSError as exc:
-        log.warning("%s: could not lower the storage thread's CPU priority: %s; %s", name, why, exc)
+class Priority:
+    """The storage thread's CPU priority, task by task. Nobody waits for a STORE (write-behind):
+    it runs under ``SCHED_IDLE`` (module docstring). A request waits for its LOOKUP (admission
+    gives it ``storage_lookup_timeout_s``) and its LOAD: those run at the thread's own priority,
+    or a busy machine starves them (CI saw two engines on two cores time out their lookups).
+    Leaving ``SCHED_IDLE`` needs CAP_SYS_NICE or an RLIMIT_NICE that allows it; where the kernel
+    refuses, the thread stays low for everything (as it always was before: nice +19)."""
+
+    def __init__(self, tid: int, name: str) -> None:
+        self.tid, self.name = tid, name
+        self.low = False
+        self.stuck = False  # lowered for good: the kernel would not give the priority back
+        self.normal = os.sched_getscheduler(tid) if hasattr(os, "sched_getscheduler") else None
+
+    def set(self, low: bool) -> None:
+        if low == self.low or self.stuck:
+            return
+        try:
+            if low:
+                os.sched_setscheduler(self.tid, os.SCHED_IDLE, os.sched_param(0))
+            else:
+                os.sched_setscheduler(self.tid, self.normal, os.sched_param(0))
+            self.low = low
+            return
+        except (AttributeError, OSError) as exc:  # not Linux, no permission, or a seccomp profile
+            why = exc
+        self.stuck = True
+        if not low:  # it stays under SCHED_IDLE: still preempted at once, just for LOADs too
+            log.warning("%s: cannot leave SCHED_IDLE for a LOAD or LOOKUP (%s): storage reads run at "
+                        "the lowest CPU priority", self.name, why)
+            return
+        try:
+            os.setpriority(os.PRIO_PROCESS, self.tid, os.getpriority(os.PRIO_PROCESS, self.tid) + STORAGE_NICE)
+            self.low = True
+        except OSError as exc:  # never fatal: only the swap lane's tail latency depends on it
+            log.warning("%s: could not lower the storage thread's CPU priority: %s; %s", self.name, why, exc)
 
 
 class Hold:
@@ -187,7 +214,7 @@ class StorageLane:
             self._queue.popleft()[1].release()
 
     def _serve(self) -> None:
-        lower_priority(threading.get_native_id(), self._name)
+        priority = Priority(threading.get_native_id(), self._name)
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
@@ -197,6 +224,7 @@ class StorageLane:
                 msg, hold = self._queue.popleft()
                 self._busy = True
             try:
+                priority.set(low=msg.kind == BACKGROUND_KIND)
                 self._run(msg, hold)
             except BaseException as exc:  # noqa: BLE001 - handed to the loop thread, which raises it
                 self._error = exc

@@ -314,8 +314,8 @@ def test_the_storage_lane_cuts_the_gil_switch_interval_so_a_woken_swap_waits_a_f
         sys.setswitchinterval(previous)
 
 
-def storage_thread_sees(probe):
-    """What ``probe(tid)`` returns on a storage lane's thread as it runs a task."""
+def storage_thread_sees(probe, kinds=(CopyKind.STORE,)):
+    """What ``probe(tid)`` returns on a storage lane's thread as it runs each task of ``kinds``."""
     seen = []
 
     def run(msg, hold):
@@ -324,19 +324,45 @@ def storage_thread_sees(probe):
 
     lane = StorageLane(run, "test-storage")
     try:
-        lane.submit(TaskMsg(1, int(CopyKind.STORE)), HostHolds().hold([0], writes=False))
+        for i, kind in enumerate(kinds):
+            lane.submit(TaskMsg(i + 1, int(kind)), HostHolds().hold([i], writes=kind == CopyKind.LOAD))
         lane.drain(lambda: None, 0.05)
     finally:
         lane.close()
     return seen
 
 
-def test_the_storage_thread_runs_under_sched_idle_and_the_loop_thread_does_not():
+def may_leave_sched_idle() -> bool:
+    """Whether this process may switch a thread from SCHED_IDLE back (CAP_SYS_NICE: root here)."""
+    result = []
+
+    def probe():
+        tid = threading.get_native_id()
+        normal = os.sched_getscheduler(tid)
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        try:
+            os.sched_setscheduler(tid, normal, os.sched_param(0))
+            result.append(True)
+        except PermissionError:
+            result.append(False)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    return result[0]
+
+
+def test_stores_run_under_sched_idle_lookups_and_loads_do_not_and_the_loop_thread_never_does():
     """On two cores, a busy storage thread beside the loop thread and the engine left a woken
     swap or engine waiting for a core (bench_swap's lane_p99_ratio 4-7; at nice 19 still 2-3% of
-    the swaps beside a STORE over 1 ms): under SCHED_IDLE it gives way at once."""
+    the swaps beside a STORE over 1 ms): under SCHED_IDLE a STORE gives way at once. A request
+    waits for its LOOKUP and LOAD: starved beside two busy engines, lookups timed out (CI)."""
+    if not may_leave_sched_idle():
+        pytest.skip("this process may not leave SCHED_IDLE (no CAP_SYS_NICE): every storage task runs low")
     mine = os.sched_getscheduler(threading.get_native_id())
-    assert storage_thread_sees(os.sched_getscheduler) == [os.SCHED_IDLE] and mine != os.SCHED_IDLE
+    kinds = (CopyKind.STORE, CopyKind.LOAD, CopyKind.STORE, CopyKind.LOOKUP, CopyKind.STORE)
+    assert storage_thread_sees(os.sched_getscheduler, kinds) == [
+        os.SCHED_IDLE, mine, os.SCHED_IDLE, mine, os.SCHED_IDLE] and mine != os.SCHED_IDLE
     assert os.sched_getscheduler(threading.get_native_id()) == mine, "the loop thread went SCHED_IDLE too"
 
 
@@ -346,6 +372,7 @@ def test_where_sched_idle_is_refused_the_storage_thread_is_niced(monkeypatch):
 
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    seen = storage_thread_sees(lambda tid: os.getpriority(os.PRIO_PROCESS, tid))
-    assert seen == [min(19, mine + STORAGE_NICE)] and STORAGE_NICE > 0
+    seen = storage_thread_sees(lambda tid: os.getpriority(os.PRIO_PROCESS, tid), (CopyKind.LOAD, CopyKind.STORE,
+                                                                                  CopyKind.LOAD))
+    assert seen == [mine, min(19, mine + STORAGE_NICE), min(19, mine + STORAGE_NICE)] and STORAGE_NICE > 0
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine, "the loop thread was niced too"
