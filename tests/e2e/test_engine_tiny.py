@@ -103,7 +103,11 @@ def test_outputs_identical_in_every_mode(tp, mode, tmp_path, request):
         tasks, hits = summary["copy_tasks"], summary["hit_ratio"]
         assert tasks.get("store", 0) > 0, f"nothing written to storage: {summary}"
         assert hits["storage"] + hits["host"] > 0, f"no victim came back from storage or its host copies: {summary}"
-        assert (tasks.get("load", 0) > 0) == (hits["storage"] > 0), summary
+        # Storage serves only what a LOAD brought; a LOAD may also land for nobody, when its
+        # request is preempted again while loading (CI saw it): the next admission finds those
+        # blocks on the host (test_coalesced_loads.py pins that accounting).
+        assert hits["storage"] == 0 or tasks.get("load", 0) > 0, summary
+        assert summary["storage_errors"] == 0 and summary["recomputed_because_storage"] == 0, summary
     if mode == "recompute":
         assert summary["recomputed_tokens"] > 0
 

@@ -71,3 +71,20 @@ def test_a_waiter_freed_before_the_load_lands_leaves_the_others_intact():
     assert m.num_computed_tokens("b") == 2 * BS and m.is_ready("b")
     m.free("b")
     m.check_integrity()
+
+
+def test_a_load_that_lands_for_nobody_counts_no_storage_hit_and_serves_the_next_admission_from_the_host():
+    """CI (storage-lmdb, tp 2): a victim re-admitted with a LOAD in flight was preempted by
+    recompute again before it landed; one LOAD ran, and storage served no token."""
+    m = restarted()
+    a = m.allocate("a", toks(1, 2, extra=1))
+    m.free("a")  # preempted by recompute while loading
+    drain(m, loads(a.plans))
+    st = m.stats
+    assert (st.load_blocks, st.storage_hit_tokens, st.host_hit_tokens) == (2, 0, 0)
+    again = m.allocate("a", toks(1, 2, extra=1))
+    assert not loads(again.plans) and again.num_pending_tokens == 2 * BS
+    drain(m, again.plans)
+    assert (st.storage_hit_tokens, st.host_hit_tokens) == (0, 2 * BS)
+    assert m.num_computed_tokens("a") == 2 * BS
+    m.check_integrity()
