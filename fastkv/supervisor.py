@@ -40,7 +40,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -125,6 +126,16 @@ def log_tail(path: Path, lines: int = 12) -> str:
     return "\n".join("    " + line for line in tail) if tail else "(empty log)"
 
 
+@contextmanager
+def _tier_fits(tier: str, rank: int, num_blocks: int, block_bytes: int) -> Iterator[None]:
+    """Says which flag sized a tier that does not fit."""
+    try:
+        yield
+    except MemoryError as exc:
+        raise MemoryError(f"the {tier} tier of rank {rank} (--{tier}-blocks {num_blocks} x "
+                          f"{block_bytes / 2**10:.0f} KiB) does not fit: {exc}") from None
+
+
 class Supervisor:
     """One run: ``Supervisor(spec, workload_path).run()``.
 
@@ -193,6 +204,9 @@ class Supervisor:
         try:
             try:
                 self._setup(cuda)
+            except MemoryError as exc:  # a tier that does not fit: nothing started
+                message = str(exc)
+            else:
                 if self._stop_reason is None:  # a signal during setup: nothing to start
                     for rank in range(self.spec.tp_size):
                         self._start("transfer", rank)
@@ -269,12 +283,16 @@ class Supervisor:
         for r in range(spec.tp_size):
             # Recorded first: a crash between record and create leaves nothing unlisted.
             self.ns.record("shm", f"kvdev{r}")
-            if not cuda:  # on a GPU build the worker allocates it and shares it by CUDA IPC
-                tier = DeviceTier.create(spec.tier_prefix, r, spec.layout, spec.num_device_blocks, backend="shm")
-                self._tiers.append(tier)
+            # Allocated now (populate), as a GPU deployment's are: a tier too big fails here.
+            with _tier_fits("device", r, spec.num_device_blocks, spec.layout.block_bytes):
+                if not cuda:  # on a GPU build the worker allocates it and shares it by CUDA IPC
+                    self._tiers.append(DeviceTier.create(spec.tier_prefix, r, spec.layout, spec.num_device_blocks,
+                                                         backend="shm", populate=True))
             if spec.num_host_blocks:
                 self.ns.record("shm", f"kvhost{r}")
-                self._tiers.append(HostTier.create(spec.tier_prefix, r, spec.layout, spec.num_host_blocks))
+                with _tier_fits("host", r, spec.num_host_blocks, spec.layout.block_bytes):
+                    self._tiers.append(HostTier.create(spec.tier_prefix, r, spec.layout, spec.num_host_blocks,
+                                                       populate=True))
         self.signals = SignalArray.attach(self.ns, "signals")
 
     def _teardown(self) -> None:

@@ -84,7 +84,7 @@ def _device_tier(spec: RunSpec, rank: int) -> DeviceTier:
     manifest (the transfer process of this rank attaches it; the supervisor unlinks it)."""
     if select_device(spec.device_id(rank)):
         return DeviceTier.create(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks, backend="cuda")
-    return DeviceTier.attach(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks)
+    return DeviceTier.attach(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks, populate=True)
 
 
 def main(spec_json: str, rank: int) -> int:

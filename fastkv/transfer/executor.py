@@ -122,7 +122,7 @@ class TaskExecutor:
     def _attach_device(self) -> None:
         self._drop_device()
         self.device = DeviceTier.attach(self.spec.tier_prefix, self.rank, self.spec.layout,
-                                        self.spec.num_device_blocks)
+                                        self.spec.num_device_blocks, populate=True)
 
     def _drop_device(self) -> None:
         self._bound = None  # before the mapping it points into goes
@@ -136,7 +136,8 @@ class TaskExecutor:
             self.host.close()
             self.host = None
         if self.spec.num_host_blocks:
-            self.host = HostTier.attach(self.spec.tier_prefix, self.rank, self.spec.layout, self.spec.num_host_blocks)
+            self.host = HostTier.attach(self.spec.tier_prefix, self.rank, self.spec.layout, self.spec.num_host_blocks,
+                                        populate=True)
 
     def _open_store(self) -> None:
         self._close_store()

@@ -100,6 +100,8 @@ class ShmSegment:
                 raise ValueError(f"shm segment {name!r} has {actual} bytes, expected {size}")
         try:
             self.size = shm.size
+            if create and populate:
+                _allocate(shm, name, size)
             self.buf = mmap.mmap(shm.fd, self.size, flags=flags)
         finally:
             shm.close_fd()
@@ -117,6 +119,20 @@ class ShmSegment:
         if whole > 0:
             self.buf.madvise(mmap.MADV_REMOVE, offset, whole)
         self.buf[offset + whole : offset + length] = bytes(length - whole)  # a partial last page stays: zero it
+
+
+def _allocate(shm: posix_ipc.SharedMemory, name: str, size: int) -> None:
+    """Allocates every page of a new segment now, as a GPU deployment pins its host memory up
+    front: a tier too big for /dev/shm fails here, in one line, not with SIGBUS mid-run, and
+    no copy pays the page faults of first touch (a first 48 MiB copy into fresh shm took 49 ms
+    here, the next ones 5 ms: auto preemption priced every copy by that first one)."""
+    try:
+        os.posix_fallocate(shm.fd, 0, size)
+    except OSError as e:
+        unlink_segment(name)
+        free = os.statvfs("/dev/shm")
+        raise MemoryError(f"shm segment {name!r}: cannot allocate {size / 2**20:.0f} MiB in /dev/shm "
+                          f"({free.f_bavail * free.f_frsize / 2**20:.0f} MiB free): {e.strerror}") from None
 
 
 def resident_bytes(name: str) -> int:

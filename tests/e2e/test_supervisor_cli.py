@@ -262,3 +262,15 @@ def test_a_handoff_file_that_is_no_handoff_stream_is_refused_by_name(tmp_path, c
     header = tmp_path / "handoff.jsonl"
     header.write_text('{"header": {"pid": 1, "started": 0}}\n')
     JobConfig(role="decode", storage=f"lmdb://{tmp_path}/s", handoff=str(header))
+
+
+def test_a_host_tier_too_big_for_memory_fails_the_run_in_one_line_naming_the_flag(tmp_path, capsys):
+    blocks = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize // (64 << 10) + 16
+    rc = main(["--out", str(tmp_path / "out"), "--no-progress", "--host-blocks", str(blocks)])
+    err = capsys.readouterr().err
+    failed = [line for line in err.splitlines() if "run failed" in line]
+    assert rc == 1 and len(failed) == 1, err
+    assert f"the host tier of rank 0 (--host-blocks {blocks} x 64 KiB) does not fit" in failed[0]
+    assert "Traceback" not in err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["status"].startswith("failed: the host tier") and summary["generated_tokens"] == 0

@@ -236,3 +236,27 @@ def test_adopt_takes_the_deployments_own_caches(prefix):
     finally:
         tier.close()
         tier.unlink()
+
+
+def test_populated_tiers_are_resident_before_any_write(prefix):
+    from fastkv.transfer.tiers import resident_bytes
+
+    dev = DeviceTier.create(prefix, 0, LAYOUT, NUM_DEV, backend="shm", populate=True)
+    host = HostTier.create(prefix, 0, LAYOUT, NUM_HOST, populate=True)
+    lazy = HostTier.create(prefix, 1, LAYOUT, NUM_HOST)
+    try:
+        for tier in (dev, host):
+            assert resident_bytes(tier.name) >= tier._segment.size, f"{tier.name}: pages left to first touch"
+        assert resident_bytes(lazy.name) < NUM_HOST * LAYOUT.block_bytes // 2  # the test can tell them apart
+        assert not host.array.any() and host.corrupt(range(NUM_HOST)) == []
+    finally:
+        for tier in (dev, host, lazy):
+            tier.close()
+            tier.unlink()
+
+
+def test_a_tier_too_big_for_dev_shm_fails_at_once_and_leaves_nothing(prefix):
+    too_many = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize // LAYOUT.block_bytes + 16
+    with pytest.raises(MemoryError, match=r"cannot allocate \d+ MiB in /dev/shm \(\d+ MiB free\)"):
+        HostTier.create(prefix, 0, LAYOUT, too_many, populate=True)
+    assert not list(Path("/dev/shm").glob(prefix + "*"))
