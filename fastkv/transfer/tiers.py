@@ -46,6 +46,7 @@ import posix_ipc
 import xxhash
 
 from fastkv.config import KVLayout
+from fastkv.ipc.namespace import SHM_DIR
 
 HEADER_BYTES = 4096
 CHECKSUM_BYTES = 16  # xxh3-128 per host block
@@ -130,14 +131,14 @@ def _allocate(shm: posix_ipc.SharedMemory, name: str, size: int) -> None:
         os.posix_fallocate(shm.fd, 0, size)
     except OSError as e:
         unlink_segment(name)
-        free = os.statvfs("/dev/shm")
-        raise MemoryError(f"shm segment {name!r}: cannot allocate {size / 2**20:.0f} MiB in /dev/shm "
+        free = os.statvfs(SHM_DIR)
+        raise MemoryError(f"shm segment {name!r}: cannot allocate {size / 2**20:.0f} MiB in {SHM_DIR} "
                           f"({free.f_bavail * free.f_frsize / 2**20:.0f} MiB free): {e.strerror}") from None
 
 
 def resident_bytes(name: str) -> int:
     """Bytes of memory the shm object ``name`` holds now (its allocated pages, not its size)."""
-    return os.stat(f"/dev/shm/{name}").st_blocks * 512
+    return os.stat(SHM_DIR / name).st_blocks * 512
 
 
 def unlink_segment(name: str) -> bool:
