@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import fcntl
 import hashlib
 import json
@@ -82,6 +83,15 @@ def _paddle() -> Any:
             "or paddlepaddle-gpu on a GPU machine"
         ) from exc
     return paddle
+
+
+def default_fatal_signals() -> None:
+    """Imports Paddle and takes back the signal handlers it installed: its C++ handler answers
+    SIGTERM with a stack dump made of calls that are not async-signal-safe, so a SIGTERM at the
+    wrong moment hung a transfer process until SIGKILL. A fastkv child that the supervisor
+    SIGTERMs dies at once (the default); crashes are reported by Python's faulthandler."""
+    _paddle().disable_signal_handler()
+    faulthandler.enable()
 
 
 def _with_cuda() -> bool:

@@ -149,10 +149,17 @@ VERIFY_COUNTERS = ("kv_blocks_verified", "kv_requests_verified", "kv_positions_r
 
 HANDOFF_FILE = "handoff.jsonl"
 
+# ``{proc}.ready``: what the supervisor may do to a process it must stop. STARTING (importing,
+# attaching: it holds no work and sees ``stop`` only once up) may be SIGTERMed; READY and EXITING
+# (its channels closed, it is releasing what it attached) are left to exit by themselves. A
+# process that cleared its flag on the way out was taken for STARTING and SIGTERMed mid-cleanup:
+# Paddle's SIGTERM dump then hung one transfer process until SIGKILL 15 s later.
+STARTING, READY, EXITING = 0, 1, 2
+
 
 def signal_names(tp_size: int) -> list[str]:
     """Slots of the run's signal array: per process a heartbeat (monotonic ns), its pid and
-    a ready flag; ``stop`` asks every process to exit; ``transfer{r}.gen`` counts restarts
+    its ready flag (STARTING, READY, EXITING); ``stop`` asks every process to exit; ``transfer{r}.gen`` counts restarts
     (the supervisor bumps it before starting a replacement); ``engine.total`` (requests in
     the workload) and ``engine.finished`` (requests done) drive the supervisor's progress bar;
     ``storage.errors`` and ``storage.corrupt`` count the storage faults of every transfer

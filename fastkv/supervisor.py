@@ -51,7 +51,7 @@ from fastkv.engine.engine import write_missing
 from fastkv.ipc import Namespace, SignalArray, cleanup_stale
 from fastkv.ipc.namespace import SHM_DIR
 from fastkv.ipc.peers import die_with_parent
-from fastkv.run import RunSpec, create_run
+from fastkv.run import STARTING, RunSpec, create_run
 
 ENTRY_POINTS = {
     "engine": "fastkv.engine.engine:main",  # main(spec_json, workload_path) -> int
@@ -340,7 +340,7 @@ class Supervisor:
     def _restart_transfer(self, child: Child, why: str) -> None:
         assert self.signals is not None, "restart before setup"
         child.process.join()
-        self.signals[f"{child.name}.ready"] = 0
+        self.signals[f"{child.name}.ready"] = STARTING
         # The gen bump is what tells the engine's TransferClient to fail this rank's tasks in flight.
         self.signals.add(f"{child.name}.gen", 1)
         self._start("transfer", child.rank).restarts = child.restarts + 1
@@ -386,7 +386,7 @@ class Supervisor:
         assert self.signals is not None, "watch before setup"
         if child.process.exitcode is not None:
             return describe_exit(child.process.exitcode)
-        if self.signals[f"{child.name}.ready"]:
+        if self.signals[f"{child.name}.ready"] != STARTING:
             silent = now_ns - max(self.signals[f"{child.name}.beat"], child.started_ns)
             if silent > self.spec.dead_after_s * 1e9:
                 return f"heartbeat silent for {silent / 1e9:.1f} s"
@@ -410,8 +410,9 @@ class Supervisor:
         running = [p for p in started if p.exitcode is None]
         for child in self.children.values():
             # Still starting (importing, attaching): it holds no work and would see stop only once
-            # up; its default SIGTERM ends it now (what it attached, the supervisor unlinks).
-            if child.process in running and not (self.signals and self.signals[f"{child.name}.ready"]):
+            # up; its default SIGTERM ends it now (what it attached, the supervisor unlinks). One
+            # that is EXITING is releasing what it attached: it gets its time.
+            if child.process in running and (self.signals is None or self.signals[f"{child.name}.ready"] == STARTING):
                 child.process.terminate()
         while running and not self._kill_now:
             left = deadline - time.monotonic()

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 from fastkv.demo import arrival_error, prompt_error
 from fastkv.engine.core import Engine, EngineError, EngineStopped, RequestRejected, RequestResult
 from fastkv.engine.decode import drive_decode
-from fastkv.run import VERIFY_COUNTERS, RunSpec
+from fastkv.run import EXITING, READY, VERIFY_COUNTERS, RunSpec
 
 MODES = ("recompute", "offload", "storage", "auto")
 _TIMELINE_EVERY_S = 0.25
@@ -222,7 +222,7 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
             print(f"fastkv engine: metrics on http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
         engine.ends.signals["engine.total"] = len(items)
         engine.wait_until_ready()
-        engine.ends.signals["engine.ready"] = 1
+        engine.ends.signals["engine.ready"] = READY
         start = time.monotonic()
         if spec.role == "decode":
             drive_decode(engine, items, results)
@@ -238,7 +238,7 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
         raise
     finally:
         try:  # the summary reads the run's signals: before the ends close
-            engine.ends.signals["engine.ready"] = 0
+            engine.ends.signals["engine.ready"] = EXITING
             results = complete(items, results + engine.unfinished())
             seconds = time.monotonic() - start
             timeline.append([round(seconds, 4), sum(r.state == "finished" for r in results),

@@ -37,11 +37,12 @@ from typing import Any
 
 import numpy as np
 
+from fastkv import ops
 from fastkv.engine import protocol
 from fastkv.engine.runners import runner_class
 from fastkv.ipc import ChannelClosed, Namespace, OutputMsg, PeerDied, pid_alive
 from fastkv.ipc.collective import ShmCollective
-from fastkv.run import RunSpec, attach_worker, collective_prefix
+from fastkv.run import EXITING, READY, RunSpec, attach_worker, collective_prefix
 from fastkv.transfer.tiers import DeviceTier, TierKind, resident_bytes, select_device
 
 _ERROR_BYTES = 256  # per rank, in the end-of-step agreement
@@ -88,6 +89,7 @@ def _device_tier(spec: RunSpec, rank: int) -> DeviceTier:
 
 
 def main(spec_json: str, rank: int) -> int:
+    ops.default_fatal_signals()
     spec = RunSpec.from_json(spec_json)
     me = f"worker{rank}"
     ns = Namespace.attach(spec.run_id)
@@ -103,7 +105,7 @@ def main(spec_json: str, rank: int) -> int:
         # them, and Paddle's DLPack cannot export a CPU bfloat16 tensor to numpy). CUDA: the tensors.
         k, v = (tier.k_arrays, tier.v_arrays) if tier.k_arrays else (tier.k, tier.v)
         runner = runner_class(spec.runner)(spec.layout, rank, spec.tp_size, k, v, **opts)
-        sig[f"{me}.ready"] = 1
+        sig[f"{me}.ready"] = READY
 
         def load_weights(req: protocol.LoadWeights) -> None:
             nonlocal tier
@@ -114,7 +116,7 @@ def main(spec_json: str, rank: int) -> int:
         print(f"fastkv {me}: fatal error\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return 1
     finally:
-        sig[f"{me}.ready"] = 0
+        sig[f"{me}.ready"] = EXITING
         if runner is not None:
             runner.close()
         if coll is not None:

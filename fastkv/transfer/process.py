@@ -35,7 +35,7 @@ from fastkv import ops
 from fastkv.cache.plan import CopyKind
 from fastkv.ipc import BadMessage, ChannelClosed, DoneMsg, Namespace, PeerDied, PeerTimeout, SignalArray, TaskMsg
 from fastkv.ipc.peers import me
-from fastkv.run import RunSpec, TransferEnds, attach_transfer
+from fastkv.run import EXITING, READY, RunSpec, TransferEnds, attach_transfer
 from fastkv.transfer.executor import TaskExecutor
 from fastkv.transfer.lanes import Hold, StorageLane
 from fastkv.transfer.protocol import BAD_TASK_ID, FENCE, fence_names, fence_weights_version
@@ -192,6 +192,7 @@ def main(spec_json: str, rank: int) -> int:
     """Entry point of transfer[rank] (``fastkv.run`` topology, ``RunSpec`` JSON)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    ops.default_fatal_signals()
     spec = RunSpec.from_json(spec_json)
     select_device(spec.device_id(rank))  # the worker's device: CUDA IPC handles open there
     ns = Namespace.attach(spec.run_id)
@@ -208,12 +209,12 @@ def main(spec_json: str, rank: int) -> int:
     try:
         signals[f"{prefix}.pid"] = loop.me.pid
         loop.beat()
-        signals[f"{prefix}.ready"] = 1
+        signals[f"{prefix}.ready"] = READY
         code = loop.run()
         log.info("transfer[%d]: executed %d tasks, dropped %d stale ones", rank, loop.executed, loop.dropped)
         return code
     finally:
         loop.close()
-        signals[f"{prefix}.ready"] = 0
+        signals[f"{prefix}.ready"] = EXITING
         ends.close()
         executor.close()

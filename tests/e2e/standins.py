@@ -12,6 +12,8 @@ ChannelClosed) a little before the engine itself does. Knobs from ``spec.runner_
 - ``standin_worker_exit``: worker0 exits with this code right after it is ready;
 - ``standin_transfer_hang``: transfer0 of generation 0 stops beating (a hung process);
 - ``standin_linger_s``: the engine's time between closing its channels and exiting (default 0.3).
+- ``standin_cleanup_s``: the time workers and transfer processes spend releasing what they
+  attached, EXITING, after the engine closed their channels (default 0).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import time
 
 from fastkv.demo import read_workload
 from fastkv.ipc import ChannelClosed, Namespace, SignalArray
-from fastkv.run import RunSpec, attach_engine, attach_transfer, attach_worker
+from fastkv.run import EXITING, READY, RunSpec, attach_engine, attach_transfer, attach_worker
 from fastkv.transfer.tiers import HostTier
 
 _idle = threading.Event()  # never set: Event.wait(t) is the stand-ins' interruptible pause
@@ -31,7 +33,7 @@ _idle = threading.Event()  # never set: Event.wait(t) is the stand-ins' interrup
 def _announce(sig: SignalArray, proc: str) -> None:
     sig[f"{proc}.pid"] = os.getpid()
     sig[f"{proc}.beat"] = time.monotonic_ns()
-    sig[f"{proc}.ready"] = 1
+    sig[f"{proc}.ready"] = READY
 
 
 def _busy(sig: SignalArray, seconds: float, beat_every: float) -> None:
@@ -47,15 +49,22 @@ def _busy(sig: SignalArray, seconds: float, beat_every: float) -> None:
 
 
 def _serve(spec: RunSpec, sig: SignalArray, proc: str, channel, hang: bool = False) -> int:
-    while not sig["stop"]:
-        if not hang:
-            sig[f"{proc}.beat"] = time.monotonic_ns()
-        try:
-            channel.recv(timeout=spec.heartbeat_s / 2)
-        except ChannelClosed:
-            print(f"stand-in {proc}: the engine closed its channel; exiting", flush=True)
-            return 0
-    return 0
+    try:
+        while not sig["stop"]:
+            if not hang:
+                sig[f"{proc}.beat"] = time.monotonic_ns()
+            try:
+                channel.recv(timeout=spec.heartbeat_s / 2)
+            except ChannelClosed:
+                print(f"stand-in {proc}: the engine closed its channel; exiting", flush=True)
+                return 0
+        return 0
+    finally:  # as the real ones: EXITING while releasing what they attached
+        sig[f"{proc}.ready"] = EXITING
+        cleanup = float(spec.runner_options.get("standin_cleanup_s", 0))
+        if cleanup:
+            _idle.wait(cleanup)
+            print(f"stand-in {proc}: cleaned up", flush=True)
 
 
 def transfer_main(spec_json: str, rank: int) -> int:

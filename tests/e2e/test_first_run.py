@@ -39,6 +39,11 @@ def test_first_run_builds_the_ops_before_any_process_is_ready(tmp_path):
     assert len(list(cache.glob("*/fastkv_ops.so"))) == 1
     assert not list(cache.glob("*/.build-*"))
     assert "hit ratio" in out
+    # A clean run stops no process by signal: each rank exits when the engine closes its channels.
+    assert "killing" not in err, err
+    for log in (tmp_path / "out" / "logs").glob("*.log"):
+        text = log.read_text()
+        assert "Termination signal" not in text and "SIGTERM" not in text, f"{log.name}:\n{text[-2000:]}"
 
 
 def test_ctrl_c_during_the_build_stops_promptly_leaving_nothing(tmp_path):

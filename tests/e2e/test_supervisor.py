@@ -107,6 +107,19 @@ def test_run_completes_writes_report_and_leaves_nothing(tmp_path):
     assert leftovers(rid) == []
 
 
+def test_ranks_still_cleaning_up_when_the_engine_exits_are_left_to_finish(tmp_path):
+    # Real ranks release their tiers and channels after the engine closed them; the supervisor's
+    # shutdown used to take their cleared ready flag for "still starting" and SIGTERM them there
+    # (Paddle's SIGTERM dump in every worker log; once a transfer process hung 15 s until SIGKILL).
+    rid = run_id()
+    code, out, err = finish(start_cli(tmp_path, rid, standin_cleanup_s=1.5, standin_linger_s=0.05))
+    assert code == 0, err
+    assert "killing" not in err and "restarted" not in err, err
+    for rank_log in ("worker0.log", "transfer0.log"):
+        assert "cleaned up" in (tmp_path / "out" / "logs" / rank_log).read_text(), rank_log
+    assert leftovers(rid) == []
+
+
 def test_sigterm_stops_cleanly(tmp_path):
     rid = run_id()
     proc = start_cli(tmp_path, rid, standin_request_s=1.0)

@@ -128,3 +128,15 @@ def test_cli_where_prints_the_loaded_library(paddle_ops):
 def test_ids_must_be_integers(paddle_ops, value):
     with pytest.raises(TypeError, match="integers"):
         ops._ids(value, "src")
+
+
+def test_a_child_that_took_back_paddles_signal_handlers_dies_at_once_on_sigterm():
+    # Paddle's C++ handler answers SIGTERM with a stack dump ("FatalError: `Termination signal`"):
+    # in every worker's log after a clean run, and once a transfer process hung in it until SIGKILL.
+    code = ("import os, signal, sys; from fastkv import ops; ops.default_fatal_signals(); "
+            "print('armed', flush=True); os.kill(os.getpid(), signal.SIGTERM); sys.stdin.read()")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.PIPE)
+    assert proc.stdout == "armed\n", proc.stderr
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr)
+    assert "Termination signal" not in proc.stderr and "FatalError" not in proc.stderr, proc.stderr
