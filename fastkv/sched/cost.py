@@ -11,7 +11,13 @@ A step costs a floor whatever its prefill (a decode step reads all the weights: 
 prefill tokens of a mixed step ride on it), so the prefill rate is the marginal one: a
 prefill step's tokens over its time beyond the floor, which decode-only steps measure.
 Tokens per whole step would put the rate an order of magnitude low under a roofline model
-and make every recompute look expensive.
+and make every recompute look expensive. Under a roofline a step costs
+max(floor, tokens / rate): the first ``free_tokens`` of prefill ride on the floor at no cost
+and the rest cost 1 / rate each, so a step's time beyond the floor is a line in its prefill
+tokens, (tokens - free_tokens) / rate, fitted like the copies' below. Steps within the floor's
+noise say only that their prefill rode free and are left out: a rate taken from them (a few
+tokens over a few microseconds of jitter) once read 1.8e9 tokens/s, which priced recomputing a
+1500-token victim at a microsecond.
 
 A copy also costs a fixed ``copy_latency`` per task (the transfer path's round trip, which
 bench_swap measures as ``empty_task_rtt_us``): that is what makes the choice depend on the
@@ -23,7 +29,30 @@ latency, and charging it all to bandwidth put the bandwidth ~50x low and every o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+FLOOR_NOISE = 0.05  # a step within 5 % of the decode floor carried its prefill free
+
+
+@dataclass(slots=True)
+class _Line:
+    """Least squares of y = intercept + slope * x over exponentially weighted moments."""
+
+    moments: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # mean x, y, x^2, x*y
+    samples: int = 0
+
+    def add(self, x: float, y: float, alpha: float) -> tuple[float, float] | None:
+        """Feeds (x, y); the line (intercept, slope) once the x vary enough and y rises with
+        them, else None."""
+        a = alpha if self.samples else 1.0
+        self.moments = mx, my, mxx, mxy = tuple(m + a * (v - m) for m, v in zip(
+            self.moments, (x, y, x * x, x * y), strict=True))
+        self.samples += 1
+        var, cov = mxx - mx * mx, mxy - mx * my
+        if var <= (0.25 * mx) ** 2 or cov <= 0:
+            return None
+        slope = cov / var
+        return my - slope * mx, slope
 
 
 @dataclass(slots=True)
@@ -37,9 +66,9 @@ class CostModel:
     copy_latency: float = 0.0  # seconds per copy task, whatever its size
     step_floor: float = 0.0  # seconds of a decode-only step (EWMA)
     floor_samples: int = 0
-    # EWMA moments of copy tasks' (bytes, seconds): mean x, mean y, mean x^2, mean x*y
-    _moments: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
-    _task_samples: int = 0
+    free_tokens: float = 0.0  # prefill tokens a step carries within its floor (the roofline's knee)
+    _copies: _Line = field(default_factory=lambda: _Line())  # copy tasks: (bytes, seconds)
+    _prefills: _Line = field(default_factory=lambda: _Line())  # prefill steps: (tokens, seconds beyond the floor)
 
     def __post_init__(self) -> None:
         if self.copy_bandwidth <= 0 or self.prefill_rate <= 0 or not 0 < self.alpha <= 1 or self.copy_latency < 0:
@@ -68,17 +97,14 @@ class CostModel:
         self.prefill_samples += 1
 
     def _fit(self, x: float, y: float) -> bool:
-        """Feeds the moments; True if the tasks' sizes vary enough that the line through them
-        gave both bandwidth and latency."""
-        a = self.alpha if self._task_samples else 1.0
-        self._moments = mx, my, mxx, mxy = tuple(m + a * (v - m) for m, v in zip(
-            self._moments, (x, y, x * x, x * y), strict=True))
-        self._task_samples += 1
-        var, cov = mxx - mx * mx, mxy - mx * my
-        if var <= (0.25 * mx) ** 2 or cov <= 0:
-            return False  # all about one size (or noise sloping down): latency stays the prior
-        self.copy_bandwidth = var / cov
-        self.copy_latency = max(0.0, my - mx / self.copy_bandwidth)
+        """True if the tasks' sizes vary enough that the line through them gave both bandwidth
+        and latency (else the latency stays the prior)."""
+        line = self._copies.add(x, y, self.alpha)
+        if line is None:
+            return False
+        latency, seconds_per_byte = line
+        self.copy_bandwidth = 1.0 / seconds_per_byte
+        self.copy_latency = max(0.0, latency)
         self.copy_samples += 1
         return True
 
@@ -92,7 +118,17 @@ class CostModel:
                 self.step_floor += a * (seconds - self.step_floor)
                 self.floor_samples += 1
         elif self.floor_samples:
-            self.observe_prefill(prefill, max(0.0, seconds - self.step_floor))  # all under the floor: nothing
+            beyond = seconds - self.step_floor
+            if beyond <= FLOOR_NOISE * self.step_floor:
+                return  # it rode on the floor: no rate in it (module docstring)
+            line = self._prefills.add(prefill, beyond, self.alpha)
+            if line is None:  # all about one size: the marginal rate, nothing known to ride free
+                self.observe_prefill(prefill, beyond)
+                return
+            intercept, seconds_per_token = line
+            self.prefill_rate = 1.0 / seconds_per_token
+            self.free_tokens = max(0.0, -intercept * self.prefill_rate)
+            self.prefill_samples += 1
         elif prefill >= decode:  # no floor known yet: the whole step, the best there is
             self.observe_prefill(prefill + decode, seconds)
 
@@ -102,7 +138,9 @@ class CostModel:
         return 2.0 * (self.copy_latency + num_blocks * self.block_bytes / self.copy_bandwidth)
 
     def recompute_seconds(self, num_tokens: int) -> float:
-        return num_tokens / self.prefill_rate
+        """A recompute's prefill rides on a step beside the decodes: its first ``free_tokens``
+        cost nothing."""
+        return max(0.0, num_tokens - self.free_tokens) / self.prefill_rate
 
     def prefer_offload(self, num_tokens: int, num_blocks: int) -> bool:
         """Whether copying ``num_blocks`` out and back beats recomputing ``num_tokens``
