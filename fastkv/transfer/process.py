@@ -133,7 +133,8 @@ class TransferLoop:
             return
         if msg.kind not in SWAPS:  # CLEAR, RESTORE (and unknown kinds, which fail)
             self.barrier()
-        self.finish(self.executor.run(msg, progress=self.beat))
+        self.finish(self.executor.run(msg, progress=self.beat, defer_seal=True))
+        self.executor.seal_pending()  # after the ack, before the next task is dispatched
 
     def _run_stored(self, msg: TaskMsg, hold: Hold) -> None:
         self.finish(self.executor.run(msg, progress=self.beat, hold=hold))
