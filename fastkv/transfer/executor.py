@@ -109,7 +109,6 @@ class TaskExecutor:
         self._task = threading.local()  # progress() of the task each lane is running
         self.holds = HostHolds()  # host blocks storage tasks are on (fastkv.transfer.lanes)
         self.checksum_mismatches = 0
-        self._unsealed: list[int] = []  # host blocks of the last SWAP_OUT, not sealed yet (seal_pending)
         self.released_bytes = 0  # host tier memory given back by CLEAR with FREE
         try:
             self._attach_device()
@@ -172,15 +171,12 @@ class TaskExecutor:
         self.host = None
 
     # -- tasks -------------------------------------------------------------------------
-    def run(self, msg: TaskMsg, progress: Callable[[], None] = lambda: None, hold: Hold | None = None,
-            defer_seal: bool = False) -> DoneMsg:
+    def run(self, msg: TaskMsg, progress: Callable[[], None] = lambda: None, hold: Hold | None = None) -> DoneMsg:
         """Executes one task, calling ``progress()`` as its parts complete; never raises
         for a bad or failed task. ``hold``: the host blocks a storage task was dispatched
-        on, released part by part and all at the end. ``defer_seal``: a SWAP_OUT leaves its
-        host checksums to ``seal_pending``, which the caller runs after the ack and before
-        any other task (the transfer loop: module docstring)."""
+        on, released part by part and all at the end."""
         t0 = time.perf_counter()
-        self._task.progress, self._task.hold, self._task.defer_seal = progress, hold, defer_seal
+        self._task.progress, self._task.hold = progress, hold
         found = None
         try:
             if msg.kind == CopyKind.LOOKUP:
@@ -249,20 +245,8 @@ class TaskExecutor:
 
         self._in_parts(len(plan.src), part)
         if out and self.spec.host_checksums:
-            self._unsealed = plan.dst.tolist()
-            if not self._task.defer_seal:
-                self.seal_pending()
+            host.seal(plan.dst.tolist())
         return len(plan.src) * self.block_bytes, ""
-
-    def seal_pending(self) -> None:
-        """Checksums of the host blocks the last SWAP_OUT filled. Hashing them right after a
-        streaming-store copy reads them back from memory (the stores bypassed the cache): for
-        a 2 MiB block 224 us beside a 167 us copy, here. The engine waits for the ack to free
-        the device blocks, not for the checksums: the loop acks first and seals before it
-        dispatches the next task, so no task reads the blocks unsealed."""
-        if self._unsealed:
-            blocks, self._unsealed = self._unsealed, []
-            self.host.seal(blocks)
 
     def take_faults(self) -> tuple[int, int]:
         """Storage errors and corrupt values since the last call (the engine's summary counts them)."""

@@ -133,8 +133,7 @@ class TransferLoop:
             return
         if msg.kind not in SWAPS:  # CLEAR, RESTORE (and unknown kinds, which fail)
             self.barrier()
-        self.finish(self.executor.run(msg, progress=self.beat, defer_seal=True))
-        self.executor.seal_pending()  # after the ack, before the next task is dispatched
+        self.finish(self.executor.run(msg, progress=self.beat))
 
     def _run_stored(self, msg: TaskMsg, hold: Hold) -> None:
         self.finish(self.executor.run(msg, progress=self.beat, hold=hold))

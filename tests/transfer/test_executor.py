@@ -212,20 +212,6 @@ def test_host_blocks_changed_since_they_landed_are_never_copied(sup, ex):
     assert np.array_equal(device_blocks(dev, [7])[0].view(np.uint8), device_blocks(dev, [0])[0].view(np.uint8))
 
 
-def test_a_deferred_seal_leaves_a_swap_outs_blocks_unsealed_until_seal_pending(sup, ex):
-    # The transfer loop acks a SWAP_OUT before hashing its host blocks (a hash right after a
-    # streaming copy reads them back from memory) and seals them before its next task.
-    fill_random(sup.devices[1], np.random.default_rng(4))
-    host, bb = sup.hosts[1], sup.spec.layout.block_bytes
-    expect_ok(ex.run(task(CopyKind.SWAP_OUT, [0, 1], [4, 5]), defer_seal=True), 2 * bb)
-    assert host.corrupt([4, 5]) == [4, 5]  # landed, not sealed yet
-    ex.seal_pending()
-    assert host.corrupt([4, 5]) == []
-    expect_ok(ex.run(task(CopyKind.SWAP_IN, [4, 5], [7, 8])), 2 * bb)
-    expect_ok(ex.run(task(CopyKind.SWAP_OUT, [2], [6])), bb)  # not deferred: sealed before it returns
-    assert host.corrupt([6]) == []
-
-
 def test_host_checksums_can_be_switched_off(sup):
     ex = TaskExecutor(dataclasses.replace(sup.spec, host_checksums=False), 1)
     try:
