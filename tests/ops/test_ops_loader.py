@@ -133,7 +133,9 @@ def test_ids_must_be_integers(paddle_ops, value):
 def test_a_child_that_took_back_paddles_signal_handlers_dies_at_once_on_sigterm():
     # Paddle's C++ handler answers SIGTERM with a stack dump ("FatalError: `Termination signal`"):
     # in every worker's log after a clean run, and once a transfer process hung in it until SIGKILL.
-    code = ("import os, signal, sys; from fastkv import ops; ops.default_fatal_signals(); "
+    # SIGINT stays ignored, as the supervisor's children set it: Ctrl-C is the supervisor's to handle.
+    code = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); from fastkv import ops; "
+            "ops.default_fatal_signals(); os.kill(os.getpid(), signal.SIGINT); "
             "print('armed', flush=True); os.kill(os.getpid(), signal.SIGTERM); sys.stdin.read()")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=120, stdin=subprocess.PIPE)
