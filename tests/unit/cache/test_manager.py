@@ -424,3 +424,30 @@ def test_reset_prefix_cache_drops_the_cached_blocks_of_every_tier_and_keeps_held
     gone, kept = mgr.match(toks(1, 2, extra=1)), mgr.match(toks(3, extra=1))
     assert (gone.device_blocks, gone.host_blocks) == ((), ())
     assert (len(kept.device_blocks), kept.host_blocks) == (1, ())
+
+
+def test_a_request_waiting_for_room_is_hashed_once_and_gets_the_same_keys(monkeypatch):
+    # Admission retries the head of the queue every step; its keys were hashed again each time.
+    import fastkv.cache.manager as manager
+
+    calls = []
+    real = manager.block_keys
+    monkeypatch.setattr(manager, "block_keys", lambda *a: calls.append(len(a[0])) or real(*a))
+    m = mk(dev=4)
+    a = m.allocate("big", toks(1, 2, 3))  # 3 of the 4 blocks
+    assert a is not None
+    waiting = toks(4, 5, extra=1)  # needs 3 blocks: no room while "big" holds its own
+    want = m.keys_for(waiting)
+    calls.clear()
+    for _ in range(5):
+        assert m.allocate("w", waiting) is None
+    assert calls == [len(waiting)]
+    assert m.allocate("w2", waiting[:-1]) is None  # another request, other tokens: hashed for itself
+    assert len(calls) == 2
+    m.free("big")
+    b = m.allocate("w", waiting)
+    assert b is not None and len(calls) == 2  # admitted with the kept keys
+    assert m._reqs["w"].keys == want
+    m.check_integrity()
+    m.free("w")
+    assert m.allocate("w", waiting) is not None and len(calls) == 3  # admitted: the keys were let go
