@@ -67,8 +67,8 @@ class CostModel:
     step_floor: float = 0.0  # seconds of a decode-only step (EWMA)
     floor_samples: int = 0
     free_tokens: float = 0.0  # prefill tokens a step carries within its floor (the roofline's knee)
-    _copies: _Line = field(default_factory=lambda: _Line())  # copy tasks: (bytes, seconds)
-    _prefills: _Line = field(default_factory=lambda: _Line())  # prefill steps: (tokens, seconds beyond the floor)
+    _copies: _Line = field(default_factory=_Line)  # copy tasks: (bytes, seconds)
+    _prefills: _Line = field(default_factory=_Line)  # prefill steps: (tokens, seconds beyond the floor)
 
     def __post_init__(self) -> None:
         if self.copy_bandwidth <= 0 or self.prefill_rate <= 0 or not 0 < self.alpha <= 1 or self.copy_latency < 0:
