@@ -235,9 +235,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(groups[data.draw(st.sampled_from(sorted(groups)))]))
 
     def _pending_for(self, who: str, kind: CopyKind = K.SWAP_IN) -> list[int]:
-        """Indexes of the pending copies of ``kind`` that serve ``who`` (as recorded at dispatch)."""
-        return [i for i, (p, _) in enumerate(self.transfer.pending)
-                if p.kind is kind and self.owners.get(p.plan_id, (None, "nobody"))[1] == who]
+        """Indexes of the pending copies of ``kind`` that serve ``who`` (as recorded at dispatch);
+        a copy whose request is gone since (aborted, finished) serves "nobody"."""
+        out = []
+        for i, (p, _) in enumerate(self.transfer.pending):
+            rid, label = self.owners.get(p.plan_id, (None, "nobody"))
+            if rid not in self.sched.requests or rid in self.aborted:
+                label = "nobody"
+            if p.kind is kind and label == who:
+                out.append(i)
+        return out
 
     @precondition(lambda self: self.sched.weight_update_state is WeightUpdate.NONE
                   and any(r.state in RARE for r in self.sched.requests.values()))
