@@ -90,10 +90,13 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
     for b in rec.src:
         dev.unpin(b)
     keyed = _set_host_keys(state, rec) if ok else []
+    _hand_to_waiting_children(state, rec, keyed)
     # children first: a batch enters the host LRU queue leaves before parents
     order = rec.dst if rec.purpose is Purpose.WRITE_BACK else rec.dst[::-1]
     for hb in order:
         host.unpin(hb)
+    if rec.held:
+        host.release_many(rec.held[::-1])
     if ok and rec.chain:
         _refresh_chain(state, rec.chain)
     if ok:
@@ -102,6 +105,21 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
         for k in rec.keys:
             state.gone_if_last(k, Tier.DEVICE, Cause.COPY_FAILED, skip=Tier.STORAGE)
     return landed_stores(state, [hb for hb, _ in keyed], [k for _, k in keyed])
+
+
+def _hand_to_waiting_children(state: CacheState, rec: CopyRecord, keyed: list[tuple[int, bytes]]) -> None:
+    """Write-throughs of this plan's children hold the blocks it landed (tiering._hold_parents)."""
+    awaited, records, host = state.copies.awaited, state.copies.records, state.host
+    if not awaited:
+        return
+    landed = dict((k, hb) for hb, k in keyed)
+    for k in rec.keys:
+        for pid in awaited.pop(k, ()):
+            child = records.get(pid)
+            hb = landed.get(k)
+            if child is not None and hb is not None:
+                host.incref(hb)
+                child.held.append(hb)
 
 
 def _refresh_chain(state: CacheState, chain: list[bytes]) -> None:

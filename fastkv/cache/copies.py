@@ -31,6 +31,8 @@ class CopyRecord:
     waiters: list[tuple[CacheRecord, dict[int, int]]] | None = None
     # WRITE_THROUGH: the request's chain of keys up to the plan's last one, root first
     chain: list[bytes] | None = None
+    # WRITE_THROUGH: host blocks of the chain's earlier keys, held until it lands (see tiering.host_copies)
+    held: list[int] | None = None
 
 
 class CopyBook:
@@ -38,6 +40,8 @@ class CopyBook:
         self.records: dict[int, CopyRecord] = {}
         self.inflight: dict[bytes, int] = {}  # key -> plan id, for keys a SWAP_OUT brings to the host
         self.loading: dict[bytes, tuple[int, int]] = {}  # key -> (plan id, index), for keys a PREFIX_LOAD brings
+        # in-flight key -> write-throughs that hold its host block once it lands (a parent of theirs)
+        self.awaited: dict[bytes, list[int]] = {}
         self._next_id = 1
 
     def open(self, kind: CopyKind, purpose: Purpose, src: list[int] = (), dst: list[int] = (),

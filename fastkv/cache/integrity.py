@@ -59,6 +59,8 @@ def check(state: CacheState) -> None:
         assert len(set(req.table)) == len(req.table), f"request {rid!r}: a block twice in its table"
     for b, _ in state.handoff_holds.values():
         dev_refs[b] += 1
+    for rec in state.copies.records.values():
+        host_refs.update(rec.held or ())
     assert reserved == state.reserved, f"reserved {state.reserved} != sum over requests {reserved}"
     for pool, refs in ((dev, dev_refs), (host, host_refs)):
         for b in range(pool.capacity):
@@ -88,6 +90,11 @@ def check(state: CacheState) -> None:
                 loading[k] = (pid, i)
     assert inflight == state.copies.inflight, "in-flight keys do not match the open write-back/through plans"
     assert loading == state.copies.loading, "loading keys do not match the open prefix loads"
+    for k, pids in state.copies.awaited.items():
+        assert k in inflight, "a write-through waits for a parent key no copy brings"
+        for p in pids:  # a plan that landed first stays listed until the key lands: ids are never reused
+            rec = state.copies.records.get(p)
+            assert rec is None or rec.purpose is Purpose.WRITE_THROUGH, "a parent key awaited by a non-write-through"
     for pool, pins in ((dev, dev_pins), (host, host_pins)):
         for b in range(pool.capacity):
             assert pool.pins[b] == pins[b], f"{pool.tier} block {b}: {pool.pins[b]} pins but {pins[b]} copies"

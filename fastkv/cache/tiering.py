@@ -98,8 +98,31 @@ def host_copies(state: CacheState, pairs: list[tuple[int, bytes]], chain: list[b
         state.device.pin(b)
     keys = [k for _, k in pairs[:len(dst)]]
     plan = state.copies.open(CopyKind.SWAP_OUT, Purpose.WRITE_THROUGH, src=src, dst=dst, keys=keys)
-    state.copies.records[plan.plan_id].chain = chain
+    if chain:
+        rec = state.copies.records[plan.plan_id]
+        rec.chain = chain
+        rec.held = _hold_parents(state, plan.plan_id, chain, set(keys))
     return [plan]
+
+
+def _hold_parents(state: CacheState, pid: int, chain: list[bytes], own: set[bytes]) -> list[int]:
+    """Hold the host copies of the chain's other keys until the plan lands: host LRU eviction
+    cannot see children in flight to the host, and a parent it evicted meanwhile would strand
+    them there and their device sources. A parent still in flight to the host is held when it
+    lands (``CopyBook.awaited``, settled in completions.py)."""
+    host, inflight, awaited = state.host, state.copies.inflight, state.copies.awaited
+    hlookup, incref = host.lookup, host.incref
+    held = []
+    for k in chain:
+        if k in own:
+            continue
+        hb = hlookup.get(k)
+        if hb is not None:
+            incref(hb)
+            held.append(hb)
+        elif k in inflight:
+            awaited.setdefault(k, []).append(pid)
+    return held
 
 
 def count_hits(state: CacheState, req: CacheRecord, nd: int) -> list[CopyPlan]:

@@ -1,10 +1,10 @@
-"""Regression (manager machine, long randomized run): under write-through, a parent's host copy
-was evicted while its child's copy was still flying to the host; the device later evicted the
-parent as if the host had it, and the child's host copy was left behind a parent in no tier.
+"""Regressions (manager machine, long randomized runs): under write-through a parent's host
+copy was evicted while its child's copy was still flying to the host, and the child landed
+behind a parent no tier had (or the device later evicted the parent as if the host had it).
 
-Now a device victim whose host copy is gone is written back (as under WRITE_BACK): a parent
-leaves the device only for the host. And a write-through that lands refreshes its chain leaves
-first in both tiers (its device sources re-entered the LRU queue young when it unpinned them)."""
+Now an in-flight write-through holds the host copies of its chain's other keys until it lands,
+and a device victim whose host copy is gone is written back (as under WRITE_BACK): a parent
+leaves the device only for the host."""
 from __future__ import annotations
 
 from fastkv.cache.copies import Purpose
@@ -15,30 +15,54 @@ from fastkv.cache.write_policy import WritePolicy
 BS = 2
 
 
-def test_a_parent_whose_host_copy_was_evicted_is_written_back_when_the_device_evicts_it():
-    m = CacheManager(CacheConfig(num_device_blocks=4, num_host_blocks=2, block_size=BS,
-                                 policy=WritePolicy.WRITE_THROUGH))
+def manager(dev: int, host: int) -> CacheManager:
+    return CacheManager(CacheConfig(num_device_blocks=dev, num_host_blocks=host, block_size=BS,
+                                    policy=WritePolicy.WRITE_THROUGH))
+
+
+def test_a_parent_on_the_host_is_held_while_its_childs_write_through_flies():
+    m = manager(dev=4, host=2)
     a = [1, 2, 3, 4]  # blocks P (root) and C
     m.allocate("a", a)
     (p_copy,) = m.mark_computed("a", 2)
     m.complete(p_copy, True)  # P on the host
     (c_copy,) = m.mark_computed("a", 4)  # C on its way
     m.free("a")
-    m.allocate("b", [7, 8])
-    (b_copy,) = m.mark_computed("b", 2)  # takes the host's last block: P's, the oldest
     parent, child = m.keys_for(a)
+    m.allocate("b", [7, 8])
+    before = m.stats.skipped_copies
+    assert m.mark_computed("b", 2) == []  # the host's one evictable block was P's: held, so b's copy is skipped
+    assert m.stats.skipped_copies == before + 1 and parent in m.host.lookup
+    m.check_integrity()
+    m.complete(c_copy, True)
+    assert parent in m.host.lookup and child in m.host.lookup
+    assert m.host.num_available == 2, "the hold on P ends when C lands"
+    m.check_integrity()
+
+
+def test_a_parent_whose_host_copy_was_evicted_is_written_back_when_the_device_evicts_it():
+    m = manager(dev=5, host=2)
+    a = [1, 2, 3, 4]
+    m.allocate("a", a)
+    (p_copy,) = m.mark_computed("a", 2)
+    m.complete(p_copy, True)
+    parent, child = m.keys_for(a)
+    for rid in ("x", "y"):  # two more write-throughs fill the host; y's evicts P there
+        m.allocate(rid, [7, 8] if rid == "x" else [9, 10])
+        (copy,) = m.mark_computed(rid, 2)
+        m.complete(copy, True)
     assert parent not in m.host.lookup and parent in m.device.lookup
-    m.free("b")
-    m.complete(b_copy, True)
-    m.complete(c_copy, True)  # host queue: b's block, then C
+    (c_copy,) = m.mark_computed("a", 4)  # C flies with no parent on the host to hold
+    m.complete(c_copy, True)
+    m.free("a")
     assert child in m.host.lookup
-    got = m.allocate("c", [5, 6, 9, 9, 11, 12, 13])  # four fresh blocks: every one, P's last
+    assert m.allocate("z", [11, 12, 13]).plans == ()  # the free block and C's (C is on the host)
+    got = m.allocate("w", [14])  # the device's last cached block: P
     back = [p for p in got.plans if m.copies.records[p.plan_id].purpose is Purpose.WRITE_BACK]
     assert [p.kind for p in back] == [CopyKind.SWAP_OUT] and not got.ready
-    assert m.copies.records[back[0].plan_id].keys == [parent]  # C has a host copy: only P moves
+    assert m.copies.records[back[0].plan_id].keys == [parent]
     for p in got.plans:
         m.complete(p, True)
-    assert m.is_ready("c")
-    hit = m.match(a + [0])
-    assert len(hit.host_blocks) == 2, "P and C reachable from the root (P's write-back evicted b's block)"
+    assert m.is_ready("w")
+    assert len(m.match(a + [0]).host_blocks) == 2, "P and C reachable from the root (P written back)"
     m.check_integrity()
