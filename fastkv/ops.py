@@ -50,9 +50,9 @@ import numpy as np
 OPS_DIR = Path(__file__).resolve().parent.parent / "ops"
 PREBUILT_DIR = Path(__file__).resolve().parent / "_prebuilt"
 LIB_NAME = "fastkv_ops"
-_CPU_SOURCES = ("swap_op.cc",)
+_CPU_SOURCES = ("swap_op.cc", "block_digest.cc", "block_digest_avx2.cc", "block_digest_avx512.cc")
 _CUDA_SOURCES = ("swap_cuda.cu",)
-_HEADERS = ("swap_common.h", "swap_cuda.h")
+_HEADERS = ("swap_common.h", "swap_cuda.h", "block_digest.h", "third_party/xxhash/xxhash.h")
 _CXX_FLAGS = ["-O3", "-pthread"]
 _CUDA_FLAGS = ["-O3", "-DFASTKV_WITH_CUDA"]
 
@@ -286,7 +286,8 @@ def load() -> Path:
 
 def _bind_c_abi(lib: ctypes.CDLL) -> ctypes.CDLL:
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-    lib.fkv_cpu_swap.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32, i32, i32]
+    lib.fkv_cpu_swap.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32, i32, i32, ptr]
+    lib.fkv_cpu_block_checksums.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
     lib.fkv_cpu_set_copy_policy.argtypes = [i32, ptr, ptr, ptr]
     lib.fkv_cpu_copy_choice.argtypes = [i64, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)]
     lib.fkv_cpu_copy_choice.restype = None
@@ -372,7 +373,7 @@ def measure_copy_methods(max_threads: int | None = None, sizes: Sequence[int] = 
             t0 = time.perf_counter()
             for to_host, src, dst in ((1, dev_ids, host_ids), (0, host_ids, dev_ids)):
                 if lib.fkv_cpu_swap(k_ptr, v_ptr, 1, host.ctypes.data, _CAL_PAGE, blocks, blocks, src.ctypes.data,
-                                    dst.ctypes.data, n, to_host, threads, int(streaming)) != 0:
+                                    dst.ctypes.data, n, to_host, threads, int(streaming), None) != 0:
                     raise RuntimeError(lib.fkv_cpu_last_error().decode())
             key = (size, streaming, threads)
             best[key] = min(best[key], time.perf_counter() - t0)
@@ -534,12 +535,17 @@ class BoundSwap:
         self._src_ids, self._dst_ids = np.empty(cap, np.int32), np.empty(cap, np.int32)
         self._ids_at = (self._src_ids.ctypes.data, self._dst_ids.ctypes.data)
 
-    def swap(self, src: Any, dst: Any, *, to_host: bool, num_threads: int | None = None) -> None:
+    def swap(self, src: Any, dst: Any, *, to_host: bool, num_threads: int | None = None,
+             sums: np.ndarray | None = None) -> bool:
         """As ``swap_blocks`` on the bound tensors; src/dst as there (int32 arrays pass as they are).
-        Not thread-safe: one caller at a time (the transfer process's swap lane)."""
+        Not thread-safe: one caller at a time (the transfer process's swap lane).
+
+        ``sums`` (a SWAP_OUT's): the host tier's checksums, uint8 [host blocks, 16], C-contiguous;
+        the CPU kernel writes each destination's checksum as it copies (``block_checksums``).
+        Returns whether it did (a GPU swap does not: seal its blocks after it)."""
         if self.on_gpu:
             swap_blocks(self._k, self._v, self._host, src, dst, to_host=to_host, num_threads=num_threads)
-            return
+            return False
         src, dst = _ids_fast(src, "src"), _ids_fast(dst, "dst")
         n = len(src)
         if n != len(dst):
@@ -551,9 +557,33 @@ class BoundSwap:
             src_at, dst_at = src.ctypes.data, dst.ctypes.data
         threads = default_num_threads() if num_threads is None else num_threads
         layers, host, page, ndev, nhost = self._geometry
+        sealing = sums is not None and to_host
+        if sealing and (sums.dtype != np.uint8 or sums.shape != (nhost, 16) or not sums.flags.c_contiguous):
+            raise ValueError(f"sums must be a C-contiguous uint8 [{nhost}, 16] array, got {sums.dtype} {sums.shape}")
         if self._lib.fkv_cpu_swap(self._k_ptrs, self._v_ptrs, layers, host, page, ndev, nhost, src_at, dst_at, n,
-                                  bool(to_host), threads, -1) != 0:
+                                  bool(to_host), threads, -1, sums.ctypes.data if sealing else None) != 0:
             raise ValueError(self._lib.fkv_cpu_last_error().decode())
+        return sealing
+
+
+def block_checksums(host: np.ndarray, ids: Sequence[int]) -> np.ndarray:
+    """uint8 [len(ids), 16]: the checksums of host blocks ``ids`` of ``host`` (a host tier's
+    array, [blocks, layers, 2, ...], C-contiguous), by the C kernel (ops/block_digest.h);
+    ``fastkv.transfer.tiers.block_checksum`` is its reference."""
+    if not host.flags.c_contiguous or host.ndim < 3:
+        raise ValueError("host must be a C-contiguous host tier array [blocks, layers, 2, ...]")
+    ids = _ids_fast(ids, "ids")
+    out = np.empty((len(ids), 16), np.uint8)
+    layers, page = host.shape[1], host[0, 0, 0].nbytes
+    if c_abi().fkv_cpu_block_checksums(host.ctypes.data, layers, page, host.shape[0], ids.ctypes.data, len(ids),
+                                       out.ctypes.data) != 0:
+        raise ValueError(c_abi().fkv_cpu_last_error().decode())
+    return out
+
+
+def loaded() -> bool:
+    """Whether this process has the ops library loaded (``load`` ran): no build, no Paddle import."""
+    return _cpu_lib is not None
 
 
 def _ids_fast(ids: Any, what: str) -> np.ndarray:

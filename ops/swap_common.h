@@ -210,13 +210,19 @@ struct CopyPolicy {
 // num_layers device tensors: tensor by tensor, the pairs by rising device block within each
 // (about 9% faster than pair by pair). Streaming, two pages go side by side as four streams
 // (stream_copy_pair): one page's jump elsewhere then overlaps the others' copies.
+//
+// With `hash`, each page's source is hashed right after its copy, into digests[i * pages_per_pair
+// + slot] for pair i (a SWAP_OUT's host checksums, block_digest.h).
+using PageDigest = uint64_t (*)(const void* data, size_t n);
+
 inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const SwapGeometry& g,
                        const int32_t* src, const int32_t* dst, const int32_t* order, int64_t n, bool to_host,
-                       bool streaming, int64_t begin, int64_t end) {
+                       bool streaming, int64_t begin, int64_t end, PageDigest hash = nullptr,
+                       uint64_t* digests = nullptr) {
   const int64_t pages_per_pair = 2 * g.num_layers;
   const int64_t page = g.page_bytes;
   const int64_t block = g.block_bytes();
-  auto locate = [&](int64_t p, char** to, const char** from) {
+  auto locate = [&](int64_t p, char** to, const char** from) -> int64_t {
     const int64_t pair = order[to_host ? p % n : p / pages_per_pair];
     const int64_t slot = to_host ? p / n : p % pages_per_pair;  // 2 * layer + kv: the page's index in a host block
     const int64_t layer = slot / 2;
@@ -227,24 +233,30 @@ inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const
     char* host_page = host + host_id * block + slot * page;
     *to = to_host ? host_page : dev_page;
     *from = to_host ? dev_page : host_page;
+    return pair * pages_per_pair + slot;
   };
   char *to, *to2;
   const char *from, *from2;
   int64_t p = begin;
   if (streaming) {
     for (; p + 1 < end; p += 2) {
-      locate(p, &to, &from);
-      locate(p + 1, &to2, &from2);
+      const int64_t at = locate(p, &to, &from);
+      const int64_t at2 = locate(p + 1, &to2, &from2);
       stream_copy_pair(to, from, to2, from2, static_cast<size_t>(page));
+      if (hash) {
+        digests[at] = hash(from, static_cast<size_t>(page));
+        digests[at2] = hash(from2, static_cast<size_t>(page));
+      }
     }
   }
   for (; p < end; ++p) {
-    locate(p, &to, &from);
+    const int64_t at = locate(p, &to, &from);
     if (streaming) {
       stream_copy(to, from, static_cast<size_t>(page));
     } else {
       std::memcpy(to, from, static_cast<size_t>(page));
     }
+    if (hash) digests[at] = hash(from, static_cast<size_t>(page));
   }
   if (streaming) store_fence();
 }
@@ -253,7 +265,8 @@ inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const
 // host pages of consecutive blocks are block_bytes apart, so coalescing a run cannot merge
 // memcpys on the CPU (it does on the GPU, as one 2D copy per layer).
 inline void swap_cpu(char* const* dev_k, char* const* dev_v, char* host, const SwapGeometry& g, const int32_t* src,
-                     const int32_t* dst, int64_t n, bool to_host, CopyChoice how) {
+                     const int32_t* dst, int64_t n, bool to_host, CopyChoice how, PageDigest hash = nullptr,
+                     uint64_t* digests = nullptr) {
   const int64_t total_pages = n * 2 * g.num_layers;
   if (total_pages == 0) return;
   const int64_t threads = std::min<int64_t>(std::max(how.threads, 1), total_pages);
@@ -263,7 +276,7 @@ inline void swap_cpu(char* const* dev_k, char* const* dev_v, char* host, const S
   std::sort(order.begin(), order.end(), [src](int32_t a, int32_t b) { return src[a] < src[b]; });
   const int32_t* ord = order.data();
   if (threads == 1) {
-    copy_pages(dev_k, dev_v, host, g, src, dst, ord, n, to_host, streaming, 0, total_pages);
+    copy_pages(dev_k, dev_v, host, g, src, dst, ord, n, to_host, streaming, 0, total_pages, hash, digests);
     return;
   }
   std::vector<std::thread> workers;
@@ -273,9 +286,10 @@ inline void swap_cpu(char* const* dev_k, char* const* dev_v, char* host, const S
     const int64_t begin = std::min(total_pages, t * chunk);
     const int64_t end = std::min(total_pages, begin + chunk);
     workers.emplace_back(copy_pages, dev_k, dev_v, host, std::cref(g), src, dst, ord, n, to_host, streaming, begin,
-                         end);
+                         end, hash, digests);
   }
-  copy_pages(dev_k, dev_v, host, g, src, dst, ord, n, to_host, streaming, 0, std::min(total_pages, chunk));
+  copy_pages(dev_k, dev_v, host, g, src, dst, ord, n, to_host, streaming, 0, std::min(total_pages, chunk), hash,
+             digests);
   for (auto& w : workers) w.join();
 }
 

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "paddle/extension.h"
+#include "block_digest.h"
 #include "swap_common.h"
 #ifdef FASTKV_WITH_CUDA
 #include "swap_cuda.h"
@@ -170,9 +171,11 @@ extern "C" const char* fkv_cpu_last_error() { return g_cpu_error.c_str(); }
 // The op's CPU swap on raw tier pointers (the op checked the tensors when fastkv/ops.py bound
 // them; the ids are checked here, before anything moves). method -1: the policy's choice with
 // at most num_threads threads; 0 regular, 1 streaming stores on exactly num_threads (calibration).
+// sums (to_host only; may be null): the host tier's checksums, [num_host_blocks][16]; each
+// destination block's is written from its pages as they are copied (block_digest.h).
 extern "C" int fkv_cpu_swap(char* const* dev_k, char* const* dev_v, int64_t num_layers, char* host, int64_t page_bytes,
                             int64_t num_dev_blocks, int64_t num_host_blocks, const int32_t* src, const int32_t* dst,
-                            int64_t n, int32_t to_host, int32_t num_threads, int32_t method) {
+                            int64_t n, int32_t to_host, int32_t num_threads, int32_t method, uint8_t* sums) {
   fkv::SwapGeometry g{num_layers, page_bytes, num_dev_blocks, num_host_blocks};
   std::string problem = fkv::check_geometry(g);
   if (problem.empty() && (num_threads < 1 || method < -1 || method > 1)) {
@@ -188,7 +191,36 @@ extern "C" int fkv_cpu_swap(char* const* dev_k, char* const* dev_v, int64_t num_
   }
   const fkv::CopyChoice how = method < 0 ? g_policy.pick(n * g.block_bytes(), num_threads)
                                          : fkv::CopyChoice{method == 1, num_threads};
-  fkv::swap_cpu(dev_k, dev_v, host, g, src, dst, n, to_host != 0, how);
+  if (sums == nullptr || !to_host) {
+    fkv::swap_cpu(dev_k, dev_v, host, g, src, dst, n, to_host != 0, how);
+    return 0;
+  }
+  const int64_t pages = 2 * num_layers;
+  std::vector<uint64_t> digests(static_cast<size_t>(n * pages));
+  fkv::swap_cpu(dev_k, dev_v, host, g, src, dst, n, true, how, fkv::page_hash(), digests.data());
+  for (int64_t i = 0; i < n; ++i) fkv::block_checksum(&digests[i * pages], pages, sums + int64_t{dst[i]} * 16);
+  return 0;
+}
+
+// The checksums of host blocks ids[0..n) from their bytes, into out[j * 16] (block_digest.h).
+extern "C" int fkv_cpu_block_checksums(const char* host, int64_t num_layers, int64_t page_bytes,
+                                       int64_t num_host_blocks, const int32_t* ids, int64_t n, uint8_t* out) {
+  if (num_layers < 1 || page_bytes < 1) {
+    g_cpu_error = "num_layers and page_bytes must be >= 1";
+    return -1;
+  }
+  const int64_t pages = 2 * num_layers;
+  const fkv::PageHash hash = fkv::page_hash();
+  std::vector<uint64_t> digests(static_cast<size_t>(pages));
+  for (int64_t j = 0; j < n; ++j) {
+    if (ids[j] < 0 || ids[j] >= num_host_blocks) {
+      g_cpu_error = "host block " + std::to_string(ids[j]) + " out of range [0, " + std::to_string(num_host_blocks) + ")";
+      return -1;
+    }
+    const char* block = host + int64_t{ids[j]} * pages * page_bytes;
+    for (int64_t p = 0; p < pages; ++p) digests[p] = hash(block + p * page_bytes, static_cast<size_t>(page_bytes));
+    fkv::block_checksum(digests.data(), pages, out + j * 16);
+  }
   return 0;
 }
 

@@ -30,7 +30,8 @@ process. Parts start at one block and double while a part takes under
 slow one beats about every heartbeat as long as one block is quicker than that.
 
 Host checksums (``spec.host_checksums``, default on). A block that lands in the host tier
-(SWAP_OUT, LOAD) gets an xxh3-128 of its bytes beside it (``HostTier.seal``); SWAP_IN and
+(SWAP_OUT, LOAD) gets a checksum of its bytes beside it (``tiers.block_checksum``: xxh3 per
+page; a CPU SWAP_OUT's from each source page right after its copy, while it is cached); SWAP_IN and
 STORE recheck them (STORE before writing: storage never gets bad bytes under a good
 checksum). Host memory that changed meanwhile fails the task: the engine treats it like any
 failed copy (the request recomputes from that block; a failed STORE leaves storage without
@@ -236,16 +237,21 @@ class TaskExecutor:
         swap, threads = self._bound.swap, self.spec.ops_threads
         host_ids = plan.dst if out else plan.src
 
+        sums = host.checksums if out and self.spec.host_checksums else None
+        unsealed = []
+
         def part(p: slice) -> None:
             # storage tasks read before this one may still be on these host blocks (fastkv.transfer.lanes)
             self.holds.wait(host_ids[p], out, self._task.progress, self.spec.heartbeat_s)
             if not out:  # host bytes that changed since they landed never reach the device
                 self._check_host(plan.src[p].tolist())
-            swap(plan.src[p], plan.dst[p], to_host=out, num_threads=threads)
+            # a SWAP_OUT's checksums come from its source pages as they are copied (ops/block_digest.h)
+            if not swap(plan.src[p], plan.dst[p], to_host=out, num_threads=threads, sums=sums) and sums is not None:
+                unsealed.extend(plan.dst[p].tolist())
 
         self._in_parts(len(plan.src), part)
-        if out and self.spec.host_checksums:
-            host.seal(plan.dst.tolist())
+        if unsealed:  # a GPU swap: sealed from the host bytes once they are there
+            host.seal(unsealed)
         return len(plan.src) * self.block_bytes, ""
 
     def take_faults(self) -> tuple[int, int]:

@@ -19,10 +19,11 @@ Byte layout of both segments::
         kind 1: per layer l, K[l] then V[l], each [num_blocks, kv_heads, block_size, head_dim]
         kind 2: JSON list of Paddle's CUDA IPC metadata (``_share_cuda``), K[0], V[0], K[1], ...
         kind 3: [num_blocks, layers, 2, kv_heads, block_size, head_dim]
-    kind 3 only: [4096 + payload, + 16 * num_blocks) one xxh3-128 digest per host block, written
-        by the transfer process when a block lands (SWAP_OUT, LOAD) and checked before it leaves
-        (SWAP_IN, STORE): host memory that changed in between is a miss (DESIGN invariant 4).
-        In the segment, so the digests outlive a transfer-process restart like the blocks.
+    kind 3 only: [4096 + payload, + 16 * num_blocks) one checksum per host block
+        (``block_checksum``), written by the transfer process when a block lands (SWAP_OUT,
+        LOAD) and checked before it leaves (SWAP_IN, STORE): host memory that changed in
+        between is a miss (DESIGN invariant 4). In the segment, so the checksums outlive a
+        transfer-process restart like the blocks.
 
 The creator writes everything, then the magic; an attacher runs after the creator has said
 so over a semaphore-ordered channel, so it sees a complete segment. On a CPU build the
@@ -49,7 +50,7 @@ from fastkv.config import KVLayout
 from fastkv.ipc.namespace import SHM_DIR
 
 HEADER_BYTES = 4096
-CHECKSUM_BYTES = 16  # xxh3-128 per host block
+CHECKSUM_BYTES = 16  # per host block (block_checksum)
 _MAGIC = b"FKVTIER1"
 _HEADER = struct.Struct("<8sIIQ256s")
 _PREFIX_RE = re.compile(r"fkv[A-Za-z0-9_.-]*")
@@ -349,6 +350,15 @@ class DeviceTier:
         self._segment = None
 
 
+def block_checksum(block: np.ndarray) -> bytes:
+    """A host block's checksum: xxh3-128 of the xxh3-64 digests of its pages (its [layers, 2]
+    K and V pages in host order), 8 little-endian bytes each. Per page, so that a SWAP_OUT
+    hashes each page from its source right after copying it, while it is in the cache
+    (ops/block_digest.h, the kernel's version; this one is its reference)."""
+    pages = np.ascontiguousarray(block).reshape(block.shape[0] * block.shape[1], -1)
+    return xxhash.xxh3_128_digest(b"".join(xxhash.xxh3_64_intdigest(p).to_bytes(8, "little") for p in pages))
+
+
 @dataclass(slots=True)
 class HostTier:
     """One rank's host tier: ``array`` is ``layout.host_shape(num_blocks)`` over the shm segment."""
@@ -371,7 +381,7 @@ class HostTier:
         segment = ShmSegment(name, cls._size(layout, num_blocks), create=True, populate=populate)
         tier = cls(layout, num_blocks, name, *cls._views(segment, layout, num_blocks), segment)
         # a new segment is zeros: seal them all at once, without touching the data pages
-        tier.checksums[:] = np.frombuffer(xxhash.xxh3_128_digest(bytes(layout.block_bytes)), np.uint8)
+        tier.checksums[:] = np.frombuffer(block_checksum(np.zeros_like(tier.array[0])), np.uint8)
         _write_header(segment.buf, TierKind.HOST, num_blocks, data, layout)
         return tier
 
@@ -408,8 +418,18 @@ class HostTier:
 
     def seal(self, blocks: Iterable[int]) -> None:
         """Record the checksum of each block's current bytes (it just landed here)."""
-        for b in blocks:
-            self.checksums[b] = np.frombuffer(xxhash.xxh3_128_digest(self.array[b]), np.uint8)
+        blocks = list(blocks)
+        if blocks:
+            self.checksums[blocks] = self._checksums_of(blocks)
+
+    def _checksums_of(self, blocks: list[int]) -> np.ndarray:
+        """uint8 [len(blocks), 16]: by the ops kernel where this process loaded it (the transfer
+        process: AVX2 xxh3, no Python per page), else by the reference."""
+        from fastkv import ops
+
+        if ops.loaded():
+            return ops.block_checksums(self.array, blocks)
+        return np.array([np.frombuffer(block_checksum(self.array[b]), np.uint8) for b in blocks], np.uint8)
 
     def unseal(self, blocks: Iterable[int]) -> None:
         """Mark each block's bytes as not landed: zero its checksum, which a block's bytes
@@ -419,13 +439,14 @@ class HostTier:
 
     def corrupt(self, blocks: Iterable[int]) -> list[int]:
         """The blocks whose bytes no longer match the checksum ``seal`` recorded."""
-        bad = []
+        blocks = list(blocks)
         for b in blocks:
             if not 0 <= b < self.num_blocks:
                 raise ValueError(f"host block {b} out of range [0, {self.num_blocks})")
-            if xxhash.xxh3_128_digest(self.array[b]) != self.checksums[b].tobytes():
-                bad.append(b)
-        return bad
+        if not blocks:
+            return []
+        now = self._checksums_of(blocks)
+        return [b for b, ok in zip(blocks, (now == self.checksums[blocks]).all(axis=1), strict=True) if not ok]
 
     @property
     def tensor(self) -> Any:
@@ -457,7 +478,7 @@ class HostTier:
             self.pinned = False
         held = resident_bytes(self.name)
         self._segment.release(HEADER_BYTES, self.num_blocks * self.layout.block_bytes)
-        self.checksums[:] = np.frombuffer(xxhash.xxh3_128_digest(bytes(self.layout.block_bytes)), np.uint8)
+        self.checksums[:] = np.frombuffer(block_checksum(np.zeros_like(self.array[0])), np.uint8)
         return held
 
     def close(self) -> None:

@@ -109,8 +109,10 @@ def test_prebuilt_library_is_used_only_when_its_tag_matches(tmp_path, monkeypatc
 def test_build_tag_follows_the_sources(paddle_ops, tmp_path, monkeypatch):
     tag = ops.build_tag()
     assert tag == ops.build_tag()
-    for name in ("swap_op.cc", "swap_common.h", "swap_cuda.h"):
-        (tmp_path / name).write_bytes((ops.OPS_DIR / name).read_bytes())
+    for path in ops._source_files(ops._with_cuda()):
+        name = path.relative_to(ops.OPS_DIR)
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(path.read_bytes())
     monkeypatch.setattr(ops, "OPS_DIR", tmp_path)
     assert ops.build_tag() == tag
     (tmp_path / "swap_common.h").write_bytes(b"// changed\n" + (tmp_path / "swap_common.h").read_bytes())

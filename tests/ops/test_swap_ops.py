@@ -163,7 +163,7 @@ def test_forced_streaming_copies_match_the_reference(page, offset, threads, to_h
                     tier[layer][d * page:(d + 1) * page] = hv[h, layer, kv]
     ptrs = [(ctypes.c_void_p * layers)(*(a.ctypes.data for a in t)) for t in (k, v)]
     assert lib.fkv_cpu_swap(ptrs[0], ptrs[1], layers, host.ctypes.data, page, ndev, nhost, src.ctypes.data,
-                            dst.ctypes.data, n, int(to_host), threads, 1) == 0, lib.fkv_cpu_last_error()
+                            dst.ctypes.data, n, int(to_host), threads, 1, None) == 0, lib.fkv_cpu_last_error()
     assert np.array_equal(hv, want_h)
     for got, want in ((k, want_k), (v, want_v)):
         assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))

@@ -1,0 +1,22 @@
+// Host block checksums (fastkv/transfer/tiers.py, ``block_checksum``, is the reference):
+// XXH3-128 (canonical, big-endian bytes) of the XXH3-64 digests of the block's pages in host
+// order, each as 8 little-endian bytes. Per page, so that a SWAP_OUT hashes each page from its
+// source right after copying it, while the page is still in the cache: hashing the block after
+// the copy read it back from memory (streaming stores leave nothing cached), about as slow as
+// the copy itself. xxHash is vendored in ops/third_party/xxhash (BSD-2-Clause, 0.8.2).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fkv {
+
+using PageHash = uint64_t (*)(const void* data, size_t n);
+
+// XXH3-64 of one page: the AVX-512 or AVX2 build where the CPU has it, else SSE2.
+PageHash page_hash();
+
+// The block's checksum from its pages' digests.
+void block_checksum(const uint64_t* page_digests, int64_t pages, uint8_t out[16]);
+
+}  // namespace fkv
