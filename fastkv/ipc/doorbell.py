@@ -30,16 +30,20 @@ raises if a peer died, so a blocked wait notices a dead peer within one slice. T
 a blocked kernel wait with a periodic liveness check, not sleep-polling of the rings.
 
 Spin before sleep. A waiter that names its rings (``spin_on``) first looks at them for up to
-``SPIN_S`` in C, without the GIL, yielding its core between looks (``_atomics.spin_any``).
+a budget in C, without the GIL, yielding its core between looks (``_atomics.spin_any``).
 Waking a process whose vCPU has halted costs far more than a message: on the dev VM (2 vCPUs,
 no guest halt-polling) a round trip whose peer works 5 us took 63 us p50 across vCPUs and 18
 us on one, so an empty transfer task (about 8 us of work on each side) took 75-100 us, mostly
 two such wake-ups. A spin answered keeps the vCPU awake and the wake-up cheap. It costs a core
-while it lasts, so it is adaptive (``Spin``): after ``SPIN_MISSES`` spins in a row that ended
-asleep (the answer takes milliseconds: a model step) a waiter spins on one wait in
-``PROBE_EVERY`` only, and its owner turns it off where the core is better left to others
-(the transfer loop while its low-priority storage thread works: ``fastkv.transfer.lanes``). Without
-the GIL, a spinning thread holds up no other thread of its process.
+while it lasts, so it is adaptive (``Spin``). The budget starts at ``SPIN_S``; a wait whose
+answer came after the spin, but within ``SPIN_MAX_S`` of the wait's start (a copy of a few
+hundred us), sets the next budget to cover it with a quarter to spare, so a run of such waits
+stops paying the wake-up (a 2 MiB SWAP_OUT's round trip paid ~75 us on the dev VM); a longer
+wait sets it back. After ``SPIN_MISSES`` spins in a row that ended asleep (the answer takes
+milliseconds: a model step) a waiter spins on one wait in ``PROBE_EVERY`` only, and its owner
+turns it off where the core is better left to others (the transfer loop while its low-priority
+storage thread works: ``fastkv.transfer.lanes``). Without the GIL, a spinning thread holds up
+no other thread of its process.
 """
 from __future__ import annotations
 
@@ -56,7 +60,8 @@ SIZE = 64
 OFF_WAITING = 8
 OFF_POSTS = 16
 SLICE_S = 0.05
-SPIN_S = 200e-6  # the longest a waiter looks at its rings before it sleeps
+SPIN_S = 200e-6  # how long a waiter looks at its rings before it sleeps, at first ...
+SPIN_MAX_S = 1e-3  # ... and at most, once answers came that late
 SPIN_MISSES = 4  # this many spins in a row that ended asleep stop the spinning ...
 PROBE_EVERY = 16  # ... but for one wait in this many
 
@@ -64,21 +69,31 @@ PROBE_EVERY = 16  # ... but for one wait in this many
 class Spin:
     """Whether the waiter spins before it sleeps, from how its recent spins ended."""
 
-    __slots__ = ("misses", "waits", "enabled")
+    __slots__ = ("misses", "waits", "enabled", "budget")
 
     def __init__(self) -> None:
         self.misses = 0
         self.waits = 0
         self.enabled = True  # the owner turns it off while its core is better left to others
+        self.budget = int(SPIN_S * 1e9)
 
     def budget_ns(self) -> int:
         self.waits += 1
         if not self.enabled or (self.misses >= SPIN_MISSES and self.waits % PROBE_EVERY):
             return 0
-        return int(SPIN_S * 1e9)
+        return self.budget
 
-    def ended(self, answered: bool) -> None:
-        self.misses = 0 if answered else self.misses + 1
+    def ended(self, answered: bool, waited_ns: int | None = None) -> None:
+        """How a spin ended: ``answered`` within it, or not, and then ``waited_ns`` the whole
+        wait took until its answer (None: no answer, the wait timed out)."""
+        if answered:
+            self.misses = 0
+            return
+        self.misses += 1
+        if waited_ns is not None and waited_ns <= SPIN_MAX_S * 1e9:
+            self.budget = min(int(SPIN_MAX_S * 1e9), max(self.budget, waited_ns * 5 // 4))
+        else:
+            self.budget = int(SPIN_S * 1e9)
 
 
 class Doorbell:
@@ -124,19 +139,24 @@ class Doorbell:
         the rings ``ready()`` looks at, watched for a while before sleeping (module docstring)."""
         if ready():
             return True
+        spun_at = 0  # when a spin that found no answer started
         if spin_on and timeout != 0:
             budget = self.spin.budget_ns()
             if budget:
-                answered = A.spin_any(spin_on, budget if timeout is None else min(budget, int(timeout * 1e9)))
-                self.spin.ended(answered)
-                if answered and ready():
-                    return True
+                spun_at = time.perf_counter_ns()
+                if A.spin_any(spin_on, budget if timeout is None else min(budget, int(timeout * 1e9))):
+                    self.spin.ended(True)
+                    spun_at = 0
+                    if ready():
+                        return True
         deadline = None if timeout is None else time.monotonic() + timeout
         flag = self.flag_addr
         while True:
             A.arm(flag)
             if ready():
                 A.store(flag, 0)
+                if spun_at:
+                    self.spin.ended(False, time.perf_counter_ns() - spun_at)
                 return True
             if deadline is None:
                 slice_s = SLICE_S
@@ -144,6 +164,8 @@ class Doorbell:
                 slice_s = min(SLICE_S, deadline - time.monotonic())
                 if slice_s <= 0:
                     A.store(flag, 0)
+                    if spun_at:
+                        self.spin.ended(False)
                     if check is not None and timeout:
                         check()
                     return False
@@ -158,6 +180,8 @@ class Doorbell:
                 continue
             A.store(flag, 0)
             if ready():
+                if spun_at:
+                    self.spin.ended(False, time.perf_counter_ns() - spun_at)
                 return True
 
     def close(self) -> None:

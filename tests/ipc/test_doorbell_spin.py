@@ -9,7 +9,7 @@ import time
 import pytest
 
 from fastkv.ipc import Ring, doorbell
-from fastkv.ipc.doorbell import PROBE_EVERY, SPIN_MISSES, SPIN_S, Spin
+from fastkv.ipc.doorbell import PROBE_EVERY, SPIN_MAX_S, SPIN_MISSES, SPIN_S, Spin
 from fastkv.ipc.native import A
 
 
@@ -24,6 +24,42 @@ def test_spins_stop_after_misses_probe_now_and_then_and_resume_on_a_hit():
     assert all(s.budget_ns() == full for _ in range(SPIN_MISSES))
     s.enabled = False
     assert s.budget_ns() == 0
+
+
+def test_a_spin_grows_to_cover_answers_that_came_soon_after_it_and_shrinks_after_long_waits():
+    s, first, most = Spin(), int(SPIN_S * 1e9), int(SPIN_MAX_S * 1e9)
+    assert s.budget_ns() == first
+    s.ended(False, 2 * first)  # a copy's ack, just after the spin gave up
+    assert s.budget_ns() == 2 * first * 5 // 4
+    s.ended(True)  # covered: answered within the spin
+    assert s.budget_ns() == 2 * first * 5 // 4 and s.misses == 0
+    s.ended(False, most)
+    assert s.budget_ns() == most, "never past SPIN_MAX_S"
+    s.ended(False, 5 * most)  # a model step: spinning longer would not have helped
+    assert s.budget_ns() == first
+    s.ended(False)  # no answer at all (a timed-out wait)
+    assert s.budget_ns() == first
+
+
+@pytest.mark.parametrize("most_s", [5.0, 0.01])
+def test_a_waiter_learns_how_long_its_answers_take(ns, monkeypatch, most_s):
+    """A wait's time, from the spin to the answer, reaches ``Spin.ended``: an answer 50 ms
+    late makes the next spin cover it where SPIN_MAX_S allows (scaled up here, so that a slow
+    machine cannot make the test flaky), and leaves it at SPIN_S where it does not."""
+    monkeypatch.setattr(doorbell, "SPIN_MAX_S", most_s)
+    ring = Ring.create(ns, "r", slot_size=32, nslots=4)
+    producer = threading.Timer(0.05, ring.push, (b"late",))
+    try:
+        producer.start()
+        assert ring.pop_many(4, timeout=10) == [b"late"]
+        budget = ring.data_bell.spin.budget
+        if most_s > 1:
+            assert budget >= int(0.05 * 1e9 * 5 / 4), "the next spin covers an answer this late"
+        else:
+            assert budget == int(SPIN_S * 1e9)
+    finally:
+        producer.join()
+        ring.close()
 
 
 def test_spin_any_returns_on_a_message_or_at_the_end_of_its_budget(ns):
