@@ -95,10 +95,10 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
     order = rec.dst if rec.purpose is Purpose.WRITE_BACK else rec.dst[::-1]
     for hb in order:
         host.unpin(hb)
-    if rec.held:
+    if rec.held is not None:  # leaves first, as the refresh below would order them
         host.release_many(rec.held[::-1])
     if ok and rec.chain:
-        _refresh_chain(state, rec.chain)
+        _refresh_chain(state, rec.chain, host_too=not _queued_in_order(state, rec, keyed))
     if ok:
         st.swap_out_blocks += len(rec.src)
     elif rec.purpose is Purpose.WRITE_BACK:
@@ -122,11 +122,25 @@ def _hand_to_waiting_children(state: CacheState, rec: CopyRecord, keyed: list[tu
                 child.held.append(hb)
 
 
-def _refresh_chain(state: CacheState, chain: list[bytes]) -> None:
+def _queued_in_order(state: CacheState, rec: CopyRecord, keyed: list[tuple[int, bytes]]) -> bool:
+    """Whether the chain's host blocks are exactly the ones this plan landed and the parents it
+    held: then their unpins and releases just queued them leaves first, and the host needs no
+    refresh (the refresh touches the whole chain, a cost per block fill that grows with the
+    context). Any other chain key on the host (it arrived meanwhile) takes the full refresh."""
+    if rec.held is None:
+        return False
+    hget = state.host.lookup.get
+    on_host = {hget(k) for k in rec.chain}
+    on_host.discard(None)
+    return on_host == {*rec.held, *(hb for hb, _ in keyed)}
+
+
+def _refresh_chain(state: CacheState, chain: list[bytes], host_too: bool = True) -> None:
     """A write-through landed after its chain's earlier plans (parents first on the host) and
     unpinned its device sources (back at the young end of the device queue): refresh the
-    chain's blocks in both tiers leaves first, so that eviction takes children first again."""
-    for pool in (state.host, state.device):
+    chain's blocks in both tiers leaves first, so that eviction takes children first again.
+    Not the host's when the plan held its parents there: their release just queued them so."""
+    for pool in (state.host, state.device) if host_too else (state.device,):
         lookup, touch = pool.lookup, pool.touch
         for k in reversed(chain):
             b = lookup.get(k)

@@ -66,3 +66,33 @@ def test_a_parent_whose_host_copy_was_evicted_is_written_back_when_the_device_ev
     assert m.is_ready("w")
     assert len(m.match(a + [0]).host_blocks) == 2, "P and C reachable from the root (P written back)"
     m.check_integrity()
+
+
+def test_a_parent_that_reached_the_host_outside_the_hold_is_queued_behind_its_child():
+    """The landing plan held no parent (P was on neither the host nor its way there when C's copy
+    opened); P's write-back lands first, then C. The host's order is then not the one the
+    plan's unpins and releases make, so the landing refreshes the whole chain: one host
+    eviction takes the leaf C, not P."""
+    m = manager(dev=5, host=2)
+    a = [1, 2, 3, 4]
+    m.allocate("a", a)
+    (p_copy,) = m.mark_computed("a", 2)
+    m.complete(p_copy, True)
+    parent, child = m.keys_for(a)
+    for rid, toks in (("x", [7, 8]), ("y", [9, 10])):  # y's write-through evicts P from the host
+        m.allocate(rid, toks)
+        (copy,) = m.mark_computed(rid, 2)
+        m.complete(copy, True)
+    (c_copy,) = m.mark_computed("a", 4)
+    assert m.copies.records[c_copy.plan_id].held == []
+    m.free("a")
+    got = m.allocate("z", [11, 12, 13])  # evicts P from the device: written back
+    assert [m.copies.records[p.plan_id].keys for p in got.plans] == [[parent]]
+    for p in got.plans:
+        m.complete(p, True)
+    m.complete(c_copy, True)
+    assert parent in m.host.lookup and child in m.host.lookup
+    m.allocate("w", [20, 21])
+    assert len(m.mark_computed("w", 2)) == 1  # its write-through evicts one host block
+    assert parent in m.host.lookup and child not in m.host.lookup
+    m.check_integrity()
