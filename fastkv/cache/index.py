@@ -24,7 +24,8 @@ than their children", so that LRU eviction takes leaves first:
   both tiers (its device sources re-entered the queue young when it unpinned them); a device
   victim whose host copy the host evicted first is written back, as under write-back;
 * an in-flight write-through holds the host copies of its chain's other keys until it lands
-  (the host's queue cannot order children that are not in it yet).
+  (the host's queue cannot order children that are not in it yet); releasing them leaves
+  first orders the host half of its chain, which its refresh then skips.
 
 What remains, accepted and documented: a copy that fails or finds no free host block drops
 its key, and children already on the host are stranded. A stranded entry is never returned
