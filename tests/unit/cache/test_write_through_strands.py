@@ -40,18 +40,25 @@ def test_a_parent_on_the_host_is_held_while_its_childs_write_through_flies():
     m.check_integrity()
 
 
-def test_a_parent_whose_host_copy_was_evicted_is_written_back_when_the_device_evicts_it():
+def parent_evicted_from_the_host(a: list[int]) -> tuple[CacheManager, bytes, bytes]:
+    """Request "a" (blocks P, C) has computed P, whose write-through landed; two more
+    write-throughs then filled the 2-block host tier, the second evicting P there."""
     m = manager(dev=5, host=2)
-    a = [1, 2, 3, 4]
     m.allocate("a", a)
     (p_copy,) = m.mark_computed("a", 2)
     m.complete(p_copy, True)
     parent, child = m.keys_for(a)
-    for rid in ("x", "y"):  # two more write-throughs fill the host; y's evicts P there
-        m.allocate(rid, [7, 8] if rid == "x" else [9, 10])
+    for rid, toks in (("x", [7, 8]), ("y", [9, 10])):
+        m.allocate(rid, toks)
         (copy,) = m.mark_computed(rid, 2)
         m.complete(copy, True)
     assert parent not in m.host.lookup and parent in m.device.lookup
+    return m, parent, child
+
+
+def test_a_parent_whose_host_copy_was_evicted_is_written_back_when_the_device_evicts_it():
+    a = [1, 2, 3, 4]
+    m, parent, child = parent_evicted_from_the_host(a)
     (c_copy,) = m.mark_computed("a", 4)  # C flies with no parent on the host to hold
     m.complete(c_copy, True)
     m.free("a")
@@ -73,16 +80,8 @@ def test_a_parent_that_reached_the_host_outside_the_hold_is_queued_behind_its_ch
     opened); P's write-back lands first, then C. The host's order is then not the one the
     plan's unpins and releases make, so the landing refreshes the whole chain: one host
     eviction takes the leaf C, not P."""
-    m = manager(dev=5, host=2)
     a = [1, 2, 3, 4]
-    m.allocate("a", a)
-    (p_copy,) = m.mark_computed("a", 2)
-    m.complete(p_copy, True)
-    parent, child = m.keys_for(a)
-    for rid, toks in (("x", [7, 8]), ("y", [9, 10])):  # y's write-through evicts P from the host
-        m.allocate(rid, toks)
-        (copy,) = m.mark_computed(rid, 2)
-        m.complete(copy, True)
+    m, parent, child = parent_evicted_from_the_host(a)
     (c_copy,) = m.mark_computed("a", 4)
     assert m.copies.records[c_copy.plan_id].held == []
     m.free("a")
