@@ -64,16 +64,19 @@ def run_once(tmp_path, name: str, url: str, wl: list[dict], tp: int = 1, referen
 def test_every_block_verified_after_host_and_storage_round_trips(tmp_path):
     """Run A preempts by copy under pressure; run B restarts on A's store. Which mode a preemption
     ends up using (a victim that stalls past its patience, or is LOADING, recomputes), whether a
-    storage victim comes back by LOAD or from the 6-block host tier, and which lower tier serves a
+    storage victim comes back by LOAD or from the host tier, and which lower tier serves a
     prefix all depend on timing: CI once saw no host prefix hit, and 50 local runs saw each of
     offload 0, storage 0 and LOAD 0, and CI later saw every preemption of A recompute (under
     write-through a request waits in LOADING for the write-back of a block it evicted, and a
     LOADING victim recomputes). So A claims copies in aggregate, and the storage round trip
-    that must happen is B's: its tiers start empty, and A wrote through. The per-mode paths are
+    that must happen is B's: its tiers start empty, and A wrote through. A's host tier holds
+    what it writes through (64 blocks): with 6, write-throughs that found no free host block
+    were skipped, so A stored 4-45 of the 64 blocks B asks for (CI once saw 6, none of them a
+    loadable prefix, and no LOAD); with 64, 57 of 64 in every run tried. The per-mode paths are
     checked deterministically in tests/unit/sched."""
     wl = workload(16, 12, ["offload", "storage"])
     url = f"lmdb://{tmp_path}/lmdb?max_bytes=64M"
-    _, a = run_once(tmp_path, "a", url, wl, tp=2, num_host_blocks=6)
+    _, a = run_once(tmp_path, "a", url, wl, tp=2, num_host_blocks=64)
     pre, tasks = a["preemptions"], a["copy_tasks"]
     assert sum(pre.values()) > 0, f"no preemption under pressure: {a}"
     assert tasks.get("swap_out", 0) > 0 and tasks.get("swap_in", 0) > 0, f"no host round trip: {a}"
