@@ -534,6 +534,7 @@ class BoundSwap:
         cap = max(self._geometry[3:])
         self._src_ids, self._dst_ids = np.empty(cap, np.int32), np.empty(cap, np.int32)
         self._ids_at = (self._src_ids.ctypes.data, self._dst_ids.ctypes.data)
+        self._sums: tuple[np.ndarray, int] | None = None  # the checksums array last checked, and its address
 
     def swap(self, src: Any, dst: Any, *, to_host: bool, num_threads: int | None = None,
              sums: np.ndarray | None = None) -> bool:
@@ -558,12 +559,22 @@ class BoundSwap:
         threads = default_num_threads() if num_threads is None else num_threads
         layers, host, page, ndev, nhost = self._geometry
         sealing = sums is not None and to_host
-        if sealing and (sums.dtype != np.uint8 or sums.shape != (nhost, 16) or not sums.flags.c_contiguous):
-            raise ValueError(f"sums must be a C-contiguous uint8 [{nhost}, 16] array, got {sums.dtype} {sums.shape}")
+        sums_at = self._sums_address(sums, nhost) if sealing else None
         if self._lib.fkv_cpu_swap(self._k_ptrs, self._v_ptrs, layers, host, page, ndev, nhost, src_at, dst_at, n,
-                                  bool(to_host), threads, -1, sums.ctypes.data if sealing else None) != 0:
+                                  bool(to_host), threads, -1, sums_at) != 0:
             raise ValueError(self._lib.fkv_cpu_last_error().decode())
         return sealing
+
+
+    def _sums_address(self, sums: np.ndarray, nhost: int) -> int:
+        """``sums``'s address, checked once per array (the transfer process passes its host
+        tier's every time; checking and reading the address cost ~4 us a call)."""
+        if self._sums is None or self._sums[0] is not sums:
+            if sums.dtype != np.uint8 or sums.shape != (nhost, 16) or not sums.flags.c_contiguous:
+                raise ValueError(f"sums must be a C-contiguous uint8 [{nhost}, 16] array, "
+                                 f"got {sums.dtype} {sums.shape}")
+            self._sums = (sums, sums.ctypes.data)
+        return self._sums[1]
 
 
 def block_checksums(host: np.ndarray, ids: Sequence[int]) -> np.ndarray:

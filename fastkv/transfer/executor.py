@@ -325,7 +325,9 @@ class TaskExecutor:
     @staticmethod
     def _check_ids(ids: np.ndarray, n: int, what: str) -> None:
         """Every id of the whole plan, before its first part copies anything."""
-        if not len(ids):  # numpy's fixed cost per call is most of a small task's (empty tasks too)
+        if len(ids) <= 1:  # numpy's fixed cost per call is most of a small task's (empty tasks too)
+            if len(ids) and not 0 <= int(ids[0]) < n:
+                raise ValueError(f"{what} block id {int(ids[0])} out of range [0, {n})")
             return
         bad = ids[(ids < 0) | (ids >= n)]
         if len(bad):

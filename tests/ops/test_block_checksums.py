@@ -80,3 +80,20 @@ def test_a_swap_in_leaves_the_checksums_alone():
     assert lib.fkv_cpu_swap(ptrs[0], ptrs[1], layers, host.ctypes.data, page, 4, 4, ids.ctypes.data, ids.ctypes.data,
                             n, 0, 1, 0, sums.ctypes.data) == 0
     assert k[0][:n * page].all() and (sums == 7).all()
+
+
+def test_a_bound_swap_refuses_checksums_of_the_wrong_shape(paddle_ops):
+    from fastkv.config import KVLayout
+
+    lay = KVLayout(num_layers=1, kv_heads=1, block_size=2, head_dim=4, dtype="float32")
+    k = [paddle_ops.zeros(lay.device_shape(3), dtype="float32")]
+    v = [paddle_ops.zeros(lay.device_shape(3), dtype="float32")]
+    host = paddle_ops.ones(lay.host_shape(2), dtype="float32")
+    bound = ops.BoundSwap(k, v, host)
+    ids = np.array([0], np.int32)
+    with pytest.raises(ValueError, match=r"sums must be a C-contiguous uint8 \[2, 16\] array"):
+        bound.swap(ids, ids, to_host=True, num_threads=1, sums=np.zeros((3, 16), np.uint8))
+    sums = np.zeros((2, 16), np.uint8)
+    assert bound.swap(ids, ids, to_host=True, num_threads=1, sums=sums)
+    assert sums[0].tobytes() == block_checksum(host.numpy()[0]) and not sums[1].any()
+    assert not bound.swap(ids, ids, to_host=False, num_threads=1, sums=sums), "a SWAP_IN writes no checksum"
