@@ -70,6 +70,8 @@ setup(
         Extension("fastkv._codec", ["ops/ipc_codec.c", "ops/ipc_codec_encode.c", "ops/ipc_codec_decode.c"],
                   depends=["ops/ipc_codec.h"], include_dirs=[numpy.get_include()],
                   extra_compile_args=["-O2", "-std=c11"]),
+        # The synthetic runner's KV rows (fastkv/engine/runners/synthetic.py): ~30x numpy.
+        Extension("fastkv._synthetic", ["ops/synthetic_rows.c"], extra_compile_args=["-O3", "-std=c11"]),
     ],
     entry_points={
         "console_scripts": [

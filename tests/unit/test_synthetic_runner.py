@@ -15,6 +15,7 @@ from fastkv.engine.runners.synthetic import (
     decode_rows,
     expected_block,
     kv_rows,
+    kv_rows_reference,
     next_token,
     reference_output,
     verify_block,
@@ -60,6 +61,39 @@ def test_rows_name_their_token_and_position_and_are_finite(dtype):
     # Every (layer, K|V, head) row differs: a block copied to the wrong layer or head is caught.
     flat = rows[..., 8:].reshape(8, 4, -1)
     assert len({flat[i, 0].tobytes() for i in range(8)}) == 8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=25)
+@given(data=st.data())
+def test_compiled_rows_equal_the_numpy_definition(dtype, data):
+    """fastkv._synthetic makes the rows; kv_rows_reference defines their bytes."""
+    lay = KVLayout(num_layers=data.draw(st.integers(1, 3)), kv_heads=data.draw(st.integers(1, 3)), block_size=4,
+                   head_dim=data.draw(st.sampled_from([9, 16, 24, 64])), dtype=dtype)
+    n = data.draw(st.integers(0, 40))
+    tok = np.array(data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n)), dtype=np.int64)
+    pos = np.array(data.draw(st.lists(st.integers(0, (1 << 24) - 1), min_size=n, max_size=n)), dtype=np.int64)
+    rank, version = data.draw(st.integers(0, 3)), data.draw(st.sampled_from(["0", "1", "v2"]))
+    got, want = kv_rows(lay, rank, tok, pos, version), kv_rows_reference(lay, rank, tok, pos, version)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes()
+
+
+def test_compiled_rows_refuse_buffers_that_disagree():
+    from fastkv import _synthetic
+
+    keys, salts = np.zeros(3, np.uint64), np.zeros((2, 8), np.uint64)
+    header = np.zeros((3, 8), np.uint16)
+    _synthetic.fill_rows(np.empty((2, 3, 16), np.uint16), keys, salts, header, 1, 16)  # sizes agree
+    with pytest.raises(ValueError, match="sizes disagree"):
+        _synthetic.fill_rows(np.empty((2, 3, 15), np.uint16), keys, salts, header, 1, 16)
+    with pytest.raises(ValueError, match="bad kind"):
+        _synthetic.fill_rows(np.empty((2, 3, 16), np.uint16), keys, salts, header, 7, 16)
+    read_only = np.empty((2, 3, 16), np.uint16)
+    read_only.setflags(write=False)
+    for out in (read_only, np.empty((2, 6, 16), np.uint16)[:, ::2]):
+        with pytest.raises(TypeError, match="C-contiguous writable"):
+            _synthetic.fill_rows(out, keys, salts, header, 1, 16)
 
 
 def test_rank_shards_are_heads_of_the_tp1_layout():
