@@ -112,12 +112,14 @@ def _hand_to_waiting_children(state: CacheState, rec: CopyRecord, keyed: list[tu
     awaited, records, host = state.copies.awaited, state.copies.records, state.host
     if not awaited:
         return
-    landed = dict((k, hb) for hb, k in keyed)
+    landed = {k: hb for hb, k in keyed}
     for k in rec.keys:
-        for pid in awaited.pop(k, ()):
+        waiting, hb = awaited.pop(k, ()), landed.get(k)
+        if hb is None:
+            continue  # it failed to land: nothing to hold
+        for pid in waiting:
             child = records.get(pid)
-            hb = landed.get(k)
-            if child is not None and hb is not None:
+            if child is not None:
                 host.incref(hb)
                 child.held.append(hb)
 

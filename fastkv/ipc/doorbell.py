@@ -149,14 +149,19 @@ class Doorbell:
                     spun_at = 0
                     if ready():
                         return True
+        answered = self._sleep(ready, timeout, check)
+        if spun_at:  # the spin found no answer: how long the whole wait took sizes the next one
+            self.spin.ended(False, time.perf_counter_ns() - spun_at if answered else None)
+        return answered
+
+    def _sleep(self, ready: Callable[[], bool], timeout: float | None, check: Callable[[], None] | None) -> bool:
+        """``wait`` on the semaphore, in slices (after any spin)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         flag = self.flag_addr
         while True:
             A.arm(flag)
             if ready():
                 A.store(flag, 0)
-                if spun_at:
-                    self.spin.ended(False, time.perf_counter_ns() - spun_at)
                 return True
             if deadline is None:
                 slice_s = SLICE_S
@@ -164,8 +169,6 @@ class Doorbell:
                 slice_s = min(SLICE_S, deadline - time.monotonic())
                 if slice_s <= 0:
                     A.store(flag, 0)
-                    if spun_at:
-                        self.spin.ended(False)
                     if check is not None and timeout:
                         check()
                     return False
@@ -180,8 +183,6 @@ class Doorbell:
                 continue
             A.store(flag, 0)
             if ready():
-                if spun_at:
-                    self.spin.ended(False, time.perf_counter_ns() - spun_at)
                 return True
 
     def close(self) -> None:

@@ -380,8 +380,7 @@ class HostTier:
         data = num_blocks * layout.block_bytes
         segment = ShmSegment(name, cls._size(layout, num_blocks), create=True, populate=populate)
         tier = cls(layout, num_blocks, name, *cls._views(segment, layout, num_blocks), segment)
-        # a new segment is zeros: seal them all at once, without touching the data pages
-        tier.checksums[:] = np.frombuffer(block_checksum(np.zeros_like(tier.array[0])), np.uint8)
+        tier._seal_zeros()  # a new segment is zeros
         _write_header(segment.buf, TierKind.HOST, num_blocks, data, layout)
         return tier
 
@@ -415,6 +414,10 @@ class HostTier:
         array = np.frombuffer(segment.buf, layout.numpy_dtype, data // layout.itemsize, HEADER_BYTES)
         sums = np.frombuffer(segment.buf, np.uint8, num_blocks * CHECKSUM_BYTES, HEADER_BYTES + data)
         return array.reshape(layout.host_shape(num_blocks)), sums.reshape(num_blocks, CHECKSUM_BYTES)
+
+    def _seal_zeros(self) -> None:
+        """Seal every block as zeros at once, without touching the data pages."""
+        self.checksums[:] = np.frombuffer(block_checksum(np.zeros_like(self.array[0])), np.uint8)
 
     def seal(self, blocks: Iterable[int]) -> None:
         """Record the checksum of each block's current bytes (it just landed here)."""
@@ -478,7 +481,7 @@ class HostTier:
             self.pinned = False
         held = resident_bytes(self.name)
         self._segment.release(HEADER_BYTES, self.num_blocks * self.layout.block_bytes)
-        self.checksums[:] = np.frombuffer(block_checksum(np.zeros_like(self.array[0])), np.uint8)
+        self._seal_zeros()
         return held
 
     def close(self) -> None:
