@@ -26,9 +26,11 @@ compute. ``--cost-model flat`` keeps the runner's flat 300 us per token.
 Tokens/s are generated tokens over the run's wall time less the synthetic runner's own byte work
 (``synthetic_us``: making, checking and reading its KV rows), which stands for work the GPU does
 inside the modelled step time and which the runner does before waiting that time out. On this CPU
-it costs far more than the model: making a token's rows 3-15x a prefill token, checking a resumed
-prefix about as much again. Left in the time, it charged recompute and resuming at this CPU's
-rates, not the deployment's. The table shows both figures.
+it costs more than the model: making a 32 KiB token's rows (compiled, ``fastkv._synthetic``) about
+a prefill token in a long prefill, with ~1 ms of Python per decode step on top; checking a resumed
+prefix twice that. (In numpy the rows cost 15-20x a prefill token and made two-thirds of the
+walls.) Left in the time, it charged recompute and resuming at this CPU's rates, not the
+deployment's. The table shows both figures.
 
 Prints tokens/s, recomputed tokens, time to first token, hit ratio per tier, preemptions, step
 and copy task p50 per run, what preempting costs under the model (``preemption_costs``: recompute

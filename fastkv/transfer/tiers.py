@@ -380,7 +380,7 @@ class HostTier:
         data = num_blocks * layout.block_bytes
         segment = ShmSegment(name, cls._size(layout, num_blocks), create=True, populate=populate)
         tier = cls(layout, num_blocks, name, *cls._views(segment, layout, num_blocks), segment)
-        tier._seal_zeros()  # a new segment is zeros
+        tier.seal_zeros()  # a new segment is zeros
         _write_header(segment.buf, TierKind.HOST, num_blocks, data, layout)
         return tier
 
@@ -415,7 +415,7 @@ class HostTier:
         sums = np.frombuffer(segment.buf, np.uint8, num_blocks * CHECKSUM_BYTES, HEADER_BYTES + data)
         return array.reshape(layout.host_shape(num_blocks)), sums.reshape(num_blocks, CHECKSUM_BYTES)
 
-    def _seal_zeros(self) -> None:
+    def seal_zeros(self) -> None:
         """Seal every block as zeros at once, without touching the data pages."""
         self.checksums[:] = np.frombuffer(block_checksum(np.zeros_like(self.array[0])), np.uint8)
 
@@ -481,7 +481,7 @@ class HostTier:
             self.pinned = False
         held = resident_bytes(self.name)
         self._segment.release(HEADER_BYTES, self.num_blocks * self.layout.block_bytes)
-        self._seal_zeros()
+        self.seal_zeros()
         return held
 
     def close(self) -> None:

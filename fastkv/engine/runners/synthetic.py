@@ -445,12 +445,13 @@ class SyntheticRunner(ModelRunner):
                 self.v_views[layer][blk, :, slot, :] = rows[layer, 1].transpose(1, 0, 2)
         sampled = self._sample([s for s in plan.seqs if s.sample])
         # Making, checking and reading the synthetic bytes stands for what the model's compute
-        # does, and costs this CPU far more than a GPU's time: making a token's KV rows 3-15x a
-        # prefill token under the cost model (by layout), checking a resumed prefix about as
-        # much again. Hidden under the modelled time, it charged recompute (rows) and resuming
-        # (checks) at this CPU's rates. So under a cost model the modelled time starts after it,
-        # and it is counted (synthetic_us): wall time less synthetic_us is the run as the model
-        # times it. The flat cost is CPU time per token that includes this work, as before.
+        # does, and costs this CPU more than a GPU's time: making a 32 KiB token's KV rows about
+        # a modelled prefill token in a long prefill (~1 ms of Python per decode step on top),
+        # checking a resumed prefix twice that. Hidden under the modelled time, it charged
+        # recompute (rows) and resuming (checks) at this CPU's rates. So under a cost model the
+        # modelled time starts after it, and it is counted (synthetic_us): wall time less
+        # synthetic_us is the run as the model times it. The flat cost is CPU time per token
+        # that includes this work, as before.
         now = time.perf_counter()
         self._checks["synthetic_us"] += round((now - t0) * 1e6)
         start = t0 if self.cost is None else now
