@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from fastkv.cache.eviction import POLICIES
+from fastkv.compiled import NotBuilt
 from fastkv.config import KVLayout
 from fastkv.demo import PREEMPTION_MODES, ConversationConfig
 from fastkv.outdir import OutDir
@@ -33,8 +34,6 @@ from fastkv.outdir import OutDir
 RUNNERS = ("synthetic", "tiny")
 STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
 ROLES = ("mixed", "prefill", "decode")
-# Per-token prefill cost of the synthetic runner (CPU busy work): recomputing a preempted
-# request then costs time the way it does on a real model.
 # Per-token compute cost of the synthetic runner (CPU busy work): 300 us is what the tiny Paddle
 # decoder costs per token on the development machine, so recomputing a preempted request costs
 # what it would with a real (CPU) model. verify "resumed" checks every block of a request that
@@ -501,7 +500,7 @@ def _interrupted(signum: int, _frame: Any) -> None:
     raise _Interrupted(signum)
 
 
-def _config_error(parser: argparse.ArgumentParser, exc: ValueError) -> NoReturn:
+def _config_error(parser: argparse.ArgumentParser, exc: Exception) -> NoReturn:
     parser.exit(2, f"{parser.prog}: error: {exc}\n")  # one line: the usage is no help here
 
 
@@ -519,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         # Both before anything is written: a live run's directory or namespace is not ours.
         run_id = _new_run_id(args.run_id)
         outdir = OutDir.claim(cfg.out, run_id)
-    except ValueError as exc:
+    except (ValueError, NotBuilt) as exc:
         _config_error(parser, exc)
     with outdir:  # held until the run is over: a second run on this --out is refused
         return _prepare_and_run(parser, args, cfg, entries, outdir)

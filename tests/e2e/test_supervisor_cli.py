@@ -138,6 +138,25 @@ def test_cli_reports_bad_values_as_usage_errors(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
+def test_a_c_extension_not_built_is_one_line_saying_how_to_build_it(tmp_path, capsys, monkeypatch):
+    """As after a git pull that added an extension, without pip install -e . again."""
+    from fastkv.compiled import NotBuilt, load
+
+    with pytest.raises(NotBuilt, match="_no_such_ext is not built .*pip install -e ."):
+        load("_no_such_ext")
+
+    def runner_module_missing(self):
+        load("_no_such_ext")
+
+    monkeypatch.setattr(JobConfig, "check_runner_options", runner_module_missing)
+    with pytest.raises(SystemExit) as exc:
+        main(["--quick", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "C extension _no_such_ext is not built" in err and "build_ext --inplace" in err
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
 def test_a_misspelt_flag_is_an_error_not_another_flag(tmp_path, capsys):
     """argparse would take --storag for --storage; a typo must be named, not guessed."""
     with pytest.raises(SystemExit) as exc:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from fastkv import _synthetic
+from fastkv.compiled import load
 from fastkv.config import KVLayout
 from fastkv.engine.runners.base import ModelRunner
 from fastkv.engine.runners.cost_model import ScaledCostModel, deployment, measure_copy_bandwidth
@@ -139,6 +139,7 @@ def _header(tok: np.ndarray, pos: np.ndarray, key: np.ndarray) -> np.ndarray:
                           axis=1)
 
 
+_synthetic = load("_synthetic")
 _KINDS = {"float32": 0, "bfloat16": 1, "float16": 2, "uint8": 3, "int8": 3}  # fastkv._synthetic's
 
 
