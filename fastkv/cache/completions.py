@@ -98,7 +98,8 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
     if rec.held is not None:  # leaves first, as the refresh below would order them
         host.release_many(rec.held[::-1])
     if ok and rec.chain:
-        _refresh_chain(state, rec.chain, host_too=not _queued_in_order(state, rec, keyed))
+        _refresh_chain(state, rec.chain, host_too=not _queued_in_order(state, rec, keyed),
+                       device_too=any(dev.state[b] == _CACHED for b in rec.src))
     if ok:
         st.swap_out_blocks += len(rec.src)
     elif rec.purpose is Purpose.WRITE_BACK:
@@ -137,12 +138,15 @@ def _queued_in_order(state: CacheState, rec: CopyRecord, keyed: list[tuple[int, 
     return on_host == {*rec.held, *(hb for hb, _ in keyed)}
 
 
-def _refresh_chain(state: CacheState, chain: list[bytes], host_too: bool = True) -> None:
+def _refresh_chain(state: CacheState, chain: list[bytes], host_too: bool = True, device_too: bool = True) -> None:
     """A write-through landed after its chain's earlier plans (parents first on the host) and
     unpinned its device sources (back at the young end of the device queue): refresh the
     chain's blocks in both tiers leaves first, so that eviction takes children first again.
-    Not the host's when the plan held its parents there: their release just queued them so."""
-    for pool in (state.host, state.device) if host_too else (state.device,):
+    Not the host's when the plan held its parents there: their release just queued them so.
+    Not the device's while the request still holds its sources: its own blocks are not queued
+    there, and only sources it let go of during the copy went back to the queue."""
+    pools = [pool for pool, due in ((state.host, host_too), (state.device, device_too)) if due]
+    for pool in pools:
         lookup, touch = pool.lookup, pool.touch
         for k in reversed(chain):
             b = lookup.get(k)

@@ -152,6 +152,29 @@ class BlockPool:
             raise ValueError(f"{self.tier} block {block} is FREE: take() it, do not incref it")
         self.ref[block] += 1
 
+    def hold_keys(self, keys: list[bytes], skip: set[bytes]) -> tuple[list[int], list[bytes]]:
+        """``incref`` the block of each key in ``keys`` (not in ``skip``) this tier has, inline
+        (a write-through's hold on its chain: one call per plan, not one per block). Returns
+        the blocks held, in ``keys``' order, and the keys this tier does not have."""
+        lookup, state, ref, queued = self.lookup, self.state, self.ref, self.evictable
+        held: list[int] = []
+        missing: list[bytes] = []
+        hold, miss = held.append, missing.append
+        for k in keys:
+            if k in skip:
+                continue
+            b = lookup.get(k)
+            if b is None:
+                miss(k)
+                continue
+            if state[b] == _CACHED:
+                queued.remove(b)
+                state[b] = _ALLOCATED
+                self.num_allocated += 1
+            ref[b] += 1
+            hold(b)
+        return held, missing
+
     def release(self, block: int, keep: bool = True) -> None:
         """Drop one reference. At zero: CACHED if keyed (and ``keep``), else FREE; an IN_FLIGHT
         block waits for its copies (``unpin``)."""

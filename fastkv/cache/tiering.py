@@ -110,17 +110,10 @@ def _hold_parents(state: CacheState, pid: int, chain: list[bytes], own: set[byte
     cannot see children in flight to the host, and a parent it evicted meanwhile would strand
     them there and their device sources. A parent still in flight to the host is held when it
     lands (``CopyBook.awaited``, settled in completions.py)."""
-    host, inflight, awaited = state.host, state.copies.inflight, state.copies.awaited
-    hlookup, incref = host.lookup, host.incref
-    held = []
-    for k in chain:
-        if k in own:
-            continue
-        hb = hlookup.get(k)
-        if hb is not None:
-            incref(hb)
-            held.append(hb)
-        elif k in inflight:
+    inflight, awaited = state.copies.inflight, state.copies.awaited
+    held, missing = state.host.hold_keys(chain, own)
+    for k in missing:
+        if k in inflight:
             awaited.setdefault(k, []).append(pid)
     return held
 

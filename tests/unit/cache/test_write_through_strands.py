@@ -95,3 +95,36 @@ def test_a_parent_that_reached_the_host_outside_the_hold_is_queued_behind_its_ch
     assert len(m.mark_computed("w", 2)) == 1  # its write-through evicts one host block
     assert parent in m.host.lookup and child not in m.host.lookup
     m.check_integrity()
+
+
+def test_a_chain_let_go_of_during_its_write_through_is_queued_leaves_first_on_the_device():
+    """The request frees its blocks while C's write-through flies: P goes back to the device's
+    queue at once, C when the copy lands (after P). The landing refreshes the chain so that the
+    device evicts C, the leaf, before P."""
+    m = manager(dev=2, host=4)
+    a = [1, 2, 3, 4]
+    m.allocate("a", a)
+    (p_copy,) = m.mark_computed("a", 2)
+    m.complete(p_copy, True)
+    (c_copy,) = m.mark_computed("a", 4)
+    m.free("a")
+    m.complete(c_copy, True)
+    parent, child = m.keys_for(a)
+    m.allocate("z", [9, 10])  # one device block: the queue's oldest goes
+    assert parent in m.device.lookup and child not in m.device.lookup
+    m.check_integrity()
+
+
+def test_a_running_chain_skips_the_device_refresh_and_keeps_its_order():
+    """While the request holds its blocks none of its chain is queued on the device: the
+    landing leaves the device queue as it was."""
+    m = manager(dev=4, host=4)
+    m.allocate("old", [5, 6])
+    for copy in m.mark_computed("old", 2):
+        m.complete(copy, True)
+    m.free("old")  # one cached block, queued
+    m.allocate("a", [1, 2, 3, 4])
+    for copy in m.mark_computed("a", 4):
+        m.complete(copy, True)
+    assert list(m.device.evictable) == [m.device.lookup[m.keys_for([5, 6])[0]]]
+    m.check_integrity()
