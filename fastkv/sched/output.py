@@ -57,9 +57,53 @@ class SchedulerOutput(NamedTuple):
 
 
 def validate_plan(plan: StepPlan, block_size: int, num_device_blocks: int) -> None:
-    """Raise ValueError naming the request whose work cannot be executed as given."""
+    """Raise ValueError naming the request whose work cannot be executed as given (the first,
+    in plan order, with the first fault ``_validate_each`` finds in it).
+
+    Runners call this every step on every rank, so the whole plan is checked in a few numpy
+    calls (per sequence, numpy's fixed costs made it 3.4 ms for 128 sequences); any fault
+    found sends the plan through ``_validate_each``, the per-sequence definition, for the
+    exact message."""
     if not isinstance(plan, StepPlan):
         raise TypeError(f"step() takes a StepPlan, got {type(plan).__name__}")
+    if plan.seqs and _faulty(plan.seqs, block_size, num_device_blocks):
+        _validate_each(plan, block_size, num_device_blocks)
+        raise AssertionError(f"step {plan.step_id}: validate_plan found a fault _validate_each does not")
+
+
+def _faulty(seqs: list[SeqWork], block_size: int, num_device_blocks: int) -> bool:
+    """Whether any check of ``_validate_each`` fails, for the whole plan at once."""
+    needs, lens = [], []
+    for seq in seqs:  # the scalar checks
+        n = len(seq.token_ids)
+        need = -(-(seq.start_pos + n) // block_size)
+        if n == 0 or seq.start_pos < 0 or len(seq.block_table) < need:
+            return True
+        needs.append(need)
+        lens.append(n)
+    if len({s.request_id for s in seqs}) != len(seqs):
+        return True
+    toks = np.concatenate([s.token_ids for s in seqs])
+    used = np.concatenate([s.block_table[:need] for s, need in zip(seqs, needs, strict=True)]).astype(np.int64)
+    if toks.min() < 0 or used.min() < 0 or used.max() >= num_device_blocks:
+        return True
+    # a block twice in one table: a (sequence, block) pair repeats
+    pairs = np.sort(np.repeat(np.arange(len(seqs), dtype=np.int64), needs) * num_device_blocks + used)
+    if np.any(pairs[1:] == pairs[:-1]):
+        return True
+    if len(seqs) == 1:
+        return False
+    # two sequences write one slot
+    lens_a, needs_a = np.array(lens, np.int64), np.array(needs, np.int64)
+    pos = np.repeat(np.array([s.start_pos for s in seqs], np.int64) - (np.cumsum(lens_a) - lens_a), lens_a)
+    pos += np.arange(len(toks))
+    slots = used[np.repeat(np.cumsum(needs_a) - needs_a, lens_a) + pos // block_size] * block_size + pos % block_size
+    slots.sort()
+    return bool(np.any(slots[1:] == slots[:-1]))
+
+
+def _validate_each(plan: StepPlan, block_size: int, num_device_blocks: int) -> None:
+    """``validate_plan``, sequence by sequence: the definition of its checks and messages."""
     seen: set[int] = set()
     written = []
     for seq in plan.seqs:
