@@ -20,6 +20,7 @@ from fastkv.engine.runners.synthetic import (
     reference_output,
     verify_block,
     verify_seq,
+    write_rows,
 )
 from fastkv.sched.output import SeqWork, StepPlan
 from tests.runner_driver import drive
@@ -77,6 +78,47 @@ def test_compiled_rows_equal_the_numpy_definition(dtype, data):
     got, want = kv_rows(lay, rank, tok, pos, version), kv_rows_reference(lay, rank, tok, pos, version)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=20)
+@given(data=st.data())
+def test_rows_written_into_the_caches_equal_the_numpy_scatter(dtype, data):
+    lay = KVLayout(num_layers=data.draw(st.integers(1, 3)), kv_heads=data.draw(st.integers(1, 3)),
+                   block_size=data.draw(st.integers(1, 4)), head_dim=data.draw(st.sampled_from([9, 16, 24])),
+                   dtype=dtype)
+    nb = 6
+    slots_all = data.draw(st.permutations(range(nb * lay.block_size)))
+    n = data.draw(st.integers(0, len(slots_all)))
+    where = np.array(slots_all[:n], np.int64)  # distinct slots, as a step writes them
+    tok = np.array(data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n)), np.int64)
+    pos = np.array(data.draw(st.lists(st.integers(0, 5000), min_size=n, max_size=n)), np.int64)
+    rank = data.draw(st.integers(0, 2))
+    got = [np.full(lay.device_shape(nb), 7, lay.numpy_dtype) for _ in range(2 * lay.num_layers)]
+    want = [c.copy() for c in got]
+    write_rows(lay, rank, got, tok, pos, where // lay.block_size, where % lay.block_size, "w")
+    rows = kv_rows_reference(lay, rank, tok, pos, "w")
+    for layer in range(lay.num_layers):
+        for kv in range(2):
+            want[2 * layer + kv][where // lay.block_size, :, where % lay.block_size, :] = \
+                rows[layer, kv].transpose(1, 0, 2)
+    for g, w in zip(got, want, strict=True):
+        assert g.tobytes() == w.tobytes()  # written where asked, untouched elsewhere
+
+
+def test_rows_into_the_caches_refuse_bad_ids_and_caches():
+    lay = layout()
+    caches = [np.zeros(lay.device_shape(3), lay.numpy_dtype) for _ in range(2 * lay.num_layers)]
+    tok, pos = np.array([1, 2]), np.array([0, 1])
+    for blocks, slots in (([0, 3], [0, 1]), ([0, -1], [0, 1]), ([0, 1], [0, lay.block_size])):
+        with pytest.raises(ValueError, match="outside 3 blocks of 4 slots"):
+            write_rows(lay, 0, caches, tok, pos, np.array(blocks), np.array(slots))
+    assert not any(c.any() for c in caches), "nothing written when any id is bad"
+    with pytest.raises(ValueError, match="sizes disagree"):
+        write_rows(lay, 0, caches[:3], tok, pos, np.array([0, 1]), np.array([0, 1]))
+    with pytest.raises(ValueError, match="cache 1 holds"):
+        write_rows(lay, 0, [caches[0], np.zeros(lay.device_shape(2), lay.numpy_dtype), *caches[2:]], tok, pos,
+                   np.array([0, 1]), np.array([0, 1]))
 
 
 def test_compiled_rows_refuse_buffers_that_disagree():

@@ -157,6 +157,22 @@ def kv_rows(
     return out
 
 
+def write_rows(
+    layout: KVLayout, rank: int, caches: list[np.ndarray], token_ids: np.ndarray, positions: np.ndarray,
+    blocks: np.ndarray, slots: np.ndarray, weights_version: str = "0",
+) -> None:
+    """``kv_rows`` written straight into device caches (``fastkv._synthetic``: no rows array,
+    no fancy-indexed scatter): token i's rows go to block ``blocks[i]``, slot ``slots[i]`` of
+    ``caches``, the K and V caches of each layer in turn ([K0, V0, K1, V1, ...], each
+    ``layout.device_shape``)."""
+    tok, pos = _rows_args(layout, token_ids, positions)
+    key = _keys(tok, pos, weights_version)
+    header = np.ascontiguousarray(_bytes_to_elems(_header(tok, pos, key), layout.dtype))
+    _synthetic.scatter_rows(caches, np.ascontiguousarray(blocks, np.int64), np.ascontiguousarray(slots, np.int64),
+                            key, _row_salts(layout, rank), header, _KINDS[layout.dtype], layout.head_dim,
+                            layout.block_size)
+
+
 def _rows_args(layout: KVLayout, token_ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if layout.head_dim < HEADER + 1:
         raise ValueError(f"the synthetic runner needs head_dim > {HEADER}, got {layout.head_dim}")
@@ -423,7 +439,7 @@ class SyntheticRunner(ModelRunner):
     def _step(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
         validate_plan(plan, self.layout.block_size, self.num_device_blocks)
-        L, bs = self.layout.num_layers, self.layout.block_size
+        bs = self.layout.block_size
         toks, poss, blocks, slots = [], [], [], []
         for seq in plan.seqs:
             known = self._check_history(seq)
@@ -438,12 +454,9 @@ class SyntheticRunner(ModelRunner):
             self._history.popitem(last=False)
         self._last_step_ids = {s.request_id for s in plan.seqs}
         if plan.seqs:
-            rows = kv_rows(self.layout, self.rank, np.concatenate(toks), np.concatenate(poss), self.weights_version)
-            blk, slot = np.concatenate(blocks), np.concatenate(slots)
-            for layer in range(L):
-                # rows[layer, kv] is [H, n, D]; the fancy-indexed target is [n, H, D].
-                self.k_views[layer][blk, :, slot, :] = rows[layer, 0].transpose(1, 0, 2)
-                self.v_views[layer][blk, :, slot, :] = rows[layer, 1].transpose(1, 0, 2)
+            caches = [c for kv in zip(self.k_views, self.v_views, strict=True) for c in kv]  # set_caches rebinds them
+            write_rows(self.layout, self.rank, caches, np.concatenate(toks), np.concatenate(poss),
+                       np.concatenate(blocks), np.concatenate(slots), self.weights_version)
         sampled = self._sample([s for s in plan.seqs if s.sample])
         # Making, checking and reading the synthetic bytes stands for what the model's compute
         # does, and costs this CPU more than a GPU's time: making a 32 KiB token's KV rows about
