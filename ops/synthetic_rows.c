@@ -3,8 +3,8 @@
  * Why C: the rows are splitmix64 of every element. In numpy that took ~500 us per token of a
  * 32 KiB-per-token layout (eight passes over uint64 temporaries), 15x what the cost model
  * charges a GPU for a prefill token, so the runner's own byte work swamped the modelled time
- * that bench_e2e compares modes by. One pass here, vectorized where the CPU allows it, into an
- * array (fill_rows) or straight into the device caches' slots (scatter_rows).
+ * that bench_e2e compares modes by. One pass here, vectorized where the CPU allows it, straight
+ * into the device caches' slots (or an array's pages seen as caches of one block: kv_rows).
  *
  * The format is defined by the numpy reference (synthetic.kv_rows_reference); tests compare
  * the two byte for byte over every dtype.
@@ -81,72 +81,15 @@ static int get_buffer(PyObject *o, Py_buffer *b, int writable, const char *name)
     return 0;
 }
 
-/* fill_rows(out, keys, salts, header_elems, kind, head_dim)
- *
- * out: [groups, n, head_dim] elements (groups = layers x 2 x kv_heads), written whole;
- * keys: uint64 [n] (synthetic._keys); salts: uint64 [groups, head_dim - 8];
- * header_elems: [n, 8] elements, the rows' headers (cheap in numpy: 8 per token). */
-static PyObject *fill_rows(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *o_out, *o_keys, *o_salts, *o_hdr;
-    int kind;
-    Py_ssize_t D;
-    if (!PyArg_ParseTuple(args, "OOOOin", &o_out, &o_keys, &o_salts, &o_hdr, &kind, &D)) return NULL;
-    static const Py_ssize_t esizes[] = {4, 2, 2, 1};
-    if (kind < 0 || kind > KIND_BYTE || D <= HEADER) {
-        PyErr_Format(PyExc_ValueError, "fastkv._synthetic: bad kind %d or head_dim %zd", kind, D);
-        return NULL;
-    }
-    Py_ssize_t es = esizes[kind], m = D - HEADER;
-    Py_buffer out, keys, salts, hdr;
-    if (get_buffer(o_out, &out, 1, "out") < 0) return NULL;
-    if (get_buffer(o_keys, &keys, 0, "keys") < 0) goto fail_out;
-    if (get_buffer(o_salts, &salts, 0, "salts") < 0) goto fail_keys;
-    if (get_buffer(o_hdr, &hdr, 0, "header_elems") < 0) goto fail_salts;
-    Py_ssize_t n = keys.len / 8, groups = salts.len / (8 * m);
-    if (keys.len % 8 || salts.len != groups * m * 8 || hdr.len != n * HEADER * es || out.len != groups * n * D * es) {
-        PyErr_Format(PyExc_ValueError,
-                     "fastkv._synthetic: sizes disagree: out %zd bytes, keys %zd, salts %zd, headers %zd "
-                     "(head_dim %zd, %zd-byte elements)", out.len, keys.len, salts.len, hdr.len, D, es);
-        goto fail_hdr;
-    }
-    {
-        const uint64_t *k = keys.buf, *s = salts.buf;
-        char *dst = out.buf;
-        const char *h = hdr.buf;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t g = 0; g < groups; g++) {
-            const uint64_t *salt = s + g * m;
-            for (Py_ssize_t i = 0; i < n; i++) {
-                make_row(dst + (g * n + i) * D * es, h + i * HEADER * es, salt, k[i], kind, es, m);
-            }
-        }
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&hdr);
-    PyBuffer_Release(&salts);
-    PyBuffer_Release(&keys);
-    PyBuffer_Release(&out);
-    Py_RETURN_NONE;
-fail_hdr:
-    PyBuffer_Release(&hdr);
-fail_salts:
-    PyBuffer_Release(&salts);
-fail_keys:
-    PyBuffer_Release(&keys);
-fail_out:
-    PyBuffer_Release(&out);
-    return NULL;
-}
-
 /* scatter_rows(caches, blocks, slots, keys, salts, header_elems, kind, head_dim, block_size)
  *
- * The rows fill_rows makes, written straight into device caches instead of an array (numpy's
- * fancy-indexed scatter cost twice the rows): caches is a list of 2 x layers writable buffers
+ * The rows, written straight into device caches (numpy's fancy-indexed scatter of a rows array
+ * cost more than making the rows): caches is a list of 2 x layers writable buffers
  * (K then V of layer 0, K then V of layer 1, ...), each [num_blocks, kv_heads, block_size,
- * head_dim] elements; blocks, slots: int64 [n], where token i goes; keys, salts, header_elems
- * as fill_rows (salts' rows in (layer, K|V, head) order). Every id is checked before anything
- * is written. */
+ * head_dim] elements; blocks, slots: int64 [n], where token i goes; keys: uint64 [n]
+ * (synthetic._keys); salts: uint64 [layers x 2 x kv_heads, head_dim - 8], rows in (layer, K|V,
+ * head) order; header_elems: [n, 8] elements, the rows' headers (cheap in numpy: 8 per token).
+ * Every id is checked before anything is written. */
 static PyObject *scatter_rows(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *o_caches, *objs[5];
@@ -224,8 +167,6 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"fill_rows", fill_rows, METH_VARARGS,
-     "fill_rows(out, keys, salts, header_elems, kind, head_dim): the synthetic runner's KV rows"},
     {"scatter_rows", scatter_rows, METH_VARARGS,
      "scatter_rows(caches, blocks, slots, keys, salts, header_elems, kind, head_dim, block_size): the rows, "
      "written into the device caches"},

@@ -124,18 +124,23 @@ def test_rows_into_the_caches_refuse_bad_ids_and_caches():
 def test_compiled_rows_refuse_buffers_that_disagree():
     from fastkv import _synthetic
 
-    keys, salts = np.zeros(3, np.uint64), np.zeros((2, 8), np.uint64)
+    keys, salts = np.zeros(3, np.uint64), np.zeros((2, 8), np.uint64)  # 3 tokens; 1 layer, K and V, 1 head
     header = np.zeros((3, 8), np.uint16)
-    _synthetic.fill_rows(np.empty((2, 3, 16), np.uint16), keys, salts, header, 1, 16)  # sizes agree
+    where = np.zeros(3, np.int64), np.arange(3, dtype=np.int64)  # block 0, slots 0-2
+
+    def scatter(caches, hdr=header, kind=1):
+        _synthetic.scatter_rows(caches, *where, keys, salts, hdr, kind, 16, 3)
+
+    scatter([np.empty((1, 1, 3, 16), np.uint16) for _ in range(2)])  # sizes agree
     with pytest.raises(ValueError, match="sizes disagree"):
-        _synthetic.fill_rows(np.empty((2, 3, 15), np.uint16), keys, salts, header, 1, 16)
+        scatter([np.empty((1, 1, 3, 16), np.uint16) for _ in range(2)], hdr=np.zeros((2, 8), np.uint16))
     with pytest.raises(ValueError, match="bad kind"):
-        _synthetic.fill_rows(np.empty((2, 3, 16), np.uint16), keys, salts, header, 7, 16)
-    read_only = np.empty((2, 3, 16), np.uint16)
+        scatter([np.empty((1, 1, 3, 16), np.uint16) for _ in range(2)], kind=7)
+    read_only = np.empty((1, 1, 3, 16), np.uint16)
     read_only.setflags(write=False)
-    for out in (read_only, np.empty((2, 6, 16), np.uint16)[:, ::2]):
+    for out in (read_only, np.empty((1, 1, 6, 16), np.uint16)[:, :, ::2]):
         with pytest.raises(TypeError, match="C-contiguous writable"):
-            _synthetic.fill_rows(out, keys, salts, header, 1, 16)
+            scatter([np.empty((1, 1, 3, 16), np.uint16), out])
 
 
 def test_rank_shards_are_heads_of_the_tp1_layout():

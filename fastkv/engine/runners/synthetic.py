@@ -149,11 +149,11 @@ def kv_rows(
     """The K/V rows of tokens at positions: [layers, 2, kv_heads, n, head_dim] in ``layout.numpy_dtype``
     (made by ``fastkv._synthetic``; ``kv_rows_reference`` defines them)."""
     tok, pos = _rows_args(layout, token_ids, positions)
-    L, H, D = layout.num_layers, layout.kv_heads, layout.head_dim
-    out = np.empty((L, 2, H, len(tok), D), dtype=layout.numpy_dtype)
-    key = _keys(tok, pos, weights_version)
-    header = np.ascontiguousarray(_bytes_to_elems(_header(tok, pos, key), layout.dtype))
-    _synthetic.fill_rows(out, key, _row_salts(layout, rank), header, _KINDS[layout.dtype], D)
+    n = len(tok)
+    out = np.empty((layout.num_layers, 2, layout.kv_heads, n, layout.head_dim), dtype=layout.numpy_dtype)
+    if n:  # each [H, n, D] page of ``out`` is a cache of one block of n slots
+        _scatter(layout, rank, [page[None] for pages in out for page in pages], tok, pos,
+                 np.zeros(n, np.int64), np.arange(n, dtype=np.int64), n, weights_version)
     return out
 
 
@@ -166,11 +166,16 @@ def write_rows(
     ``caches``, the K and V caches of each layer in turn ([K0, V0, K1, V1, ...], each
     ``layout.device_shape``)."""
     tok, pos = _rows_args(layout, token_ids, positions)
+    _scatter(layout, rank, caches, tok, pos, np.ascontiguousarray(blocks, np.int64),
+             np.ascontiguousarray(slots, np.int64), layout.block_size, weights_version)
+
+
+def _scatter(layout: KVLayout, rank: int, caches: list[np.ndarray], tok: np.ndarray, pos: np.ndarray,
+             blocks: np.ndarray, slots: np.ndarray, block_size: int, weights_version: str) -> None:
     key = _keys(tok, pos, weights_version)
     header = np.ascontiguousarray(_bytes_to_elems(_header(tok, pos, key), layout.dtype))
-    _synthetic.scatter_rows(caches, np.ascontiguousarray(blocks, np.int64), np.ascontiguousarray(slots, np.int64),
-                            key, _row_salts(layout, rank), header, _KINDS[layout.dtype], layout.head_dim,
-                            layout.block_size)
+    _synthetic.scatter_rows(caches, blocks, slots, key, _row_salts(layout, rank), header, _KINDS[layout.dtype],
+                            layout.head_dim, block_size)
 
 
 def _rows_args(layout: KVLayout, token_ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -266,7 +271,7 @@ def _check_rows(
     want = kv_rows(layout, rank, tok_ok, positions, weights_version)
     word = np.uint64 if rows.shape[-1] * rows.itemsize % 8 == 0 else np.uint8  # 8x fewer compares
     bad = np.flatnonzero(
-        (np.ascontiguousarray(rows).view(word) != want.view(word)).any(axis=(0, 1, 2, 4))
+        (rows.view(word) != want.view(word)).any(axis=(0, 1, 2, 4))  # a view: rows' last axis is contiguous
         | (decoded_pos != positions)
     )
     if token_ids is not None:

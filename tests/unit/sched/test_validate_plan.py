@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from fastkv.sched.output import SeqWork, StepPlan, _validate_each, validate_plan
 
 BLOCKS = 12
-# per sequence: mostly valid, each fault now and then ("shared": valid alone, may collide with another)
-FAULTS = ("none",) * 6 + ("shared", "shared", "short", "repeat", "range", "token", "empty", "start")
+# per sequence: mostly valid, each fault now and then ("overlap": valid alone, may write a slot another writes)
+FAULTS = ("none",) * 6 + ("overlap", "overlap", "short", "repeat", "range", "token", "empty", "start")
 
 
 @st.composite
@@ -23,7 +23,7 @@ def plans(draw) -> tuple[StepPlan, int]:
         start, n = draw(st.integers(0, 9)), draw(st.integers(1, 5))
         need = -(-(start + n) // bs)
         fault = draw(st.sampled_from(FAULTS))
-        if fault == "shared" and need <= BLOCKS:  # valid alone; shares blocks with others (a slot, maybe)
+        if fault == "overlap" and need <= BLOCKS:  # valid alone; its blocks may be in other tables
             table = draw(st.permutations(range(BLOCKS)))[:need]
         elif fault == "none" and len(free) >= need:  # valid: blocks no other sequence writes
             table = [free.pop(draw(st.integers(0, len(free) - 1))) for _ in range(need)]
