@@ -46,7 +46,7 @@ from fastkv.cache.requests import CacheRecord, ReqState
 from fastkv.cache.results import Allocation, Completion, Growth, PreemptionWork
 from fastkv.cache.state import CacheConfig, CacheState
 from fastkv.cache.storage_writes import deferred, partial_resume_key
-from fastkv.cache.tiering import count_hits, host_copies, swap_in, take_device, take_host
+from fastkv.cache.tiering import count_hits, host_copies, retry_skipped, swap_in, take_device, take_host
 from fastkv.cache.write_policy import Tier
 from fastkv.config import cdiv
 
@@ -369,7 +369,8 @@ class CacheManager:
         if self.policy.copies_on_insert and self.host.capacity:
             dkey = self.device.key
             mine = [(b, k) for b, k in zip(blocks, keys, strict=True) if dkey[b] is k]
-            return host_copies(self.state, mine, req.keys[:full]) + deferred(self.state)
+            late = retry_skipped(self.state)  # first: older, parents of these perhaps
+            return late + host_copies(self.state, mine, req.keys[:full]) + deferred(self.state)
         return deferred(self.state)
 
     def _repair_dups(self, req: CacheRecord) -> None:
@@ -418,7 +419,7 @@ class CacheManager:
         if not ok:
             self.stats.failed_copies += 1
         c = finish(self.state, rec, bool(ok))
-        more = deferred(self.state)
+        more = retry_skipped(self.state) + deferred(self.state)  # the copy may have freed host blocks
         return c._replace(plans=c.plans + tuple(more)) if more else c
 
     def reset_prefix_cache(self) -> int:
@@ -453,6 +454,7 @@ class CacheManager:
         for k in self.index.clear():
             self.index.gone(k, Tier.DEVICE, Cause.WEIGHT_UPDATE)
         self.state.hits.clear()
+        self.state.skipped_through.clear()
         self.state.retired.append(self.namespace)
         del self.state.retired[:-4]
         self.state.paused = True

@@ -80,6 +80,10 @@ class CacheState:
         # its request is freed, eviction could take them before a retry (fastkv.cache.handoff)
         self.handoff_holds: dict[bytes, list[int]] = {}  # key -> [device block, exports holding it]
         self.hits: dict[bytes, int] = {}  # WRITE_THROUGH_SELECTIVE hit counts of device keys
+        # write-throughs skipped for want of a free host block (say, every one pinned by STOREs to a
+        # slow storage tier): key -> the chain it was to be copied with; made once host blocks free
+        # up, oldest (parents) first, if the key is then still on the device only (tiering.py)
+        self.skipped_through: OrderedDict[bytes, list[bytes]] = OrderedDict()
         self.epoch = 0  # offloads so far: makes each partial block's private key unique
         self.run = os.urandom(16)  # scopes resume keys to this cache (keys.resume_key)
         # storage-mode preempted requests -> their resume key: only their own re-admission looks it up, once

@@ -28,7 +28,8 @@ class CacheStats:
     joined_load_blocks: int = 0  # blocks an admission took from another's LOAD in flight (coalesce.py)
     failed_copies: int = 0  # plans completed with ok=False
     load_misses: int = 0  # blocks of failed LOADs
-    skipped_copies: int = 0  # host copies not made: no host block free
+    skipped_copies: int = 0  # host copies not made when due: no host block free
+    late_copies: int = 0  # skipped write-throughs made later, once host blocks were free
     offloads: int = 0
     restores: int = 0
 

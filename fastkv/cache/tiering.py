@@ -90,7 +90,10 @@ def host_copies(state: CacheState, pairs: list[tuple[int, bytes]], chain: list[b
     if not pairs:
         return []
     dst = take_host(state, len(pairs), pinned=True, partial=True)
-    state.stats.skipped_copies += len(pairs) - len(dst)
+    if len(dst) < len(pairs):
+        state.stats.skipped_copies += len(pairs) - len(dst)
+        if chain:  # a request's write-through (an export has its own retry: fastkv.cache.handoff)
+            _skip(state, pairs[len(dst):], chain)
     if not dst:
         return []
     src = [b for b, _ in pairs[:len(dst)]]
@@ -103,6 +106,39 @@ def host_copies(state: CacheState, pairs: list[tuple[int, bytes]], chain: list[b
         rec.chain = chain
         rec.held = _hold_parents(state, plan.plan_id, chain, set(keys))
     return [plan]
+
+
+def _skip(state: CacheState, pairs: list[tuple[int, bytes]], chain: list[bytes]) -> None:
+    """Remember write-throughs the host had no free block for (``retry_skipped`` makes them).
+    Skipped for good, a block never reaches the host, nor the storage tier under THROUGH: a
+    restart or another engine on the same store would miss it."""
+    skipped = state.skipped_through
+    for _, k in pairs:
+        skipped[k] = chain
+        skipped.move_to_end(k)
+    while len(skipped) > state.device.capacity:  # the oldest are the likeliest gone from the device
+        skipped.popitem(last=False)
+
+
+def retry_skipped(state: CacheState) -> list[CopyPlan]:
+    """The skipped write-throughs whose keys are still on the device only, oldest first, as many
+    as the host has blocks for now."""
+    skipped = state.skipped_through
+    room = state.host.num_available if skipped else 0
+    if not room:
+        return []
+    dlookup, hlookup, inflight = state.device.lookup, state.host.lookup, state.copies.inflight
+    batches: dict[int, tuple[list[bytes], list[tuple[int, bytes]]]] = {}  # by chain: one plan each
+    while skipped and room:
+        k, chain = skipped.popitem(last=False)
+        b = dlookup.get(k)
+        if b is None or k in hlookup or k in inflight:
+            continue  # evicted (or written back), or copied by another request's write-through
+        batches.setdefault(id(chain), (chain, []))[1].append((b, k))
+        room -= 1
+    plans = [p for chain, pairs in batches.values() for p in host_copies(state, pairs, chain)]
+    state.stats.late_copies += sum(len(p.dst) for p in plans)
+    return plans
 
 
 def _hold_parents(state: CacheState, pid: int, chain: list[bytes], own: set[bytes]) -> list[int]:

@@ -143,6 +143,11 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         "recomputed_because_storage": engine.cache.stats.storage_lost_tokens,
         # device blocks computed or loaded again while another copy of the same prefix block was there
         "duplicate_blocks": engine.cache.stats.duplicate_blocks,
+        # host copies not made when due for want of a free host block, those of them made later,
+        # and host evictions of blocks the storage tier does not hold: what a shared store misses
+        "host_copies_skipped": engine.cache.stats.skipped_copies,
+        "host_copies_made_late": engine.cache.stats.late_copies,
+        "unstored_host_evictions": engine.cache.stats.unstored_host_evictions,
         # what the shared store was asked at admission and what it confirmed (fastkv.engine.lookup)
         "storage_lookup": {} if engine.lookups is None else {
             **engine.lookups.stats.to_json(),

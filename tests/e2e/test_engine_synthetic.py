@@ -162,7 +162,9 @@ def test_a_storage_tier_that_fails_mid_run_is_counted_and_recomputed(tmp_path):
     """Nothing listens at the storage URL (as if the server died after the start-up check):
     every STORE fails, the requests recompute with the right tokens, and the summary counts it."""
     wl = workload(8, 10, ["storage"])
-    s = spec(1, tmp_path / "out", num_device_blocks=12, num_host_blocks=6, storage_url="redis://127.0.0.1:1?timeout=0.2",
+    # a host tier that holds every block: with 6, slow copies on a loaded machine pinned all of
+    # it, every offload found no room and preempted by recompute instead (no storage preemption)
+    s = spec(1, tmp_path / "out", num_device_blocks=12, num_host_blocks=32, storage_url="redis://127.0.0.1:1?timeout=0.2",
              runner_options={"verify": "resumed", "vocab": VOCAB}, scheduler={"max_num_batched_tokens": 48})
     with Run(s, wl) as run:
         assert run.wait(120) == 0, "engine failed (see stderr)"

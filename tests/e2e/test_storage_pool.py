@@ -15,8 +15,12 @@ from tests.e2e.test_engine_synthetic import SYSTEM, VOCAB, check_outputs, run_on
 from tests.storage.conftest import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
+# A host tier that holds all of run A's 336 blocks: what A stores does not depend on how fast the
+# store keeps up with it (each STORE pins its host blocks until it lands; with a smaller host a
+# loaded machine's slow STOREs pinned all of it, and the write-throughs and write-backs that found
+# no host block then were made late or lost: tests/unit/cache/test_storage_writes.py)
 RESTART_SHAPE = ["--layers", "1", "--kv-heads", "1", "--head-dim", "16", "--block-size", "16",
-                 "--device-blocks", "48", "--host-blocks", "64"]
+                 "--device-blocks", "48", "--host-blocks", "384"]
 
 
 @pytest.mark.slow

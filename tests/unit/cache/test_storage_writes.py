@@ -20,6 +20,39 @@ def test_through_stores_every_block_once_it_lands_on_the_host():
     assert len(m.index.stored) == 2 and m.stats.store_blocks == 2
 
 
+def test_through_stores_blocks_whose_write_through_found_the_host_pinned_by_slow_stores():
+    """Regression (restart tests on a loaded machine): STOREs to a slow store pinned every host
+    block, so the next blocks' write-throughs were skipped; those never reached the host, nor
+    storage, and a restart on the same store missed them. Now they are made once blocks free up."""
+    m = pool(StorageWrites.THROUGH, dev=6, host=2)
+    assert not m.allocate("a", toks(1, 2)).plans
+    (through,) = m.mark_computed("a", 2 * BS)
+    (store,) = m.complete(through, True).plans  # lands, and its STORE pins both host blocks
+    assert store.kind is CopyKind.STORE and m.host.num_available == 0
+    assert not m.allocate("b", toks(3, 4)).plans
+    assert m.mark_computed("b", 2 * BS) == [] and m.stats.skipped_copies == 2
+    (late,) = m.complete(store, True).plans  # the store landed: the host has room again
+    assert late.kind is CopyKind.SWAP_OUT and list(late.src) == list(m.block_table("b"))
+    drain(m, [late])
+    keys = m.keys_for(toks(1, 2)) + m.keys_for(toks(3, 4))
+    assert all(k in m.index.stored for k in keys) and m.stats.late_copies == 2
+
+
+def test_a_skipped_write_through_is_not_made_once_its_block_left_the_device():
+    m = pool(StorageWrites.THROUGH, dev=2, host=2)
+    assert not m.allocate("a", toks(1, 2)).plans
+    (through,) = m.mark_computed("a", 2 * BS)
+    (store,) = m.complete(through, True).plans
+    m.free("a")
+    m.allocate("b", toks(3))
+    assert m.mark_computed("b", BS) == [] and m.stats.skipped_copies == 1
+    m.free("b")
+    m.allocate("c", toks(5, 6))  # evicts b's block (and a's): the write-back finds no host room either
+    assert m.keys_for(toks(3))[0] not in m.device.lookup
+    assert m.complete(store, True).plans == () and m.stats.late_copies == 0
+    m.check_integrity()
+
+
 def test_preempted_stores_only_the_blocks_of_preempted_requests_also_those_already_on_the_host():
     m = pool(StorageWrites.PREEMPTED, dev=6, host=6)
     run_prompt(m, "a", toks(1, 2, extra=1))  # finished, never preempted: not stored

@@ -34,9 +34,13 @@ def test_a_parent_on_the_host_is_held_while_its_childs_write_through_flies():
     assert m.mark_computed("b", 2) == []  # the host's one evictable block was P's: held, so b's copy is skipped
     assert m.stats.skipped_copies == before + 1 and parent in m.host.lookup
     m.check_integrity()
-    m.complete(c_copy, True)
-    assert parent in m.host.lookup and child in m.host.lookup
-    assert m.host.num_available == 2, "the hold on P ends when C lands"
+    # C lands and the hold on P ends: b's skipped copy is made now, into C's block (leaves go first)
+    (late,) = m.complete(c_copy, True).plans
+    assert m.stats.late_copies == 1 and late.kind is CopyKind.SWAP_OUT and list(late.src) == list(m.block_table("b"))
+    assert parent in m.host.lookup and child not in m.host.lookup
+    m.check_integrity()
+    m.complete(late, True)
+    assert m.keys_for([7, 8])[0] in m.host.lookup and m.host.num_available == 2, "nothing is held any more"
     m.check_integrity()
 
 
