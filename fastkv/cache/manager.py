@@ -142,6 +142,13 @@ class CacheManager:
         return self.host.capacity > 0
 
     @property
+    def host_occupancy(self) -> float:
+        """The share of the host tier that is not free (held, in flight or cached): how likely a
+        cached host copy is to be evicted before it is needed again (0 without a host tier)."""
+        cap = self.host.capacity
+        return 1.0 - self.host.num_free / cap if cap else 0.0
+
+    @property
     def num_export_holds(self) -> int:
         """Device blocks prefill exports hold until they are stored (``fastkv.cache.handoff``)."""
         return len(self.state.handoff_holds)

@@ -100,14 +100,15 @@ def preemption_work(state: CacheState, request_id: object) -> PreemptionWork:
     """What preempting a RUNNING request would cost each way, given the host copies it has now
     (write-through puts its full blocks there): an offload copies only the blocks without one,
     a recompute computes again only the tokens after its leading blocks with a host copy, landed
-    or on its way (its re-admission swaps those back in)."""
+    or on its way (its re-admission swaps those back in, if they are still there: those tokens
+    are ``unheld_tokens``)."""
     req = state.get(request_id, ReqState.RUNNING)
     table, _ = _host_copies(state, req)
     landing = state.copies.inflight
     lead = next((i for i, hb in enumerate(table) if hb < 0 and (i >= len(req.keys) or req.keys[i] not in landing)),
                 len(table))
-    return PreemptionWork(sum(1 for hb in table if hb < 0),
-                          req.num_computed - min(req.num_computed, lead * state.block_size))
+    kept = min(req.num_computed, lead * state.block_size)
+    return PreemptionWork(sum(1 for hb in table if hb < 0), req.num_computed - kept, kept)
 
 
 def _cancel_restore(state: CacheState, req: CacheRecord) -> None:

@@ -34,4 +34,7 @@ class Completion(NamedTuple):
 
 class PreemptionWork(NamedTuple):
     copy_blocks: int  # blocks an offload would copy out (and back in)
-    recompute_tokens: int  # tokens a recompute would compute again
+    recompute_tokens: int  # tokens a recompute would compute again, if its host copies last
+    # Tokens a recompute counts on finding in host copies that it does not hold: an offload pins
+    # them until the restore; after a recompute they are only cached, and evicted as any other.
+    unheld_tokens: int = 0

@@ -3,6 +3,13 @@
 Offloading a victim costs two copies of the blocks it has no host copy of (out now, in at
 resume); recomputing it costs a prefill of the tokens after its host-copied prefix (what
 ``CacheManager.preemption_work`` counts: both modes swap the host-copied blocks back in).
+But only an offload holds those host copies until the restore. After a recompute they are
+cached like any other block, and the copies of the requests that run meanwhile evict them
+when the host tier is full: then the whole prefix is computed again. So a recompute is also
+charged the host-copied tokens, weighted by the host tier's occupancy (``host_occupancy``:
+the share of it not free). A long victim beside a full host tier is offloaded (pinning its
+copies costs little: only the blocks without one are copied); a short one is still recomputed,
+its prefill riding free on a decode step; with room on the host, copies are trusted to last.
 Both rates are exponentially weighted moving averages of what the engine measured
 (``observe_copy`` from transfer completions, ``observe_step`` from steps), starting from
 configured priors.
@@ -142,7 +149,11 @@ class CostModel:
         cost nothing."""
         return max(0.0, num_tokens - self.free_tokens) / self.prefill_rate
 
-    def prefer_offload(self, num_tokens: int, num_blocks: int) -> bool:
-        """Whether copying ``num_blocks`` out and back beats recomputing ``num_tokens``
-        (a victim's ``PreemptionWork``)."""
-        return self.offload_seconds(num_blocks) < self.recompute_seconds(num_tokens)
+    def prefer_offload(self, num_tokens: int, num_blocks: int, unheld_tokens: int = 0, risk: float = 0.0) -> bool:
+        """Whether copying ``num_blocks`` out and back beats recomputing ``num_tokens`` (a
+        victim's ``PreemptionWork``), and ``unheld_tokens`` more with probability ``risk``: the
+        tokens whose host copies a recompute counts on without holding them (an offload holds
+        them), which another request's copies may evict before the victim returns."""
+        if not 0.0 <= risk <= 1.0:
+            raise ValueError(f"prefer_offload: risk {risk} must be in [0, 1]")
+        return self.offload_seconds(num_blocks) < self.recompute_seconds(num_tokens + risk * unheld_tokens)

@@ -36,9 +36,11 @@ def choose_mode(p: SchedulerParts, req: Request, force_recompute: bool) -> Preem
     if (mode is M.RECOMPUTE or force_recompute or req.state is not S.RUNNING or req.num_computed_tokens == 0
             or not cache.has_host_tier):
         return M.RECOMPUTE  # a LOADING request has nothing exact to copy yet
-    if mode is M.AUTO:  # compare what each would really do: both reuse the host copies it has
+    if mode is M.AUTO:  # compare what each would really do: both reuse the host copies it has, if they last
         work = cache.preemption_work(req.request_id)
-        return M.OFFLOAD if p.cost.prefer_offload(work.recompute_tokens, work.copy_blocks) else M.RECOMPUTE
+        offload = p.cost.prefer_offload(work.recompute_tokens, work.copy_blocks, work.unheld_tokens,
+                                        cache.host_occupancy)
+        return M.OFFLOAD if offload else M.RECOMPUTE
     return mode
 
 

@@ -28,6 +28,19 @@ def test_short_contexts_recompute_and_long_ones_offload():
     assert flips == sorted(flips)
 
 
+def test_host_copies_a_recompute_does_not_hold_are_charged_at_their_risk():
+    # A 2048-token victim whose full blocks all have host copies: offloading copies its partial
+    # block out and back (two 200 us round trips); recomputing computes 10 tokens again if its
+    # host copies last (50 us), all 2048 if they are evicted (10 ms).
+    m = model()
+    assert not m.prefer_offload(10, 1, unheld_tokens=2038, risk=0.0)  # an empty host tier: they last
+    assert m.prefer_offload(10, 1, unheld_tokens=2038, risk=1.0)  # a full one: pin them
+    assert m.prefer_offload(10, 1, unheld_tokens=2038, risk=0.1)  # 1 ms expected against 0.4 ms
+    assert not m.prefer_offload(10, 1, unheld_tokens=22, risk=1.0)  # a short victim recomputes anyway
+    with pytest.raises(ValueError, match="risk"):
+        m.prefer_offload(10, 1, unheld_tokens=22, risk=1.5)
+
+
 def test_bandwidth_estimate_leaves_the_per_task_latency_out():
     m = model()
     nbytes = 1 << 20

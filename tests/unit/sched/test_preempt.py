@@ -134,14 +134,36 @@ def test_auto_prices_only_what_each_mode_would_redo_beside_write_through_host_co
     # Victim 1 has 10 computed tokens; write-through is putting its 2 full blocks on the host
     # (the copies go out in the step that preempts it). Offload would copy 3 blocks out and back
     # (~0.3 ms of round trips); recompute computes its last 2 tokens again (~0.1 ms at the 18000
-    # tokens/s the first step measured), not all 10 (~0.6 ms).
-    r = rig(cache_policy=CachePolicy.WRITE_THROUGH, preemption=M.AUTO, copy_bandwidth=1e12, copy_latency_s=150e-6)
+    # tokens/s the first step measured), not all 10 (~0.6 ms), trusting its 8 host-copied tokens
+    # to last: a 64-block host tier is 1/16 full, so it charges them at 1/16.
+    r = rig(host=64, cache_policy=CachePolicy.WRITE_THROUGH, preemption=M.AUTO, copy_bandwidth=1e12,
+            copy_latency_s=150e-6)
     two_requests(r)
     out = step_until_preempted(r)
     assert sum(len(p.src) for p in out.copies if p.kind is CopyKind.SWAP_OUT) == 4  # write-through of both
     assert r.sched.stats.preempt_recompute == 1 and r.sched.stats.preempt_offload == 0
     r.run()
     assert r.finished[1].num_recomputed_tokens == 2
+    assert r.finished[1].output_token_ids == r.worker.truth[1].tokens[10:]
+
+
+def test_auto_offloads_a_victim_whose_host_copies_a_full_host_tier_would_evict():
+    # The same victim, but an earlier request left 4 cached blocks in an 8-block host tier, and
+    # write-through fills the rest: a recompute would hold none of its host copies, and the next
+    # copies would evict them, so its 8 host-copied tokens are charged at the tier's occupancy
+    # (>= 1/2: ~0.4 ms in all against ~0.3 ms of copying out and back). Offloading pins them:
+    # the restore recomputes nothing.
+    r = rig(host=8, cache_policy=CachePolicy.WRITE_THROUGH, preemption=M.AUTO, copy_bandwidth=1e12,
+            copy_latency_s=150e-6)
+    r.add(9, range(100, 116), max_new_tokens=1)
+    r.run()
+    assert r.sched.cache.host_occupancy == pytest.approx(0.5)
+    two_requests(r)
+    step_until_preempted(r)
+    assert r.sched.get_request(1).state is S.OFFLOADING
+    assert r.sched.stats.preempt_offload == 1 and r.sched.stats.preempt_recompute == 0
+    r.run()
+    assert r.finished[1].num_recomputed_tokens == 0
     assert r.finished[1].output_token_ids == r.worker.truth[1].tokens[10:]
 
 
