@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fastkv.cli import JobConfig
-from fastkv.engine.runners.cost_model import LLAMA3_8B_H100, ScaledCostModel, deployment
+from fastkv.engine.runners.cost_model import LLAMA3_8B_H100, LLAMA3_70B_H100_TP4, ScaledCostModel, deployment
 from fastkv.sched.output import SeqWork, StepPlan
 from tests.unit.test_synthetic_runner import layout, make
 
@@ -20,6 +20,21 @@ def test_deployment_matches_the_public_model_card():
     assert deployment("llama3-8b-h100-sxm") is D
     with pytest.raises(ValueError, match="unknown cost model 'a100'; choose one of"):
         deployment("a100")
+
+
+def test_a_tensor_parallel_rank_holds_and_computes_its_share():
+    big = LLAMA3_70B_H100_TP4
+    assert big.tp * big.weight_bytes / 2 == pytest.approx(70.6e9, rel=0.01)  # Llama-3-70B: 70.6 B parameters
+    assert big.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2 // 4  # 80 KiB of each token's 320 KiB per rank
+    assert deployment("llama3-70b-h100-sxm-tp4") is big
+    whole = type(big)(**{**big.__dict__, "tp": 1})
+    for seqs in ([(0, 2048)], [(999, 1000)] * 8, [(16000, 18048)]):
+        assert big.step_seconds(seqs) == pytest.approx(whole.step_seconds(seqs) / 4, rel=1e-9)
+    # What makes the choice of preemption matter more than on the 8B: a prefill token costs ~45
+    # times its KV's copy over PCIe, against ~12 times.
+    per_token = big.step_seconds([(0, 2048)]) / 2048
+    assert 40 < per_token / big.copy_seconds_per_token() < 50
+    assert 10 < D.step_seconds([(0, 2048)]) / 2048 / D.copy_seconds_per_token() < 14
 
 
 def test_prefill_is_compute_bound_and_decode_bandwidth_bound():

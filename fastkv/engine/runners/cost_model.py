@@ -38,7 +38,10 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Deployment:
-    """A dense GQA transformer in bf16 on one GPU (tensor parallel 1)."""
+    """A dense GQA transformer in bf16, timed on one GPU: with ``tp`` > 1, one rank of a
+    tensor-parallel group, which computes 1/tp of every matmul and of the attention heads, and
+    holds and copies 1/tp of the weights and of the KV (Megatron sharding; the all-reduces,
+    a few percent of a step over NVLink, are left out)."""
 
     name: str
     layers: int
@@ -55,6 +58,7 @@ class Deployment:
     hbm_efficiency: float = 0.8
     pcie_efficiency: float = 0.8
     dtype_bytes: int = 2
+    tp: int = 1
 
     @property
     def matmul_params(self) -> int:
@@ -64,12 +68,13 @@ class Deployment:
 
     @property
     def weight_bytes(self) -> int:
-        """All parameters (input embedding included: a decode step reads rows of it, counted whole)."""
-        return (self.matmul_params + self.vocab * self.hidden) * self.dtype_bytes
+        """One rank's parameters (input embedding included: a decode step reads rows of it, counted whole)."""
+        return (self.matmul_params + self.vocab * self.hidden) * self.dtype_bytes // self.tp
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        """One rank's KV of one token."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes // self.tp
 
     def step_seconds(self, seqs: Iterable[tuple[int, int]]) -> float:
         """GPU time of one step over sequences given as (start_pos, end_pos): positions
@@ -86,6 +91,7 @@ class Deployment:
             kv_read += end * self.kv_bytes_per_token
         if not flops:
             return 0.0
+        flops /= self.tp
         return max(flops / (self.peak_flops * self.mfu),
                    (self.weight_bytes + kv_read) / (self.hbm_bandwidth * self.hbm_efficiency))
 
@@ -98,7 +104,12 @@ LLAMA3_8B_H100 = Deployment(
     name="llama3-8b-h100-sxm", layers=32, hidden=4096, q_heads=32, kv_heads=8, head_dim=128, ffn=14336,
     vocab=128256, peak_flops=989e12, hbm_bandwidth=3.35e12, pcie_bandwidth=64e9,
 )
-DEPLOYMENTS = {d.name: d for d in (LLAMA3_8B_H100,)}
+# Its 141 GB of bf16 weights need several GPUs; four H100s (35 GB each) is the usual split.
+LLAMA3_70B_H100_TP4 = Deployment(
+    name="llama3-70b-h100-sxm-tp4", layers=80, hidden=8192, q_heads=64, kv_heads=8, head_dim=128, ffn=28672,
+    vocab=128256, peak_flops=989e12, hbm_bandwidth=3.35e12, pcie_bandwidth=64e9, tp=4,
+)
+DEPLOYMENTS = {d.name: d for d in (LLAMA3_8B_H100, LLAMA3_70B_H100_TP4)}
 
 
 def deployment(name: str) -> Deployment:
