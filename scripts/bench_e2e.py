@@ -63,7 +63,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastkv import report  # noqa: E402
-from fastkv.cli import CACHE_POLICIES, RUNNER_VOCAB, JobConfig, prepare  # noqa: E402
+from fastkv.cli import CACHE_POLICIES, RUNNER_VOCAB, STORAGE_WRITES, JobConfig, prepare  # noqa: E402
 from fastkv.demo import read_workload, write_workload  # noqa: E402
 from fastkv.engine.runners.cost_model import (  # noqa: E402
     DEPLOYMENTS,
@@ -110,7 +110,8 @@ def mixed_workload(path: Path, seed: int = 0) -> Path:
 def run_one(base: JobConfig, label: str, out: Path, entries: dict[str, str]) -> dict:
     mode, host = RUNS[label]
     cfg = JobConfig(**{**base.__dict__, "preemption": mode, "host_blocks": base.host_blocks if host else 0,
-                       "storage": base.storage if host else "none", "out": str(out)})
+                       "storage": base.storage if host else "none",
+                       "storage_write": base.storage_write if host else JobConfig.storage_write, "out": str(out)})
     spec, workload = prepare(cfg)
     result = Supervisor(spec, workload, entry_points=entries).run()
     if not result.ok:
@@ -166,9 +167,13 @@ def main() -> int:
     p.add_argument("--cache-policy", choices=CACHE_POLICIES, default=JobConfig.cache_policy,
                    help=f"when blocks get a host copy, in every run (default {JobConfig.cache_policy})")
     p.add_argument("--storage", default="default", help="storage URL for every run (default: fresh LMDB per run)")
+    p.add_argument("--storage-write", choices=STORAGE_WRITES, default=JobConfig.storage_write,
+                   help=f"what reaches the storage tier, in every run with one (default {JobConfig.storage_write})")
     p.add_argument("--cost-model", default=LLAMA3_8B_H100.name, choices=[*DEPLOYMENTS, "flat"],
                    help="the deployment the synthetic runner simulates (flat: 300 us per token)")
     p.add_argument("--copy-gbps", type=float, default=0.0, help="this machine's copy bandwidth (0: measure it)")
+    p.add_argument("--verify", choices=("all", "resumed", "off"),
+                   help="what the synthetic runner checks byte for byte besides its oracle (default: resumed)")
     p.add_argument("--workload", default="demo", help="as fastkv-supervisor's --workload, or mixed (short "
                    "against long contexts)")
     p.add_argument("--rounds", type=int, default=0,
@@ -185,6 +190,8 @@ def main() -> int:
     if args.runner == "synthetic" and args.cost_model != "flat":
         gbps = args.copy_gbps or round(measure_copy_bandwidth() / 1e9, 2)
         options = {"cost_model": args.cost_model, "copy_gbps": gbps}
+    if args.runner == "synthetic" and args.verify:
+        options["verify"] = args.verify
     rounds = args.rounds or (1 if args.smoke else 5)
     runs: dict[str, list[dict]] = {label: [] for label in RUNS}
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fastkv-bench-e2e-"))
@@ -193,7 +200,7 @@ def main() -> int:
         try:  # bad settings: one line naming the setting, as fastkv-supervisor says it
             base = JobConfig(runner=args.runner, tp=args.tp, layers=args.layers, kv_heads=args.kv_heads,
                              dtype=args.dtype, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-                             cache_policy=args.cache_policy, storage=args.storage, quick=args.quick or args.smoke,
+                             cache_policy=args.cache_policy, storage=args.storage, storage_write=args.storage_write, quick=args.quick or args.smoke,
                              demo=SMOKE_DEMO if args.smoke else {}, workload=workload, runner_options=options)
             num_requests, block_bytes = len(base.requests()), base.layout().block_bytes
         except (ValueError, OSError) as exc:
