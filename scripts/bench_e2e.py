@@ -21,7 +21,9 @@ The synthetic runner waits out (a GPU computes: no host CPU) the step time of ``
 compute per token against this machine's copy time per token of KV is the deployment's compute
 against its PCIe copy). The copy bandwidth
 it scales by is measured once here and given to every run, so that all runs simulate the same
-compute. ``--cost-model flat`` keeps the runner's flat 300 us per token.
+compute. Under a cost model the KV layout defaults to 32 KiB per token (``MODEL_LAYOUT``), so that
+modelled steps outweigh the engine's own Python per step. ``--cost-model flat`` keeps the runner's
+flat 300 us per token and the supervisor's layout.
 
 Tokens/s are generated tokens over the run's wall time less the synthetic runner's own byte work
 (``synthetic_us``: making, checking and reading its KV rows), which stands for work the GPU does
@@ -82,11 +84,14 @@ RUNS = {"recompute_device_only": ("recompute", False), "recompute": ("recompute"
         "offload": ("offload", True), "storage": ("storage", True), "auto": ("auto", True)}
 
 
-# --workload mixed: KV of a quarter of Llama-3-8B's bytes per token (16 layers x 8 KV heads x 64 in
-# bfloat16, 32 KiB), so that the model's compute, scaled to it, outweighs this machine's per-step
-# Python (with the demo's 4 KiB a decode step is modelled at about the engine's own step time), and
-# tiers that hold the long contexts of two requests (device) and a bit more (host).
-MIXED = {"layers": 16, "kv_heads": 8, "dtype": "bfloat16", "device_blocks": 200, "host_blocks": 256}
+# Under a cost model, every workload's KV is a quarter of Llama-3-8B's bytes per token (16 layers x
+# 8 KV heads x 64 in bfloat16, 32 KiB), so that the model's compute, scaled to it, outweighs this
+# machine's per-step Python. With the supervisor's 4 KiB a decode step is modelled at about the
+# engine's own step time (0.36 ms on a machine copying at 30 GB/s), and the modes were ranked by
+# their bookkeeping: offload / recompute_device_only read 0.997 on --quick there, 1.09 with 32 KiB.
+MODEL_LAYOUT = {"layers": 16, "kv_heads": 8, "dtype": "bfloat16"}
+# --workload mixed: tiers that hold the long contexts of two requests (device) and a bit more (host).
+MIXED = {**MODEL_LAYOUT, "device_blocks": 200, "host_blocks": 256}
 
 
 def mixed_workload(path: Path, seed: int = 0) -> Path:
@@ -156,10 +161,11 @@ def main() -> int:
     p.add_argument("--layers", type=int,
                    help="layers of the KV cache: with --kv-heads, the KV bytes per token, which scale the "
                    f"cost model's step time (the cost model keeps compute / copy time per token) (default "
-                   f"{JobConfig.layers}; {MIXED['layers']} with --workload mixed)")
-    p.add_argument("--kv-heads", type=int, help=f"KV heads per rank (default {JobConfig.kv_heads}; "
-                   f"{MIXED['kv_heads']} with --workload mixed)")
-    p.add_argument("--dtype", help=f"KV dtype (default {JobConfig.dtype}; {MIXED['dtype']} with --workload mixed)")
+                   f"{MODEL_LAYOUT['layers']}; {JobConfig.layers} with --cost-model flat)")
+    p.add_argument("--kv-heads", type=int, help=f"KV heads per rank (default {MODEL_LAYOUT['kv_heads']}; "
+                   f"{JobConfig.kv_heads} with --cost-model flat)")
+    p.add_argument("--dtype", help=f"KV dtype (default {MODEL_LAYOUT['dtype']}; {JobConfig.dtype} with --cost-model "
+                   "flat)")
     p.add_argument("--device-blocks", type=int, help="default: the supervisor's for the workload; "
                    f"{MIXED['device_blocks']} with --workload mixed")
     p.add_argument("--host-blocks", type=int, help=f"default {JobConfig.host_blocks}; "
@@ -181,13 +187,15 @@ def main() -> int:
     p.add_argument("--out", help="keep each run's output here (default: a temporary directory, removed)")
     p.add_argument("--entry", action="append", default=[], metavar="ROLE=MODULE:FUNC", help="as fastkv-supervisor")
     args = p.parse_args()
-    for name in MIXED:  # unset: the mixed workload's, or the supervisor's
+    modelled = args.runner == "synthetic" and args.cost_model != "flat"
+    defaults = {**(MODEL_LAYOUT if modelled else {}), **(MIXED if args.workload == "mixed" else {})}
+    for name in MIXED:  # unset: the cost model's layout, the mixed workload's tiers, else the supervisor's
         if getattr(args, name) is None:
-            setattr(args, name, MIXED[name] if args.workload == "mixed" else getattr(JobConfig, name))
+            setattr(args, name, defaults.get(name, getattr(JobConfig, name)))
     warnings.filterwarnings("ignore", message="No ccache found")
     entries = dict(e.split("=", 1) for e in args.entry)
     options: dict = {}
-    if args.runner == "synthetic" and args.cost_model != "flat":
+    if modelled:
         gbps = args.copy_gbps or round(measure_copy_bandwidth() / 1e9, 2)
         options = {"cost_model": args.cost_model, "copy_gbps": gbps}
     if args.runner == "synthetic" and args.verify:
