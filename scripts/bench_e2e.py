@@ -208,7 +208,8 @@ def main() -> int:
         try:  # bad settings: one line naming the setting, as fastkv-supervisor says it
             base = JobConfig(runner=args.runner, tp=args.tp, layers=args.layers, kv_heads=args.kv_heads,
                              dtype=args.dtype, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
-                             cache_policy=args.cache_policy, storage=args.storage, storage_write=args.storage_write, quick=args.quick or args.smoke,
+                             cache_policy=args.cache_policy, storage=args.storage, storage_write=args.storage_write,
+                             quick=args.quick or args.smoke,
                              demo=SMOKE_DEMO if args.smoke else {}, workload=workload, runner_options=options)
             num_requests, block_bytes = len(base.requests()), base.layout().block_bytes
         except (ValueError, OSError) as exc:
