@@ -94,6 +94,13 @@ MODEL_LAYOUT = {"layers": 16, "kv_heads": 8, "dtype": "bfloat16"}
 MIXED = {**MODEL_LAYOUT, "device_blocks": 200, "host_blocks": 256}
 
 
+def run_defaults(workload: str, modelled: bool) -> dict:
+    """The layout and tiers every run gets where no flag names them: the cost model's layout
+    (``modelled``), the mixed workload's tiers, else the supervisor's own defaults."""
+    defaults = {**(MODEL_LAYOUT if modelled else {}), **(MIXED if workload == "mixed" else {})}
+    return {name: defaults.get(name, getattr(JobConfig, name)) for name in MIXED}
+
+
 def mixed_workload(path: Path, seed: int = 0) -> Path:
     """Requests with no shared prefix: 20 short ones (16-40 prompt tokens, 256 generated) and,
     arriving just after them, 4 long ones (1400-1600 prompt tokens, 32 generated). As the short
@@ -188,10 +195,9 @@ def main() -> int:
     p.add_argument("--entry", action="append", default=[], metavar="ROLE=MODULE:FUNC", help="as fastkv-supervisor")
     args = p.parse_args()
     modelled = args.runner == "synthetic" and args.cost_model != "flat"
-    defaults = {**(MODEL_LAYOUT if modelled else {}), **(MIXED if args.workload == "mixed" else {})}
-    for name in MIXED:  # unset: the cost model's layout, the mixed workload's tiers, else the supervisor's
+    for name, value in run_defaults(args.workload, modelled).items():
         if getattr(args, name) is None:
-            setattr(args, name, defaults.get(name, getattr(JobConfig, name)))
+            setattr(args, name, value)
     warnings.filterwarnings("ignore", message="No ccache found")
     entries = dict(e.split("=", 1) for e in args.entry)
     options: dict = {}

@@ -25,3 +25,26 @@ def test_a_bad_setting_is_one_line_naming_it(args, says, tmp_path):
     assert lines[-1].startswith("bench_e2e: ") and says in lines[-1], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def _bench_e2e():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "scripts" / "bench_e2e.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_under_a_cost_model_every_workload_has_32_kib_of_kv_per_token():
+    from fastkv.cli import JobConfig
+
+    b = _bench_e2e()
+    for workload in ("demo", "trace:8", "mixed"):
+        d = b.run_defaults(workload, modelled=True)
+        layout = JobConfig(layers=d["layers"], kv_heads=d["kv_heads"], dtype=d["dtype"]).layout()
+        assert layout.block_bytes // layout.block_size == 32 << 10, workload
+    flat = b.run_defaults("demo", modelled=False)  # the flat cost is per token: the supervisor's layout
+    assert {k: flat[k] for k in ("layers", "kv_heads", "dtype", "host_blocks")} == {
+        k: getattr(JobConfig, k) for k in ("layers", "kv_heads", "dtype", "host_blocks")}
+    assert b.run_defaults("mixed", modelled=False)["device_blocks"] == b.MIXED["device_blocks"]
