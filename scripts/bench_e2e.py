@@ -194,6 +194,8 @@ def main() -> int:
     p.add_argument("--out", help="keep each run's output here (default: a temporary directory, removed)")
     p.add_argument("--entry", action="append", default=[], metavar="ROLE=MODULE:FUNC", help="as fastkv-supervisor")
     args = p.parse_args()
+    if args.verify and args.runner != "synthetic":
+        p.error(f"--verify is the synthetic runner's; --runner {args.runner} has no byte checks to set")
     modelled = args.runner == "synthetic" and args.cost_model != "flat"
     for name, value in run_defaults(args.workload, modelled).items():
         if getattr(args, name) is None:
@@ -204,7 +206,7 @@ def main() -> int:
     if modelled:
         gbps = args.copy_gbps or round(measure_copy_bandwidth() / 1e9, 2)
         options = {"cost_model": args.cost_model, "copy_gbps": gbps}
-    if args.runner == "synthetic" and args.verify:
+    if args.verify:
         options["verify"] = args.verify
     rounds = args.rounds or (1 if args.smoke else 5)
     runs: dict[str, list[dict]] = {label: [] for label in RUNS}

@@ -37,4 +37,4 @@ class PreemptionWork(NamedTuple):
     recompute_tokens: int  # tokens a recompute would compute again, if its host copies last
     # Tokens a recompute counts on finding in host copies that it does not hold: an offload pins
     # them until the restore; after a recompute they are only cached, and evicted as any other.
-    unheld_tokens: int = 0
+    unheld_tokens: int

@@ -48,3 +48,11 @@ def test_under_a_cost_model_every_workload_has_32_kib_of_kv_per_token():
     assert {k: flat[k] for k in ("layers", "kv_heads", "dtype", "host_blocks")} == {
         k: getattr(JobConfig, k) for k in ("layers", "kv_heads", "dtype", "host_blocks")}
     assert b.run_defaults("mixed", modelled=False)["device_blocks"] == b.MIXED["device_blocks"]
+
+
+def test_verify_with_a_runner_that_has_no_byte_checks_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--smoke", "--runner", "tiny",
+                           "--verify", "off", "--out", str(tmp_path / "out")], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--verify is the synthetic runner's" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
