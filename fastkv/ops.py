@@ -63,6 +63,7 @@ DEFAULT_DMA_MIN_BYTES = 2 << 20
 _PR_SET_CHILD_SUBREAPER = 36
 _loaded_from: Path | None = None
 _cpu_lib: ctypes.CDLL | None = None
+_cpu_lib_gil: ctypes.PyDLL | None = None  # the same library, called holding the GIL (``c_abi(hold_gil=True)``)
 
 # Call sizes the copy policy is measured at (each entry covers calls up to the next size), and
 # the synthetic tiers it is measured on: 32 KiB pages, one layer, arenas several times larger
@@ -272,13 +273,14 @@ def _compile_into(scratch: Path, verbose: bool) -> None:
 def load() -> Path:
     """Registers the ops in this process (building them first if needed) and installs the
     machine's copy policy (measuring it first if needed); returns the library path."""
-    global _loaded_from, _cpu_lib
+    global _loaded_from, _cpu_lib, _cpu_lib_gil
     if _loaded_from is not None:
         return _loaded_from
     paddle = _paddle()
     lib = find() or build()
     paddle.utils.cpp_extension.load_op_meta_info_and_register_op(str(lib))
     _cpu_lib = _bind_c_abi(ctypes.CDLL(str(lib)))  # the same dlopen handle: one policy for op and ABI
+    _cpu_lib_gil = _bind_c_abi(ctypes.PyDLL(str(lib)))
     _loaded_from = lib
     set_copy_policy(cached_copy_policy())
     return lib
@@ -296,10 +298,12 @@ def _bind_c_abi(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def c_abi() -> ctypes.CDLL:
-    """The loaded ops library through ctypes (``fkv_cpu_*`` functions, see ops/swap_op.cc)."""
+def c_abi(hold_gil: bool = False) -> ctypes.CDLL:
+    """The loaded ops library through ctypes (``fkv_cpu_*`` functions, see ops/swap_op.cc). Its
+    calls release the GIL, unless ``hold_gil``: then no other thread of the process runs Python
+    until they return (the transfer loop's swaps: ``fastkv.transfer.lanes``)."""
     load()
-    return _cpu_lib
+    return _cpu_lib_gil if hold_gil else _cpu_lib
 
 
 # ---- copy policy: measured, cached with the build ----
@@ -509,12 +513,12 @@ class BoundSwap:
     """One tier's tensors, checked once, swapped many times: the transfer hot path.
 
     The op checks every tensor (shapes, dtypes, places, overlap) once, with no ids; then each
-    CPU swap calls the same kernel through the C ABI with the ids' memory in place. The
-    tensors must outlive this object (it keeps references). GPU tensors go through the op
-    (it orders the copy after the tensors' stream).
+    CPU swap calls the same kernel through the C ABI with the ids' memory in place, holding
+    the GIL if ``hold_gil`` (as ``c_abi``). The tensors must outlive this object (it keeps
+    references). GPU tensors go through the op (it orders the copy after the tensors' stream).
     """
 
-    def __init__(self, k_caches: Sequence[Any], v_caches: Sequence[Any], host: Any) -> None:
+    def __init__(self, k_caches: Sequence[Any], v_caches: Sequence[Any], host: Any, hold_gil: bool = False) -> None:
         self._k, self._v = _check_tensors(k_caches, v_caches, host)
         self._host = host
         empty = np.empty(0, np.int32)
@@ -526,7 +530,7 @@ class BoundSwap:
         shape = host.shape  # [blocks, layers, 2, kv_heads, block_size, head_dim]
         self._geometry = (layers, host.data_ptr(), int(np.prod(shape[3:])) * host.element_size(),
                           self._k[0].shape[0], shape[0])
-        self._lib = c_abi()
+        self._lib = c_abi(hold_gil)
         # Ids are copied here and passed by these fixed addresses: reading an array's address
         # (``arr.ctypes.data``) costs ~2.5 us, more than the rest of a small swap's call. A call
         # with more ids than the larger tier has blocks cannot be valid (dst ids are unique)
@@ -577,18 +581,19 @@ class BoundSwap:
         return self._sums[1]
 
 
-def block_checksums(host: np.ndarray, ids: Sequence[int]) -> np.ndarray:
+def block_checksums(host: np.ndarray, ids: Sequence[int], hold_gil: bool = False) -> np.ndarray:
     """uint8 [len(ids), 16]: the checksums of host blocks ``ids`` of ``host`` (a host tier's
     array, [blocks, layers, 2, ...], C-contiguous), by the C kernel (ops/block_digest.h);
-    ``fastkv.transfer.tiers.block_checksum`` is its reference."""
+    ``fastkv.transfer.tiers.block_checksum`` is its reference. ``hold_gil``: as ``c_abi``."""
     if not host.flags.c_contiguous or host.ndim < 3:
         raise ValueError("host must be a C-contiguous host tier array [blocks, layers, 2, ...]")
     ids = _ids_fast(ids, "ids")
     out = np.empty((len(ids), 16), np.uint8)
     layers, page = host.shape[1], host[0, 0, 0].nbytes
-    if c_abi().fkv_cpu_block_checksums(host.ctypes.data, layers, page, host.shape[0], ids.ctypes.data, len(ids),
-                                       out.ctypes.data) != 0:
-        raise ValueError(c_abi().fkv_cpu_last_error().decode())
+    lib = c_abi(hold_gil)
+    if lib.fkv_cpu_block_checksums(host.ctypes.data, layers, page, host.shape[0], ids.ctypes.data, len(ids),
+                                   out.ctypes.data) != 0:
+        raise ValueError(lib.fkv_cpu_last_error().decode())
     return out
 
 

@@ -315,18 +315,22 @@ static PyObject *a_any_used(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(any);
 }
 
-/* spin_any(hdrs, budget_ns) -> bool: looks at the rings for up to budget_ns, without the GIL,
+/* spin_any(hdrs, budget_ns[, keep_gil]) -> bool: looks at the rings for up to budget_ns,
  * yielding the core between looks; True as soon as one has a published message. A waiter
  * calls it before it sleeps on its doorbell: waking a process whose vCPU has halted costs
- * tens of microseconds on a VM, more than most answers take (fastkv/ipc/doorbell.py). The
+ * tens of microseconds on a VM, more than most answers take (fastkv/ipc/doorbell.py). It
+ * releases the GIL unless keep_gil: the transfer loop keeps it, so that its low-priority
+ * storage thread cannot take it and be preempted holding it (fastkv/transfer/lanes.py). The
  * caller keeps the mappings alive and closes no ring it is spinning on. */
 static PyObject *a_spin_any(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "spin_any(hdrs, budget_ns) takes 2 arguments");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "spin_any(hdrs, budget_ns[, keep_gil]) takes 2 or 3 arguments");
         return NULL;
     }
     long long budget = PyLong_AsLongLong(args[1]);
     if (budget == -1 && PyErr_Occurred()) return NULL;
+    int keep_gil = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
+    if (keep_gil < 0) return NULL;
     PyObject *seq = PySequence_Fast(args[0], "spin_any: expected a sequence of ring addresses");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -339,7 +343,7 @@ static PyObject *a_spin_any(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     Py_DECREF(seq);
     int any = 0;
-    Py_BEGIN_ALLOW_THREADS
+    PyThreadState *released = keep_gil ? NULL : PyEval_SaveThread();
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     long long end = ts.tv_sec * 1000000000LL + ts.tv_nsec + budget;
@@ -352,7 +356,7 @@ static PyObject *a_spin_any(PyObject *self, PyObject *const *args, Py_ssize_t na
         if (ts.tv_sec * 1000000000LL + ts.tv_nsec >= end) break;
         sched_yield(); /* any runnable thread gets this core; the vCPU stays awake */
     }
-    Py_END_ALLOW_THREADS
+    if (released) PyEval_RestoreThread(released);
     PyMem_Free(bases);
     return PyBool_FromLong(any);
 }
@@ -372,7 +376,8 @@ static PyMethodDef methods[] = {
     {"used", a_used, METH_O, "used(hdr) -> head - tail"},
     {"any_used", a_any_used, METH_O, "any_used(hdrs) -> bool: any ring non-empty"},
     {"spin_any", (PyCFunction)(void (*)(void))a_spin_any, METH_FASTCALL,
-     "spin_any(hdrs, budget_ns) -> bool: look at the rings, GIL released, until one is non-empty or the budget ends"},
+     "spin_any(hdrs, budget_ns[, keep_gil]) -> bool: look at the rings (GIL released unless keep_gil) until one "
+     "is non-empty or the budget ends"},
     {NULL, NULL, 0, NULL},
 };
 

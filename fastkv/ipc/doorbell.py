@@ -30,7 +30,8 @@ raises if a peer died, so a blocked wait notices a dead peer within one slice. T
 a blocked kernel wait with a periodic liveness check, not sleep-polling of the rings.
 
 Spin before sleep. A waiter that names its rings (``spin_on``) first looks at them for up to
-a budget in C, without the GIL, yielding its core between looks (``_atomics.spin_any``).
+a budget in C, yielding its core between looks (``_atomics.spin_any``), without the GIL unless
+its owner keeps it (``Spin.keep_gil``: the transfer loop, ``fastkv.transfer.lanes``).
 Waking a process whose vCPU has halted costs far more than a message: on the dev VM (2 vCPUs,
 no guest halt-polling) a round trip whose peer works 5 us took 63 us p50 across vCPUs and 18
 us on one, so an empty transfer task (about 8 us of work on each side) took 75-100 us, mostly
@@ -40,10 +41,8 @@ answer came after the spin, but within ``SPIN_MAX_S`` of the wait's start (a cop
 hundred us), sets the next budget to cover it with a quarter to spare, so a run of such waits
 stops paying the wake-up (a 2 MiB SWAP_OUT's round trip paid ~75 us on the dev VM); a longer
 wait sets it back. After ``SPIN_MISSES`` spins in a row that ended asleep (the answer takes
-milliseconds: a model step) a waiter spins on one wait in ``PROBE_EVERY`` only, and its owner
-turns it off where the core is better left to others (the transfer loop while its low-priority
-storage thread works: ``fastkv.transfer.lanes``). Without the GIL, a spinning thread holds up
-no other thread of its process.
+milliseconds: a model step) a waiter spins on one wait in ``PROBE_EVERY`` only; its owner may
+turn it off (``Spin.enabled``).
 """
 from __future__ import annotations
 
@@ -69,12 +68,13 @@ PROBE_EVERY = 16  # ... but for one wait in this many
 class Spin:
     """Whether the waiter spins before it sleeps, from how its recent spins ended."""
 
-    __slots__ = ("misses", "waits", "enabled", "budget")
+    __slots__ = ("misses", "waits", "enabled", "keep_gil", "budget")
 
     def __init__(self) -> None:
         self.misses = 0
         self.waits = 0
-        self.enabled = True  # the owner turns it off while its core is better left to others
+        self.enabled = True  # the owner turns it off where its core is better left to others
+        self.keep_gil = False  # spin holding the GIL: no other thread of the process runs Python meanwhile
         self.budget = int(SPIN_S * 1e9)
 
     def budget_ns(self) -> int:
@@ -144,7 +144,8 @@ class Doorbell:
             budget = self.spin.budget_ns()
             if budget:
                 spun_at = time.perf_counter_ns()
-                if A.spin_any(spin_on, budget if timeout is None else min(budget, int(timeout * 1e9))):
+                if A.spin_any(spin_on, budget if timeout is None else min(budget, int(timeout * 1e9)),
+                              self.spin.keep_gil):
                     self.spin.ended(True)
                     spun_at = 0
                     if ready():

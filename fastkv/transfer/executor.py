@@ -233,7 +233,9 @@ class TaskExecutor:
         if self._bound is None:
             from fastkv import ops
 
-            self._bound = ops.BoundSwap(device.k, device.v, host.tensor)
+            # swaps hold the GIL while they copy: the storage thread takes it only while the
+            # swap lane sleeps (fastkv.transfer.lanes)
+            self._bound = ops.BoundSwap(device.k, device.v, host.tensor, hold_gil=True)
         swap, threads = self._bound.swap, self.spec.ops_threads
         host_ids = plan.dst if out else plan.src
 
@@ -244,7 +246,7 @@ class TaskExecutor:
             # storage tasks read before this one may still be on these host blocks (fastkv.transfer.lanes)
             self.holds.wait(host_ids[p], out, self._task.progress, self.spec.heartbeat_s)
             if not out:  # host bytes that changed since they landed never reach the device
-                self._check_host(plan.src[p].tolist())
+                self._check_host(plan.src[p].tolist(), hold_gil=True)
             # a SWAP_OUT's checksums come from its source pages as they are copied (ops/block_digest.h)
             if not swap(plan.src[p], plan.dst[p], to_host=out, num_threads=threads, sums=sums) and sums is not None:
                 unsealed.extend(plan.dst[p].tolist())
@@ -276,11 +278,11 @@ class TaskExecutor:
             self._faults[0] += errors
             self._faults[1] += corrupt
 
-    def _check_host(self, blocks: list[int]) -> None:
+    def _check_host(self, blocks: list[int], hold_gil: bool = False) -> None:
         """CorruptHostBlock naming the blocks whose bytes changed since they landed."""
         if not self.spec.host_checksums:
             return
-        bad = self.host.corrupt(blocks)
+        bad = self.host.corrupt(blocks, hold_gil)
         if bad:
             with self._counting:
                 self.checksum_mismatches += len(bad)

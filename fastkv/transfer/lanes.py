@@ -27,10 +27,26 @@ wake-up for the ack, as when the scheduler wakes the engine onto the core the ni
 holds and lets it run out its slice. So STOREs run under ``SCHED_IDLE`` (falling back to nice
 +19 where that is refused): the kernel counts a core running only such threads as idle when it
 places a woken thread, and preempts them at once for it. LOOKUP and LOAD, which a request
-waits for, run at the thread's own priority where the kernel lets it return (``Priority``). Beside the same STORE, 0-2
-of 900 SWAP_INs took over 1 ms (20-29 at nice 19). Idle cores still run the storage thread at
-full speed, and ``SCHED_IDLE`` is a low weight, not a strict priority: a STORE on machines
-whose cores are all busy still moves, slowly.
+waits for, run at the thread's own priority where the kernel lets it return (``Priority``).
+Idle cores still run the storage thread at full speed, and ``SCHED_IDLE`` is a low weight, not
+a strict priority: a STORE on machines whose cores are all busy still moves, slowly.
+
+The swap lane holds the GIL while it is awake. A thread under ``SCHED_IDLE`` that holds the
+GIL when a busy core preempts it keeps it until the kernel runs it again, which on a machine
+whose cores all run normal threads can take a scheduler tick or more: the swap lane waits that
+long for the GIL. That happened in two places. While the loop spun for its next task without
+the GIL, the second SWAP_IN after each STORE's start took 2-5 ms; when a copy released the
+GIL, SWAP_INs waited 3-4 ms to take it back. So the loop spins holding the GIL
+(``Spin.keep_gil``) and calls the copy and the SWAP_IN's checksums holding it
+(``ops.c_abi(hold_gil=True)``). The storage thread's own calls into C (checksums, backends)
+run on through a swap; it takes the GIL only between them, while the loop sleeps or runs
+Python of its own. Earlier, the loop did not spin while the storage lane worked (its spin kept
+the storage thread off a core), and every SWAP_IN beside a STORE paid the wake-up: 140-192 us
+p50 against 103-113 alone, and bench_swap's ``lane_p99_ratio`` read 1.39-2.99 (over 2 in 2 of
+11 runs). Now it reads 0.93-1.23 (10 runs). The window is narrower, not closed: the storage
+thread still takes the GIL while the loop sleeps or runs Python, and probes still caught a
+preempted holder stalling a SWAP_IN by 2-3 ms in some runs. Only a storage process of its own
+would close it.
 
 Barriers (CLEAR, RESTORE, a fence, a bad task message): the loop ``drain``\\ s the storage
 lane first, so every task read before the barrier has finished and been acked.
@@ -183,11 +199,6 @@ class StorageLane:
             sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
             self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
             self._thread.start()
-
-    @property
-    def active(self) -> bool:
-        """A task is queued or running (read by the loop thread, the only one that submits)."""
-        return self._busy or bool(self._queue)
 
     def check(self) -> None:
         """Re-raises what ended the lane, if anything did."""

@@ -84,12 +84,10 @@ class TransferLoop:
 
     def run(self) -> int:
         """Serves tasks until ``stop``; returns the exit code."""
-        spin = self.ends.task.ring.data_bell.spin
+        # the loop spins for its next task holding the GIL, as it copies (fastkv.transfer.lanes)
+        self.ends.task.ring.data_bell.spin.keep_gil = True
         try:
             while not self.signals["stop"]:
-                # spinning for the next task would keep the low-priority storage thread (and the GIL
-                # it may hold) off a core: only while the storage lane is idle (fastkv.ipc.doorbell)
-                spin.enabled = not self.storage.active
                 try:
                     msgs = self.ends.task.recv_many(BATCH, timeout=self.spec.heartbeat_s)
                 except BadMessage as exc:  # the ring or codec dropped exactly this message

@@ -425,13 +425,14 @@ class HostTier:
         if blocks:
             self.checksums[blocks] = self._checksums_of(blocks)
 
-    def _checksums_of(self, blocks: list[int]) -> np.ndarray:
+    def _checksums_of(self, blocks: list[int], hold_gil: bool = False) -> np.ndarray:
         """uint8 [len(blocks), 16]: by the ops kernel where this process loaded it (the transfer
-        process: AVX2 xxh3, no Python per page), else by the reference."""
+        process: AVX2 xxh3, no Python per page; ``hold_gil`` as ``ops.c_abi``), else by the
+        reference."""
         from fastkv import ops
 
         if ops.loaded():
-            return ops.block_checksums(self.array, blocks)
+            return ops.block_checksums(self.array, blocks, hold_gil)
         return np.array([np.frombuffer(block_checksum(self.array[b]), np.uint8) for b in blocks], np.uint8)
 
     def unseal(self, blocks: Iterable[int]) -> None:
@@ -440,15 +441,16 @@ class HostTier:
         for b in blocks:
             self.checksums[b] = 0
 
-    def corrupt(self, blocks: Iterable[int]) -> list[int]:
-        """The blocks whose bytes no longer match the checksum ``seal`` recorded."""
+    def corrupt(self, blocks: Iterable[int], hold_gil: bool = False) -> list[int]:
+        """The blocks whose bytes no longer match the checksum ``seal`` recorded (``hold_gil``:
+        as ``ops.c_abi``)."""
         blocks = list(blocks)
         for b in blocks:
             if not 0 <= b < self.num_blocks:
                 raise ValueError(f"host block {b} out of range [0, {self.num_blocks})")
         if not blocks:
             return []
-        now = self._checksums_of(blocks)
+        now = self._checksums_of(blocks, hold_gil)
         return [b for b, ok in zip(blocks, (now == self.checksums[blocks]).all(axis=1), strict=True) if not ok]
 
     @property

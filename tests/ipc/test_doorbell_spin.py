@@ -1,8 +1,9 @@
-"""The doorbell's spin before sleep (fastkv.ipc.doorbell): a waiter watches its rings without
-the GIL for a while, so a message published meanwhile needs no semaphore post; the spin stops
-where it does not pay and where its owner turns it off."""
+"""The doorbell's spin before sleep (fastkv.ipc.doorbell): a waiter watches its rings for a
+while (without the GIL, unless its owner keeps it), so a message published meanwhile needs no
+semaphore post; the spin stops where it does not pay and where its owner turns it off."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -11,6 +12,7 @@ import pytest
 from fastkv.ipc import Ring, doorbell
 from fastkv.ipc.doorbell import PROBE_EVERY, SPIN_MAX_S, SPIN_MISSES, SPIN_S, Spin
 from fastkv.ipc.native import A
+from fastkv.transfer.lanes import GIL_SWITCH_S
 
 
 def test_spins_stop_after_misses_probe_now_and_then_and_resume_on_a_hit():
@@ -106,3 +108,65 @@ def test_a_spinning_waiter_takes_a_message_published_meanwhile_without_a_post(ns
     assert ring.data_bell.posts == (0 if spin else 1)
     assert ring.data_bell.spin.misses == 0
     ring.close()
+
+
+def longest_stall_of_another_thread(during) -> float:
+    """The longest time (s) a busy Python thread went without running while ``during()`` ran in
+    this one."""
+    longest, started, stop = [0.0], threading.Event(), threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        started.set()
+        while not stop.is_set():
+            now = time.perf_counter()
+            longest[0] = max(longest[0], now - last)
+            last = now
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(GIL_SWITCH_S)  # as in a transfer process with a storage lane
+    other = threading.Thread(target=tick)
+    other.start()
+    started.wait()
+    time.sleep(0.01)  # it is running, not starting
+    try:
+        longest[0] = 0.0
+        during()
+        time.sleep(0.01)  # it runs again and sees the gap
+        return longest[0]
+    finally:
+        stop.set()
+        other.join()
+        sys.setswitchinterval(interval)
+
+
+def test_a_spin_that_keeps_the_gil_runs_no_other_python_thread(ns):
+    """The transfer loop spins holding the GIL (fastkv.transfer.lanes): its low-priority storage
+    thread must not take the GIL meanwhile. Without keep_gil the other thread runs on (it waits
+    only for this thread's Python, at most a switch interval)."""
+    ring = Ring.create(ns, "r", slot_size=32, nslots=4)
+    try:
+        kept = longest_stall_of_another_thread(lambda: A.spin_any([ring.hdr], 200_000_000, True))
+        released = longest_stall_of_another_thread(lambda: A.spin_any([ring.hdr], 200_000_000))
+        assert kept >= 0.19, kept
+        assert released < 0.1, released
+        with pytest.raises(TypeError, match="2 or 3 arguments"):
+            A.spin_any([ring.hdr], 1000, True, 1)
+    finally:
+        ring.close()
+
+
+def test_a_waiter_that_keeps_the_gil_still_takes_a_message_published_meanwhile(ns, monkeypatch):
+    """A message from another process arrives during a spin that holds the GIL (a thread here
+    cannot publish meanwhile: it would need the GIL, so the spin ends at its budget and the
+    waiter sleeps until the post)."""
+    monkeypatch.setattr(doorbell, "SPIN_S", 0.01)
+    ring = Ring.create(ns, "r", slot_size=32, nslots=4)
+    ring.data_bell.spin.keep_gil = True
+    producer = threading.Timer(0.05, ring.push, (b"late",))
+    try:
+        producer.start()
+        assert ring.pop_many(4, timeout=10) == [b"late"]
+    finally:
+        producer.join()
+        ring.close()

@@ -4,6 +4,7 @@ from each source page as it copies it, by every copy method and thread split."""
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 import pytest
@@ -97,3 +98,20 @@ def test_a_bound_swap_refuses_checksums_of_the_wrong_shape(paddle_ops):
     assert bound.swap(ids, ids, to_host=True, num_threads=1, sums=sums)
     assert sums[0].tobytes() == block_checksum(host.numpy()[0]) and not sums[1].any()
     assert not bound.swap(ids, ids, to_host=False, num_threads=1, sums=sums), "a SWAP_IN writes no checksum"
+
+
+def test_calls_that_hold_the_gil_give_the_same_checksums_and_run_no_other_python_thread():
+    """``c_abi(hold_gil=True)`` is the transfer loop's: no other Python thread of the process
+    (its low-priority storage thread) runs while it checks a SWAP_IN's blocks or copies."""
+    from tests.ipc.test_doorbell_spin import longest_stall_of_another_thread
+
+    host = np.random.default_rng(0).integers(0, 256, (64, 8, 2, 128 << 10), dtype=np.uint8)  # 128 MiB
+    ids = list(range(64))
+    assert np.array_equal(ops.block_checksums(host, ids, hold_gil=True), ops.block_checksums(host, ids))
+    t0 = time.perf_counter()
+    ops.block_checksums(host, ids)
+    one = time.perf_counter() - t0  # ~5-15 ms
+    held = longest_stall_of_another_thread(lambda: ops.block_checksums(host, ids, hold_gil=True))
+    released = longest_stall_of_another_thread(lambda: ops.block_checksums(host, ids))
+    assert held >= 0.5 * one, (held, one)
+    assert released < 0.5 * held, (released, held)

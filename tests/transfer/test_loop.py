@@ -115,14 +115,12 @@ def test_a_long_store_on_slow_storage_keeps_the_heartbeat(tmp_path):
         store = plan(CopyKind.STORE, range(n), [], [key(i, "slow") for i in range(n)])
         silences, done = [], threading.Event()
 
-        spins: list[bool] = []  # the loop's spin for tasks, sampled well inside the STORE
-        engine_spins: list[bool] = []
+        engine_spins: list[bool] = []  # the engine's spin for acks, sampled well inside the STORE
 
         def watch() -> None:  # the supervisor's liveness rule, sampled
             while not done.is_set():
                 silences.append(time.monotonic_ns() - sup.signals["transfer0.beat"])
-                if loop.storage.active and time.monotonic() - t0 > 0.3:
-                    spins.append(ends.task.ring.data_bell.spin.enabled)
+                if 0.3 < time.monotonic() - t0 < sup.spec.dead_after_s:  # the STORE takes 1.5x that
                     engine_spins.append(sup.ends.inbox.bell.spin.enabled)
                 time.sleep(0.02)
 
@@ -142,8 +140,10 @@ def test_a_long_store_on_slow_storage_keeps_the_heartbeat(tmp_path):
         assert res.ok, res.error
         assert took > sup.spec.dead_after_s, took
         assert max(silences) < sup.spec.dead_after_s * 1e9 / 2, f"heartbeat silent for {max(silences) / 1e9:.2f} s"
-        # neither side spins while the low-priority storage thread needs a core (fastkv.transfer.lanes)
-        assert spins and not any(spins) and not any(engine_spins), (spins, engine_spins)
+        # the engine does not spin while the low-priority storage thread needs a core (fastkv.transfer.client)
+        assert engine_spins and not any(engine_spins), engine_spins
+        # the loop spins for tasks holding the GIL: its storage thread cannot take it and stall there
+        assert ends.task.ring.data_bell.spin.keep_gil and ends.task.ring.data_bell.spin.enabled
         assert sup.ends.inbox.bell.spin.enabled, "the engine spins for acks again once the STORE is done"
     finally:
         close_all(loop, ends, executor, sup)
