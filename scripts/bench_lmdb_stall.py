@@ -42,40 +42,38 @@ from fastkv.storage.lmdb_store import LMDBStore  # noqa: E402
 from fastkv.transfer.lanes import GIL_SWITCH_S  # noqa: E402
 
 BLOCK = 2 << 20
-SLOTS = 8_000_000  # clock samples a ticker can hold (about 1 s of them)
+SLOTS = 16_000_000  # clock samples a ticker can hold (1-2 s of them: --mib is bounded to fit)
+COUNT, STOP = SLOTS - 1, SLOTS - 2  # the buffer's last slots: samples taken, and the stop flag
 
 
-def ticker(buf: np.ndarray, seconds: float) -> None:
-    """Writes the clock into ``buf`` until ``seconds`` pass; the sample count goes in the last slot."""
-    clock, end, i, last = time.perf_counter, time.perf_counter() + seconds, 0, len(buf) - 1
-    while i < last:
-        t = clock()
-        buf[i] = t
+def ticker(buf: np.ndarray) -> None:
+    """Writes the clock into ``buf`` until the stop flag is set; then the sample count."""
+    clock, i = time.perf_counter, 0
+    while i < STOP and not buf[STOP]:
+        buf[i] = clock()
         i += 1
-        if t > end:
-            break
-    buf[last] = i
+    buf[COUNT] = i
 
 
-def ticker_process(shm_name: str, seconds: float, ready) -> None:
+def ticker_process(shm_name: str, ready) -> None:
     gc.disable()
     shm = shared_memory.SharedMemory(shm_name)
     try:
         buf = np.ndarray((SLOTS,), np.float64, shm.buf)
         ready.set()
-        ticker(buf, seconds)
+        ticker(buf)
         del buf
     finally:
         shm.close()
 
 
 def gaps_ms(buf: np.ndarray, start: float, end: float) -> np.ndarray:
-    """The gaps (ms) between the ticker's samples within [start, end]."""
-    t = buf[:int(buf[-1])]
+    """The gaps (ms) between the ticker's samples over [start, end], those across its ends included."""
+    t = buf[:int(buf[COUNT])]
     if not t.size or t[0] > start or t[-1] < end:
-        raise RuntimeError("the ticker did not cover the writes (its buffer filled, or it started late)")
-    t = t[(t >= start) & (t <= end)]
-    return np.diff(t) * 1e3
+        raise RuntimeError("the clock loop did not cover the writes (its buffer filled: try a smaller --mib)")
+    first, last = np.searchsorted(t, start, side="right") - 1, np.searchsorted(t, end, side="left")
+    return np.diff(t[first:last + 1]) * 1e3
 
 
 def one_round(setting: str, nbytes: int, buf: np.ndarray, shm_name: str) -> tuple[np.ndarray, float]:
@@ -83,21 +81,22 @@ def one_round(setting: str, nbytes: int, buf: np.ndarray, shm_name: str) -> tupl
     n = nbytes // BLOCK
     host = np.ones((n, BLOCK), np.uint8)  # touched: the writes fault nothing in
     keys = [i.to_bytes(32, "little") for i in range(n)]
-    buf[-1] = 0
-    seconds = 0.4 + nbytes / 0.2e9  # covers the write with room (LMDB here: ~0.3-3 GB/s)
+    buf[COUNT] = buf[STOP] = 0
     with tempfile.TemporaryDirectory(prefix="fkvstall") as tmp:
         store = LMDBStore(tmp, namespace_fingerprint("bench_lmdb_stall"), max_bytes=4 * nbytes)
+        side = None
         try:
             # The store's first put allocates its 2 MiB scratch value under the GIL (a ~1 ms stall of
             # the thread beside it); a transfer process pays that once in its life, not per STORE.
             assert store.put([bytes(32)], host, [0]) == [True]
             if setting == "process":
                 ready = mp.get_context("spawn").Event()
-                side = mp.get_context("spawn").Process(target=ticker_process, args=(shm_name, seconds, ready))
+                side = mp.get_context("spawn").Process(target=ticker_process, args=(shm_name, ready))
                 side.start()
-                ready.wait(60)
+                if not ready.wait(60):
+                    raise RuntimeError("the clock-loop process did not start within 60 s")
             else:
-                side = threading.Thread(target=ticker, args=(buf, seconds))
+                side = threading.Thread(target=ticker, args=(buf,))
                 side.start()
             time.sleep(0.1)  # the ticker runs before the writes start
             t0 = time.perf_counter()
@@ -107,8 +106,11 @@ def one_round(setting: str, nbytes: int, buf: np.ndarray, shm_name: str) -> tupl
                 for lo in range(0, n, 2):  # as a STORE's parts hand them to put
                     assert all(store.put(keys[lo:lo + 2], host, range(lo, min(lo + 2, n))))
             t1 = time.perf_counter()
-            side.join()
+            time.sleep(0.01)  # the clock loop samples past t1
         finally:
+            buf[STOP] = 1
+            if side is not None:
+                side.join()
             store.close()
     return gaps_ms(buf, t0, t1), (0.0 if setting == "idle" else nbytes / (t1 - t0) / 1e9)
 
@@ -119,8 +121,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=0, help="rounds of each setting, in turns (default 5, --smoke 1)")
     p.add_argument("--smoke", action="store_true", help="8 MiB, 1 round (tests: numbers mean nothing)")
     args = p.parse_args()
-    if args.mib < 2 or args.rounds < 0:
-        p.error("--mib must be at least 2 and --rounds at least 0")
+    if not 2 <= args.mib <= 256 or args.rounds < 0:
+        p.error(f"--mib must be 2 to 256 (the clock loop's buffer covers about a second), got {args.mib}; "
+                f"--rounds at least 0, got {args.rounds}")
     nbytes = (8 if args.smoke else args.mib) << 20
     rounds = args.rounds or (1 if args.smoke else 5)
     gc.disable()  # a collection would stall the ticker thread itself

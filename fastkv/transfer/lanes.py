@@ -14,8 +14,8 @@ request waits for. So each rank has two lanes:
   to ``GIL_SWITCH_S``, so it waits at most about that long. (Around LMDB writes the swap
   lane stalls as long whether the writes run in this process or another one: that part of
   its tail is CPU contention, not the GIL. scripts/bench_lmdb_stall.py measures it: beside
-  64 MiB of ``LMDBStore.put``, a thread of the writing process stalled at most 0.13-0.5 ms,
-  another process 0.05-1.44 ms: a storage process would not shorten the tail.)
+  64 MiB of ``LMDBStore.put``, a thread of the writing process stalled at most 0.3 ms,
+  another process 2.9-4.2 ms: a storage process would not shorten that part.)
 
 Swaps first. On two cores, the engine, the loop thread and a busy storage thread (a STORE
 checks its host blocks' checksums, then writes them: memory-bound work for tens of ms) are
