@@ -34,7 +34,11 @@ def sem_left(handoff: Path) -> bool:
     return Path("/dev/shm", "sem." + handoff_sem(handoff).lstrip("/")).exists()
 
 
-def check_decode(results, pre, dec, wl):
+def check_decode(results, pre, dec, wl, all_at_once: bool = True):
+    """``all_at_once``: the decode run found every request announced when it started, more than
+    its 24 device blocks hold, so it must have refused some; a decode run started beside the
+    prefill run takes them as they come, and whether they ever outgrow it depends on the
+    machine's speed."""
     check_outputs(results, wl)  # the single-engine reference outputs
     assert pre["handoff"]["requests"] == len(wl) and pre["handoff"]["failed"] == 0, pre["handoff"]
     h = dec["handoff"]
@@ -43,7 +47,7 @@ def check_decode(results, pre, dec, wl):
     assert all(r["recomputed_tokens"] == 0 for r in results.values())
     assert dec["verified"]["kv_mismatches"] == 0
     # 24 device blocks for 10 requests: some had to wait, each refusal named with its reason
-    assert h["refused"] == len(h["refusals"]) > 0, h
+    assert h["refused"] == len(h["refusals"]) and (h["refused"] > 0 or not all_at_once), h
     assert all("NO_ROOM" in why or "TOO_MANY_SEQS" in why for why in h["refusals"].values()), h
     assert sum(dec["preemptions"].values()) == 0, dec["preemptions"]  # it refused instead
 
@@ -80,7 +84,7 @@ def test_prefill_and_decode_runs_started_together(tmp_path, store_url):
         with Run(role_spec(tmp_path, "pre", url, role="prefill", runner={"step_us": 20000.0}), wl) as pre_run:
             _, pre = finish(pre_run)
         results, dec = finish(dec_run)
-    check_decode(results, pre, dec, wl)
+    check_decode(results, pre, dec, wl, all_at_once=False)
     assert not sem_left(handoff)
 
 
