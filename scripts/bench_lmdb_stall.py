@@ -163,4 +163,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the finally blocks have removed the buffer and the stores
+        sys.exit("bench_lmdb_stall: interrupted")
