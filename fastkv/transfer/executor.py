@@ -27,7 +27,10 @@ Progress. A swap, STORE or LOAD runs in parts and calls ``progress()`` (the proc
 heartbeat) after each, so a long task on slow but live storage never looks like a dead
 process. Parts start at one block and double while a part takes under
 ``spec.heartbeat_s / 2`` (halving when slower): a fast tier soon moves large batches, a
-slow one beats about every heartbeat as long as one block is quicker than that.
+slow one beats about every heartbeat as long as one block is quicker than that. A swap's
+parts stay under ``SWAP_PART_S``: it copies holding the GIL (``fastkv.transfer.lanes``), so
+the storage lane's LOOKUPs (``storage_lookup_timeout_s``, 0.2 s by default), LOADs and acks
+wait for the GIL no longer than one part.
 
 Host checksums (``spec.host_checksums``, default on). A block that lands in the host tier
 (SWAP_OUT, LOAD) gets a checksum of its bytes beside it (``tiers.block_checksum``: xxh3 per
@@ -80,6 +83,7 @@ from fastkv.transfer.protocol import FREE, storage_namespace, task_plan
 from fastkv.transfer.tiers import DeviceTier, HostTier, resident_bytes
 
 log = logging.getLogger(__name__)
+SWAP_PART_S = 0.01  # the longest a swap's part grows to: it holds the GIL meanwhile (module docstring)
 
 
 class TaskRefused(RuntimeError):
@@ -251,7 +255,7 @@ class TaskExecutor:
             if not swap(plan.src[p], plan.dst[p], to_host=out, num_threads=threads, sums=sums) and sums is not None:
                 unsealed.extend(plan.dst[p].tolist())
 
-        self._in_parts(len(plan.src), part)
+        self._in_parts(len(plan.src), part, SWAP_PART_S)
         if unsealed:  # a GPU swap: sealed from the host bytes once they are there
             host.seal(unsealed)
         return len(plan.src) * self.block_bytes, ""
@@ -342,9 +346,11 @@ class TaskExecutor:
             self.host.seal([b for b, ok in zip(blocks, oks, strict=True) if ok])
             self.host.unseal([b for b, ok in zip(blocks, oks, strict=True) if not ok])
 
-    def _in_parts(self, n: int, step: Callable[[slice], None]) -> None:
-        """``step`` over blocks [0, n) in parts, reporting progress after each (module docstring)."""
-        target, size, i, progress = self.spec.heartbeat_s / 2, 1, 0, self._task.progress
+    def _in_parts(self, n: int, step: Callable[[slice], None], most_s: float | None = None) -> None:
+        """``step`` over blocks [0, n) in parts, reporting progress after each; parts grow
+        while they take under ``most_s`` (default half a heartbeat; module docstring)."""
+        target = self.spec.heartbeat_s / 2 if most_s is None else min(most_s, self.spec.heartbeat_s / 2)
+        size, i, progress = 1, 0, self._task.progress
         while i < n:
             t0 = time.monotonic()
             step(slice(i, i + size))

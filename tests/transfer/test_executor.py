@@ -313,3 +313,34 @@ def test_an_empty_swap_costs_a_few_plan_builds(ex):
     assert ex.run(empty).ok
     run, build = best_us(lambda: ex.run(empty)), best_us(lambda: task_plan(empty))
     assert run < 5 * build, f"an empty swap takes {run:.1f} us, a plan build {build:.1f} us"
+
+
+def test_parts_grow_while_quick_and_stop_growing_at_their_bound(ex):
+    """A part of a swap stays near SWAP_PART_S: the loop holds the GIL while it copies, and the
+    storage lane waits no longer than one part. Other tasks' parts grow up to half a heartbeat."""
+    def sizes_of(most_s):
+        sizes: list[int] = []
+
+        def step(p: slice) -> None:
+            sizes.append(p.stop - p.start)
+            time.sleep(0.004 * (min(p.stop, 64) - p.start))  # 4 ms a block
+
+        ex._task.progress = lambda: None  # as run() sets it
+        ex._in_parts(64, step, most_s)
+        return sizes
+
+    capped = sizes_of(0.01)
+    assert sum(capped) >= 64 and max(capped) <= 4, capped  # 1, 2 then 4 (16 ms: too long), back to 2, ...
+    assert max(sizes_of(None)) >= 16  # half a heartbeat (0.25 s) lets them grow
+
+
+def test_a_swap_runs_in_parts_of_at_most_swap_part_s(sup, ex, monkeypatch):
+    from fastkv.transfer import executor
+
+    bounds = []
+    in_parts = TaskExecutor._in_parts
+    monkeypatch.setattr(TaskExecutor, "_in_parts",
+                        lambda self, n, step, most_s=None: bounds.append(most_s) or in_parts(self, n, step, most_s))
+    fill_random(sup.devices[1], np.random.default_rng(0))
+    expect_ok(ex.run(task(CopyKind.SWAP_OUT, [0, 1], [2, 3])), 2 * sup.spec.layout.block_bytes)
+    assert bounds == [executor.SWAP_PART_S] and executor.SWAP_PART_S <= 0.05
