@@ -149,7 +149,7 @@ class CostModel:
         cost nothing."""
         return max(0.0, num_tokens - self.free_tokens) / self.prefill_rate
 
-    def prefer_offload(self, num_tokens: int, num_blocks: int, unheld_tokens: int = 0, risk: float = 0.0) -> bool:
+    def prefer_offload(self, num_tokens: int, num_blocks: int, unheld_tokens: int, risk: float) -> bool:
         """Whether copying ``num_blocks`` out and back beats recomputing ``num_tokens`` (a
         victim's ``PreemptionWork``), and ``unheld_tokens`` more with probability ``risk``: the
         tokens whose host copies a recompute counts on without holding them (an offload holds

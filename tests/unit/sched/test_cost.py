@@ -16,7 +16,7 @@ def model(**kw) -> CostModel:
 
 
 def choice(m: CostModel, tokens: int) -> bool:
-    return m.prefer_offload(tokens, -(-tokens // BLOCK))
+    return m.prefer_offload(tokens, -(-tokens // BLOCK), 0, 0.0)
 
 
 def test_short_contexts_recompute_and_long_ones_offload():
@@ -70,7 +70,7 @@ def test_prefill_rate_is_the_marginal_one_beyond_the_decode_step_floor():
 
 def test_nothing_to_copy_costs_no_copy():
     assert model().offload_seconds(0) == 0.0
-    assert model().prefer_offload(3, 0)
+    assert model().prefer_offload(3, 0, 0, 0.0)
 
 
 def test_tasks_of_a_few_blocks_give_latency_and_bandwidth_apart():
@@ -82,7 +82,7 @@ def test_tasks_of_a_few_blocks_give_latency_and_bandwidth_apart():
         m.observe_copy(nbytes, 300e-6 + nbytes / 15e9)
     assert m.copy_bandwidth == pytest.approx(15e9, rel=1e-6)
     assert m.copy_latency == pytest.approx(300e-6, rel=1e-6)
-    assert m.prefer_offload(480, 30)  # a long context with no host copy: 2 x 0.43 ms against 2.4 ms
+    assert m.prefer_offload(480, 30, 0, 0.0)  # a long context with no host copy: 2 x 0.43 ms against 2.4 ms
 
 
 def roofline_step(prefill: int, decode: int, floor: float, rate: float, jitter: float) -> float:
