@@ -88,7 +88,7 @@ def one_round(setting: str, nbytes: int, buf: np.ndarray, shm_name: str) -> tupl
         try:
             # The store's first put allocates its 2 MiB scratch value under the GIL (a ~1 ms stall of
             # the thread beside it); a transfer process pays that once in its life, not per STORE.
-            assert store.put([bytes(32)], host, [0]) == [True]
+            assert store.put([b"\xff" * 32], host, [0]) == [True]  # a key the round does not write
             if setting == "process":
                 ready = mp.get_context("spawn").Event()
                 side = mp.get_context("spawn").Process(target=ticker_process, args=(shm_name, ready))
