@@ -91,6 +91,12 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
         dev.unpin(b)
     keyed = _set_host_keys(state, rec) if ok else []
     _hand_to_waiting_children(state, rec, keyed)
+    owner = rec.owner
+    if owner is not None:  # it holds its chain (tiering.request_copies): these join the hold, unqueued
+        owner.wt_plans.remove(rec.plan.plan_id)
+        for hb, _ in keyed:
+            host.incref(hb)
+            owner.host_chain.append(hb)
     # children first: a batch enters the host LRU queue leaves before parents
     order = rec.dst if rec.purpose is Purpose.WRITE_BACK else rec.dst[::-1]
     for hb in order:
@@ -118,11 +124,17 @@ def _hand_to_waiting_children(state: CacheState, rec: CopyRecord, keyed: list[tu
         waiting, hb = awaited.pop(k, ()), landed.get(k)
         if hb is None:
             continue  # it failed to land: nothing to hold
-        for pid in waiting:
-            child = records.get(pid)
-            if child is not None:
+        for holder in waiting:
+            if type(holder) is int:
+                child = records.get(holder)
+                if child is not None:
+                    host.incref(hb)
+                    child.held.append(hb)
+                continue
+            req, gen = holder
+            if req.chain_gen == gen and req.host_chain is not None:
                 host.incref(hb)
-                child.held.append(hb)
+                req.host_chain.append(hb)
 
 
 def _queued_in_order(state: CacheState, rec: CopyRecord, keyed: list[tuple[int, bytes]]) -> bool:

@@ -33,6 +33,10 @@ class CopyRecord:
     chain: list[bytes] | None = None
     # WRITE_THROUGH: host blocks of the chain's earlier keys, held until it lands (see tiering.host_copies)
     held: list[int] | None = None
+    # WRITE_THROUGH of a request that holds its chain (tiering.hold_chain): its landed blocks join that
+    # hold; ``chain_end`` is its chain's length, for the per-plan hold it gets if the request lets go first
+    owner: CacheRecord | None = None
+    chain_end: int = 0
 
 
 class CopyBook:
@@ -40,8 +44,9 @@ class CopyBook:
         self.records: dict[int, CopyRecord] = {}
         self.inflight: dict[bytes, int] = {}  # key -> plan id, for keys a SWAP_OUT brings to the host
         self.loading: dict[bytes, tuple[int, int]] = {}  # key -> (plan id, index), for keys a PREFIX_LOAD brings
-        # in-flight key -> write-throughs that hold its host block once it lands (a parent of theirs)
-        self.awaited: dict[bytes, list[int]] = {}
+        # in-flight key -> write-throughs (plan ids) and request chain holds (request, CacheRecord.chain_gen)
+        # that hold its host block once it lands (a parent of theirs)
+        self.awaited: dict[bytes, list[int | tuple[CacheRecord, int]]] = {}
         self._next_id = 1
 
     def open(self, kind: CopyKind, purpose: Purpose, src: list[int] = (), dst: list[int] = (),

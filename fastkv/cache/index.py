@@ -20,12 +20,15 @@ than their children", so that LRU eviction takes leaves first:
 * under write-back, device victims (LRU, hence children first) go to the host in that order,
   and a parent leaves the device only by moving to the host;
 * under write-through, host copies land parent first, so a request's release refreshes its
-  host copies last to first as well, and so does each landing copy for its chain's copies in
-  both tiers (its device sources re-entered the queue young when it unpinned them); a device
+  host copies last to first as well, and so does each landing copy whose request let go of
+  its chain for its chain's copies in both tiers (its device sources re-entered the queue
+  young when it unpinned them); a device
   victim whose host copy the host evicted first is written back, as under write-back;
-* an in-flight write-through holds the host copies of its chain's other keys until it lands
-  (the host's queue cannot order children that are not in it yet); releasing them leaves
-  first orders the host half of its chain, which its refresh then skips.
+* a running request holds the host copies of its chain while it holds its device blocks
+  (the host's queue cannot order children that are not in it yet), and lets them go leaves
+  first with its table; a write-through still in flight then holds its chain's other keys
+  until it lands, and releasing them leaves first orders the host half of its chain, which its
+  refresh then skips.
 
 What remains, accepted and documented: a copy that fails or finds no free host block drops
 its key, and children already on the host are stranded. A stranded entry is never returned

@@ -56,6 +56,14 @@ def check(state: CacheState) -> None:
                 assert k is None or k == req.keys[i], f"request {rid!r}: keyed block {i} lost its key"
         for b in req.host_refs:
             host_refs[b] += 1
+        if req.host_chain is not None:
+            assert req.table, f"request {rid!r} holds its chain's host copies without its device table"
+            host_refs.update(req.host_chain)
+        else:
+            assert not req.wt_plans and req.chain_upto == 0, f"request {rid!r}: write-throughs owned without a hold"
+        for pid in req.wt_plans:
+            rec = state.copies.records.get(pid)
+            assert rec is not None and rec.owner is req, f"request {rid!r}: owned write-through {pid} not in flight"
         assert len(set(req.table)) == len(req.table), f"request {rid!r}: a block twice in its table"
     for b, _ in state.handoff_holds.values():
         dev_refs[b] += 1
@@ -90,11 +98,16 @@ def check(state: CacheState) -> None:
                 loading[k] = (pid, i)
     assert inflight == state.copies.inflight, "in-flight keys do not match the open write-back/through plans"
     assert loading == state.copies.loading, "loading keys do not match the open prefix loads"
-    for k, pids in state.copies.awaited.items():
+    for k, holders in state.copies.awaited.items():
         assert k in inflight, "a write-through waits for a parent key no copy brings"
-        for p in pids:  # a plan that landed first stays listed until the key lands: ids are never reused
+        for p in holders:  # a plan that landed first stays listed until the key lands: ids are never reused
+            if type(p) is not int:
+                continue  # a request's chain hold (void if it let go since: CacheRecord.chain_gen)
             rec = state.copies.records.get(p)
             assert rec is None or rec.purpose is Purpose.WRITE_THROUGH, "a parent key awaited by a non-write-through"
+    for pid, rec in state.copies.records.items():
+        if rec.owner is not None:
+            assert rec.owner.alive and pid in rec.owner.wt_plans, f"write-through {pid}: its owner does not list it"
     for pool, pins in ((dev, dev_pins), (host, host_pins)):
         for b in range(pool.capacity):
             assert pool.pins[b] == pins[b], f"{pool.tier} block {b}: {pool.pins[b]} pins but {pins[b]} copies"

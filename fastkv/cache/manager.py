@@ -46,7 +46,15 @@ from fastkv.cache.requests import CacheRecord, ReqState
 from fastkv.cache.results import Allocation, Completion, Growth, PreemptionWork
 from fastkv.cache.state import CacheConfig, CacheState
 from fastkv.cache.storage_writes import deferred, partial_resume_key
-from fastkv.cache.tiering import count_hits, host_copies, retry_skipped, swap_in, take_device, take_host
+from fastkv.cache.tiering import (
+    count_hits,
+    make_host_room,
+    request_copies,
+    retry_skipped,
+    swap_in,
+    take_device,
+    take_host,
+)
 from fastkv.cache.write_policy import Tier
 from fastkv.config import cdiv
 
@@ -230,6 +238,7 @@ class CacheManager:
         if sto_keys:  # join LOADs in flight; stage the others in host blocks, what finds no room is recomputed
             joins, sto_keys = split_loads(self.state, sto_keys)
             hstate = host.state
+            make_host_room(self.state, len(sto_keys) + sum(1 for b in host_hits if hstate[b] == _CACHED))
             room = host.num_available - sum(1 for b in host_hits if hstate[b] == _CACHED)
             del sto_keys[max(room, 0):]
         nj, ns = len(joins), len(sto_keys)
@@ -377,7 +386,7 @@ class CacheManager:
             dkey = self.device.key
             mine = [(b, k) for b, k in zip(blocks, keys, strict=True) if dkey[b] is k]
             late = retry_skipped(self.state)  # first: older, parents of these perhaps
-            return late + host_copies(self.state, mine, req.keys[:full]) + deferred(self.state)
+            return late + request_copies(self.state, req, mine, full) + deferred(self.state)
         return deferred(self.state)
 
     def _repair_dups(self, req: CacheRecord) -> None:

@@ -19,7 +19,7 @@ from fastkv.cache.requests import NEVER, CacheRecord, ReqState
 from fastkv.cache.results import Allocation, PreemptionWork
 from fastkv.cache.state import CacheState
 from fastkv.cache.storage_writes import offload_stores, partial_resume_key, partial_tokens, remember_resume
-from fastkv.cache.tiering import swap_in, take_device, take_host
+from fastkv.cache.tiering import make_host_room, swap_in, take_device, take_host
 from fastkv.config import cdiv
 
 _CACHED = int(BlockState.CACHED)
@@ -45,7 +45,8 @@ def offload(state: CacheState, request_id: object, to_storage: bool = False) -> 
     host_table, n_full = _host_copies(state, req)
     n_blocks = len(host_table)
     copy = [i for i in range(n_blocks) if host_table[i] < 0]
-    cached = sum(1 for hb in host_table if hb >= 0 and host.state[hb] == _CACHED)
+    make_host_room(state, len(copy) + sum(1 for hb in host_table if hb >= 0 and host.state[hb] == _CACHED), req)
+    cached = sum(1 for hb in host_table if hb >= 0 and host.state[hb] == _CACHED)  # others' holds it let go of count
     if host.num_available - cached < len(copy):
         return None
     for hb in host_table:

@@ -4,11 +4,14 @@ from __future__ import annotations
 from fastkv.cache.index import Cause
 from fastkv.cache.requests import CacheRecord
 from fastkv.cache.state import CacheState
+from fastkv.cache.tiering import release_chain
 from fastkv.cache.write_policy import Tier
 
 
 def release_table(st: CacheState, req: CacheRecord, cache: bool) -> None:
-    """Release device blocks last to first, so children enter the eviction queue before parents."""
+    """Release device blocks last to first, so children enter the eviction queue before parents,
+    and the host copies of the chain the request held (``tiering.release_chain``)."""
+    release_chain(st, req)
     dev = st.device
     if cache and not req.dup_pos and not st.touch_host:
         dev.release_many(req.table[::-1])

@@ -25,6 +25,12 @@ class CacheRecord:
     num_tokens: int  # known tokens (prompt + appended): slots are allocated for all of them
     table: list[int] = field(default_factory=list)  # device block ids
     host_refs: list[int] = field(default_factory=list)  # host blocks this request holds a reference on
+    # write-through: host copies of its chain it holds while it holds its device table (tiering.hold_chain);
+    # None before its first write-through and once it let go
+    host_chain: list[int] | None = None
+    chain_upto: int = 0  # leading chain keys that hold has covered
+    chain_gen: int = 0  # holds let go of so far (an awaited parent names the hold it joins)
+    wt_plans: list[int] = field(default_factory=list)  # ids of its write-throughs in flight
     num_computed: int = 0  # tokens whose KV is valid on the device
     num_keyed: int = 0  # leading blocks whose keys were inserted (a duplicate stays unkeyed)
     dup_pos: list[int] = field(default_factory=list)  # keyed positions left unkeyed: another block held the key

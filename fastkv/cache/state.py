@@ -90,6 +90,8 @@ class CacheState:
         self.resumes: OrderedDict[object, bytes] = OrderedDict()
         self.evicted_since_flush = 0  # host evictions the BACK storage flush has not answered yet
         self.paused = False  # a weight update is in progress
+        # running requests holding their chain's host copies, the least recently extended hold first
+        self.chain_holders: OrderedDict[object, CacheRecord] = OrderedDict()
         # a device victim without a host copy is written back to the host: always under WRITE_BACK;
         # under WRITE_THROUGH, when the host evicted its copy first (a child's copy was still
         # flying then), so that a parent still leaves the device only for the host

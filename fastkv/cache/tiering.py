@@ -46,6 +46,7 @@ def take_device(state: CacheState, n: int, owner: CacheRecord) -> tuple[list[int
             state.gone(k, Tier.DEVICE, Cause.EVICTED)
     if not src:
         return blocks, None
+    make_host_room(state, len(src), owner)
     dst = take_host(state, len(src), pinned=True, partial=True)
     for k in keys[len(dst):]:
         state.stats.skipped_copies += 1
@@ -83,29 +84,56 @@ def take_host(state: CacheState, n: int, pinned: bool, partial: bool = False) ->
 def host_copies(state: CacheState, pairs: list[tuple[int, bytes]], chain: list[bytes] | None = None) -> list[CopyPlan]:
     """Write-through: copy keyed device blocks to the host (skipping keys it has or gets).
 
-    ``chain``: the keys from the root to the last of ``pairs``, refreshed when the copy lands
-    (see ``completions._refresh_chain``)."""
+    ``chain``: the keys from the root to the last of ``pairs``. The plan holds the host copies
+    of the chain's other keys until it lands, and refreshes the chain then (see
+    ``completions._refresh_chain``): a walk of the whole chain, for copies no running request
+    owns (``request_copies`` is the per-block-fill path)."""
+    plan = _write_through(state, pairs, lambda: chain)
+    if plan is None:
+        return []
+    if chain:
+        rec = state.copies.records[plan.plan_id]
+        rec.chain = chain
+        rec.held = _hold_parents(state, plan.plan_id, chain, set(rec.keys))
+    return [plan]
+
+
+def request_copies(state: CacheState, req: CacheRecord, pairs: list[tuple[int, bytes]], end: int) -> list[CopyPlan]:
+    """Write-through of a running request's blocks, ``pairs`` among its first ``end`` (its chain
+    up to them). The request holds the host copies of its chain until it lets go of its device
+    table (``hold_chain``), so its copies need no hold and no refresh of their own: a block fill
+    costs the same at any context length. Should it let go while they fly, each gets the hold
+    of its own then (``release_chain``)."""
+    hold_chain(state, req, end)
+    plan = _write_through(state, pairs, lambda: req.keys[:end])
+    if plan is None:
+        return []
+    rec = state.copies.records[plan.plan_id]
+    rec.owner, rec.chain_end = req, end
+    req.wt_plans.append(plan.plan_id)
+    return [plan]
+
+
+def _write_through(state: CacheState, pairs: list[tuple[int, bytes]], chain) -> CopyPlan | None:
+    """The SWAP_OUT of ``pairs`` the host has no copy of (none coming), as far as it has blocks
+    for; ``chain()`` gives the chain to retry the rest with."""
     hlookup, inflight = state.host.lookup, state.copies.inflight
     pairs = [(b, k) for b, k in pairs if k not in hlookup and k not in inflight]
     if not pairs:
-        return []
+        return None
     dst = take_host(state, len(pairs), pinned=True, partial=True)
     if len(dst) < len(pairs):
         state.stats.skipped_copies += len(pairs) - len(dst)
-        if chain:  # a request's write-through (an export has its own retry: fastkv.cache.handoff)
-            _skip(state, pairs[len(dst):], chain)
+        keys = chain()
+        if keys:  # a request's write-through (an export has its own retry: fastkv.cache.handoff)
+            _skip(state, pairs[len(dst):], keys)
     if not dst:
-        return []
+        return None
     src = [b for b, _ in pairs[:len(dst)]]
     for b in src:
         state.device.pin(b)
     keys = [k for _, k in pairs[:len(dst)]]
-    plan = state.copies.open(CopyKind.SWAP_OUT, Purpose.WRITE_THROUGH, src=src, dst=dst, keys=keys)
-    if chain:
-        rec = state.copies.records[plan.plan_id]
-        rec.chain = chain
-        rec.held = _hold_parents(state, plan.plan_id, chain, set(keys))
-    return [plan]
+    return state.copies.open(CopyKind.SWAP_OUT, Purpose.WRITE_THROUGH, src=src, dst=dst, keys=keys)
 
 
 def _skip(state: CacheState, pairs: list[tuple[int, bytes]], chain: list[bytes]) -> None:
@@ -154,6 +182,88 @@ def _hold_parents(state: CacheState, pid: int, chain: list[bytes], own: set[byte
     return held
 
 
+def hold_chain(state: CacheState, req: CacheRecord, end: int) -> None:
+    """Extend the request's hold on the host copies of its chain to its first ``end`` keys.
+
+    A running request holds them as it holds its device blocks: out of the host's eviction
+    queue, so neither can a parent be evicted under a child in flight (the reason a plan holds
+    its chain), nor do its copies age while it runs (a write-through plan used to refresh its
+    whole chain as it landed). Each key is looked at once per hold: the keys up to
+    ``chain_upto`` were, and its own copies join as they land. A key still in flight to the
+    host is held when it lands; one that comes later by another way (another request's copy)
+    is not held, only ordered when the request lets go (``release_chain``)."""
+    start = req.chain_upto
+    if end <= start:
+        return
+    held, missing = state.host.hold_keys(req.keys[start:end], ())
+    if req.host_chain is None:
+        req.host_chain = held
+        state.chain_holders[req.rid] = req
+    else:
+        req.host_chain += held
+        state.chain_holders.move_to_end(req.rid)
+    inflight, awaited = state.copies.inflight, state.copies.awaited
+    for k in missing:
+        if k in inflight:
+            awaited.setdefault(k, []).append((req, req.chain_gen))
+    req.chain_upto = end
+
+
+def release_chain(state: CacheState, req: CacheRecord) -> None:
+    """The request lets go of its device table, or of this hold alone for host room
+    (``make_host_room``; its next block fill holds the chain anew): its write-throughs still in
+    flight take the hold on their parents a plan of no request takes (``_hold_parents``), then
+    its chain's host copies go back to the eviction queue leaves first (the leaves-first
+    contract of fastkv.cache.eviction). The walk is the chain's length, once per hold."""
+    held = req.host_chain
+    if held is None:
+        return
+    records = state.copies.records
+    for pid in req.wt_plans:
+        rec = records[pid]
+        rec.owner = None
+        rec.chain = req.keys[:rec.chain_end]
+        rec.held = _hold_parents(state, pid, rec.chain, set(rec.keys))
+    req.wt_plans = []
+    req.host_chain = None
+    req.chain_upto = 0
+    del state.chain_holders[req.rid]
+    req.chain_gen += 1  # its entries in CopyBook.awaited are void
+    host = state.host
+    mine = set(held)
+    assert len(mine) == len(held), f"request {req.rid!r} holds a host block of its chain twice"
+    hget = host.lookup.get
+    order = []
+    for k in reversed(req.keys):
+        b = hget(k)
+        if b in mine:
+            order.append(b)
+            mine.discard(b)
+    order += mine  # keys that are not the request's any more (none today): any order
+    host.release_many(order)
+
+
+def make_host_room(state: CacheState, n: int, keep: CacheRecord | None = None) -> int:
+    """Host blocks available now, after running requests (not ``keep``) let go of their chain
+    holds, the least recently extended first, until ``n`` are or none holds one: a write-back,
+    an offload or a storage hit's staging block may evict their copies, which then queue at
+    the young end, leaves first, as a write-through's refresh of its chain used to leave them.
+    A write-through does not make room so: with the host full of running requests' copies,
+    taking one's would only lose it a copy another needs as much (the copy is made later, or
+    written back), and each such request would walk its chain again to hold it anew."""
+    host, holders = state.host, state.chain_holders
+    while host.num_available < n and holders:
+        rid, req = next(iter(holders.items()))
+        if req is keep:
+            if len(holders) == 1:
+                break
+            holders.move_to_end(rid)
+            continue
+        release_chain(state, req)
+        state.stats.chain_spills += 1
+    return host.num_available
+
+
 def count_hits(state: CacheState, req: CacheRecord, nd: int) -> list[CopyPlan]:
     hits, threshold, hot = state.hits, state.config.selective_hits, []
     for i in range(nd):
@@ -162,7 +272,7 @@ def count_hits(state: CacheState, req: CacheRecord, nd: int) -> list[CopyPlan]:
         hits[k] = c
         if c == threshold:
             hot.append((req.table[i], k))
-    return host_copies(state, hot, req.keys[:nd]) if hot else []
+    return request_copies(state, req, hot, nd) if hot else []
 
 
 def swap_in(state: CacheState, req: CacheRecord) -> CopyPlan:

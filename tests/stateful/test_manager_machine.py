@@ -51,7 +51,10 @@ LABELS = st.builds(lambda c, n: CONVERSATIONS[c][:n], st.integers(0, len(CONVERS
 OWNED = (Purpose.WRITE_BACK, Purpose.PREFIX_LOAD, Purpose.SWAP_IN, Purpose.OFFLOAD)  # a request waits for these
 CASES = frozenset(
     {f"{p.name} {how}" for p in (*OWNED, Purpose.WRITE_THROUGH, Purpose.STORE) for how in ("done", "failed")}
-    | {f"{p.name} freed during" for p in OWNED} | {"storage lost a key of a LOAD in flight"})
+    | {f"{p.name} freed during" for p in (*OWNED, Purpose.WRITE_THROUGH)} | {"storage lost a key of a LOAD in flight"}
+    # a parent in flight when a request's chain hold reached it (tiering.hold_chain) lands
+    | {"a chain hold joins a parent as it lands", "a chain hold let go before its parent landed",
+       "a running request let go of its chain hold for host room"})
 REACHED: Counter[str] = Counter()
 
 
@@ -109,7 +112,8 @@ class ManagerMachine(RuleBasedStateMachine):
     def copy_purpose(self, plan):
         """What a copy is for and whom it serves: the one read of the manager's copy book."""
         rec = self.m.copies.records[plan.plan_id]
-        return rec.purpose, rec.req.rid if rec.req is not None else None
+        req = rec.req if rec.req is not None else rec.owner  # a write-through's: the request holding its chain
+        return rec.purpose, req.rid if req is not None else None
 
     # ------------------------------------------------------------------ rules
     @rule(labels=LABELS, tail=st.integers(0, BS - 1), reserve=st.sampled_from([0, 0, 1, BS + 1]))
@@ -163,14 +167,32 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.m.free(rid)
             return
         n = req.num_tokens if finish else data.draw(st.integers(req.num_computed + 1, req.num_tokens))
+        self._compute(rid, n)
+        if finish:
+            self.m.free(rid)
+
+    def _compute(self, rid, n):
+        req = self.m._reqs[rid]
         for i in range(req.num_computed // BS, -(-n // BS)):
             b = req.table[i]
             assert self.m.device.state[b] == BlockState.ALLOCATED, f"step writes block {b} that a copy touches"
             assert self.m.device.ref[b] == 1 and self.m.device.key[b] is None, f"step writes shared block {b}"
             self.dev_data[b] = self.content(rid, i, n)
         self.add(self.m.mark_computed(rid, n))
-        if finish:
-            self.m.free(rid)
+
+    @precondition(lambda self: self.m.policy is Policy.WRITE_THROUGH and self.m.host.capacity)
+    @rule(labels=LABELS)
+    def extend_a_block_in_flight(self, labels):
+        """A prompt ending in a fresh block is computed, and its write-through flies; a second
+        prompt, the first and one block more, is computed before it lands: the second request's
+        chain hold (tiering.hold_chain) waits for the first's block to land."""
+        toks = tokens_of(labels, 0) + [800 + BS * self.next_rid + j for j in range(BS)]
+        for prompt in (toks, toks + [700 + j for j in range(BS)]):
+            self._allocate(prompt, 0)
+            rid = self.next_rid - 1
+            if rid not in self.running():
+                return
+            self._compute(rid, len(prompt))
 
     @precondition(lambda self: self.running())
     @rule(data=st.data(), n=st.integers(1, 3))
@@ -259,6 +281,13 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert pool.state[b] == BlockState.IN_FLIGHT, f"plan {plan.plan_id} touches {pool.tier} block {b}"
         if plan.kind is CopyKind.LOAD:
             ok = ok and all(k in self.storage for k in plan.keys)
+        if ok and plan.kind is CopyKind.SWAP_OUT:
+            for k in m.copies.records[plan.plan_id].keys:
+                for holder in m.copies.awaited.get(k, ()):
+                    if type(holder) is tuple:
+                        req, gen = holder
+                        reached("a chain hold joins a parent as it lands" if req.chain_gen == gen
+                                and req.host_chain is not None else "a chain hold let go before its parent landed")
         purpose, rid = self.purpose.pop(plan.plan_id)
         if purpose is not Purpose.CONTROL:
             reached(f"{purpose.name} {'freed during' if rid in self.freed else 'done' if ok else 'failed'}")
@@ -328,6 +357,9 @@ class ManagerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ invariants
     @invariant()
     def integrity(self):
+        if self.m.stats.chain_spills > getattr(self, "spills", 0):
+            self.spills = self.m.stats.chain_spills
+            reached("a running request let go of its chain hold for host room")
         self.m.check_integrity()
 
     @invariant()

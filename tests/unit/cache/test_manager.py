@@ -419,11 +419,15 @@ def test_reset_prefix_cache_drops_the_cached_blocks_of_every_tier_and_keeps_held
     mgr = mk(host=8, policy=WritePolicy.WRITE_THROUGH)
     run_prompt(mgr, 1, toks(1, 2, extra=1))  # 2 keyed blocks, cached on the device and the host
     run_prompt(mgr, 2, toks(3, extra=1), free=False)  # held: keeps its key
-    assert mgr.reset_prefix_cache() == 5  # 2 device + 3 host copies (request 2's block is held on the device only)
+    held = mgr.keys_for(toks(3, extra=1))[0]
+    assert held in mgr.host.lookup
+    # 2 device + 2 host copies: request 2 holds its block on the device and its copy on the host
+    assert mgr.reset_prefix_cache() == 4
     mgr.check_integrity()
     gone, kept = mgr.match(toks(1, 2, extra=1)), mgr.match(toks(3, extra=1))
     assert (gone.device_blocks, gone.host_blocks) == ((), ())
     assert (len(kept.device_blocks), kept.host_blocks) == (1, ())
+    assert held in mgr.host.lookup
 
 
 def test_a_request_waiting_for_room_is_hashed_once_and_gets_the_same_keys(monkeypatch):

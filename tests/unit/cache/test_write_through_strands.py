@@ -45,17 +45,21 @@ def test_a_parent_on_the_host_is_held_while_its_childs_write_through_flies():
 
 
 def parent_evicted_from_the_host(a: list[int]) -> tuple[CacheManager, bytes, bytes]:
-    """Request "a" (blocks P, C) has computed P, whose write-through landed; two more
-    write-throughs then filled the 2-block host tier, the second evicting P there."""
-    m = manager(dev=5, host=2)
-    m.allocate("a", a)
-    (p_copy,) = m.mark_computed("a", 2)
+    """Request "a" (blocks P, C) found P on the device, computed by request "a0" before it; two
+    more write-throughs then filled the 2-block host tier, the second evicting P there. (Once
+    "a" makes a write-through it holds its chain's host copies: P had to go before that.)"""
+    m = manager(dev=4, host=2)
+    m.allocate("a0", a[:2])
+    (p_copy,) = m.mark_computed("a0", 2)
     m.complete(p_copy, True)
+    m.free("a0")
+    assert m.allocate("a", a).num_cached_tokens == 2
     parent, child = m.keys_for(a)
     for rid, toks in (("x", [7, 8]), ("y", [9, 10])):
         m.allocate(rid, toks)
         (copy,) = m.mark_computed(rid, 2)
         m.complete(copy, True)
+        m.free(rid, cache=False)  # its host copy stays, cached; its device block is free again
     assert parent not in m.host.lookup and parent in m.device.lookup
     return m, parent, child
 
@@ -67,8 +71,8 @@ def test_a_parent_whose_host_copy_was_evicted_is_written_back_when_the_device_ev
     m.complete(c_copy, True)
     m.free("a")
     assert child in m.host.lookup
-    assert m.allocate("z", [11, 12, 13]).plans == ()  # the free block and C's (C is on the host)
-    got = m.allocate("w", [14])  # the device's last cached block: P
+    assert m.allocate("z", [11, 12, 13, 14, 15]).plans == ()  # the two free blocks and C's (C is on the host)
+    got = m.allocate("w", [16])  # the device's last cached block: P
     back = [p for p in got.plans if m.copies.records[p.plan_id].purpose is Purpose.WRITE_BACK]
     assert [p.kind for p in back] == [CopyKind.SWAP_OUT] and not got.ready
     assert m.copies.records[back[0].plan_id].keys == [parent]
@@ -80,16 +84,18 @@ def test_a_parent_whose_host_copy_was_evicted_is_written_back_when_the_device_ev
 
 
 def test_a_parent_that_reached_the_host_outside_the_hold_is_queued_behind_its_child():
-    """The landing plan held no parent (P was on neither the host nor its way there when C's copy
-    opened); P's write-back lands first, then C. The host's order is then not the one the
-    plan's unpins and releases make, so the landing refreshes the whole chain: one host
-    eviction takes the leaf C, not P."""
+    """The landing plan held no parent (P was on neither the host nor its way there when its
+    request let go of its blocks and handed the plan a hold of its own); P's write-back lands
+    first, then C. The host's order is then not the one the plan's unpins and releases make, so
+    the landing refreshes the whole chain: one host eviction takes the leaf C, not P."""
     a = [1, 2, 3, 4]
     m, parent, child = parent_evicted_from_the_host(a)
     (c_copy,) = m.mark_computed("a", 4)
-    assert m.copies.records[c_copy.plan_id].held == []
+    rec = m.copies.records[c_copy.plan_id]
+    assert rec.held is None and rec.owner is not None, "the request's own hold covers it"
     m.free("a")
-    got = m.allocate("z", [11, 12, 13])  # evicts P from the device: written back
+    assert rec.held == [] and rec.owner is None
+    got = m.allocate("z", [11, 12, 13, 14, 15])  # the two free blocks, and P from the device: written back
     assert [m.copies.records[p.plan_id].keys for p in got.plans] == [[parent]]
     for p in got.plans:
         m.complete(p, True)
