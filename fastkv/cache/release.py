@@ -11,15 +11,15 @@ from fastkv.cache.write_policy import Tier
 def release_table(st: CacheState, req: CacheRecord, cache: bool) -> None:
     """Release device blocks last to first, so children enter the eviction queue before parents,
     and the host copies of the chain the request held (``tiering.release_chain``)."""
-    release_chain(st, req)
+    host_done = release_chain(st, req, touch=cache)  # its walk refreshed the host copies too
     dev = st.device
-    if cache and not req.dup_pos and not st.touch_host:
+    if cache and not req.dup_pos and (host_done or not st.touch_host):
         dev.release_many(req.table[::-1])
         req.table = []
         return
     dkey, lookup, release, touch = dev.key, dev.lookup, dev.release, dev.touch
     keys, table, nk = req.keys, req.table, req.num_keyed
-    hlookup = st.host.lookup if st.touch_host else None
+    hlookup = st.host.lookup if st.touch_host and not host_done else None
     for i in range(len(table) - 1, -1, -1):
         b = table[i]
         if i < nk and cache:

@@ -209,15 +209,17 @@ def hold_chain(state: CacheState, req: CacheRecord, end: int) -> None:
     req.chain_upto = end
 
 
-def release_chain(state: CacheState, req: CacheRecord) -> None:
+def release_chain(state: CacheState, req: CacheRecord, touch: bool = False) -> bool:
     """The request lets go of its device table, or of this hold alone for host room
     (``make_host_room``; its next block fill holds the chain anew): its write-throughs still in
     flight take the hold on their parents a plan of no request takes (``_hold_parents``), then
     its chain's host copies go back to the eviction queue leaves first (the leaves-first
-    contract of fastkv.cache.eviction). The walk is the chain's length, once per hold."""
+    contract of fastkv.cache.eviction), with ``touch`` its other host copies too (a request's
+    release refreshes them: ``release.release_table``). The walk is the chain's length, once
+    per hold. False: it held nothing, and walked nothing."""
     held = req.host_chain
     if held is None:
-        return
+        return False
     records = state.copies.records
     for pid in req.wt_plans:
         rec = records[pid]
@@ -232,15 +234,19 @@ def release_chain(state: CacheState, req: CacheRecord) -> None:
     host = state.host
     mine = set(held)
     assert len(mine) == len(held), f"request {req.rid!r} holds a host block of its chain twice"
-    hget = host.lookup.get
-    order = []
-    for k in reversed(req.keys):
+    hget, release, refresh = host.lookup.get, host.release, host.touch
+    for k in reversed(req.keys):  # one pass, so that held and cached copies queue in one order
         b = hget(k)
+        if b is None:
+            continue
         if b in mine:
-            order.append(b)
             mine.discard(b)
-    order += mine  # keys that are not the request's any more (none today): any order
-    host.release_many(order)
+            release(b)
+        elif touch:
+            refresh(b)
+    for b in mine:  # keys that are not the request's any more (none today): any order
+        release(b)
+    return True
 
 
 def make_host_room(state: CacheState, n: int, keep: CacheRecord | None = None) -> int:
