@@ -119,12 +119,19 @@ def mixed_workload(path: Path, seed: int = 0) -> Path:
     return write_workload(reqs, path)
 
 
-def run_one(base: JobConfig, label: str, out: Path, entries: dict[str, str]) -> dict:
+def run_config(base: JobConfig, label: str, out: Path) -> JobConfig:
+    """The job of run ``label``: the base settings, its preemption mode and its tiers."""
     mode, host = RUNS[label]
-    cfg = JobConfig(**{**base.__dict__, "preemption": mode, "host_blocks": base.host_blocks if host else 0,
-                       "storage": base.storage if host else "none",
-                       "storage_write": base.storage_write if host else JobConfig.storage_write, "out": str(out)})
-    spec, workload = prepare(cfg)
+    try:
+        return JobConfig(**{**base.__dict__, "preemption": mode, "host_blocks": base.host_blocks if host else 0,
+                            "storage": base.storage if host else "none",
+                            "storage_write": base.storage_write if host else JobConfig.storage_write, "out": str(out)})
+    except ValueError as exc:
+        raise ValueError(f"run {label!r}: {exc}") from None
+
+
+def run_one(base: JobConfig, label: str, out: Path, entries: dict[str, str]) -> dict:
+    spec, workload = prepare(run_config(base, label, out))
     result = Supervisor(spec, workload, entry_points=entries).run()
     if not result.ok:
         raise SystemExit(f"bench_e2e: run {label!r} failed: {result.message}")
@@ -220,6 +227,8 @@ def main() -> int:
                              quick=args.quick or args.smoke,
                              demo=SMOKE_DEMO if args.smoke else {}, workload=workload, runner_options=options)
             num_requests, block_bytes = len(base.requests()), base.layout().block_bytes
+            for label in RUNS:  # each run's own settings too, before any of them runs
+                run_config(base, label, root / label)
         except (ValueError, OSError) as exc:
             raise SystemExit(f"bench_e2e: {exc}") from None
         print(f"{args.workload} workload: {num_requests} requests; {args.runner} runner, tp {args.tp}, "
