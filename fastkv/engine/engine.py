@@ -147,6 +147,9 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         # and host evictions of blocks the storage tier does not hold: what a shared store misses
         "host_copies_skipped": engine.cache.stats.skipped_copies,
         "host_copies_made_late": engine.cache.stats.late_copies,
+        # running requests that let go of their hold on their host copies for a write-back, an
+        # offload or a load (a host tier too small for them: fastkv.cache.tiering.make_host_room)
+        "host_chain_spills": engine.cache.stats.chain_spills,
         "unstored_host_evictions": engine.cache.stats.unstored_host_evictions,
         # what the shared store was asked at admission and what it confirmed (fastkv.engine.lookup)
         "storage_lookup": {} if engine.lookups is None else {
