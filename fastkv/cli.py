@@ -434,7 +434,21 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     return flags
 
 
-def _entries(items: list[str]) -> dict[str, str]:
+def at_least(minimum: float, kind: type = int):
+    """An argparse ``type``: a number of ``kind`` >= ``minimum``, else the usage error naming the
+    flag (scripts/bench_*.py: a count of 0 or -1 read as "the default" or crashed later)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return value
+    return parse
+
+
+def parse_entries(items: list[str]) -> dict[str, str]:
     out = {}
     for item in items:
         role, sep, target = item.partition("=")
@@ -510,9 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cleanup:
             return cleanup(args.run_id)
-        entries = _entries(args.entry)
+        roles = parse_entries(args.entry)
         cfg = JobConfig.from_sources(args.config, _flags(args))
-        if "worker" not in entries:
+        if "worker" not in roles:
             with in_file(args.config):
                 cfg.check_runner_options()
         # Both before anything is written: a live run's directory or namespace is not ours.
@@ -521,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, NotBuilt) as exc:
         _config_error(parser, exc)
     with outdir:  # held until the run is over: a second run on this --out is refused
-        return _prepare_and_run(parser, args, cfg, entries, outdir)
+        return _prepare_and_run(parser, args, cfg, roles, outdir)
 
 
 def _new_run_id(requested: str | None) -> str:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from fastkv.cache.manager import CacheConfig, CacheManager  # noqa: E402
 from fastkv.cache.write_policy import WritePolicy  # noqa: E402
+from fastkv.cli import at_least  # noqa: E402
 from fastkv.demo import TRACE, open_trace  # noqa: E402
 
 BLOCK = 64
@@ -142,16 +143,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="replay the first 1,000 requests only")
     ap.add_argument("--smoke", action="store_true",
                     help="--quick on the first 50 requests, one replay (tests: numbers mean nothing)")
-    ap.add_argument("--requests", type=int, default=None, help="replay the first N requests")
-    ap.add_argument("--repeat", type=int, default=3, help="timed replays of the headline capacity (best is kept: "
-                    "the machine is shared, and a slower run measures the neighbours, not the code)")
+    ap.add_argument("--requests", type=at_least(1), default=None, help="replay the first N requests")
+    ap.add_argument("--repeat", type=at_least(1), default=3,
+                    help="timed replays of the headline capacity (best is kept: the machine is shared, and a "
+                    "slower run measures the neighbours, not the code)")
     ap.add_argument("--capacity", type=int, default=10000, choices=sorted(README_REFERENCE),
                     help="device capacity of the headline figures, in 512-token blocks")
     args = ap.parse_args()
     if args.smoke:
         args.quick, args.requests, args.repeat = True, args.requests or 50, 1
     limit = args.requests or (1000 if args.quick else None)
-    reqs = load_trace(args.trace, limit)
+    try:
+        reqs = load_trace(args.trace, limit)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"bench_cache: --trace: {exc}") from None
     sliced = limit is not None and limit < 12031
     n_blocks = sum(-(-length // BLOCK) for _, length in reqs)
     print(f"trace: {len(reqs)} requests, {sum(L for _, L in reqs):,} prompt tokens, {n_blocks:,} blocks of {BLOCK}")

@@ -65,7 +65,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastkv import report  # noqa: E402
-from fastkv.cli import CACHE_POLICIES, RUNNER_VOCAB, STORAGE_WRITES, JobConfig, prepare  # noqa: E402
+from fastkv.cli import (  # noqa: E402
+    CACHE_POLICIES,
+    RUNNER_VOCAB,
+    STORAGE_WRITES,
+    JobConfig,
+    at_least,
+    parse_entries,
+    prepare,
+)
 from fastkv.demo import read_workload, write_workload  # noqa: E402
 from fastkv.engine.runners.cost_model import (  # noqa: E402
     DEPLOYMENTS,
@@ -191,12 +199,13 @@ def main() -> int:
                    help=f"what reaches the storage tier, in every run with one (default {JobConfig.storage_write})")
     p.add_argument("--cost-model", default=LLAMA3_8B_H100.name, choices=[*DEPLOYMENTS, "flat"],
                    help="the deployment the synthetic runner simulates (flat: 300 us per token)")
-    p.add_argument("--copy-gbps", type=float, default=0.0, help="this machine's copy bandwidth (0: measure it)")
+    p.add_argument("--copy-gbps", type=at_least(0.0, float), default=0.0,
+                   help="this machine's copy bandwidth (0: measure it)")
     p.add_argument("--verify", choices=("all", "resumed", "off"),
                    help="what the synthetic runner checks byte for byte besides its oracle (default: resumed)")
     p.add_argument("--workload", default="demo", help="as fastkv-supervisor's --workload, or mixed (short "
                    "against long contexts)")
-    p.add_argument("--rounds", type=int, default=0,
+    p.add_argument("--rounds", type=at_least(0), default=0,
                    help="rounds of every run, interleaved; each mode reports its fastest run (default 5, --smoke 1)")
     p.add_argument("--out", help="keep each run's output here (default: a temporary directory, removed)")
     p.add_argument("--entry", action="append", default=[], metavar="ROLE=MODULE:FUNC", help="as fastkv-supervisor")
@@ -208,7 +217,10 @@ def main() -> int:
         if getattr(args, name) is None:
             setattr(args, name, value)
     warnings.filterwarnings("ignore", message="No ccache found")
-    entries = dict(e.split("=", 1) for e in args.entry)
+    try:
+        entries = parse_entries(args.entry)
+    except ValueError as exc:
+        p.error(str(exc))
     options: dict = {}
     if modelled:
         gbps = args.copy_gbps or round(measure_copy_bandwidth() / 1e9, 2)

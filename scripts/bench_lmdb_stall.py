@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fastkv.cli import at_least  # noqa: E402
 from fastkv.storage.base import namespace_fingerprint  # noqa: E402
 from fastkv.storage.lmdb_store import LMDBStore  # noqa: E402
 from fastkv.transfer.lanes import GIL_SWITCH_S  # noqa: E402
@@ -118,7 +119,8 @@ def one_round(setting: str, nbytes: int, buf: np.ndarray, shm_name: str) -> tupl
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=64, help="MiB written per round (2 MiB blocks)")
-    p.add_argument("--rounds", type=int, default=0, help="rounds of each setting, in turns (default 5, --smoke 1)")
+    p.add_argument("--rounds", type=at_least(0), default=0,
+                   help="rounds of each setting, in turns (default 5, --smoke 1)")
     p.add_argument("--smoke", action="store_true", help="8 MiB, 1 round (tests: numbers mean nothing)")
     args = p.parse_args()
     if not 2 <= args.mib <= 256 or args.rounds < 0:

@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fastkv.cli import at_least  # noqa: E402
 from fastkv.config import KVLayout  # noqa: E402
 from fastkv.storage import StorageBackend, namespace_fingerprint, open_store  # noqa: E402
 from fastkv.storage.base import HEADER_BYTES, Verdict  # noqa: E402
@@ -92,11 +93,13 @@ def measure(store: StorageBackend, host: np.ndarray, out: np.ndarray, batch: int
         t0 = time.perf_counter()
         for lo in range(0, n, batch):
             ok = store.put(keys[lo:lo + batch], host, range(lo, min(lo + batch, n)))
-            assert all(ok), f"put failed: {store.stats}"
+            if not all(ok):  # the backend could not be used (a server not there, a full disk)
+                raise OSError(f"put failed: {store.stats}")
         t1 = time.perf_counter()
         for lo in range(0, n, batch):
             ok = store.get(keys[lo:lo + batch], out, range(lo, min(lo + batch, n)))
-            assert all(ok), f"get failed: {store.stats}"
+            if not all(ok):
+                raise OSError(f"get failed: {store.stats}")
         t2 = time.perf_counter()
         if r == 0:
             assert np.array_equal(out, host), "loaded blocks differ from the stored ones"
@@ -110,8 +113,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer blocks and rounds (under a minute)")
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="default")
-    ap.add_argument("--blocks", type=int, help="blocks per round (default 128, quick 64)")
-    ap.add_argument("--rounds", type=int, help="rounds per measurement (default 5, quick 3)")
+    ap.add_argument("--blocks", type=at_least(1), help="blocks per round (default 128, quick 64)")
+    ap.add_argument("--rounds", type=at_least(1), help="rounds per measurement (default 5, quick 3)")
     ap.add_argument("--redis-url", help="use this server instead of starting one")
     ap.add_argument("--backends", default="lmdb,redis", help=f"comma-separated: {','.join(BACKENDS)}")
     ap.add_argument("--tmpdir", help="where the LMDB environment goes (default: the system temp dir)")
@@ -134,7 +137,10 @@ def main() -> None:
     host = rng.integers(0, 1 << 16, size=layout.host_shape(blocks), dtype=np.uint16)
     out = np.zeros_like(host)
     namespace = namespace_fingerprint("bench", layout.describe())
-    workdir = tempfile.mkdtemp(prefix="fkv-bench-storage-", dir=args.tmpdir)
+    try:
+        workdir = tempfile.mkdtemp(prefix="fkv-bench-storage-", dir=args.tmpdir)
+    except OSError as exc:
+        raise SystemExit(f"bench_storage: --tmpdir: {exc}") from None
     server: LocalRedis | None = None
     results: dict[tuple[str, int], tuple[float, float]] = {}
     try:
@@ -151,11 +157,15 @@ def main() -> None:
                     server.start()
                     args.redis_url = server.url
                 url = f"{args.redis_url}{'&' if '?' in args.redis_url else '?'}timeout=10"
-            store = (RedisPyStore(args.redis_url, namespace, timeout=10) if backend == "redis-py"
-                     else open_store(url, namespace))
-            with store:
-                for batch in BATCHES:
-                    results[backend, batch] = measure(store, host, out, batch, rounds)
+            try:
+                store = (RedisPyStore(args.redis_url, namespace, timeout=10) if backend == "redis-py"
+                         else open_store(url, namespace))
+                with store:
+                    for batch in BATCHES:
+                        results[backend, batch] = measure(store, host, out, batch, rounds)
+            except OSError as exc:
+                where = args.redis_url if backend.startswith("redis") else url
+                raise SystemExit(f"bench_storage: backend {backend} at {where!r}: {exc}") from None
     finally:
         if server is not None:
             server.kill()

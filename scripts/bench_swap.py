@@ -47,6 +47,7 @@ from bench_ipc import kv_msg  # scripts/ is on the path of a script run from it
 
 from fastkv import ops
 from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cli import at_least
 from fastkv.config import KVLayout
 from fastkv.ipc import Channel, ChannelClosed, DoneMsg, Namespace, PeerDied
 from fastkv.run import RunSpec, attach_engine, create_run
@@ -367,9 +368,10 @@ def lane_p99(layout: KVLayout, reps: int, store_bytes: int = 64 << 20, bytes_per
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (well under a minute)")
-    parser.add_argument("--blocks", type=int, default=256)
-    parser.add_argument("--reps", type=int, default=None, help="default 20, --quick 8")
-    parser.add_argument("--rtt-reps", type=int, default=None, help="task round trips; default 3000, --quick 500")
+    parser.add_argument("--blocks", type=at_least(1), default=256)
+    parser.add_argument("--reps", type=at_least(1), default=None, help="default 20, --quick 8")
+    parser.add_argument("--rtt-reps", type=at_least(1), default=None,
+                        help="task round trips; default 3000, --quick 500")
     parser.add_argument("--smoke", action="store_true",
                     help="8 blocks, 1 rep, 20 round trips (tests: numbers mean nothing)")
     args = parser.parse_args()
