@@ -387,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", help="KV dtype (default float32)")
     a("--device-blocks", type=int, help=f"device tier capacity in blocks per rank (default {DEMO_DEVICE_BLOCKS}; "
       "a trace or a workload file defaults to room for its longest request, up to 1 GiB per rank)")
-    a("--host-blocks", type=int, help="host tier capacity in blocks per rank, 0 = none (default 1024)")
+    a("--host-blocks", type=int, help="host tier capacity in blocks per rank, 0 = none (default 1024); under "
+      "write-through, running requests hold their host copies: give it more blocks than the device tier")
     a("--storage", help="storage URL (lmdb://DIR, redis://HOST:PORT), 'none', or 'default' = lmdb://<out>/store")
     a("--preemption", choices=PREEMPTION_MODES, help="what preempting a request does (default offload)")
     a("--cache-policy", choices=CACHE_POLICIES, help="when blocks are copied to the host tier (default write_through)")
