@@ -237,9 +237,7 @@ class CacheManager:
         joins: list[tuple[int, int]] = []
         if sto_keys:  # join LOADs in flight; stage the others in host blocks, what finds no room is recomputed
             joins, sto_keys = split_loads(self.state, sto_keys)
-            hstate = host.state
-            make_host_room(self.state, len(sto_keys) + sum(1 for b in host_hits if hstate[b] == _CACHED))
-            room = host.num_available - sum(1 for b in host_hits if hstate[b] == _CACHED)
+            room = make_host_room(self.state, len(sto_keys), host_hits)
             del sto_keys[max(room, 0):]
         nj, ns = len(joins), len(sto_keys)
 

@@ -45,10 +45,7 @@ def offload(state: CacheState, request_id: object, to_storage: bool = False) -> 
     host_table, n_full = _host_copies(state, req)
     n_blocks = len(host_table)
     copy = [i for i in range(n_blocks) if host_table[i] < 0]
-    make_host_room(state, len(copy) + sum(1 for hb in host_table if hb >= 0 and host.state[hb] == _CACHED), req)
-    # counted again: a copy another request's hold let go of (make_host_room) is cached now
-    cached = sum(1 for hb in host_table if hb >= 0 and host.state[hb] == _CACHED)
-    if host.num_available - cached < len(copy):
+    if make_host_room(state, len(copy), [hb for hb in host_table if hb >= 0], keep=req) < len(copy):
         return None
     for hb in host_table:
         if hb >= 0:

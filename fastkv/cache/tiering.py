@@ -7,12 +7,17 @@ only opens plans (pinning their blocks); completions.py settles them.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fastkv.cache.copies import Purpose
 from fastkv.cache.index import Cause
 from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import CacheRecord
 from fastkv.cache.state import CacheState
 from fastkv.cache.write_policy import Tier
+
+_CACHED = int(BlockState.CACHED)
 
 
 def take_device(state: CacheState, n: int, owner: CacheRecord) -> tuple[list[int], CopyPlan | None]:
@@ -46,7 +51,7 @@ def take_device(state: CacheState, n: int, owner: CacheRecord) -> tuple[list[int
             state.gone(k, Tier.DEVICE, Cause.EVICTED)
     if not src:
         return blocks, None
-    make_host_room(state, len(src), owner)
+    make_host_room(state, len(src), keep=owner)
     dst = take_host(state, len(src), pinned=True, partial=True)
     for k in keys[len(dst):]:
         state.stats.skipped_copies += 1
@@ -249,25 +254,31 @@ def release_chain(state: CacheState, req: CacheRecord, touch: bool = False) -> b
     return True
 
 
-def make_host_room(state: CacheState, n: int, keep: CacheRecord | None = None) -> int:
-    """Host blocks available now, after running requests (not ``keep``) let go of their chain
-    holds, the least recently extended first, until ``n`` are or none holds one: a write-back,
-    an offload or a storage hit's staging block may evict their copies, which then queue at
-    the young end, leaves first, as a write-through's refresh of its chain used to leave them.
-    A write-through does not make room so: with the host full of running requests' copies,
-    taking one's would only lose it a copy another needs as much (the copy is made later, or
-    written back), and each such request would walk its chain again to hold it anew."""
-    host, holders = state.host, state.chain_holders
-    while host.num_available < n and holders:
-        rid, req = next(iter(holders.items()))
-        if req is keep:
-            if len(holders) == 1:
+def make_host_room(state: CacheState, n: int, holding: Sequence[int] = (), keep: CacheRecord | None = None) -> int:
+    """Host blocks a take of ``n`` can have once the caller holds ``holding`` (its cached ones
+    leave the eviction queue then): available blocks less those. Short of ``n``, running requests
+    (not ``keep``) let go of their chain holds first, the least recently extended first, until
+    it is not: a write-back, an offload or a storage hit's staging block may evict their
+    copies, which then queue at the young end, leaves first, as a write-through's refresh of its
+    chain used to leave them. A write-through does not make room so: with the host full of
+    running requests' copies, taking one's would only lose it a copy another needs as much (the
+    copy is made later, or written back), and each such request would walk its chain again to
+    hold it anew."""
+    host = state.host
+    hstate = host.state
+
+    def room() -> int:
+        return host.num_available - sum(1 for b in holding if hstate[b] == _CACHED)
+
+    left = room()
+    if left < n:
+        for req in [r for r in state.chain_holders.values() if r is not keep]:
+            release_chain(state, req)
+            state.stats.chain_spills += 1
+            left = room()
+            if left >= n:
                 break
-            holders.move_to_end(rid)
-            continue
-        release_chain(state, req)
-        state.stats.chain_spills += 1
-    return host.num_available
+    return left
 
 
 def count_hits(state: CacheState, req: CacheRecord, nd: int) -> list[CopyPlan]:
