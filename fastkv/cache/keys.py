@@ -122,7 +122,12 @@ class ExtraKeys:
 
 
 def root_key(ns: KeyNamespace, extra: ExtraKeys | None = None) -> bytes:
-    data = ns.fingerprint + (extra.root_bytes() if extra is not None else b"")
+    return root_of(ns.fingerprint, extra)
+
+
+def root_of(fingerprint: bytes, extra: ExtraKeys | None = None) -> bytes:
+    """The root of a chain from a namespace's fingerprint alone (what a router may know)."""
+    data = fingerprint + (extra.root_bytes() if extra is not None else b"")
     return blake3(data, derive_key_context=_ROOT_CTX).digest()
 
 

@@ -43,6 +43,7 @@ from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.cache.pool import BlockState
 from fastkv.cache.release import release_host_refs, release_table
 from fastkv.cache.requests import CacheRecord, ReqState
+from fastkv.cache.residency import ResidencyLog, watch
 from fastkv.cache.results import Allocation, Completion, Growth, PreemptionWork
 from fastkv.cache.state import CacheConfig, CacheState
 from fastkv.cache.storage_writes import deferred, partial_resume_key
@@ -92,7 +93,11 @@ class CacheManager:
     def keys_for(self, tokens: object, extra: ExtraKeys | None = None) -> list[bytes]:
         """Chained keys of the full blocks of ``tokens`` under the current namespace."""
         root, extras = self._chain(extra)
-        return block_keys(as_tokens(tokens), self.block_size, root, 0, extras)
+        toks = as_tokens(tokens)
+        keys = block_keys(toks, self.block_size, root, 0, extras)
+        if self.state.residency is not None:
+            self.state.residency.register(keys, toks.tobytes(), self.block_size)
+        return keys
 
     def _keys_of_waiting(self, request_id: object, toks: np.ndarray, root: bytes,
                          extras: dict[int, bytes] | None) -> list[bytes]:
@@ -106,6 +111,8 @@ class CacheManager:
             self._waiting_keys.move_to_end(request_id)
             return list(memo[3])
         keys = block_keys(toks, self.block_size, root, 0, extras)
+        if self.state.residency is not None:
+            self.state.residency.register(keys, data, self.block_size)
         self._waiting_keys[request_id] = (root, extras, data, keys)
         self._waiting_keys.move_to_end(request_id)
         while len(self._waiting_keys) > WAITING_KEYS:
@@ -352,7 +359,10 @@ class CacheManager:
             extras = req.extras
             if extras:
                 extras = {i - len(req.keys): e for i, e in extras.items() if i >= len(req.keys)}
-            req.keys += block_keys(chunk, bs, parent, 0, extras)
+            new_keys = block_keys(chunk, bs, parent, 0, extras)
+            if self.state.residency is not None:
+                self.state.residency.register(new_keys, chunk.tobytes(), bs, 0, req.keys[-1] if req.keys else None)
+            req.keys += new_keys
             req.last_block = tail[(full - 1) * bs:full * bs]
             del tail[:full * bs]
         return Growth(tuple(new), plans, req.pending == 0)
@@ -450,6 +460,8 @@ class CacheManager:
         self.index.gone_many(self.index.stored, Tier.STORAGE, Cause.RESET)
         dropped += len(self.index.stored)
         self.index.stored.clear()
+        if self.state.residency is not None:
+            self.state.residency.cleared()
         return dropped
 
     # ================================================================== weight updates
@@ -467,6 +479,8 @@ class CacheManager:
             raise ValueError("weight update already in progress")
         for k in self.index.clear():
             self.index.gone(k, Tier.DEVICE, Cause.WEIGHT_UPDATE)
+        if self.state.residency is not None:
+            self.state.residency.cleared()
         self.state.hits.clear()
         self.state.skipped_through.clear()
         self.state.retired.append(self.namespace)
@@ -486,6 +500,11 @@ class CacheManager:
         self.state.paused = False
         # the transfer processes reopen storage under this version's namespace (keys[0])
         return self.copies.open(CopyKind.RESTORE, Purpose.CONTROL, keys=[version.encode()])
+
+    # ================================================================== KV events
+    def watch_residency(self, log: ResidencyLog) -> ResidencyLog:
+        """Report every key each tier gains or loses to ``log`` (fastkv.cache.residency)."""
+        return watch(self.state, log)
 
     # ================================================================== diagnostics
     def explain_miss(self, tokens: object, extra: ExtraKeys | None = None) -> MissExplanation:

@@ -98,6 +98,7 @@ class CacheState:
         self.write_back = ((config.policy.copies_on_evict or config.policy.copies_on_insert)
                            and config.num_host_blocks > 0)
         self.touch_host = config.policy.host_inclusive and config.num_host_blocks > 0
+        self.residency = None  # a fastkv.cache.residency.ResidencyLog while KV events are on
 
     def get(self, request_id: object, *states: ReqState) -> CacheRecord:
         req = self.reqs.get(request_id)

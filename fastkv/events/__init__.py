@@ -1,0 +1,83 @@
+"""KV events: every tier's block changes, published in the format KV-aware routers read.
+
+``KVEvents.attach(cache, config)`` makes the cache's residency maps report their changes
+(fastkv.cache.residency) and ``flush()``, once per engine step, publishes the step's net changes
+as one ``EventBatch`` (fastkv.events.schema) on a ZMQ PUB socket (fastkv.events.publisher).
+pyzmq and msgspec are the ``events`` extra: ``pip install 'fastkv[events]'``.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from fastkv.cache.residency import Change, ResidencyLog
+from fastkv.events.publisher import EventsConfig
+
+__all__ = ["EventsConfig", "KVEvents", "build_events"]
+
+
+def build_events(clears: int, changes: list[Change], block_size: int, schema: dict[str, type]) -> list:
+    """The events of one batch: AllBlocksCleared first, then per tier the removals and the
+    stores, consecutive blocks of one chain in one BlockStored (as vLLM groups a request's)."""
+    from fastkv.events.schema import MEDIUM
+
+    stored_cls, removed_cls = schema["BlockStored"], schema["BlockRemoved"]
+    events: list = [schema["AllBlocksCleared"]()] if clears else []
+    for ch in changes:
+        medium = MEDIUM[ch.tier]
+        if ch.removed:
+            events.append(removed_cls(ch.removed, medium))
+        run: list[bytes] = []
+        toks: list[bytes] = []
+        parent = None
+        for k, info in ch.stored:
+            if run and info.parent != run[-1]:
+                events.append(stored_cls(run, parent, np.frombuffer(b"".join(toks), np.int32).tolist(),
+                                         block_size, None, medium))
+                run, toks = [], []
+            if not run:
+                parent = info.parent
+            run.append(k)
+            toks.append(info.tokens)
+        if run:
+            events.append(stored_cls(run, parent, np.frombuffer(b"".join(toks), np.int32).tolist(),
+                                     block_size, None, medium))
+    return events
+
+
+class KVEvents:
+    """One engine's event source: its cache's residency log and a publisher."""
+
+    def __init__(self, cache, config: EventsConfig, publisher=None) -> None:
+        from fastkv.events.publisher import ZmqPublisher
+        from fastkv.events.schema import schema
+
+        self.config = config
+        self.block_size = cache.block_size
+        self.log = cache.watch_residency(ResidencyLog())
+        self.schema = schema(config.encoding)
+        self.publisher = publisher if publisher is not None else ZmqPublisher(config)
+        self.events = 0
+
+    @classmethod
+    def attach(cls, cache, config: EventsConfig) -> KVEvents | None:
+        """Events for ``cache`` when ``config`` has an endpoint, else None (off)."""
+        return cls(cache, config) if config.enabled else None
+
+    def flush(self) -> int | None:
+        """Publish the changes since the last flush as one batch (none when nothing changed);
+        returns its sequence number."""
+        clears, changes = self.log.take()
+        if not clears and not changes:
+            return None
+        events = build_events(clears, changes, self.block_size, self.schema)
+        self.events += len(events)
+        return self.publisher.publish(self.schema["EventBatch"](time.time(), events, self.config.data_parallel_rank))
+
+    def stats(self) -> dict[str, int]:
+        return {**self.publisher.stats(), "events": self.events}
+
+    def close(self) -> None:
+        self.flush()
+        self.publisher.close()
