@@ -73,7 +73,10 @@ def _binds(endpoint: str) -> bool:
 
 
 class ZmqPublisher:
-    def __init__(self, config: EventsConfig) -> None:
+    """``start=False`` leaves the publisher thread unstarted until ``start()``: batches queue
+    up to ``hwm`` and the rest are dropped (what a stalled thread looks like to the engine)."""
+
+    def __init__(self, config: EventsConfig, start: bool = True) -> None:
         self.config = config
         self.ctx = zmq.Context()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -103,6 +106,10 @@ class ZmqPublisher:
             raise ValueError(f"kv events: cannot open {config.endpoint!r} / {config.replay_endpoint!r}: {exc}") \
                 from None
         self._thread = threading.Thread(target=self._loop, name="fastkv-kv-events", daemon=True)
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
         self._thread.start()
 
     def publish(self, batch: object) -> int:

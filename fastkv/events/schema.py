@@ -19,7 +19,6 @@ byte hash to the uint64 of its last 8 bytes, big-endian). ``parent_block_hash`` 
 the first block of a chain. ``medium`` names the tier: "GPU", "CPU", "DISK" (vLLM's
 ``MEDIUM_GPU`` and its CPU offloading medium; llm-d lowercases it into a device tier).
 """
-from __future__ import annotations
 
 from typing import Any
 

@@ -1,0 +1,183 @@
+"""The wire format, decoded by a decoder written from the public schema (vLLM's
+vllm/distributed/kv_events.py, llm-d's pkg/kvcache/kvevents/events.go), in both encodings;
+the router's keys; and a publisher whose thread is stalled (bounded memory, drops counted,
+holes replayed)."""
+
+import subprocess
+import sys
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from fastkv.cache.keys import ExtraKeys, block_keys, root_key
+from fastkv.cache.manager import CacheConfig, CacheManager
+from fastkv.config import KVLayout
+from fastkv.events import EventsConfig
+from fastkv.events.publisher import ZmqPublisher
+from fastkv.routing import block_hashes, namespace_for
+from fastkv.routing.indexer import Indexer
+from tests.events.demo_rig import engine_index, run_demo
+
+
+# --------------------------------------------------------------- the public schema, written out
+def public_schema(array_like: bool):
+    opts = {"array_like": array_like, "omit_defaults": True}
+
+    class BlockStored(msgspec.Struct, tag=True, **opts):
+        block_hashes: list[bytes | int]
+        parent_block_hash: bytes | int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None = None
+        medium: str | None = None
+        lora_name: str | None = None
+
+    class BlockRemoved(msgspec.Struct, tag=True, **opts):
+        block_hashes: list[bytes | int]
+        medium: str | None = None
+
+    class AllBlocksCleared(msgspec.Struct, tag=True, **opts):
+        pass
+
+    class EventBatch(msgspec.Struct, **opts):
+        ts: float
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+        data_parallel_rank: int | None = None
+
+    return EventBatch, BlockStored, BlockRemoved, AllBlocksCleared
+
+
+@pytest.mark.parametrize("encoding", ["array", "map"])
+def test_every_batch_decodes_with_the_public_schema_and_rebuilds_the_engine_index(tmp_path, encoding):
+    cfg = EventsConfig(endpoint=f"ipc://{tmp_path}/pub", topic="kv@pod-a@model", encoding=encoding,
+                       buffer_steps=100_000)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.rcvhwm = 0
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(cfg.endpoint)
+    frames: list[list[bytes]] = []
+
+    def on_step(step, rig, ev):
+        while sub.poll(0):
+            frames.append(sub.recv_multipart())
+
+    rig, ev = run_demo(cfg, on_step)
+    try:
+        ev.publisher.close()
+        while sub.poll(200):
+            frames.append(sub.recv_multipart())
+        EventBatch, BlockStored, BlockRemoved, AllBlocksCleared = public_schema(encoding == "array")
+        decode = msgspec.msgpack.Decoder(EventBatch).decode
+        held: dict[str, set] = {}
+        buffered = list(ev.publisher.buffer)
+        assert [s for s, _ in buffered] == list(range(len(buffered)))  # no holes on the engine's side
+        live = {int.from_bytes(f[1], "big"): f for f in frames}
+        assert live, "no live message arrived"
+        for seq, payload in buffered:
+            if seq in live:  # what went out live is byte for byte the buffered batch
+                topic, seq8, body = live[seq]
+                assert topic == b"kv@pod-a@model" and len(seq8) == 8 and body == payload
+            batch = decode(payload)
+            assert batch.data_parallel_rank == 0 and batch.ts > 0
+            for e in batch.events:
+                if isinstance(e, AllBlocksCleared):
+                    held.clear()
+                elif isinstance(e, BlockStored):
+                    assert e.block_size == 16 and len(e.token_ids) == 16 * len(e.block_hashes)
+                    assert all(len(h) == 32 for h in e.block_hashes) and e.medium in ("GPU", "CPU", "DISK")
+                    held.setdefault(e.medium, set()).update(e.block_hashes)
+                else:
+                    assert isinstance(e, BlockRemoved)
+                    held.setdefault(e.medium, set()).difference_update(e.block_hashes)
+        assert {m: held.get(m, set()) for m in ("GPU", "CPU", "DISK")} == engine_index(rig)
+        if encoding == "array":  # llm-d reads each event as an array with its tag first
+            raw = msgspec.msgpack.decode(buffered[1][1])
+            assert isinstance(raw, list) and raw[1][0][0] in ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+    finally:
+        ev.close()
+        ctx.destroy(linger=0)
+
+
+def test_block_stored_carries_the_chain_a_router_recomputes(tmp_path):
+    """Each BlockStored's hashes are the keys of its token ids chained from its parent."""
+    cfg = EventsConfig(endpoint=f"ipc://{tmp_path}/pub", buffer_steps=100_000)
+    rig, ev = run_demo(cfg)
+    try:
+        EventBatch, BlockStored, *_ = public_schema(True)
+        decode = msgspec.msgpack.Decoder(EventBatch).decode
+        root = rig.sched.cache.state.root
+        roots = {root} | {root_key(ns) for ns in rig.sched.cache.state.retired}
+        checked = 0
+        for _, payload in ev.publisher.buffer:
+            for e in decode(payload).events:
+                if isinstance(e, BlockStored):
+                    toks = np.asarray(e.token_ids, np.int32)
+                    parents = [e.parent_block_hash] if e.parent_block_hash is not None else list(roots)
+                    assert any(block_keys(toks, 16, p) == e.block_hashes for p in parents)
+                    checked += 1
+        assert checked > 50
+    finally:
+        ev.close()
+
+
+# --------------------------------------------------------------- router keys
+def test_router_keys_are_the_engines_keys():
+    layout = KVLayout(num_layers=2, kv_heads=2, block_size=8, head_dim=8, dtype="bfloat16", tp_size=1)
+    cache = CacheManager(CacheConfig(num_device_blocks=8, block_size=8, layout=layout, model_id="m",
+                                     weights_version="w3"))
+    ns = namespace_for("m", "w3", layout)
+    assert ns == cache.namespace and ns.fingerprint == cache.namespace.fingerprint
+    rng = np.random.default_rng(0)
+    for n in (0, 7, 8, 9, 64, 100):
+        toks = rng.integers(0, 50_000, n).tolist()
+        want = cache.keys_for(toks)
+        assert block_hashes(toks, ns, 8) == want == block_hashes(np.asarray(toks, np.int64), ns.fingerprint, 8)
+        assert len(want) == n // 8
+        extra = ExtraKeys(lora_id=3, mm=((2, 12, b"img"),))
+        assert block_hashes(toks, ns, 8, extra) == cache.keys_for(toks, extra)
+        if want:
+            assert block_hashes(toks, ns, 8, extra) != want
+    other = namespace_for("m", "w4", layout)
+    assert block_hashes(list(range(16)), other, 8) != block_hashes(list(range(16)), ns, 8)
+    with pytest.raises(ValueError, match="block_size"):
+        block_hashes([1, 2], ns, 4)
+    with pytest.raises(ValueError, match="fingerprint"):
+        block_hashes([1, 2], b"short", 4)
+
+
+def test_routing_imports_neither_paddle_nor_the_engine():
+    code = ("import sys, fastkv.routing, fastkv.routing.indexer; "
+            "bad = [m for m in sys.modules if m.startswith(('paddle', 'fastkv.engine', 'fastkv.sched'))]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --------------------------------------------------------------- a stalled publisher thread
+def test_a_stalled_publisher_drops_counted_batches_within_bounded_memory_and_replay_fills_the_holes(tmp_path):
+    cfg = EventsConfig(endpoint=f"ipc://{tmp_path}/pub", replay_endpoint=f"ipc://{tmp_path}/replay",
+                       hwm=8, buffer_steps=500)
+    EventBatch, BlockStored, *_ = public_schema(True)
+    pub = ZmqPublisher(cfg, start=False)
+    idx = Indexer()
+    try:
+        view = idx.add("e", cfg.endpoint, cfg.replay_endpoint)
+        t0 = time.perf_counter()
+        for i in range(2000):
+            pub.publish(EventBatch(0.0, [BlockStored([i.to_bytes(32, "big")], None, [0] * 4, 4, None, "GPU")]))
+        per_batch = (time.perf_counter() - t0) / 2000
+        assert per_batch < 1e-3, f"publish waited: {per_batch * 1e6:.0f} us per batch"
+        assert len(pub.buffer) == 500  # memory: the replay buffer is bounded
+        assert 2000 - 2 * 8 - 2 <= pub.dropped < 2000, pub.dropped
+        pub.start()
+        idx.poll(2.0)  # the queued batches: seq 0..~16, then nothing
+        idx.sync()  # replay: 1500..1999 are still buffered, the rest are lost for good
+        assert view.next_seq == 2000 and view.lost > 0 and view.lost + view.batches == 2000
+        assert view.held["GPU"] >= {i.to_bytes(32, "big") for i in range(1500, 2000)}
+        assert pub.stats()["dropped"] == pub.dropped
+    finally:
+        pub.close()
+        idx.close()
