@@ -94,6 +94,11 @@ class JobConfig:
     swap_space: float = 0.0
     num_cpu_blocks: int = 0
     kvcache_storage_backend: str = ""
+    # KV events for KV-aware routers (fastkv.events): off without an endpoint
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = ""  # default kv@<run id>@<model id>, the topic llm-d's subscriber parses
+    kv_events_buffer: int = 10_000  # batches kept for replay
     runner_options: dict[str, Any] = field(default_factory=dict)
     scheduler: dict[str, Any] = field(default_factory=dict)
     demo: dict[str, Any] = field(default_factory=dict)  # ConversationConfig fields
@@ -337,7 +342,17 @@ class JobConfig:
             free_memory_on_update=self.free_memory_on_update, enable_prefix_caching=self.enable_prefix_caching,
             role=self.role, handoff=str(Path(self.handoff).resolve()) if self.handoff else "",
             device_ids=tuple(int(d) for d in self.device_ids.split(",") if d.strip()),
+            kv_events=self.kv_events(),
         )
+
+    def kv_events(self) -> dict[str, Any]:
+        if not (self.kv_events_endpoint or self.kv_events_replay_endpoint):
+            return {}
+        out: dict[str, Any] = {"endpoint": self.kv_events_endpoint, "replay_endpoint": self.kv_events_replay_endpoint,
+                               "buffer_steps": self.kv_events_buffer}
+        if self.kv_events_topic:
+            out["topic"] = self.kv_events_topic
+        return out
 
 
 class TableError(ValueError):
@@ -418,6 +433,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--swap-space", type=float, metavar="GIB", help="FastDeploy's name: host tier in GiB per rank")
     a("--num-cpu-blocks", type=int, help="FastDeploy's name: host tier in blocks per rank")
     a("--kvcache-storage-backend", metavar="URL", help="FastDeploy's name: the storage tier (as --storage)")
+    a("--kv-events-endpoint", metavar="URL", help="publish KV events for routers on this ZMQ PUB address "
+      "(tcp://*:5557 binds, tcp://HOST:PORT connects; default off)")
+    a("--kv-events-replay-endpoint", metavar="URL", help="ZMQ ROUTER address that replays missed KV event batches")
+    a("--kv-events-topic", help="KV events topic (default kv@<run id>@<model id>)")
+    a("--kv-events-buffer", type=int, metavar="N", help="KV event batches kept for replay (default 10000)")
     a("--run-id", help="name of the run's shared-memory namespace (default: random)")
     a("--entry", action="append", default=[], metavar="ROLE=MODULE:FUNC",
       help="replace a process's entry point (roles: engine, worker, transfer), e.g. your own worker")

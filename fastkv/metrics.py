@@ -57,6 +57,7 @@ class EngineMetrics:
         self.copy_tasks: dict[str, int] = {}  # finished ok, by kind
         self.copy_busy_s = 0.0
         self._server: Any = None
+        self.events: Any = None  # fastkv.events.KVEvents while KV events are on
 
     # -- hot path ----------------------------------------------------------------------
     def observe_step(self, seconds: float, sampled: int) -> None:
@@ -160,6 +161,13 @@ class _SchedulerCollector:
         bw = GaugeMetricFamily("fastkv_copy_bandwidth_bytes_per_second", "Copy bandwidth over all finished tasks")
         bw.add_metric([], m.copy_gbps() * 1e9)
         yield bw
+        if m.events is not None:
+            ev = m.events.stats()
+            batches = CounterMetricFamily("fastkv_kv_event_batches", "KV event batches: published, and dropped "
+                                          "from the live stream (the publisher thread was behind)", labels=["outcome"])
+            batches.add_metric(["published"], ev["batches"])
+            batches.add_metric(["dropped"], ev["dropped"])
+            yield batches
         reqs = GaugeMetricFamily("fastkv_requests", "Unfinished requests by state", labels=["state"])
         for state, n in s.counts().items():
             reqs.add_metric([state], n)

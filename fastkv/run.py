@@ -67,6 +67,7 @@ class RunSpec:
     nslots: int = 4096
     out_dir: str = "fastkv-out"
     metrics_port: int = 0  # the engine's Prometheus endpoint; 0 = off
+    kv_events: dict[str, Any] = field(default_factory=dict)  # fastkv.events.EventsConfig fields; no endpoint = off
 
     def __post_init__(self) -> None:
         if self.num_device_blocks <= 0 or self.num_host_blocks < 0:
@@ -78,12 +79,33 @@ class RunSpec:
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"RunSpec: metrics_port must be in [0, 65536), got {self.metrics_port}")
         object.__setattr__(self, "update_weights_at", tuple(self.update_weights_at))
+        self.events_config()
         object.__setattr__(self, "device_ids", tuple(self.device_ids))
         if self.device_ids and (len(self.device_ids) != self.tp_size or len(set(self.device_ids)) != self.tp_size
                                 or min(self.device_ids) < 0):
             raise ValueError(f"RunSpec: device_ids must name {self.tp_size} distinct devices >= 0, "
                              f"got {list(self.device_ids)}")
         self.weight_updates()
+
+    def events_config(self):
+        """The KV event settings (fastkv.events), topic ``kv@<run id>@<model id>`` unless given;
+        None when off. ValueError naming a bad or unknown setting, or the missing extra."""
+        if not self.kv_events:
+            return None
+        from fastkv.events.config import EventsConfig
+
+        try:
+            cfg = EventsConfig(**{"topic": f"kv@{self.run_id}@{self.model_id}", **self.kv_events})
+        except TypeError:
+            known = sorted(EventsConfig.__dataclass_fields__)
+            raise ValueError(f"RunSpec.kv_events: unknown setting in {sorted(self.kv_events)}; "
+                             f"known: {known}") from None
+        if not cfg.enabled:
+            return None
+        missing = cfg.missing_modules()
+        if missing:
+            raise ValueError(missing)
+        return cfg
 
     def device_id(self, rank: int) -> int:
         """The accelerator rank ``rank`` of this node uses: ``device_ids[rank]``, else ``rank``. An

@@ -140,6 +140,12 @@ class Engine:
             from fastkv.transfer.client import TransferClient as client_factory
         self.transfer = client_factory(ends, spec)
         self.metrics = EngineMetrics(self.sched)
+        self.events = None  # KV events for routers (fastkv.events), published once per step
+        events = spec.events_config()
+        if events is not None:
+            from fastkv.events import KVEvents
+
+            self.events = self.metrics.events = KVEvents(self.cache, events)
         # with a storage tier, new requests first ask it what it holds (fastkv.engine.lookup)
         self.lookups = None
         if spec.storage_url:  # a LOOKUP's keys take at most a quarter of the task ring
@@ -343,6 +349,8 @@ class Engine:
         elif self.sched.requests and not out.copies and not out.finished:
             self._idle += 1
             assert self._idle < _STALL_STEPS, f"scheduler stalled with no copy in flight: {self.sched.counts()}"
+        if self.events is not None:
+            self.events.flush()
         if self.check:
             self.sched.check_integrity()
             self.cache.check_integrity()
@@ -394,7 +402,10 @@ class Engine:
         """Drop every cached block, in every tier, that no request holds (vLLM's call):
         later requests miss until the cache fills again. Running and preempted requests keep
         their KV. Returns the number of blocks dropped."""
-        return self.cache.reset_prefix_cache()
+        dropped = self.cache.reset_prefix_cache()
+        if self.events is not None:
+            self.events.flush()
+        return dropped
 
     def wait_until_ready(self, timeout: float = 300.0) -> None:
         """Block until the run can serve: an empty plan (step 0) went through the workers
@@ -543,6 +554,8 @@ class Engine:
         """Close this engine's channel ends (workers and transfer processes see a clean
         shutdown) and the metrics endpoint. The supervisor unlinks the objects."""
         self.metrics.close()
+        if self.events is not None:
+            self.events.close()
         self.ends.close()
         if self._ns is not None:
             self._ns.close()

@@ -166,6 +166,11 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         # memory the weight updates gave back (free_memory_on_update), measured as each tier's resident bytes
         "released_bytes": {"device": sum(sig[f"worker{r}.released_bytes"] for r in ranks),
                            "host": sum(sig[f"transfer{r}.released_bytes"] for r in ranks)},
+        # KV events (fastkv.events): batches, those dropped from the live stream, replays served;
+        # the namespace fingerprint a router derives block keys from (fastkv.routing.block_hashes)
+        "kv_events": {} if engine.events is None else {
+            **engine.events.stats(), "namespace": engine.cache.namespace.fingerprint.hex(),
+            "resident": engine.events.resident_counts()},
         "timeline": timeline,
     }
 

@@ -12,7 +12,8 @@ import time
 import numpy as np
 
 from fastkv.cache.residency import Change, ResidencyLog
-from fastkv.events.publisher import EventsConfig
+from fastkv.cache.write_policy import Tier
+from fastkv.events.config import EventsConfig
 
 __all__ = ["EventsConfig", "KVEvents", "build_events"]
 
@@ -74,6 +75,12 @@ class KVEvents:
         events = build_events(clears, changes, self.block_size, self.schema)
         self.events += len(events)
         return self.publisher.publish(self.schema["EventBatch"](time.time(), events, self.config.data_parallel_rank))
+
+    def resident_counts(self) -> dict[str, int]:
+        """Keys per medium a subscriber that applied every batch holds."""
+        from fastkv.events.schema import MEDIUM
+
+        return {MEDIUM[t]: len(self.log.resident(t)) for t in Tier}
 
     def stats(self) -> dict[str, int]:
         return {**self.publisher.stats(), "events": self.events}

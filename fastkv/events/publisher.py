@@ -24,47 +24,15 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from dataclasses import dataclass
 
 import msgspec
 import zmq
 
-from fastkv.events.schema import ENCODINGS
+from fastkv.events.config import EventsConfig
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _STOP = b""
 _ids = itertools.count()
-
-
-@dataclass(frozen=True, slots=True)
-class EventsConfig:
-    """KV event settings; ``endpoint`` empty (the default) is off."""
-
-    endpoint: str = ""  # tcp://*:5557 binds (also ipc:// and inproc://); tcp://host:5557 connects
-    topic: str = "kv@fastkv@fastkv-demo"  # llm-d's subscriber parses kv@<pod id>@<model name>
-    replay_endpoint: str = ""  # ROUTER socket for replay requests; empty: no replay
-    buffer_steps: int = 10_000  # batches kept for replay
-    hwm: int = 1_000  # batches queued to the publisher thread, and per subscriber on the PUB socket
-    encoding: str = "array"  # "array" (llm-d, vLLM's array_like structs) or "map" (tagged maps)
-    data_parallel_rank: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("endpoint", "topic", "replay_endpoint", "encoding"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"kv events setting {name!r} must be a string, got {getattr(self, name)!r}")
-        for name in ("buffer_steps", "hwm", "data_parallel_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "data_parallel_rank"
-                                                                                else 1):
-                raise ValueError(f"kv events setting {name!r} must be a positive int, got {value!r}")
-        if self.encoding not in ENCODINGS:
-            raise ValueError(f"kv events setting 'encoding' must be one of {ENCODINGS}, got {self.encoding!r}")
-        if self.replay_endpoint and not self.endpoint:
-            raise ValueError("kv events: a replay endpoint needs an endpoint to publish on")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.endpoint)
 
 
 def _binds(endpoint: str) -> bool:

@@ -24,8 +24,9 @@ from typing import Any
 
 import msgspec
 
+from fastkv.events.config import ENCODINGS
+
 MEDIUM = ("GPU", "CPU", "DISK")  # by fastkv.cache.write_policy.Tier: device, host, storage
-ENCODINGS = ("array", "map")
 
 
 def _schema(array_like: bool) -> dict[str, type]:
