@@ -170,7 +170,7 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         # the namespace fingerprint a router derives block keys from (fastkv.routing.block_hashes)
         "kv_events": {} if engine.events is None else {
             **engine.events.stats(), "namespace": engine.cache.namespace.fingerprint.hex(),
-            "resident": engine.events.resident_counts()},
+            "resident": engine.events.resident()},
         "timeline": timeline,
     }
 

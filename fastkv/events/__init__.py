@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from blake3 import blake3
 
 from fastkv.cache.residency import Change, ResidencyLog
 from fastkv.cache.write_policy import Tier
@@ -47,6 +48,10 @@ def build_events(clears: int, changes: list[Change], block_size: int, schema: di
     return events
 
 
+def resident_digest(keys) -> dict[str, object]:
+    return {"keys": len(keys), "digest": blake3(b"".join(sorted(keys))).hexdigest()}
+
+
 class KVEvents:
     """One engine's event source: its cache's residency log and a publisher."""
 
@@ -76,11 +81,12 @@ class KVEvents:
         self.events += len(events)
         return self.publisher.publish(self.schema["EventBatch"](time.time(), events, self.config.data_parallel_rank))
 
-    def resident_counts(self) -> dict[str, int]:
-        """Keys per medium a subscriber that applied every batch holds."""
+    def resident(self) -> dict[str, dict[str, object]]:
+        """Per medium, the keys a subscriber that applied every batch holds: how many, and a
+        digest of them (blake3 of the sorted keys) to compare a subscriber's with, key by key."""
         from fastkv.events.schema import MEDIUM
 
-        return {MEDIUM[t]: len(self.log.resident(t)) for t in Tier}
+        return {MEDIUM[t]: resident_digest(self.log.resident(t)) for t in Tier}
 
     def stats(self) -> dict[str, int]:
         return {**self.publisher.stats(), "events": self.events}
