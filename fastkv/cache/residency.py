@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from fastkv.cache.write_policy import Tier
 
+TIERS = tuple(Tier)
 PENDING_KEYS = 1 << 16  # chained keys remembered before any tier holds them (a newer one pushes the oldest out)
 
 
@@ -47,10 +48,12 @@ class ResidencyLog:
         self.pending_size = pending
         self.announced: dict[bytes, list] = {}  # resident chained key -> [KeyInfo, tier bitmask]
         self.clears = 0  # AllBlocksCleared not yet taken
+        self.dirty = False  # a change since the last take
         self.maps: dict[Tier, dict] = {}
 
     # ---------------------------------------------------------------- from the maps
     def add(self, tier: Tier, key: bytes) -> None:
+        self.dirty = True
         removed = self.removed[tier]
         if key in removed:
             del removed[key]
@@ -58,6 +61,7 @@ class ResidencyLog:
             self.added[tier][key] = None
 
     def remove(self, tier: Tier, key: bytes) -> None:
+        self.dirty = True
         added = self.added[tier]
         if key in added:
             del added[key]
@@ -85,6 +89,7 @@ class ResidencyLog:
         subscriber drops all it knows (AllBlocksCleared), and what is still resident (blocks that
         running requests hold through a reset) is announced again."""
         self.clears += 1
+        self.dirty = True
         for k, (info, _) in self.announced.items():
             self.pending[k] = info
         self.announced.clear()
@@ -95,14 +100,17 @@ class ResidencyLog:
     # ---------------------------------------------------------------- to the publisher
     def take(self) -> tuple[int, list[Change]]:
         """(AllBlocksCleared count, changes per tier) since the last take; resets the log."""
+        if not self.dirty:
+            return 0, []
+        self.dirty = False
         clears, self.clears = self.clears, 0
         out: list[Change] = []
         announced, pending = self.announced, self.pending
-        for t in Tier:
+        for t in TIERS:
             added, removed = self.added[t], self.removed[t]
             if not added and not removed:
                 continue
-            bit = 1 << t
+            bit = 1 << int(t)
             gone: list[bytes] = []
             for k in removed:
                 entry = announced.get(k)
@@ -133,7 +141,7 @@ class ResidencyLog:
 
     def resident(self, tier: Tier) -> set[bytes]:
         """The chained keys a subscriber that applied every change so far holds for ``tier``."""
-        bit = 1 << tier
+        bit = 1 << int(tier)
         return {k for k, (_, mask) in self.announced.items() if mask & bit}
 
 

@@ -65,6 +65,8 @@ class KVEvents:
         self.schema = schema(config.encoding)
         self.publisher = publisher if publisher is not None else ZmqPublisher(config)
         self.events = 0
+        self.flush_s = 0.0  # engine-thread time spent publishing (the events' cost to the step)
+        self.flushes = 0
 
     @classmethod
     def attach(cls, cache, config: EventsConfig) -> KVEvents | None:
@@ -74,12 +76,17 @@ class KVEvents:
     def flush(self) -> int | None:
         """Publish the changes since the last flush as one batch (none when nothing changed);
         returns its sequence number."""
+        t0 = time.perf_counter()
         clears, changes = self.log.take()
-        if not clears and not changes:
-            return None
-        events = build_events(clears, changes, self.block_size, self.schema)
-        self.events += len(events)
-        return self.publisher.publish(self.schema["EventBatch"](time.time(), events, self.config.data_parallel_rank))
+        seq = None
+        if clears or changes:
+            events = build_events(clears, changes, self.block_size, self.schema)
+            self.events += len(events)
+            seq = self.publisher.publish(self.schema["EventBatch"](time.time(), events,
+                                                                   self.config.data_parallel_rank))
+        self.flushes += 1
+        self.flush_s += time.perf_counter() - t0
+        return seq
 
     def resident(self) -> dict[str, dict[str, object]]:
         """Per medium, the keys a subscriber that applied every batch holds: how many, and a
@@ -89,7 +96,8 @@ class KVEvents:
         return {MEDIUM[t]: resident_digest(self.log.resident(t)) for t in Tier}
 
     def stats(self) -> dict[str, int]:
-        return {**self.publisher.stats(), "events": self.events}
+        return {**self.publisher.stats(), "events": self.events, "flushes": self.flushes,
+                "flush_us_mean": round(1e6 * self.flush_s / max(self.flushes, 1), 2)}
 
     def close(self) -> None:
         self.flush()

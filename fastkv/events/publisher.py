@@ -10,14 +10,17 @@ subscriber (``pkg/kvcache/kvevents/zmq_subscriber.go``) speak it:
   ``start`` 8 bytes big-endian; the publisher answers ``[b"", seq, payload]`` for every batch
   it still buffers from ``start`` on, then ``[b"", -1 as 8 signed bytes, b""]``.
 
-The engine thread encodes a batch (msgspec, microseconds), appends it to the replay buffer
-(a bounded deque) and hands it to the publisher thread over an inproc PAIR socket with a
-non-blocking send: when the thread is ``hwm`` batches behind, the batch is dropped from the live
-stream and counted (``dropped``); it stays in the replay buffer, so a subscriber sees the hole
-and replays it. The thread blocks in ``zmq.Poller.poll`` on the PAIR and the ROUTER sockets
-(no sleep-polling); the PUB socket itself drops messages for a subscriber ``hwm`` behind, as
-ZMQ does, which the subscriber again sees as a hole. Memory is bounded by ``buffer_steps``
-batches plus twice ``hwm`` in flight.
+The engine thread encodes a batch (msgspec, microseconds), appends it to the replay buffer (a
+bounded deque) and hands it to the PUB socket with a non-blocking send: ZMQ's own I/O thread
+(C++, no GIL) does the network work, so no Python thread is woken per batch. (vLLM relays
+through a Python thread and a queue; here such a relay cost the engine thread ~0.5 ms a batch
+in GIL hand-offs, 10 % of a small step.) A subscriber ``hwm`` batches behind loses the newer
+ones at its ZMQ queue, as ZMQ PUB does, silently to the publisher: the subscriber sees the hole
+in the sequence numbers and replays it (fastkv.routing.indexer counts ``gaps`` and ``lost``).
+A send ZMQ refuses (a connecting PUB before its peer is up) is counted in ``dropped``, and that
+batch too stays in the replay buffer. Memory: ``buffer_steps`` batches, plus ``hwm`` per
+subscriber inside ZMQ. Replay requests are served by a thread that blocks in
+``zmq.Poller.poll`` on the ROUTER socket (no sleep-polling); it wakes only for them.
 """
 from __future__ import annotations
 
@@ -41,15 +44,12 @@ def _binds(endpoint: str) -> bool:
 
 
 class ZmqPublisher:
-    """``start=False`` leaves the publisher thread unstarted until ``start()``: batches queue
-    up to ``hwm`` and the rest are dropped (what a stalled thread looks like to the engine)."""
-
-    def __init__(self, config: EventsConfig, start: bool = True) -> None:
+    def __init__(self, config: EventsConfig) -> None:
         self.config = config
         self.ctx = zmq.Context()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.seq = 0  # the next batch's sequence number
-        self.dropped = 0  # batches the publisher thread was too far behind to take
+        self.dropped = 0  # batches ZMQ refused to take (they stay in the replay buffer)
         self.replays = 0
         self._topic = config.topic.encode()
         self._encode = msgspec.msgpack.Encoder().encode
@@ -58,67 +58,51 @@ class ZmqPublisher:
             self.pub = self.ctx.socket(zmq.PUB)
             self.pub.sndhwm = config.hwm
             (self.pub.bind if _binds(config.endpoint) else self.pub.connect)(config.endpoint)
-            self.router = None
+            self.router = self._stop = self._thread = None
             if config.replay_endpoint:
                 self.router = self.ctx.socket(zmq.ROUTER)
                 self.router.sndhwm = config.buffer_steps + 2  # one whole replay fits
                 self.router.bind(config.replay_endpoint)
-            self._tx = self.ctx.socket(zmq.PAIR)
-            self._tx.sndhwm = config.hwm
-            self._tx.bind(pipe)
-            self._rx = self.ctx.socket(zmq.PAIR)
-            self._rx.rcvhwm = 1
-            self._rx.connect(pipe)
+                self._stop = self.ctx.socket(zmq.PAIR)
+                self._stop.bind(pipe)
+                wake = self.ctx.socket(zmq.PAIR)
+                wake.connect(pipe)
         except zmq.ZMQError as exc:
             self.ctx.destroy(linger=0)
             raise ValueError(f"kv events: cannot open {config.endpoint!r} / {config.replay_endpoint!r}: {exc}") \
                 from None
-        self._thread = threading.Thread(target=self._loop, name="fastkv-kv-events", daemon=True)
-        if start:
+        if self.router is not None:
+            self._thread = threading.Thread(target=self._serve_replays, args=(wake,), name="fastkv-kv-replay",
+                                            daemon=True)
             self._thread.start()
 
-    def start(self) -> None:
-        self._thread.start()
-
     def publish(self, batch: object) -> int:
-        """Encode ``batch`` and hand it to the publisher thread; never waits. Returns its seq."""
+        """Encode ``batch``, keep it for replay and send it; never waits. Returns its seq."""
         payload = self._encode(batch)
         seq = self.seq
         self.seq += 1
-        seq8 = seq.to_bytes(8, "big")
         self.buffer.append((seq, payload))
         try:
-            self._tx.send_multipart((seq8, payload), flags=zmq.NOBLOCK, copy=False)
+            self.pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += 1
         return seq
 
-    def _loop(self) -> None:
-        rx, pub, router = self._rx, self.pub, self.router
+    def _serve_replays(self, wake: zmq.Socket) -> None:
+        router = self.router
         poller = zmq.Poller()
-        poller.register(rx, zmq.POLLIN)
-        if router is not None:
-            poller.register(router, zmq.POLLIN)
-        topic = self._topic
+        poller.register(wake, zmq.POLLIN)
+        poller.register(router, zmq.POLLIN)
         while True:
             try:
                 ready = dict(poller.poll())
             except zmq.ContextTerminated:  # close() gave up waiting for the thread
                 return
-            if router is not None and router in ready:
+            if wake in ready:
+                wake.close(linger=0)
+                return
+            if router in ready:
                 self._replay(router)
-            if rx in ready:
-                while True:
-                    try:
-                        frames = rx.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    if len(frames) == 1:
-                        return  # close()
-                    try:
-                        pub.send_multipart((topic, frames[0], frames[1]), flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:  # a connecting PUB with no peer yet: the batch waits in replay
-                        pass
 
     def _replay(self, router: zmq.Socket) -> None:
         while True:
@@ -138,15 +122,12 @@ class ZmqPublisher:
 
     def stats(self) -> dict[str, int]:
         return {"batches": self.seq, "dropped": self.dropped, "replays": self.replays,
-                "buffered": len(self.buffer)}
+                "buffered": len(self.buffer), "buffered_bytes": sum(len(p) for _, p in tuple(self.buffer))}
 
     def close(self) -> None:
-        """Stop the thread (it sends what it has been handed first) and close every socket."""
-        if self._thread.is_alive():
-            self._tx.sndtimeo = 2000
-            try:
-                self._tx.send(_STOP)
-            except zmq.Again:
-                pass
+        """Stop the replay thread and close every socket."""
+        if self._thread is not None and self._thread.is_alive():
+            self._stop.send(_STOP)
             self._thread.join(timeout=5.0)
+        self.pub.close(linger=1000)  # up to 1 s to hand connected subscribers the last batches
         self.ctx.destroy(linger=0)
