@@ -32,7 +32,7 @@ requests each engine served. The LAST line is JSON:
      "ttft_p50_s": {"round_robin": ..., "session": ..., "indexer": ...}, "ttft_p99_s": {...},
      "tokens_per_s": {...}, "per_engine": {"round_robin": [n0, n1], ...}}
 
-``--quick``: 300 requests; ``--smoke``: 24 requests (tests).
+``--quick``: 500 requests; ``--smoke``: 24 requests (tests).
 """
 from __future__ import annotations
 
@@ -208,22 +208,22 @@ def choose(idx: Indexer, engines: list[SimEngine], hashes: list[bytes], args) ->
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="300 trace requests")
+    p.add_argument("--quick", action="store_true", help="500 trace requests")
     p.add_argument("--smoke", action="store_true", help="24 trace requests (tests: numbers mean nothing)")
     p.add_argument("--requests", type=at_least(2), help="trace requests (default 1000)")
-    p.add_argument("--speedup", type=at_least(0.001, float), default=40.0,
-                   help="arrivals this many times faster than the trace's (default 40: both engines busy)")
+    p.add_argument("--speedup", type=at_least(0.001, float), default=20.0,
+                   help="arrivals this many times faster than the trace's (default 20: both engines busy)")
     p.add_argument("--tokens-per-id", type=at_least(1), default=32,
                    help="tokens per 512-token trace block (default 32: prompts scaled down 16x)")
-    p.add_argument("--device-blocks", type=at_least(16), default=1024, help=f"per engine, of {BLOCK} tokens")
-    p.add_argument("--host-blocks", type=at_least(0), default=4096, help="per engine")
+    p.add_argument("--device-blocks", type=at_least(16), default=2048, help=f"per engine, of {BLOCK} tokens")
+    p.add_argument("--host-blocks", type=at_least(0), default=32768, help="per engine (a host tier 16x the device's)")
     p.add_argument("--cost-model", default=LLAMA3_8B_H100.name, choices=sorted(DEPLOYMENTS))
     p.add_argument("--host-weight", type=at_least(0.0, float), default=0.8,
                    help="a host-cached block's worth against a device-cached one (default 0.8, llm-d's cpu tier)")
     p.add_argument("--load-weight", type=at_least(0.0, float), default=0.05,
                    help="score lost per unfinished request beyond the least loaded engine's (default 0.05)")
     args = p.parse_args()
-    n = args.requests or (24 if args.smoke else 300 if args.quick else 1000)
+    n = args.requests or (24 if args.smoke else 500 if args.quick else 1000)
     reqs = trace(n, tokens_per_id=args.tokens_per_id, max_new_tokens=512, speedup=args.speedup)
     sess = sessions(n)
     print(f"{n} trace requests ({len(set(sess))} conversations), {sum(len(r['prompt']) for r in reqs)} prompt "
