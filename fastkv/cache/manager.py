@@ -111,8 +111,6 @@ class CacheManager:
             self._waiting_keys.move_to_end(request_id)
             return list(memo[3])
         keys = block_keys(toks, self.block_size, root, 0, extras)
-        if self.state.residency is not None:
-            self.state.residency.register(keys, data, self.block_size)
         self._waiting_keys[request_id] = (root, extras, data, keys)
         self._waiting_keys.move_to_end(request_id)
         while len(self._waiting_keys) > WAITING_KEYS:
@@ -241,6 +239,8 @@ class CacheManager:
         if dev.num_available - cached_hits - self.state.reserved < n_blocks - nd + n_res:
             return None
         del self._waiting_keys[request_id]
+        if self.state.residency is not None:  # the tokens its blocks' events carry, once admitted
+            self.state.residency.register(keys, toks.tobytes(), bs)
         joins: list[tuple[int, int]] = []
         if sto_keys:  # join LOADs in flight; stage the others in host blocks, what finds no room is recomputed
             joins, sto_keys = split_loads(self.state, sto_keys)
