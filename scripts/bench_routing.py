@@ -30,7 +30,7 @@ requests each engine served. The LAST line is JSON:
     {"bench": "routing", "requests": N, "cost_model": NAME,
      "hit_ratio": {"round_robin": {"device": ..., "host": ...}, "session": {...}, "indexer": {...}},
      "ttft_p50_s": {"round_robin": ..., "session": ..., "indexer": ...}, "ttft_p99_s": {...},
-     "tokens_per_s": {...}, "per_engine": {"round_robin": [n0, n1], ...}}
+     "tokens_per_s": {...}, "per_engine": {"round_robin": {"e0": n0, "e1": n1}, ...}}
 
 ``--quick``: 500 requests; ``--smoke``: 24 requests (tests).
 """
@@ -249,7 +249,7 @@ def main() -> int:
         "ttft_p50_s": {m: round(d["ttft_p50_s"], 5) for m, d in results.items()},
         "ttft_p99_s": {m: round(d["ttft_p99_s"], 5) for m, d in results.items()},
         "tokens_per_s": {m: round(d["tokens_per_s"], 1) for m, d in results.items()},
-        "per_engine": {m: d["per_engine"] for m, d in results.items()},
+        "per_engine": {m: {f"e{i}": n for i, n in enumerate(d["per_engine"])} for m, d in results.items()},
     }))
     return 0
 
