@@ -14,7 +14,7 @@ class EventsConfig:
     topic: str = "kv@fastkv@fastkv-demo"  # llm-d's subscriber parses kv@<pod id>@<model name>
     replay_endpoint: str = ""  # ROUTER socket for replay requests; empty: no replay
     buffer_steps: int = 10_000  # batches kept for replay
-    hwm: int = 1_000  # batches queued to the publisher thread, and per subscriber on the PUB socket
+    hwm: int = 1_000  # batches ZMQ queues per subscriber on the PUB socket (newer ones are dropped for it)
     encoding: str = "array"  # "array" (llm-d, vLLM's array_like structs) or "map" (tagged maps)
     data_parallel_rank: int = 0
 
@@ -26,7 +26,8 @@ class EventsConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "data_parallel_rank"
                                                                                 else 1):
-                raise ValueError(f"kv events setting {name!r} must be a positive int, got {value!r}")
+                flag = " (--kv-events-buffer)" if name == "buffer_steps" else ""
+                raise ValueError(f"kv events setting {name!r}{flag} must be a positive int, got {value!r}")
         if self.encoding not in ENCODINGS:
             raise ValueError(f"kv events setting 'encoding' must be one of {ENCODINGS}, got {self.encoding!r}")
         if self.replay_endpoint and not self.endpoint:
