@@ -50,7 +50,8 @@ def build(dest_dir: Path, nvcc: str | None = None, arch_flags: tuple[str, ...] |
     dest_dir = Path(dest_dir)
     dest_dir.mkdir(parents=True, exist_ok=True)
     out = dest_dir / "libfkv_swap_cuda.so"
-    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", *arch_flags,
+    # --threads 0: one nvcc thread per architecture, as many at once as there are cores
+    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "--threads", "0", *arch_flags,
            *(WERROR_FLAGS if warnings_as_errors else ()), f"-I{OPS_DIR}", "-o", str(out), str(OPS_DIR / "swap_cuda.cu")]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
