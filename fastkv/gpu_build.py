@@ -73,6 +73,7 @@ def nvcc_command(log_text: str) -> list[str]:
 
 def check_op(out: Path) -> Path:
     """Step 2 (module docstring): the library's path; raises BuildCheckError naming what failed."""
+    out.mkdir(parents=True, exist_ok=True)
     log_path = out / "op-build.log"
     with open(log_path, "w") as log:
         try:
@@ -96,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get("CUDA_HOME"):
         print("fastkv.gpu_build: set CUDA_HOME (scripts/check_gpu_build.sh does)", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
     try:
         t0 = time.monotonic()
         check_strict()
