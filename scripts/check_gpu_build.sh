@@ -11,6 +11,8 @@
 # is the pip wheels pinned in scripts/gpu_build_wheels.txt, installed once (about 2.7 GB; 2 GB
 # to download) under ${FASTKV_CUDA_WHEELS:-~/.cache/fastkv/cuda-wheels} and reused while that
 # file is unchanged. Needs Paddle (the CPU wheel will do), pytest, g++ and pip.
+# The libraries and the op's build log go to a temporary directory, kept on failure
+# ($FASTKV_GPU_BUILD_OUT: there instead, always kept).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
