@@ -4,9 +4,12 @@
     fastkv-supervisor --config job.toml --tp 2 --preemption recompute --workload trace:64
     fastkv-supervisor --cleanup                        # remove what crashed runs left in /dev/shm
 
-Settings come from, last wins: the defaults (``JobConfig``), a config file (``--config``,
-TOML or JSON, keys = ``JobConfig`` field names; tables ``runner_options``, ``scheduler``,
-``demo``), then flags. Bad values are rejected up front, naming the setting.
+Settings: flag > config file > default. A flag overrides the config file (``--config``, TOML
+or JSON, keys = ``JobConfig`` field names; tables ``runner_options``, ``scheduler``, ``demo``),
+which overrides the defaults (``JobConfig``), whichever of a setting's names each uses
+(``swap_space`` / ``num_cpu_blocks`` / ``host_blocks``; ``kvcache_storage_backend`` / ``storage``);
+one layer giving two names of one setting is an error. Bad values are rejected up front, naming
+the setting.
 """
 from __future__ import annotations
 
@@ -251,13 +254,18 @@ class JobConfig:
 
     @classmethod
     def from_sources(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
-        """Defaults, then the config file at ``path``, then ``overrides`` (flags that were given)."""
-        values: dict[str, Any] = {}
-        if path is not None:
-            values.update(read_config_file(path))
-        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        """Defaults, then the config file at ``path``, then ``overrides`` (flags that were given):
+        flag > config file > default (``fastkv.precedence``). ``overridden`` lists each value a
+        flag overrode in the file."""
+        from fastkv.precedence import Layer, flag_name, merge
+
+        layers = [Layer(f"config file {path}", read_config_file(path), str)] if path is not None else []
+        layers.append(Layer("flags", dict(overrides or {}), flag_name))
+        values, notes = merge(layers)
         with in_file(path):
-            return cls(**values)
+            cfg = cls(**values)
+        object.__setattr__(cfg, "overridden", notes)
+        return cfg
 
     def layout(self) -> KVLayout:
         return KVLayout(num_layers=self.layers, kv_heads=self.kv_heads, block_size=self.block_size,
@@ -376,7 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fastkv-supervisor", description=__doc__.split("\n\n")[0],
         allow_abbrev=False,  # a typo such as --storag is an error, never silently another flag
-        epilog="Writes <out>/summary.json, results.jsonl, report.json, report.png and logs/.")
+        epilog="Precedence: flag > config file > default, whichever of a setting's names each uses "
+        "(--host-blocks / --swap-space / --num-cpu-blocks; --storage / --kvcache-storage-backend); one layer "
+        "giving two names of one setting is an error, and the banner says which value a flag overrode. "
+        "Writes <out>/summary.json, results.jsonl, report.json, report.png and logs/.")
     a = p.add_argument
     a("--config", metavar="FILE", help="TOML or JSON file of settings (flags override it)")
     a("--tp", type=int, help="tensor-parallel size (default 1)")
@@ -593,6 +604,8 @@ def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress
     print(f"fastkv-supervisor: run {spec.run_id}: {spec.tp_size} rank(s), {cfg.runner} runner, "
           f"preemption {cfg.preemption}, {spec.num_device_blocks} device / {spec.num_host_blocks} host blocks, "
           f"storage {spec.storage_url or 'none'}; output in {spec.out_dir}", file=sys.stderr)
+    for note in getattr(cfg, "overridden", []):
+        print(f"fastkv-supervisor: {note}", file=sys.stderr)
     progress = _Progress(progress_bar)
     try:
         result = Supervisor(spec, workload, entry_points=entries, progress=progress).run()
