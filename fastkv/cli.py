@@ -622,8 +622,15 @@ def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress
         progress.close()
     code = 0 if result.ok else 130 if "SIGINT" in result.message else 143 if "SIGTERM" in result.message else 1
     stopped_by = result.message.removeprefix("interrupted by ") if result.message.startswith("interrupted by ") else ""
-    if not result.ok and not (stopped_by and (Path(spec.out_dir) / "summary.json").is_file()):
+    out = Path(spec.out_dir)
+    if not result.ok and not (stopped_by and (out / "summary.json").is_file()):
         print(f"fastkv-supervisor: run failed: {result.message}", file=sys.stderr)
+        return code
+    if stopped_by == "SIGTERM":  # an orchestrator's stop: no time spent drawing a report
+        done = json.loads((out / "summary.json").read_text())
+        print(f"fastkv-supervisor: stopped by SIGTERM after {done['requests']} of {sum(done['states'].values())} "
+              f"requests; summary: {out / 'summary.json'}, results: {out / 'results.jsonl'}, logs: {out / 'logs'}",
+              file=sys.stderr)
         return code
     # a stopped run's report covers the requests that finished
     rep = report.write(spec.out_dir, title=report.title(cfg.role, cfg.workload, cfg.preemption))
@@ -631,8 +638,8 @@ def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress
     if faults := report.storage_faults(rep.data):  # the run degraded to recompute: say so, not only in a log
         print(f"fastkv-supervisor: warning: storage tier {spec.storage_url} failed during the run: {faults} "
               f"(see {spec.out_dir}/logs)", file=sys.stderr)
-    print(f"report:  {rep.json_path}\nplot:    {rep.png_path}\nresults: {Path(spec.out_dir) / 'results.jsonl'}\n"
-          f"logs:    {Path(spec.out_dir) / 'logs'}")
+    print(f"report:  {rep.json_path}\nplot:    {rep.png_path}\nresults: {out / 'results.jsonl'}\n"
+          f"logs:    {out / 'logs'}")
     if stopped_by:
         done, total = rep.data["requests"], sum(rep.data.get("states", {}).values())
         print(f"fastkv-supervisor: stopped by {stopped_by} after {done} of {total} requests", file=sys.stderr)
