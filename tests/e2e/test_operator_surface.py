@@ -79,7 +79,7 @@ def test_no_progress_frames_into_a_file(tmp_path):
 
 def test_a_mid_run_scrape_passes_promtool_and_the_run_ends_with_its_final_values(tmp_path):
     rid, port = run_id(), free_port()
-    proc = cli_proc(tmp_path, rid, "--metrics-port", str(port), "--metrics-linger-s", "3")
+    proc = cli_proc(tmp_path, rid, "--metrics-port", str(port))  # the default final scrape window
     mid = None
     deadline = time.monotonic() + 240
     while mid is None and proc.poll() is None and time.monotonic() < deadline:
