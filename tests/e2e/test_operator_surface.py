@@ -177,3 +177,19 @@ def test_the_unknown_field_error_names_the_request(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ValueError, match=r"my.jsonl:2: request 'b7' has unknown fields \['max_tokens'\]"):
         read_workload(path)
+
+
+def test_a_host_blocks_flag_over_a_files_swap_space_sizes_the_tier_and_the_banner_says_so(tmp_path):
+    """Before, swap_space in the file won silently over --host-blocks (163 blocks for 200)."""
+    rid = run_id()
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps({"heartbeat_s": 0.1, "dead_after_s": 1.0, "swap_space": 0.001}))
+    cmd = [sys.executable, "-m", "fastkv", "--out", str(tmp_path / "out"), "--run-id", rid, "--config", str(config),
+           *SMALL, *ENTRIES]  # SMALL gives --host-blocks 8
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    code, out, err = finish(proc)
+    assert code == 0, err
+    assert json.loads((tmp_path / "out" / "spec.json").read_text())["num_host_blocks"] == 8
+    assert f"--host-blocks 8 (flags) overrides swap_space 0.001 (config file {config})" in err, err
+    assert leftovers(rid) == []
