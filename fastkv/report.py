@@ -127,9 +127,12 @@ def table(data: dict[str, Any]) -> str:
     def ms(d: dict, k: str) -> str:
         return f"{1e3 * d[k]:.1f} ms" if k in d else "-"
 
+    total = sum((data.get("states") or {}).values())
+
     rows = [
         ("requests", _requests_row(data)),
-        ("prompt / generated tokens", f"{data['prompt_tokens']} / {data['generated_tokens']}"),
+        ("prompt / generated tokens", f"{data['prompt_tokens']} / {data['generated_tokens']}"
+         + (f"  (prompts of all {total} requests)" if total > data["requests"] else "")),
         ("wall time", f"{data['seconds']:.2f} s"),
         ("throughput", f"{data['tokens_per_s']:.1f} generated tokens/s"),
         ("time to first token", f"p50 {ms(data['ttft_s'], 'p50')}, p99 {ms(data['ttft_s'], 'p99')}"),
@@ -148,10 +151,10 @@ def table(data: dict[str, Any]) -> str:
         rows.insert(1, ("rejected", "; ".join(f"{rid}: {why}" for rid, why in rejected[:3]) + more))
     status = data.get("status", "done")
     if status != "done":  # what the numbers below cover
-        total = sum((data.get("states") or {}).values())
-        rows.insert(0, ("status", f"{status} after {data['requests']} of {total} requests; the report covers "
-                                  "the finished ones" + ("" if data.get("measured", True) else
-                                                         " (the engine wrote no summary: its measures are 0)")))
+        rows.insert(0, ("status", f"{status} after {data['requests']} of {total} requests finished; the rows "
+                                  "below cover the run until it stopped" + ("" if data.get("measured", True) else
+                                                                            " (the engine wrote no summary: "
+                                                                            "its measures are 0)")))
     if "verified" in data:  # what the runner checked of its KV
         rows.append(("KV verified", _verified_row(data)))
     if data.get("storage_lookup"):
@@ -181,7 +184,10 @@ def plot(data: dict[str, Any], path: str | Path, title: str = "fastkv run") -> P
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_h, ax_p) = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [2.2, 1, 1]})
-    fig.suptitle(f"{title}: {data['requests']} requests, {data['tokens_per_s']:.0f} tokens/s, "
+    done, total = data["requests"], sum((data.get("states") or {}).values())
+    count = f"{done} of {total} requests finished" if total > done else f"{done} requests"
+    status = data.get("status", "done")
+    fig.suptitle(f"{title}{'' if status == 'done' else f' ({status})'}: {count}, {data['tokens_per_s']:.0f} tokens/s, "
                  f"{data['recomputed_tokens']} recomputed tokens", fontsize=12)
 
     tl = np.asarray(data["timeline"], dtype=np.float64).reshape(-1, 4)

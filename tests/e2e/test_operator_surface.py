@@ -140,7 +140,8 @@ def test_ctrl_c_at_request_10_of_24_prints_the_table_of_what_finished(tmp_path):
     assert "run failed" not in err, err
     m = re.search(r"stopped by SIGINT after (\d+) of 24 requests", err)
     assert m and at <= int(m.group(1)) < 24, (at, err)
-    assert "status" in out and "stopped after" in out and f"{m.group(1)} finished of 24" in out, out
+    assert "status" in out and f"stopped after {m.group(1)} of 24 requests finished" in out, out
+    assert f"{m.group(1)} finished of 24" in out and "(prompts of all 24 requests)" in out, out
     out_dir = tmp_path / "out"
     assert (out_dir / "report.png").is_file() and str(out_dir / "report.png") in out
     assert str(out_dir / "results.jsonl") in out and str(out_dir / "logs") in out
