@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fastkv import cli, report
-from fastkv.demo import read_workload
+from fastkv.demo import check_request, read_workload
 from tests.e2e.standins import ENTRIES
 from tests.e2e.test_supervisor import SMALL, attach_signals, finish, leftovers, run_id, write_config
 from tests.unit.test_metrics_exposition import promtool_check
@@ -194,3 +194,14 @@ def test_a_host_blocks_flag_over_a_files_swap_space_sizes_the_tier_and_the_banne
     assert json.loads((tmp_path / "out" / "spec.json").read_text())["num_host_blocks"] == 8
     assert f"--host-blocks 8 (flags) overrides swap_space 0.001 (config file {config})" in err, err
     assert leftovers(rid) == []
+
+
+def test_the_readme_documents_every_workload_field_and_the_timeline_columns():
+    text = (ROOT / "README.md").read_text()
+    table = text.split("A workload file (`--workload my.jsonl`)", 1)[1].split("```", 1)[0]
+    documented = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
+    assert documented == {"id", "arrival_s", "prompt", "max_new_tokens", "preemption"}, documented
+    example = text.split("A workload file (`--workload my.jsonl`)", 1)[1].split("```")[1]
+    for line in example.strip().splitlines():  # the example is a valid workload line
+        check_request(json.loads(line))
+    assert "[t_s, finished_requests,\ngenerated_tokens, preemptions]" in text
