@@ -139,7 +139,9 @@ class Engine:
         if client_factory is None:
             from fastkv.transfer.client import TransferClient as client_factory
         self.transfer = client_factory(ends, spec)
-        self.metrics = EngineMetrics(self.sched)
+        self.metrics = EngineMetrics(self.sched, {"role": spec.role, "run_id": spec.run_id}, ends.signals,
+                                     spec.tp_size)
+        self.metrics.beat_s = spec.heartbeat_s
         # with a storage tier, new requests first ask it what it holds (fastkv.engine.lookup)
         self.lookups = None
         if spec.storage_url:  # a LOOKUP's keys take at most a quarter of the task ring
