@@ -44,6 +44,8 @@ export NVCC
     echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
 } >"$OUT/env.txt" 2>&1
 
+work=$(mktemp -d)  # the built libraries: not worth bringing back
+trap 'rm -rf "$work"' EXIT
 steps_json=()
 failed=0
 run_step() {  # name, seconds allowed, command...
@@ -59,12 +61,12 @@ run_step() {  # name, seconds allowed, command...
     steps_json+=("\"$name\": {\"rc\": $rc, \"seconds\": $((SECONDS - t0))}")
 }
 
-run_step build 100 "$PY" -m fastkv.cuda_abi --werror --out "$OUT/lib"
+run_step build 100 "$PY" -m fastkv.cuda_abi --werror --out "$work/lib"
 # --noconftest: tests/conftest.py needs hypothesis (not here) for its profiles and checks
 # /dev/shm for leaks, which these ctypes tests cannot cause.
 run_step tests 110 "$PY" -m pytest -q -rs -p no:cacheprovider --noconftest tests/ops/test_cuda_abi.py \
     --junitxml="$OUT/test_cuda_abi.xml"
-run_step swap 120 "$PY" scripts/gpu_swap_check.py --build-dir "$OUT/swap-lib"
+run_step swap 120 "$PY" scripts/gpu_swap_check.py --build-dir "$work/swap-lib"
 tail -n 1 "$OUT/swap.log" | grep '^{' >"$OUT/gpu_swap.json" || echo "null" >"$OUT/gpu_swap.json"
 
 summary="{$(IFS=,; echo "${steps_json[*]}"), \"seconds\": $((SECONDS - started)), \"gpu_swap\": $(cat "$OUT/gpu_swap.json")}"
