@@ -4,9 +4,12 @@
     fastkv-supervisor --config job.toml --tp 2 --preemption recompute --workload trace:64
     fastkv-supervisor --cleanup                        # remove what crashed runs left in /dev/shm
 
-Settings come from, last wins: the defaults (``JobConfig``), a config file (``--config``,
-TOML or JSON, keys = ``JobConfig`` field names; tables ``runner_options``, ``scheduler``,
-``demo``), then flags. Bad values are rejected up front, naming the setting.
+Settings: flag > config file > default. A flag overrides the config file (``--config``, TOML
+or JSON, keys = ``JobConfig`` field names; tables ``runner_options``, ``scheduler``, ``demo``),
+which overrides the defaults (``JobConfig``), whichever of a setting's names each uses
+(``swap_space`` / ``num_cpu_blocks`` / ``host_blocks``; ``kvcache_storage_backend`` / ``storage``);
+one layer giving two names of one setting is an error. Bad values are rejected up front, naming
+the setting.
 """
 from __future__ import annotations
 
@@ -19,7 +22,6 @@ import secrets
 import signal
 import sys
 import tomllib
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +78,7 @@ class JobConfig:
     seed: int = 0
     out: str = "fastkv-out"
     metrics_port: int = 0
+    metrics_linger_s: float = 3.0  # the endpoint stays up this long after the run (its final scrape)
     heartbeat_s: float = 0.5
     dead_after_s: float = 5.0
     task_timeout_s: float = 60.0
@@ -256,13 +259,18 @@ class JobConfig:
 
     @classmethod
     def from_sources(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
-        """Defaults, then the config file at ``path``, then ``overrides`` (flags that were given)."""
-        values: dict[str, Any] = {}
-        if path is not None:
-            values.update(read_config_file(path))
-        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        """Defaults, then the config file at ``path``, then ``overrides`` (flags that were given):
+        flag > config file > default (``fastkv.precedence``). ``overridden`` lists each value a
+        flag overrode in the file."""
+        from fastkv.precedence import Layer, flag_name, merge
+
+        layers = [Layer(f"config file {path}", read_config_file(path), str)] if path is not None else []
+        layers.append(Layer("flags", dict(overrides or {}), flag_name))
+        values, notes = merge(layers)
         with in_file(path):
-            return cls(**values)
+            cfg = cls(**values)
+        object.__setattr__(cfg, "overridden", notes)
+        return cfg
 
     def layout(self) -> KVLayout:
         return KVLayout(num_layers=self.layers, kv_heads=self.kv_heads, block_size=self.block_size,
@@ -336,7 +344,7 @@ class JobConfig:
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
             task_timeout_s=self.task_timeout_s, storage_lookup_timeout_s=self.storage_lookup_timeout_s,
-            out_dir=str(out_dir), metrics_port=self.metrics_port,
+            out_dir=str(out_dir), metrics_port=self.metrics_port, metrics_linger_s=self.metrics_linger_s,
             weights_version=self.weights_version,
             update_weights_at=tuple(u.strip() for u in self.update_weights_at.split(",") if u.strip()),
             free_memory_on_update=self.free_memory_on_update, enable_prefix_caching=self.enable_prefix_caching,
@@ -391,7 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fastkv-supervisor", description=__doc__.split("\n\n")[0],
         allow_abbrev=False,  # a typo such as --storag is an error, never silently another flag
-        epilog="Writes <out>/summary.json, results.jsonl, report.json, report.png and logs/.")
+        epilog="Precedence: flag > config file > default, whichever of a setting's names each uses "
+        "(--host-blocks / --swap-space / --num-cpu-blocks; --storage / --kvcache-storage-backend); one layer "
+        "giving two names of one setting is an error, and the banner says which value a flag overrode. "
+        "Writes <out>/summary.json, results.jsonl, report.json, report.png and logs/.")
     a = p.add_argument
     a("--config", metavar="FILE", help="TOML or JSON file of settings (flags override it)")
     a("--tp", type=int, help="tensor-parallel size (default 1)")
@@ -416,7 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--workload", help="demo | trace | trace:N | path to a workload.jsonl (default demo)")
     a("--seed", type=int, help="workload seed (default 0)")
     a("--out", help="output directory (default ./fastkv-out)")
-    a("--metrics-port", type=int, help="engine Prometheus port, 0 = off (default 0)")
+    a("--metrics-port", type=int, help="engine Prometheus port, 0 = off (default 0); checked free before the run")
+    a("--metrics-linger-s", type=float, metavar="S", help="with --metrics-port: keep the endpoint up S seconds "
+      "after the run for a final scrape (default 3); OUT/metrics.prom holds the final values either way")
     a("--quick", action="store_true", default=None, help="a smaller demo workload")
     a("--weights-version", help="weights the run starts with, any string (default 0)")
     a("--update-weights-at", action="append", metavar="N:VERSION",
@@ -550,7 +563,11 @@ def main(argv: list[str] | None = None) -> int:
         if "worker" not in roles:
             with in_file(args.config):
                 cfg.check_runner_options()
-        # Both before anything is written: a live run's directory or namespace is not ours.
+        # All before anything is written: a live run's directory or namespace is not ours, and
+        # a busy port would only fail the engine once everything had started.
+        from fastkv.metrics import check_port
+
+        check_port(cfg.metrics_port)
         run_id = _new_run_id(args.run_id)
         outdir = OutDir.claim(cfg.out, run_id)
     except (ValueError, NotBuilt) as exc:
@@ -576,7 +593,6 @@ def _prepare_and_run(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     from fastkv.engine.engine import write_missing
     from fastkv.transfer.tiers import _cuda_available
 
-    warnings.filterwarnings("ignore", message="No ccache found")  # Paddle's import chatter, not ours
     # Importing Paddle replaces the C-level SIGTERM handler with one that exits at once (in any
     # thread); so first Paddle, while nothing of the run exists, then our handlers. Until the
     # supervisor's own go in, a signal unwinds the start-up and the run ends as stopped.
@@ -593,13 +609,17 @@ def _prepare_and_run(parser: argparse.ArgumentParser, args: argparse.Namespace, 
                 probe_store(spec.storage_url, spec.tp_size)
         except ValueError as exc:
             _config_error(parser, exc)
-        return _run(cfg, spec, workload, entries, not args.no_progress)
+        # frames of a progress bar only to a terminal: a log file would keep every one
+        return _run(cfg, spec, workload, entries, not args.no_progress and sys.stderr.isatty())
     except _Interrupted as exc:
         # prepare() may have written the workload (atomically) and not returned yet: the file,
         # once the previous run's are gone, says whether this run owes a summary
-        if outdir.cleared and (outdir.path / "workload.jsonl").is_file():
+        wrote = outdir.cleared and (outdir.path / "workload.jsonl").is_file()
+        if wrote:
             write_missing(outdir.path, outdir.path / "workload.jsonl", "stopped")
-        print(f"fastkv-supervisor: run failed: interrupted by {exc.signal.name}", file=sys.stderr)
+        print(f"fastkv-supervisor: stopped by {exc.signal.name} before the run started"
+              + (f"; every request is listed unfinished in {outdir.path / 'results.jsonl'}" if wrote else ""),
+              file=sys.stderr)
         return 128 + exc.signal
     finally:
         for signum, handler in old_handlers.items():
@@ -613,21 +633,37 @@ def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress
     print(f"fastkv-supervisor: run {spec.run_id}: {spec.tp_size} rank(s), {cfg.runner} runner, "
           f"preemption {cfg.preemption}, {spec.num_device_blocks} device / {spec.num_host_blocks} host blocks, "
           f"storage {spec.storage_url or 'none'}; output in {spec.out_dir}", file=sys.stderr)
+    for note in getattr(cfg, "overridden", []):
+        print(f"fastkv-supervisor: {note}", file=sys.stderr)
     progress = _Progress(progress_bar)
     try:
         result = Supervisor(spec, workload, entry_points=entries, progress=progress).run()
     finally:
         progress.close()
-    if not result.ok:
+    code = 0 if result.ok else 130 if "SIGINT" in result.message else 143 if "SIGTERM" in result.message else 1
+    stopped_by = result.message.removeprefix("interrupted by ") if result.message.startswith("interrupted by ") else ""
+    out = Path(spec.out_dir)
+    if not result.ok and not (stopped_by and (out / "summary.json").is_file()):
         print(f"fastkv-supervisor: run failed: {result.message}", file=sys.stderr)
-        return 130 if "SIGINT" in result.message else 143 if "SIGTERM" in result.message else 1
-    rep = report.write(spec.out_dir, title=f"fastkv {cfg.workload}, preemption {cfg.preemption}")
+        return code
+    if stopped_by == "SIGTERM":  # an orchestrator's stop: no time spent drawing a report
+        done = json.loads((out / "summary.json").read_text())
+        print(f"fastkv-supervisor: stopped by SIGTERM after {done['requests']} of {sum(done['states'].values())} "
+              f"requests; summary: {out / 'summary.json'}, results: {out / 'results.jsonl'}, logs: {out / 'logs'}",
+              file=sys.stderr)
+        return code
+    # a stopped run's report covers the requests that finished
+    rep = report.write(spec.out_dir, title=report.title(cfg.role, cfg.workload, cfg.preemption))
     print(rep.table)
     if faults := report.storage_faults(rep.data):  # the run degraded to recompute: say so, not only in a log
         print(f"fastkv-supervisor: warning: storage tier {spec.storage_url} failed during the run: {faults} "
               f"(see {spec.out_dir}/logs)", file=sys.stderr)
-    print(f"report: {rep.json_path}\nplot:   {rep.png_path}")
-    return 0
+    print(f"report:  {rep.json_path}\nplot:    {rep.png_path}\nresults: {out / 'results.jsonl'}\n"
+          f"logs:    {out / 'logs'}")
+    if stopped_by:
+        done, total = rep.data["requests"], sum(rep.data.get("states", {}).values())
+        print(f"fastkv-supervisor: stopped by {stopped_by} after {done} of {total} requests", file=sys.stderr)
+    return code
 
 
 def _check_handoff_file(path: Path) -> None:

@@ -6,41 +6,53 @@ which calls the same C functions. See ops/swap_cuda.h for their contract.
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 
+from fastkv import cuda_arch
 from fastkv.ops import OPS_DIR
 
 # sm_80 (A100), sm_90 (H100/H200) native code, plus PTX so newer GPUs JIT it.
-DEFAULT_ARCH_FLAGS = (
-    "-gencode=arch=compute_80,code=sm_80",
-    "-gencode=arch=compute_90,code=sm_90",
-    "-gencode=arch=compute_90,code=compute_90",
-)
+DEFAULT_ARCH_FLAGS = cuda_arch.DEFAULT_FLAGS
+# Every warning, nvcc's and the host compiler's, fails the build (CI: scripts/check_gpu_build.sh).
+WERROR_FLAGS = ("-Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra,-Werror")
+
+
+def _wheel_nvcc() -> list[str]:
+    """nvcc of the pip wheels (nvidia-cuda-nvcc: nvidia/cu13/bin), if installed."""
+    spec = importlib.util.find_spec("nvidia")
+    return [str(Path(loc) / "cu13" / "bin" / "nvcc") for loc in (spec.submodule_search_locations or [])] if spec else []
 
 
 def find_nvcc() -> str | None:
-    for candidate in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+    for candidate in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc", *_wheel_nvcc()):
         if candidate and Path(candidate).is_file():
             return candidate
     return None
 
 
-def build(dest_dir: Path, nvcc: str | None = None, arch_flags: tuple[str, ...] = DEFAULT_ARCH_FLAGS) -> Path:
-    """Compiles the C ABI library into ``dest_dir/libfkv_swap_cuda.so``; returns its path."""
+def build(dest_dir: Path, nvcc: str | None = None, arch_flags: tuple[str, ...] | None = None,
+          warnings_as_errors: bool = False) -> Path:
+    """Compiles the C ABI library into ``dest_dir/libfkv_swap_cuda.so``; returns its path.
+    arch_flags: default ``cuda_arch.gencode_flags()`` ($FASTKV_CUDA_ARCH, else sm_80, sm_90 + PTX)."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found (set NVCC or put it on PATH)")
+    arch_flags = cuda_arch.gencode_flags() if arch_flags is None else arch_flags
     dest_dir = Path(dest_dir)
     dest_dir.mkdir(parents=True, exist_ok=True)
     out = dest_dir / "libfkv_swap_cuda.so"
-    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", *arch_flags, f"-I{OPS_DIR}",
-           "-o", str(out), str(OPS_DIR / "swap_cuda.cu")]
+    # --threads 0: one nvcc thread per architecture, as many at once as there are cores
+    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "--threads", "0", *arch_flags,
+           *(WERROR_FLAGS if warnings_as_errors else ()), f"-I{OPS_DIR}", "-o", str(out), str(OPS_DIR / "swap_cuda.cu")]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{result.stderr}")
@@ -137,3 +149,22 @@ class CudaSwapLib:
         k_arr, v_arr = (_P * layers)(*dev_k), (_P * len(dev_v))(*dev_v)
         self._call("fkv_cuda_swap", k_arr, v_arr, layers, host, page_bytes, num_dev_blocks, num_host_blocks,
                    src.ctypes.data, dst.ctypes.data, len(src), int(to_host), dma_min_bytes, None, int(sync))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastkv.cuda_abi",
+                                     description="Build the C ABI library of ops/swap_cuda.cu with nvcc.")
+    parser.add_argument("--out", type=Path, required=True, help="directory for libfkv_swap_cuda.so")
+    parser.add_argument("--werror", action="store_true", help="every warning fails the build")
+    args = parser.parse_args(argv)
+    try:
+        path = build(args.out, warnings_as_errors=args.werror)
+    except (FileNotFoundError, RuntimeError, ValueError) as exc:
+        print(f"fastkv.cuda_abi: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -181,12 +181,14 @@ def check_request(req: Any, vocab: int | None = None) -> None:
     """ValueError naming the field of ``req`` that is wrong; token ids must be below ``vocab``."""
     if not isinstance(req, dict):
         raise ValueError(f"a request must be a JSON object, got {type(req).__name__}")
+    named = f"request {req['id']!r}" if isinstance(req.get("id"), str) and req["id"] else "request"
     missing = {"id", "arrival_s", "prompt", "max_new_tokens"} - set(req)
     if missing:
-        raise ValueError(f"request lacks {sorted(missing)}")
+        raise ValueError(f"{named} lacks {sorted(missing)}")
     unknown = set(req) - {"id", "arrival_s", "prompt", "max_new_tokens", "preemption"}
     if unknown:
-        raise ValueError(f"request has unknown fields {sorted(unknown)}")
+        raise ValueError(f"{named} has unknown fields {sorted(unknown)}; the fields are id, arrival_s, prompt, "
+                         "max_new_tokens and preemption")
     if not isinstance(req["id"], str) or not req["id"]:
         raise ValueError(f"request id must be a non-empty string, got {req['id']!r}")
     who = f"request {req['id']!r}"

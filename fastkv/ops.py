@@ -43,9 +43,11 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
+
+from fastkv import cuda_arch
 
 OPS_DIR = Path(__file__).resolve().parent.parent / "ops"
 PREBUILT_DIR = Path(__file__).resolve().parent / "_prebuilt"
@@ -54,7 +56,7 @@ _CPU_SOURCES = ("swap_op.cc", "block_digest.cc", "block_digest_avx2.cc", "block_
 _CUDA_SOURCES = ("swap_cuda.cu",)
 _HEADERS = ("swap_common.h", "swap_cuda.h", "block_digest.h", "third_party/xxhash/xxhash.h")
 _CXX_FLAGS = ["-O3", "-pthread"]
-_CUDA_FLAGS = ["-O3", "-DFASTKV_WITH_CUDA"]
+_CUDA_FLAGS = ["-O3", "-DFASTKV_WITH_CUDA"]  # and the -gencode flags of fastkv.cuda_arch
 
 # Runs of consecutive blocks moving at least this many bytes per layer go to the DMA engines as
 # one 2D copy; shorter ones to the gather kernel (GPU only; see ops/swap_cuda.cu).
@@ -111,7 +113,8 @@ def build_tag() -> str:
     digest = hashlib.sha256()
     for path in _source_files(with_cuda):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    context = (paddle.__version__, with_cuda, sys.version_info[:2], platform.machine(), _CXX_FLAGS, _CUDA_FLAGS)
+    cuda_flags = _cuda_cflags() if with_cuda else _CUDA_FLAGS
+    context = (paddle.__version__, with_cuda, sys.version_info[:2], platform.machine(), _CXX_FLAGS, cuda_flags)
     digest.update(repr(context).encode())
     return digest.hexdigest()[:20]
 
@@ -178,26 +181,39 @@ def _sweep_scratch(root: Path) -> None:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _compile(root: Path, tag: str, verbose: bool) -> None:
+def _compile(root: Path, tag: str | None, verbose: bool, cuda: bool = False, log: IO[str] | None = None) -> None:
     scratch = root / f".build-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     try:
-        _run_build_process(scratch, verbose)
+        _run_build_process(scratch, verbose, cuda, log)
         # Rename into place so a reader never maps a half-written library.
         os.replace(scratch / LIB_NAME / f"{LIB_NAME}.so", root / f"{LIB_NAME}.so")
-        (root / "TAG").write_text(tag + "\n")
+        if tag is not None:
+            (root / "TAG").write_text(tag + "\n")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _run_build_process(scratch: Path, verbose: bool) -> None:
+def build_gpu_variant(dest: Path, log: IO[str]) -> Path:
+    """Compiles the ops with their CUDA sources into ``dest/fastkv_ops.so`` as a CUDA build of
+    Paddle would, whatever this Paddle was built for, writing the compilers' commands and output
+    to ``log``: the GPU build's compile check on any machine (``fastkv.gpu_build``). Needs
+    $CUDA_HOME with nvcc and CUDA's headers; the result has no TAG and is not for loading."""
+    dest.mkdir(parents=True, exist_ok=True)
+    _compile(dest, None, True, cuda=True, log=log)
+    return dest / f"{LIB_NAME}.so"
+
+
+def _run_build_process(scratch: Path, verbose: bool, cuda: bool = False, log: IO[str] | None = None) -> None:
     """Compiles into ``scratch`` through a watchdog process (``_watch_build``); on an exception
-    here (Ctrl-C, the supervisor's SIGTERM) asks the watchdog to kill the compilers and waits."""
+    here (Ctrl-C, the supervisor's SIGTERM) asks the watchdog to kill the compilers and waits.
+    cuda: with the CUDA sources even if this Paddle has no CUDA; log: where the output goes."""
     # Its own process group: a terminal's Ctrl-C reaches only this process, which then stops it.
-    proc = subprocess.Popen(_ops_command("_watch-build", scratch, os.getpid(), verbose=verbose), env=_ops_env(),
-                            process_group=0, text=True,
-                            stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT)
+    command = _ops_command("_watch-build", scratch, os.getpid(), verbose=verbose) + (["--cuda"] if cuda else [])
+    stdout = log if log is not None else None if verbose else subprocess.PIPE
+    proc = subprocess.Popen(command, env=_ops_env(), process_group=0, text=True, stdout=stdout,
+                            stderr=subprocess.STDOUT)
     try:
         output, _ = proc.communicate()
     finally:
@@ -206,7 +222,8 @@ def _run_build_process(scratch: Path, verbose: bool) -> None:
             proc.wait()
     if proc.returncode != 0:
         tail = "\n".join((output or "").strip().splitlines()[-20:])
-        raise RuntimeError(f"building fastkv's ops failed (exit {proc.returncode}):\n{tail}")
+        where = f" (its output: {log.name})" if log is not None else ""
+        raise RuntimeError(f"building fastkv's ops failed (exit {proc.returncode}){where}:\n{tail}")
 
 
 def _ops_command(command: str, *args: Any, verbose: bool) -> list[str]:
@@ -223,7 +240,7 @@ class _Abort(Exception):
     pass
 
 
-def _watch_build(scratch: Path, parent_pid: int, verbose: bool) -> int:
+def _watch_build(scratch: Path, parent_pid: int, verbose: bool, cuda: bool = False) -> int:
     """The watchdog: runs ``_compile_into`` in a process group of its own; when the builder dies
     (PR_SET_PDEATHSIG) or terminates it, kills that group, reaps every compiler and removes ``scratch``."""
     from fastkv.ipc.peers import die_with_parent
@@ -238,7 +255,8 @@ def _watch_build(scratch: Path, parent_pid: int, verbose: bool) -> int:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
     proc = None
     try:
-        proc = subprocess.Popen(_ops_command("_compile-into", scratch, verbose=verbose), process_group=0)
+        command = _ops_command("_compile-into", scratch, verbose=verbose) + (["--cuda"] if cuda else [])
+        proc = subprocess.Popen(command, process_group=0)
         return proc.wait()
     except _Abort:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -253,17 +271,24 @@ def _watch_build(scratch: Path, parent_pid: int, verbose: bool) -> int:
         return 1
 
 
-def _compile_into(scratch: Path, verbose: bool) -> None:
+def _cuda_cflags() -> list[str]:
+    """nvcc's flags for swap_cuda.cu: Paddle's JIT adds no -gencode of its own."""
+    return [*_CUDA_FLAGS, *cuda_arch.gencode_flags()]
+
+
+def _compile_into(scratch: Path, verbose: bool, cuda: bool = False) -> None:
+    """Paddle's JIT build of the ops into ``scratch``; with the CUDA sources where Paddle has
+    CUDA, or where ``cuda`` asks for them (a compile check on a machine without)."""
     from paddle.utils.cpp_extension import load as jit_load
 
-    with_cuda = _with_cuda()
+    with_cuda = cuda or _with_cuda()
     sources = [str(OPS_DIR / name) for name in _CPU_SOURCES + (_CUDA_SOURCES if with_cuda else ())]
     cxx_flags = _CXX_FLAGS + (["-DFASTKV_WITH_CUDA"] if with_cuda else [])
     jit_load(
         name=LIB_NAME,
         sources=sources,
         extra_cxx_cflags=cxx_flags,
-        extra_cuda_cflags=list(_CUDA_FLAGS),
+        extra_cuda_cflags=_cuda_cflags() if with_cuda else list(_CUDA_FLAGS),
         extra_include_paths=[str(OPS_DIR)],
         build_directory=str(scratch),
         verbose=verbose,
@@ -656,12 +681,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for step in (watch, compile_into):
         step.add_argument("scratch", type=Path)
         step.add_argument("--verbose", action="store_true")
+        step.add_argument("--cuda", action="store_true")
     watch.add_argument("parent_pid", type=int)
     args = parser.parse_args(argv)
     if args.command == "_watch-build":
-        return _watch_build(args.scratch, args.parent_pid, args.verbose)
+        return _watch_build(args.scratch, args.parent_pid, args.verbose, args.cuda)
     if args.command == "_compile-into":
-        _compile_into(args.scratch, args.verbose)
+        _compile_into(args.scratch, args.verbose, args.cuda)
     elif args.command == "build":
         print(build(args.dest, verbose=args.verbose))
     else:

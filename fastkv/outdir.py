@@ -24,7 +24,8 @@ from pathlib import Path
 LOCK = ".fastkv.lock"
 STORE_MARK = ".fastkv-store"
 # What a run writes at the top of its directory (logs/ only appends, one file per process).
-OUTPUTS = ("results.jsonl", "summary.json", "report.json", "report.png", "workload.jsonl", "spec.json")
+OUTPUTS = ("results.jsonl", "summary.json", "report.json", "report.png", "workload.jsonl", "spec.json",
+           "metrics.prom")
 
 
 class OutDir:

@@ -7,7 +7,10 @@ fixed in SEAMS: summary keys ``SUMMARY_KEYS``; a results line ``{"id", "output",
 request never ran).
 
 report.json = the summary plus ``ttft_s`` / ``latency_s`` percentiles, ``finish`` counts,
-``requests_preempted`` and ``rejected`` (id -> reason of each request that never ran). Optional
+``requests_preempted``, ``rejected`` (id -> reason of each request that never ran) and
+``timeline_columns``, the names of the columns of each ``timeline`` row: seconds since the
+workload started, requests finished (rejected ones included), generated tokens and preemptions
+so far (``fastkv.engine.timeline.COLUMNS``). Optional
 summary keys, shown in the table when present: ``verified`` (what the runner checked,
 ``fastkv.run.VERIFY_COUNTERS``) and ``host_checksum_mismatches``.
 report.png: throughput over time, hit ratio per tier, preemptions by mode.
@@ -24,6 +27,10 @@ SUMMARY_KEYS = ("requests", "prompt_tokens", "generated_tokens", "seconds", "tok
                 "preemptions", "hit_ratio", "copy_gbps", "step_ms_p50", "step_ms_p99", "task_ms_p50", "timeline")
 TIERS = ("device", "host", "storage")
 MODES = ("recompute", "offload", "storage")
+TIMELINE_COLUMNS = ("t_s", "finished_requests", "generated_tokens", "preemptions")  # fastkv.engine.timeline
+# finish reasons in words (results.jsonl "finish")
+FINISH_WORDS = {"length": "reached max_new_tokens", "stop": "sampled a stop token", "rejected": "rejected",
+                "aborted": "aborted", "unfinished": "unfinished"}
 
 
 class Report(NamedTuple):
@@ -73,18 +80,59 @@ def build(summary: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, A
     data["finish"] = finish
     data["requests_preempted"] = sum(1 for r in results if r.get("preemptions"))
     data["rejected"] = {r["id"]: r.get("reason", "") for r in results if r["finish"] == "rejected"}
+    data["timeline_columns"] = list(TIMELINE_COLUMNS)
     return data
+
+
+def title(role: str, workload: str, preemption: str) -> str:
+    """The plot's title: the run's role and workload (a file by its name)."""
+    name = workload if workload == "demo" or workload.startswith("trace") else Path(workload).name
+    return f"fastkv {role} run, workload {name}, preemption {preemption}"
+
+
+def _requests_row(data: dict[str, Any]) -> str:
+    done, total = data["requests"], sum((data.get("states") or {}).values()) or data["requests"]
+    finish = data.get("finish") or {}
+    why = ", ".join(f"{n} {FINISH_WORDS.get(k, k)}" for k, n in finish.items() if k not in ("unfinished",) and n)
+    return f"{done} finished of {total}" + (f"  ({why})" if why else "")
+
+
+def _verified_row(data: dict[str, Any]) -> str:
+    runner = data.get("runner")
+    if runner is not None and runner != "synthetic":
+        return f"not checked: the {runner} runner checks no KV (the synthetic runner does)"
+    v, tp = data["verified"], data.get("tp", 1)
+    ranks = f" (summed over {tp} ranks)" if tp > 1 else ""
+    return (f"{v['kv_mismatches']} mismatches in {v['kv_blocks_verified']} blocks{ranks} of "
+            f"{v['kv_requests_verified']} distinct requests checked on resuming, {v['kv_positions_read']} positions "
+            f"read by the oracle; the runner's own byte work took {v.get('synthetic_us', 0) / 1e6:.2f} s")
+
+
+def _storage_rows(lk: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    if lk.get("lookups"):
+        rows.append(("storage lookups", f"{lk['lookups']} for {lk['requests']} requests, {lk['keys_found']} of "
+                                        f"{lk['keys_asked']} blocks found, {lk['latency_ms_mean']:.2f} ms mean, "
+                                        f"{lk['timed_out']} timed out"))
+    blocks = lk.get("blocks_loaded", 0)
+    if blocks or lk.get("lookups"):
+        joined = lk.get("loads_joined", 0)
+        how = "" if lk.get("lookups") else " (the blocks the handoff named: no lookups)"
+        rows.append(("loaded from storage", f"{blocks} blocks, {lk['bytes_loaded'] / 1e6:.1f} MB{how}"
+                                            + (f"; {joined} more blocks taken from loads in flight" if joined else "")))
+    return rows
 
 
 def table(data: dict[str, Any]) -> str:
     def ms(d: dict, k: str) -> str:
         return f"{1e3 * d[k]:.1f} ms" if k in d else "-"
 
-    done, total = data["requests"], sum((data.get("states") or {}).values())
+    total = sum((data.get("states") or {}).values())
+
     rows = [
-        ("requests", (f"{done}" if total <= done else f"{done} finished of {total}")
-         + (f"  ({_fmt_counts(data['finish'])})" if data.get("finish") else "")),
-        ("prompt / generated tokens", f"{data['prompt_tokens']} / {data['generated_tokens']}"),
+        ("requests", _requests_row(data)),
+        ("prompt / generated tokens", f"{data['prompt_tokens']} / {data['generated_tokens']}"
+         + (f"  (prompts of all {total} requests)" if total > data["requests"] else "")),
         ("wall time", f"{data['seconds']:.2f} s"),
         ("throughput", f"{data['tokens_per_s']:.1f} generated tokens/s"),
         ("time to first token", f"p50 {ms(data['ttft_s'], 'p50')}, p99 {ms(data['ttft_s'], 'p99')}"),
@@ -101,18 +149,16 @@ def table(data: dict[str, Any]) -> str:
     if rejected:  # the user must see which requests never ran, and why
         more = f"; {len(rejected) - 3} more in results.jsonl" if len(rejected) > 3 else ""
         rows.insert(1, ("rejected", "; ".join(f"{rid}: {why}" for rid, why in rejected[:3]) + more))
-    if "verified" in data:  # a runner that checks its KV (the synthetic one): what it checked
-        v = data["verified"]
-        rows.append(("KV verified", f"{v['kv_blocks_verified']} blocks of {v['kv_requests_verified']} resumed "
-                                    f"requests, {v['kv_positions_read']} positions read by the oracle; "
-                                    f"{v['kv_mismatches']} mismatches; the runner's own byte work took "
-                                    f"{v.get('synthetic_us', 0) / 1e6:.2f} s"))
+    status = data.get("status", "done")
+    if status != "done":  # what the numbers below cover
+        rows.insert(0, ("status", f"{status} after {data['requests']} of {total} requests finished; the rows "
+                                  "below cover the run until it stopped" + ("" if data.get("measured", True) else
+                                                                            " (the engine wrote no summary: "
+                                                                            "its measures are 0)")))
+    if "verified" in data:  # what the runner checked of its KV
+        rows.append(("KV verified", _verified_row(data)))
     if data.get("storage_lookup"):
-        lk = data["storage_lookup"]
-        rows.append(("storage lookups", f"{lk['lookups']} for {lk['requests']} requests, {lk['keys_found']} of "
-                                        f"{lk['keys_asked']} blocks found, {lk['latency_ms_mean']:.2f} ms mean, "
-                                        f"{lk['timed_out']} timed out; {lk['bytes_loaded'] / 1e6:.1f} MB loaded, "
-                                        f"{lk.get('loads_joined', 0)} blocks from loads in flight"))
+        rows += _storage_rows(data["storage_lookup"])
     if "host_checksum_mismatches" in data:
         rows.append(("host checksum mismatches", f"{data['host_checksum_mismatches']} (each recomputed, never served)"))
     width = max(len(k) for k, _ in rows)
@@ -138,7 +184,10 @@ def plot(data: dict[str, Any], path: str | Path, title: str = "fastkv run") -> P
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_h, ax_p) = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [2.2, 1, 1]})
-    fig.suptitle(f"{title}: {data['requests']} requests, {data['tokens_per_s']:.0f} tokens/s, "
+    done, total = data["requests"], sum((data.get("states") or {}).values())
+    count = f"{done} of {total} requests finished" if total > done else f"{done} requests"
+    status = data.get("status", "done")
+    fig.suptitle(f"{title}{'' if status == 'done' else f' ({status})'}: {count}, {data['tokens_per_s']:.0f} tokens/s, "
                  f"{data['recomputed_tokens']} recomputed tokens", fontsize=12)
 
     tl = np.asarray(data["timeline"], dtype=np.float64).reshape(-1, 4)

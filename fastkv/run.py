@@ -67,6 +67,7 @@ class RunSpec:
     nslots: int = 4096
     out_dir: str = "fastkv-out"
     metrics_port: int = 0  # the engine's Prometheus endpoint; 0 = off
+    metrics_linger_s: float = 3.0  # the endpoint stays up this long after the workload is done (a final scrape)
     kv_events: dict[str, Any] = field(default_factory=dict)  # fastkv.events.EventsConfig fields; no endpoint = off
 
     def __post_init__(self) -> None:
@@ -78,6 +79,8 @@ class RunSpec:
             raise ValueError(f"RunSpec: storage_lookup_timeout_s must be >= 0, got {self.storage_lookup_timeout_s!r}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"RunSpec: metrics_port must be in [0, 65536), got {self.metrics_port}")
+        if not 0 <= self.metrics_linger_s < 3600:
+            raise ValueError(f"RunSpec: metrics_linger_s must be in [0, 3600) seconds, got {self.metrics_linger_s}")
         object.__setattr__(self, "update_weights_at", tuple(self.update_weights_at))
         self.events_config()
         object.__setattr__(self, "device_ids", tuple(self.device_ids))

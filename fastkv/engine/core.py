@@ -139,7 +139,9 @@ class Engine:
         if client_factory is None:
             from fastkv.transfer.client import TransferClient as client_factory
         self.transfer = client_factory(ends, spec)
-        self.metrics = EngineMetrics(self.sched)
+        self.metrics = EngineMetrics(self.sched, {"role": spec.role, "run_id": spec.run_id}, ends.signals,
+                                     spec.tp_size)
+        self.metrics.beat_s = spec.heartbeat_s
         self.events = None  # KV events for routers (fastkv.events), published once per step
         events = spec.events_config()
         if events is not None:

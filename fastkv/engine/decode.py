@@ -1,5 +1,6 @@
 """The decode role's loop (``--role decode``): take the prefill run's requests as its
-handoff file announces them (``fastkv.engine.handoff_stream``) and decode them here."""
+handoff file announces them (``fastkv.engine.handoff_stream``) and decode them here,
+sampling the run's timeline as the other roles do."""
 from __future__ import annotations
 
 import time
@@ -9,10 +10,11 @@ from typing import Any
 from fastkv.engine.core import Engine, EngineError, RequestRejected
 from fastkv.engine.handoff import HandoffStats
 from fastkv.engine.handoff_stream import Follower
+from fastkv.engine.timeline import Timeline
 from fastkv.sched.reservation import Refusal
 
 
-def drive_decode(engine: Engine, items: list[Any], results: list[Any]) -> None:
+def drive_decode(engine: Engine, items: list[Any], results: list[Any], timeline: list | None = None) -> None:
     """The decode role's loop: take the prefill run's records as they come
     (``fastkv.engine.handoff_stream``), each as soon as the engine reserves blocks for it
     (asked again every step while refused), and step until the prefill run has ended and all
@@ -21,6 +23,7 @@ def drive_decode(engine: Engine, items: list[Any], results: list[Any]) -> None:
     by_id = {it.id: it for it in items}
     follow = Follower(engine.spec.handoff)
     queue: deque[tuple[Any, bool]] = deque()
+    samples = Timeline([] if timeline is None else timeline)  # sampled as any run's (fastkv.engine.timeline)
     try:
         while not engine.ends.signals["stop"]:
             try:
@@ -47,7 +50,9 @@ def drive_decode(engine: Engine, items: list[Any], results: list[Any]) -> None:
                     results.append(engine.rejected(it.id, exc.reason, time.monotonic()))
                 queue.popleft()
             if engine.has_work():
-                results += engine.step()
+                done = engine.step()
+                results += done
+                samples.sample(engine, len(results), force=bool(done))
             elif follow.end is not None:
                 break
             else:  # idle until the prefill run appends

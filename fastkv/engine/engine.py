@@ -31,10 +31,10 @@ from typing import Any, NamedTuple
 from fastkv.demo import arrival_error, prompt_error
 from fastkv.engine.core import Engine, EngineError, EngineStopped, RequestRejected, RequestResult
 from fastkv.engine.decode import drive_decode
+from fastkv.engine.timeline import Timeline, point
 from fastkv.run import EXITING, READY, VERIFY_COUNTERS, RunSpec
 
 MODES = ("recompute", "offload", "storage", "auto")
-_TIMELINE_EVERY_S = 0.25
 
 
 class WorkItem(NamedTuple):
@@ -66,9 +66,9 @@ def read_workload(path: str | Path) -> list[WorkItem]:
         if problem:
             raise ValueError(f"{where}: request {rid!r}: {problem}")
         if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
-            raise ValueError(f"{where}: 'max_new_tokens' must be an int >= 1, got {max_new!r}")
+            raise ValueError(f"{where}: request {rid!r}: 'max_new_tokens' must be an int >= 1, got {max_new!r}")
         if mode is not None and mode not in MODES:
-            raise ValueError(f"{where}: 'preemption' must be null or one of {MODES}, got {mode!r}")
+            raise ValueError(f"{where}: request {rid!r}: 'preemption' must be null or one of {MODES}, got {mode!r}")
         seen.add(rid)
         items.append(WorkItem(rid, float(arrival), prompt, max_new, mode))
     items.sort(key=lambda it: it.arrival_s)  # stable: equal arrivals keep file order
@@ -82,7 +82,7 @@ def drive(engine: Engine, items: list[WorkItem], results: list[RequestResult], t
     sig, spec = engine.ends.signals, engine.spec
     updates = spec.weight_updates()
     start = time.monotonic()
-    next_item, last_point = 0, 0.0
+    next_item, samples = 0, Timeline(timeline)
     while next_item < len(items) or engine.has_work():
         if sig["stop"]:
             break
@@ -106,11 +106,7 @@ def drive(engine: Engine, items: list[WorkItem], results: list[RequestResult], t
         results += done
         while updates and sum(r.state == "finished" for r in results) >= updates[0][0]:
             results += engine.update_weights(updates.pop(0)[1], free_memory=spec.free_memory_on_update)
-        t = time.monotonic() - start
-        if done or t - last_point >= _TIMELINE_EVERY_S:
-            timeline.append([round(t, 4), len(results), engine.metrics.tokens_sampled,
-                             sum(engine.metrics.preemptions().values())])
-            last_point = t
+        samples.sample(engine, len(results), force=bool(done))
     engine.check_workers()  # a rank that died after its last step must not pass for a clean run
 
 
@@ -157,8 +153,11 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
             "bytes_loaded": engine.cache.stats.load_blocks * engine.spec.layout.block_bytes * engine.spec.tp_size,
             "blocks_loaded": engine.cache.stats.load_blocks,
             "loads_joined": engine.cache.stats.joined_load_blocks},  # blocks taken from another's LOAD
-        # what the workers' runners verified (summed over ranks); a mismatch fails the run
-        "verified": {c: sum(sig[f"worker{r}.{c}"] for r in ranks) for c in VERIFY_COUNTERS},
+        # what the workers' runners verified (summed over ranks; requests: each rank checks the
+        # same requests, so the most any rank checked); a mismatch fails the run
+        "verified": {c: (max if c == "kv_requests_verified" else sum)(sig[f"worker{r}.{c}"] for r in ranks)
+                     for c in VERIFY_COUNTERS},
+        "runner": engine.spec.runner, "tp": engine.spec.tp_size, "role": engine.spec.role,
         "host_checksum_mismatches": sum(sig[f"transfer{r}.host_checksum_mismatches"] for r in ranks),
         "weight_updates": engine.weight_updates,
         # KV computed under older weights that a request read (the synthetic runner checks): must be 0
@@ -215,6 +214,10 @@ def write_missing(out_dir: str | Path, workload_path: str | Path, status: str) -
         "status": status, "states": _states(results), "requests": sum(r.state == "finished" for r in results),
         "prompt_tokens": sum(len(it.prompt) for it in items),
         "generated_tokens": sum(len(r.output) for r in results), "seconds": 0.0, "tokens_per_s": 0.0,
+        # what the engine measures is unknown: zeros, so a report of what finished can still be made
+        "recomputed_tokens": 0, "preemptions": dict.fromkeys(("recompute", "offload", "storage"), 0),
+        "hit_ratio": dict.fromkeys(("device", "host", "storage"), 0.0), "copy_gbps": 0.0, "step_ms_p50": 0.0,
+        "step_ms_p99": 0.0, "task_ms_p50": 0.0, "measured": False,
         "timeline": []})
     return True
 
@@ -229,6 +232,10 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
     results: list[RequestResult] = []
     timeline: list[list[float]] = [[0.0, 0, 0, 0]]
     status, code, start = "done", 0, time.monotonic()
+    print(f"fastkv engine: run {spec.run_id}, role {spec.role}, {len(items)} requests from {workload_path}; "
+          f"{spec.tp_size} rank(s), {spec.runner} runner, {spec.num_device_blocks} device / {spec.num_host_blocks} "
+          f"host blocks, cache policy {spec.cache_policy}, storage {spec.storage_url or 'none'}",
+          file=sys.stderr, flush=True)
     try:
         port = engine.metrics.serve(spec.metrics_port)
         if port:
@@ -238,7 +245,7 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
         engine.ends.signals["engine.ready"] = READY
         start = time.monotonic()
         if spec.role == "decode":
-            drive_decode(engine, items, results)
+            drive_decode(engine, items, results, timeline)
         else:
             drive(engine, items, results, timeline)
     except EngineStopped:
@@ -254,8 +261,7 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
             engine.ends.signals["engine.ready"] = EXITING
             results = complete(items, results + engine.unfinished())
             seconds = time.monotonic() - start
-            timeline.append([round(seconds, 4), sum(r.state == "finished" for r in results),
-                             engine.metrics.tokens_sampled, sum(engine.metrics.preemptions().values())])
+            timeline.append(point(engine, sum(r.state == "finished" for r in results), seconds))
             if status == "done" and any(r.state == "unfinished" for r in results):
                 status = "stopped"  # drive() returns early only on stop
             summary = summarize(engine, items, results, timeline, seconds, status)
@@ -264,9 +270,15 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
             handoff = engine.exporter.stats if engine.exporter is not None else engine.handoff_stats
             if handoff is not None:  # what the prefill -> decode handoff moved (fastkv.engine.handoff)
                 summary["handoff"] = handoff.to_json()
+            write_outputs(spec.out_dir, results, summary)
+            engine.metrics.freeze()
+            engine.metrics.write_textfile(Path(spec.out_dir) / "metrics.prom")
+            print(f"fastkv engine: {status}: {summary['requests']} of {len(items)} requests finished in "
+                  f"{seconds:.2f} s", file=sys.stderr, flush=True)
+            # the final scrape window: a Prometheus scraping every few seconds sees the end
+            engine.metrics.linger(spec.metrics_linger_s, engine.beat, lambda: engine.ends.signals["stop"])
         finally:
             engine.close()
-        write_outputs(spec.out_dir, results, summary)
     return code
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from fastkv import report
 from fastkv.run import handoff_sem
 from tests.e2e.launch import Run, new_run_id
 from tests.e2e.test_engine_synthetic import VOCAB, check_outputs, spec, workload
@@ -62,6 +63,13 @@ def test_decode_engine_serves_a_finished_prefill_runs_prompts_token_identically(
         results, dec = finish(run)
     check_decode(results, pre, dec, wl)
     assert not sem_left(handoff)
+    # the decode run's timeline is sampled as any run's: a point per step that finished requests
+    tl = dec["timeline"]
+    assert len(tl) > 3 and tl[-1][1] == len(wl) and tl[-1][2] == dec["generated_tokens"], tl
+    assert [row[2] for row in tl] == sorted(row[2] for row in tl)
+    table = report.table(report.build(dec, list(results.values())))
+    assert "storage lookups" not in table and f"{dec['storage_lookup']['blocks_loaded']} blocks" in table, table
+    assert "(the blocks the handoff named: no lookups)" in table
 
 
 @pytest.fixture(params=["lmdb", "redis"])

@@ -129,7 +129,7 @@ def test_sigterm_stops_cleanly(tmp_path):
     proc.send_signal(signal.SIGTERM)
     code, _, err = finish(proc, 60)
     assert code == 143, err
-    assert "interrupted by SIGTERM" in err
+    assert "stopped by SIGTERM" in err
     assert not any(pid_alive(p) for p in pids)
     assert leftovers(rid) == []
     # The stand-in engine stops without a summary: the supervisor writes it, keeping the lines the

@@ -79,9 +79,9 @@ def test_storage_faults_are_shown(tmp_path):
 
 
 def test_the_requests_row_counts_every_request_when_some_did_not_finish(tmp_path):
-    """A rejected request used to read as 'requests 1 (rejected 1, length 1)': one of two."""
+    """The row says finished of all, and each finish reason in words."""
     states = {"finished": 1, "aborted": 0, "rejected": 1, "unfinished": 0}
     write_run(tmp_path, summary(requests=1, states=states), res=results()[:1])
     assert report.write(tmp_path, title="t").table.splitlines()[0].split(None, 1)[1].startswith("1 finished of 2")
     write_run(tmp_path, summary(requests=4, states={**states, "finished": 4, "rejected": 0}), res=results())
-    assert report.write(tmp_path, title="t").table.splitlines()[0].split(None, 1)[1].startswith("4  (")
+    assert report.write(tmp_path, title="t").table.splitlines()[0].split(None, 1)[1].startswith("4 finished of 4  (")

@@ -18,7 +18,7 @@ SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("bench_*.py"))
 
 
 def documented() -> dict[str, dict]:
-    """The JSON line of each benchmark in BENCHMARKS.md's summary (first one per bench)."""
+    """The JSON line of each benchmark in BENCHMARKS.md (the first line starting ``{"bench": `` per bench)."""
     out: dict[str, dict] = {}
     for line in (ROOT / "BENCHMARKS.md").read_text().splitlines():
         if line.startswith('{"bench": '):

@@ -96,7 +96,7 @@ def test_metrics_registry_and_summary():
     m.observe_copy("swap_out", True, 4096, 0.001)
     m.observe_copy("load", False, 0, 0.5)
     text = generate_latest(m.registry).decode()
-    for line in ('fastkv_hit_ratio{tier="device"}', 'fastkv_blocks{state="allocated",tier="device"} 2.0',
+    for line in ('fastkv_hit_tokens_total{tier="device"}', 'fastkv_blocks{state="allocated",tier="device"} 2.0',
                  'fastkv_preemptions_total{mode="offload"} 0.0', "fastkv_step_seconds_count 2.0",
                  'fastkv_copy_bytes_total{kind="swap_out"} 4096.0', 'fastkv_copy_failures_total{kind="load"} 1.0',
                  'fastkv_requests{state="running"} 1.0', "fastkv_generated_tokens_total 4.0"):
@@ -118,7 +118,7 @@ def test_metrics_endpoint():
     try:
         assert m.serve(port) == port
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert "fastkv_blocks" in body and "fastkv_hit_ratio" in body
+        assert "fastkv_blocks" in body and "fastkv_hit_tokens_total" in body
     finally:
         m.close()
     with pytest.raises(ValueError, match="port"):

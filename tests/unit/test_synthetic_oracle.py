@@ -122,3 +122,18 @@ def test_kv_of_older_weights_is_a_stale_hit():
     with pytest.raises(KVMismatch, match="computed under weights '0'.*stale"):
         runner.step(HIT)
     assert runner.checks()["kv_stale_hits"] == 1 and runner.checks()["kv_mismatches"] == 1
+
+
+def test_a_request_resumed_again_is_one_verified_request():
+    """kv_requests_verified counts distinct requests: request 3, checked on its prefix hit and
+    again each time it resumes (here: after a step without it), is one request."""
+    runner, _, _ = make("resumed")
+    prefill(runner)
+    tok = runner.step(HIT).sampled[3]
+    for step in range(2, 6, 2):
+        runner.step(StepPlan(step, [SeqWork(1, [A[-1]], 7, [0, 1], False)]))  # a step without request 3
+        tok = runner.step(StepPlan(step + 1, [SeqWork(3, [tok], 9 + step // 2 - 1, [0, 1, 4], True)])).sampled[3]
+    checks = runner.checks()
+    # each resume checked its blocks again: the hit's 2, then twice request 1's 2 and request 3's 3
+    assert checks["kv_blocks_verified"] == 2 + 2 * (2 + 3), checks
+    assert checks["kv_requests_verified"] == 2, checks  # requests 3 and 1, five checks between them

@@ -428,6 +428,7 @@ class SyntheticRunner(ModelRunner):
         self._history: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._last_step_ids: set[int] = set()
         self._checks = dict.fromkeys(VERIFY_COUNTERS, 0)
+        self._verified_ids: set[int] = set()
         self._old_versions: list[str] = []  # served before, newest first: what a stale hit would match
         self._burn = np.ones((32, 32), np.float32)
 
@@ -511,7 +512,9 @@ class SyntheticRunner(ModelRunner):
         if self.verify == "all" or (self.verify == "resumed" and (resumed or start > len(known))):
             cached = self._verify(rid, seq.block_table, start, known)
             self._checks["kv_blocks_verified"] += n_prev
-            self._checks["kv_requests_verified"] += start > 0
+            if start > 0 and rid not in self._verified_ids:  # distinct requests, however often resumed
+                self._verified_ids.add(rid)
+                self._checks["kv_requests_verified"] += 1
             if len(cached) > len(known):
                 known = cached
         elif start > len(known):  # a prefix this runner never saw; -1 marks its tokens unknown

@@ -1,0 +1,99 @@
+"""flag > config file > default, for every setting of the README's FastDeploy table, whichever
+of a setting's names each layer uses; two names of one setting in one layer are an error."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from fastkv.cli import JobConfig, _flags, build_parser
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def flags(*argv: str) -> dict:
+    return _flags(build_parser().parse_args(list(argv)))
+
+
+def readme_table() -> list[tuple[str, str]]:
+    """(FastDeploy setting, fastkv setting) of each row of the README's table."""
+    text = README.read_text().split("### Settings for FastDeploy users", 1)[1]
+    rows = re.findall(r"^\| (.+?) \| (.+?) \| .+ \|$", text, re.M)
+    return [(fd, fk) for fd, fk in rows if not set(fd) <= {"-", "|"} and fd != "FastDeploy setting"]
+
+
+def _name(cell: str) -> str:
+    found = re.findall(r"`(\w+)`", cell)
+    return found[0] if found else ""
+
+
+# README row's setting -> (config file, flags, what the job must hold): the flag must win.
+CASES = {
+    "swap_space": ('swap_space = 0.01\n', ["--host-blocks", "200"], {"host_blocks": 200}),
+    "num_cpu_blocks": ('swap_space = 0.01\n', ["--num-cpu-blocks", "200"], {"host_blocks": 200}),
+    "kvcache_storage_backend": ('kvcache_storage_backend = "lmdb:///tmp/fkv-x"\n', ["--storage", "none"],
+                                {"storage": "none"}),
+    "enable_prefix_caching": ("enable_prefix_caching = false\n", ["--enable-prefix-caching"],
+                              {"enable_prefix_caching": True}),
+    "block_size": ("block_size = 32\n", ["--block-size", "8"], {"block_size": 8}),
+    "free_memory_on_update": ("free_memory_on_update = false\n", ["--free-memory-on-update"],
+                              {"free_memory_on_update": True}),
+    "device_ids": ('tp = 2\ndevice_ids = "1,0"\n', ["--device-ids", "0,1"], {"device_ids": "0,1"}),
+}
+
+
+def test_every_row_of_the_readme_table_has_a_case():
+    rows = readme_table()
+    assert len(rows) >= 7, rows
+    names = set()
+    for fd, fk in rows:
+        fd_name, fk_name = _name(fd), _name(fk)
+        names.add(fd_name if fd_name in CASES else fk_name)
+    assert names == set(CASES), f"rows without a case: {names - set(CASES)}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_flag_overrides_the_config_file(tmp_path, name):
+    text, argv, expect = CASES[name]
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    cfg = JobConfig.from_sources(path, flags(*argv))
+    assert {k: getattr(cfg, k) for k in expect} == expect
+    assert any(argv[0] in note and "overrides" in note for note in cfg.overridden), cfg.overridden
+
+
+def test_the_file_overrides_the_default_and_says_nothing(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("num_cpu_blocks = 77\n")
+    cfg = JobConfig.from_sources(path, flags())
+    assert cfg.host_blocks == 77 and cfg.overridden == []
+    cfg = JobConfig.from_sources(path, flags("--num-cpu-blocks", "77"))  # the same value: nothing to say
+    assert cfg.host_blocks == 77 and cfg.overridden == []
+
+
+def test_a_flag_overrides_the_file_under_its_other_name(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('host_blocks = 200\nstorage = "none"\n')
+    cfg = JobConfig.from_sources(path, flags("--swap-space", "0.5", "--kvcache-storage-backend", "lmdb:///tmp/y"))
+    assert cfg.host_blocks == 2**29 // cfg.layout().block_bytes and cfg.storage == "lmdb:///tmp/y"
+    assert len(cfg.overridden) == 2
+
+
+@pytest.mark.parametrize(("text", "argv", "both"), [
+    ("", ["--swap-space", "0.01", "--host-blocks", "200"], ("--host-blocks", "--swap-space")),
+    ("", ["--num-cpu-blocks", "9", "--host-blocks", "200"], ("--host-blocks", "--num-cpu-blocks")),
+    ("swap_space = 0.01\nnum_cpu_blocks = 9\n", [], ("swap_space", "num_cpu_blocks")),
+    ('storage = "none"\nkvcache_storage_backend = "lmdb:///tmp/z"\n', [], ("storage", "kvcache_storage_backend")),
+])
+def test_two_names_of_one_setting_in_one_layer_are_an_error_naming_both(tmp_path, text, argv, both):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="given twice") as exc:
+        JobConfig.from_sources(path, flags(*argv))
+    assert all(name in str(exc.value) for name in both), exc.value
+
+
+def test_help_states_the_rule():
+    assert "flag > config file > default" in " ".join(build_parser().format_help().split())
+    assert "flag > config file > default" in README.read_text()
