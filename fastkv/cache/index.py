@@ -94,14 +94,6 @@ class MatchResult(NamedTuple):
         return len(self.device_blocks) * self.block_size
 
     @property
-    def num_host_tokens(self) -> int:
-        return len(self.host_blocks) * self.block_size
-
-    @property
-    def num_storage_tokens(self) -> int:
-        return len(self.storage_keys) * self.block_size
-
-    @property
     def num_hit_tokens(self) -> int:
         return self.num_blocks * self.block_size
 

@@ -140,10 +140,6 @@ class CacheManager:
         dstate = self.device.state
         return sum(1 for b in match.device_blocks if dstate[b] != _CACHED)
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        """Whether ``num_blocks`` new device blocks can be handed out now (no prefix hit assumed)."""
-        return self.device.num_available - self.state.reserved >= num_blocks
-
     @property
     def num_free_device_blocks(self) -> int:
         """Device blocks allocatable now: free + evictable, minus reservations."""

@@ -310,10 +310,6 @@ class Engine:
             return True
         return rid is not None and self.sched.abort(rid)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._ids)
-
     def has_work(self) -> bool:
         return (self.sched.has_work() or self.transfer.pending > 0 or bool(self.lookups) or bool(self._arrived)
                 or bool(self.exporter))

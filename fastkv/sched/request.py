@@ -48,10 +48,6 @@ class RequestState(IntEnum):
         """The cache manager holds a record (blocks on some tier) of this request."""
         return self in _IN_CACHE
 
-    @property
-    def waits_for_copy(self) -> bool:
-        return self is RequestState.LOADING or self is RequestState.OFFLOADING
-
 
 S = RequestState
 _IN_CACHE = frozenset({S.LOADING, S.RUNNING, S.OFFLOADING, S.OFFLOADED})

@@ -1,7 +1,7 @@
 """Counters of the scheduler: what it preempted, how, and what that cost."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from fastkv.sched.request import PreemptionMode
 
@@ -40,6 +40,3 @@ class SchedulerStats:
     @property
     def preemptions(self) -> int:
         return self.preempt_recompute + self.preempt_offload + self.preempt_storage
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
