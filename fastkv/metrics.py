@@ -136,7 +136,7 @@ class EngineMetrics:
         return {"recompute": st.preempt_recompute, "offload": st.preempt_offload, "storage": st.preempt_storage}
 
     def summary(self) -> dict[str, Any]:
-        """The metric part of summary.json (see SEAMS.md)."""
+        """The metric part of summary.json (docs/FORMATS.md)."""
         return {
             "recomputed_tokens": self.scheduler.stats.recomputed_tokens,
             "preemptions": self.preemptions(),
@@ -145,7 +145,7 @@ class EngineMetrics:
             "step_ms_p50": _percentile_ms(self.step_s, 50),
             "step_ms_p99": _percentile_ms(self.step_s, 99),
             "task_ms_p50": _percentile_ms(self.task_s, 50),
-            "copy_tasks": dict(self.copy_tasks),  # beyond SEAMS.md: successful copy tasks by kind
+            "copy_tasks": dict(self.copy_tasks),  # successful copy tasks by kind
         }
 
     # -- endpoint ----------------------------------------------------------------------

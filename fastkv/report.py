@@ -1,10 +1,9 @@
 """A run's report: summary table, report.json and report.png, from the engine's files.
 
 Reads ``<out_dir>/summary.json`` (required) and ``<out_dir>/results.jsonl`` (optional: per
-request TTFT and latency percentiles, finish reasons). Both formats are the engine's, as
-fixed in SEAMS: summary keys ``SUMMARY_KEYS``; a results line ``{"id", "output", "finish",
-"ttft_s", "latency_s", "preemptions", "recomputed_tokens", "reason"}`` (reason: why a "rejected"
-request never ran).
+request TTFT and latency percentiles, finish reasons). Both formats are the engine's, every
+field documented in docs/FORMATS.md: summary keys always present ``SUMMARY_KEYS``; a results
+line ``fastkv.engine.core.RequestResult`` (``reason``: why a "rejected" request never ran).
 
 report.json = the summary plus ``ttft_s`` / ``latency_s`` percentiles, ``finish`` counts,
 ``requests_preempted``, ``rejected`` (id -> reason of each request that never ran) and

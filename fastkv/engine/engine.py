@@ -3,7 +3,7 @@
 ``main(spec_json, workload_path)`` attaches the run the supervisor created, reads
 ``workload.jsonl``, submits each request at its ``arrival_s`` offset from the start (all 0:
 a closed loop, everything queued at once), steps the engine until every request finished,
-and writes ``results.jsonl`` and ``summary.json`` to ``spec.out_dir`` (formats: SEAMS.md).
+and writes ``results.jsonl`` and ``summary.json`` to ``spec.out_dir`` (formats: docs/FORMATS.md).
 It beats ``engine.beat``, sets ``engine.ready`` once attached, and keeps ``engine.total`` /
 ``engine.finished`` current for the supervisor's progress bar. Between arrivals it blocks
 on the inbox doorbell (copy completions wake it), never in a sleep.

@@ -1,4 +1,5 @@
-"""Stand-in entry points with the SEAMS protocol, to test the supervisor without the real engine.
+"""Stand-in entry points with the supervisor's protocol (docs/DESIGN.md), to test the supervisor
+without the real engine.
 
 Each attaches what its role attaches, writes its pid, ready flag and heartbeat, and exits 0
 when ``stop`` is set. The engine reads workload.jsonl and writes results.jsonl and
