@@ -53,6 +53,7 @@ setup(
         "prometheus-client>=0.20",
         "tqdm>=4.60",
         "matplotlib>=3.7",
+        "setproctitle>=1.3",  # each process's role, rank and run id in ps and top
     ],
     extras_require={
         "cpu": ["paddlepaddle>=3.0"],

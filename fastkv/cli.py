@@ -628,8 +628,10 @@ def _prepare_and_run(parser: argparse.ArgumentParser, args: argparse.Namespace, 
 
 def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress_bar: bool) -> int:
     from fastkv import report
+    from fastkv.proctitle import set_title
     from fastkv.supervisor import Supervisor
 
+    set_title("supervisor", None, spec.run_id)
     print(f"fastkv-supervisor: run {spec.run_id}: {spec.tp_size} rank(s), {cfg.runner} runner, "
           f"preemption {cfg.preemption}, {spec.num_device_blocks} device / {spec.num_host_blocks} host blocks, "
           f"storage {spec.storage_url or 'none'}; output in {spec.out_dir}", file=sys.stderr)

@@ -51,6 +51,7 @@ from fastkv.engine.engine import write_missing
 from fastkv.ipc import Namespace, SignalArray, cleanup_stale
 from fastkv.ipc.namespace import SHM_DIR
 from fastkv.ipc.peers import die_with_parent
+from fastkv.proctitle import set_title
 from fastkv.run import STARTING, RunSpec, create_run
 
 ENTRY_POINTS = {
@@ -92,9 +93,12 @@ def resolve(target: str) -> Callable[..., int]:
     return getattr(importlib.import_module(module), func)
 
 
-def _child_main(target: str, args: tuple, parent_pid: int, log_path: str) -> None:
-    """Runs in the spawned child: die with the supervisor, log to a file, call the entry point."""
+def _child_main(target: str, args: tuple, parent_pid: int, log_path: str, title: tuple = ()) -> None:
+    """Runs in the spawned child: die with the supervisor, log to a file, call the entry point.
+    ``title``: ``(role, rank, run_id)`` for ``fastkv.proctitle.set_title``."""
     die_with_parent(parent_pid)
+    if title:
+        set_title(*title)
     # Ctrl-C reaches the whole process group; only the supervisor decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -329,7 +333,8 @@ class Supervisor:
         args = (self.spec.to_json(), str(self.workload_path)) if role == "engine" else (self.spec.to_json(), rank)
         proc = self._ctx.Process(
             target=_child_main, name=f"fastkv-{name}",
-            args=(self.entry_points[role], args, os.getpid(), str(self.log_dir / f"{name}.log")),
+            args=(self.entry_points[role], args, os.getpid(), str(self.log_dir / f"{name}.log"),
+                  (role, rank, self.spec.run_id)),
         )
         old = self.children.get(name)
         child = Child(name, role, rank, proc, time.monotonic_ns(), old.restarts if old else 0)

@@ -141,6 +141,26 @@ def test_sigterm_stops_cleanly(tmp_path):
     assert summary["states"]["unfinished"] == sum(r.get("state") == "unfinished" for r in rows)
 
 
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+
+
+def test_each_process_shows_its_role_rank_and_run_id(tmp_path):
+    rid = run_id()
+    proc = start_cli(tmp_path, rid, standin_request_s=1.0)
+    sig = attach_signals(rid, proc)
+    try:
+        titles = {p: _cmdline(sig[f"{p}.pid"]) for p in ("engine", "worker0", "transfer0")}
+        titles["supervisor"] = _cmdline(proc.pid)
+    finally:
+        sig.close()
+        proc.send_signal(signal.SIGTERM)
+        finish(proc, 60)
+    assert titles == {"engine": f"fastkv engine run {rid}", "worker0": f"fastkv worker[0] run {rid}",
+                      "transfer0": f"fastkv transfer[0] run {rid}", "supervisor": f"fastkv supervisor run {rid}"}
+    assert leftovers(rid) == []
+
+
 @pytest.mark.parametrize("transfer", [
     "standin",
     pytest.param("real", marks=pytest.mark.skipif(importlib.util.find_spec("fastkv.transfer.process") is None,
