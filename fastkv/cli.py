@@ -36,8 +36,8 @@ from fastkv.outdir import OutDir
 RUNNERS = ("synthetic", "tiny")
 STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
 ROLES = ("mixed", "prefill", "decode")
-# Per-token compute cost of the synthetic runner (CPU busy work): 300 us is what the tiny Paddle
-# decoder costs per token on the development machine, so recomputing a preempted request costs
+# Per-token compute cost of the synthetic runner (CPU busy work): 300 us, the order of what the
+# tiny Paddle decoder costs per token on a CPU, so recomputing a preempted request costs
 # what it would with a real (CPU) model. verify "resumed" checks every block of a request that
 # was restored, preempted or moved, byte for byte, without re-reading every sequence every step.
 DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 300.0, "verify": "resumed"}, "tiny": {}}

@@ -557,7 +557,7 @@ class BoundSwap:
                           self._k[0].shape[0], shape[0])
         self._lib = c_abi(hold_gil)
         # Ids are copied here and passed by these fixed addresses: reading an array's address
-        # (``arr.ctypes.data``) costs ~2.5 us, more than the rest of a small swap's call. A call
+        # (``arr.ctypes.data``) costs more than the rest of a small swap's call. A call
         # with more ids than the larger tier has blocks cannot be valid (dst ids are unique)
         # and takes the general path, which reports why.
         cap = max(self._geometry[3:])
@@ -597,7 +597,7 @@ class BoundSwap:
 
     def _sums_address(self, sums: np.ndarray, nhost: int) -> int:
         """``sums``'s address, checked once per array (the transfer process passes its host
-        tier's every time; checking and reading the address cost ~4 us a call)."""
+        tier's every time; checking and reading the address costs microseconds a call)."""
         if self._sums is None or self._sums[0] is not sums:
             if sums.dtype != np.uint8 or sums.shape != (nhost, 16) or not sums.flags.c_contiguous:
                 raise ValueError(f"sums must be a C-contiguous uint8 [{nhost}, 16] array, "

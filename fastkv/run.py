@@ -176,9 +176,8 @@ HANDOFF_FILE = "handoff.jsonl"
 
 # ``{proc}.ready``: what the supervisor may do to a process it must stop. STARTING (importing,
 # attaching: it holds no work and sees ``stop`` only once up) may be SIGTERMed; READY and EXITING
-# (its channels closed, it is releasing what it attached) are left to exit by themselves. A
-# process that cleared its flag on the way out was taken for STARTING and SIGTERMed mid-cleanup:
-# Paddle's SIGTERM dump then hung one transfer process until SIGKILL 15 s later.
+# (its channels closed, it is releasing what it attached) are left to exit by themselves: a
+# SIGTERM mid-cleanup runs Paddle's SIGTERM dump, which can hang the process until SIGKILL.
 STARTING, READY, EXITING = 0, 1, 2
 
 

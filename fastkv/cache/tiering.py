@@ -192,8 +192,8 @@ def hold_chain(state: CacheState, req: CacheRecord, end: int) -> None:
 
     A running request holds them as it holds its device blocks: out of the host's eviction
     queue, so neither can a parent be evicted under a child in flight (the reason a plan holds
-    its chain), nor do its copies age while it runs (a write-through plan used to refresh its
-    whole chain as it landed). Each key is looked at once per hold: the keys up to
+    its chain), nor do its copies age while it runs, and a block fill does not walk the whole
+    chain to refresh it. Each key is looked at once per hold: the keys up to
     ``chain_upto`` were, and its own copies join as they land. A key still in flight to the
     host is held when it lands; one that comes later by another way (another request's copy)
     is not held, only ordered when the request lets go (``release_chain``)."""
@@ -249,7 +249,7 @@ def release_chain(state: CacheState, req: CacheRecord, touch: bool = False) -> b
             release(b)
         elif touch:
             refresh(b)
-    for b in mine:  # keys that are not the request's any more (none today): any order
+    for b in mine:  # keys that are not the request's any more (no caller leaves any): any order
         release(b)
     return True
 
@@ -259,11 +259,10 @@ def make_host_room(state: CacheState, n: int, holding: Sequence[int] = (), keep:
     leave the eviction queue then): available blocks less those. Short of ``n``, running requests
     (not ``keep``) let go of their chain holds first, the least recently extended first, until
     it is not: a write-back, an offload or a storage hit's staging block may evict their
-    copies, which then queue at the young end, leaves first, as a write-through's refresh of its
-    chain used to leave them. A write-through does not make room so: with the host full of
-    running requests' copies, taking one's would only lose it a copy another needs as much (the
-    copy is made later, or written back), and each such request would walk its chain again to
-    hold it anew."""
+    copies, which then queue at the young end, leaves first. A write-through does not make room
+    so: with the host full of running requests' copies, taking one's would only lose it a copy
+    another needs as much (the copy is made later, or written back), and each such request
+    would walk its chain again to hold it anew."""
     host = state.host
     hstate = host.state
 

@@ -13,8 +13,8 @@ subscriber (``pkg/kvcache/kvevents/zmq_subscriber.go``) speak it:
 The engine thread encodes a batch (msgspec, microseconds), appends it to the replay buffer (a
 bounded deque) and hands it to the PUB socket with a non-blocking send: ZMQ's own I/O thread
 (C++, no GIL) does the network work, so no Python thread is woken per batch. (vLLM relays
-through a Python thread and a queue; here such a relay cost the engine thread ~0.5 ms a batch
-in GIL hand-offs, 10 % of a small step.) A subscriber ``hwm`` batches behind loses the newer
+through a Python thread and a queue; such a relay costs the engine thread GIL hand-offs on
+every batch, a sizeable share of a small step.) A subscriber ``hwm`` batches behind loses the newer
 ones at its ZMQ queue, as ZMQ PUB does, silently to the publisher: the subscriber sees the hole
 in the sequence numbers and replays it (fastkv.routing.indexer counts ``gaps`` and ``lost``).
 A send ZMQ refuses (a connecting PUB before its peer is up) is counted in ``dropped``, and that

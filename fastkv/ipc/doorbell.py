@@ -29,20 +29,19 @@ The waiter sleeps in slices (``SLICE_S``): between slices it calls ``check()``, 
 raises if a peer died, so a blocked wait notices a dead peer within one slice. That is
 a blocked kernel wait with a periodic liveness check, not sleep-polling of the rings.
 
-Spin before sleep. A waiter that names its rings (``spin_on``) first looks at them for up to
-a budget in C, yielding its core between looks (``_atomics.spin_any``), without the GIL unless
-its owner keeps it (``Spin.keep_gil``: the transfer loop, ``fastkv.transfer.lanes``).
-Waking a process whose vCPU has halted costs far more than a message: on the dev VM (2 vCPUs,
-no guest halt-polling) a round trip whose peer works 5 us took 63 us p50 across vCPUs and 18
-us on one, so an empty transfer task (about 8 us of work on each side) took 75-100 us, mostly
-two such wake-ups. A spin answered keeps the vCPU awake and the wake-up cheap. It costs a core
-while it lasts, so it is adaptive (``Spin``). The budget starts at ``SPIN_S``; a wait whose
-answer came after the spin, but within ``SPIN_MAX_S`` of the wait's start (a copy of a few
-hundred us), sets the next budget to cover it with a quarter to spare, so a run of such waits
-stops paying the wake-up (a 2 MiB SWAP_OUT's round trip paid ~75 us on the dev VM); a longer
-wait sets it back. After ``SPIN_MISSES`` spins in a row that ended asleep (the answer takes
-milliseconds: a model step) a waiter spins on one wait in ``PROBE_EVERY`` only; its owner may
-turn it off (``Spin.enabled``).
+Spin before sleep. A waiter that names its rings (``spin_on``) first looks at them for up to a
+budget in C, yielding its core between looks (``_atomics.spin_any``), without the GIL unless
+its owner keeps it (``Spin.keep_gil``: the transfer loop, ``fastkv.transfer.lanes``). Waking a
+process whose vCPU has halted costs far more than a message: on a VM without guest halt-polling
+a round trip across vCPUs costs several times a small peer's work, so an empty transfer task's
+time is mostly two such wake-ups. A spin answered keeps the vCPU awake and the wake-up cheap.
+It costs a core while it lasts, so it is adaptive (``Spin``). The budget starts at ``SPIN_S``;
+a wait whose answer came after the spin, but within ``SPIN_MAX_S`` of the wait's start (a copy
+of a few hundred us), sets the next budget to cover it with a quarter to spare, so a run of
+such waits stops paying the wake-up (a block-sized SWAP_OUT's round trip would pay it every
+time); a longer wait sets it back. After ``SPIN_MISSES`` spins in a row that ended asleep (the
+answer takes milliseconds: a model step) a waiter spins on one wait in ``PROBE_EVERY`` only;
+its owner may turn it off (``Spin.enabled``).
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ class SchedulerConfig:
     block_bytes: int | None = None  # None: the cache layout's block_bytes
     copy_bandwidth: float = 16e9  # bytes / s
     prefill_rate: float = 8000.0  # tokens / s
-    copy_latency_s: float = 1e-4  # per copy task: bench_swap's empty task round trip on the dev machine
+    copy_latency_s: float = 1e-4  # per copy task: the order of bench_swap's empty task round trip on a CPU
     cost_alpha: float = 0.2
 
     def __post_init__(self) -> None:

@@ -23,8 +23,8 @@ max(floor, tokens / rate): the first ``free_tokens`` of prefill ride on the floo
 and the rest cost 1 / rate each, so a step's time beyond the floor is a line in its prefill
 tokens, (tokens - free_tokens) / rate, fitted like the copies' below. Steps within the floor's
 noise say only that their prefill rode free and are left out: a rate taken from them (a few
-tokens over a few microseconds of jitter) once read 1.8e9 tokens/s, which priced recomputing a
-1500-token victim at a microsecond.
+tokens over a few microseconds of jitter) is absurdly high, and would price recomputing any
+victim at next to nothing.
 
 A copy also costs a fixed ``copy_latency`` per task (the transfer path's round trip, which
 bench_swap measures as ``empty_task_rtt_us``): that is what makes the choice depend on the

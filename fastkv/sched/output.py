@@ -61,7 +61,7 @@ def validate_plan(plan: StepPlan, block_size: int, num_device_blocks: int) -> No
     in plan order, with the first fault ``_validate_each`` finds in it).
 
     Runners call this every step on every rank, so the whole plan is checked in a few numpy
-    calls (per sequence, numpy's fixed costs made it 3.4 ms for 128 sequences); any fault
+    calls (per sequence, numpy's fixed costs add up to milliseconds for a full batch); any fault
     found sends the plan through ``_validate_each``, the per-sequence definition, for the
     exact message."""
     if not isinstance(plan, StepPlan):

@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 _FAMILY = struct.Struct("<QQ")  # tick, bytes
 _USED = b"used"
 _TOUCH_FLUSH = 4096  # pending access ticks that force a write transaction of their own
-# Bytes written per write transaction (at least one value). Measured on the dev VM with 2 MiB
-# values: one value per transaction commits at ~3 GB/s, 3-64 values at ~0.3-0.4 GB/s (the
+# Bytes written per write transaction (at least one value). With block-sized values, a
+# transaction of one or two values commits several times faster than one of many (the
 # commit's writev copies dirty pages that are no longer in the CPU cache). Short
 # transactions also let the other ranks' processes take the write lock in between.
 _TXN_BYTES = 4 << 20

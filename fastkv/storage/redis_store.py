@@ -4,7 +4,7 @@ Keys are ``<prefix>:<block key hex>:<rank>``; values are header + payload (base.
 value from another namespace, rank or key is a miss even if two engines' keys collide.
 Batches go out as pipelines of at most ``max_batch_bytes`` (default 8 MiB: a few block
 values in flight hide the round trip; deeper pipelines only grow the server's reply buffers
-and measured slower here); the block-sized SET and GET pipelines bypass redis-py's copies
+and run slower); the block-sized SET and GET pipelines bypass redis-py's copies
 (redis_wire.py).
 Capacity and eviction are the server's: run it with ``maxmemory`` and
 ``maxmemory-policy allkeys-lru`` (an evicted shard is a miss for its whole family).

@@ -1,8 +1,8 @@
 """Pipelined SET and GET of block-sized values straight over a redis-py connection.
 
 redis-py's pure-Python reply parser copies every bulk reply 3-4 times (recv, BytesIO
-write, read, slice) and its command packer needs a value contiguous, so a 2 MiB block
-loaded at ~0.4-0.5 GB/s here. This module speaks just the RESP needed for the two hot
+write, read, slice) and its command packer needs a value contiguous, so a block-sized value
+loads at a fraction of what the socket carries. This module speaks just the RESP needed for the two hot
 commands on a connection borrowed from the pool (redis-py still connects, authenticates,
 selects the db and sets the socket timeouts; the pool must speak RESP2):
 

@@ -1,6 +1,6 @@
 """The lanes of a transfer process: swaps on the loop thread, storage I/O on a thread of its own.
 
-One loop running every task in turn let a slow STORE hold up a SWAP_IN that a running
+One loop running every task in turn would let a slow STORE hold up a SWAP_IN that a running
 request waits for. So each rank has two lanes:
 
 * the swap lane (SWAP_OUT, SWAP_IN) is the loop thread itself: a swap pays no thread
@@ -12,41 +12,31 @@ request waits for. So each rank has two lanes:
   a loop thread woken for a swap during a long Python stretch waits for the GIL up to the
   switch interval (CPython's 5 ms). Starting the lane's thread cuts the process's interval
   to ``GIL_SWITCH_S``, so it waits at most about that long. (Around LMDB writes the swap
-  lane stalls as long whether the writes run in this process or another one: that part of
-  its tail is CPU contention, not the GIL. scripts/bench_lmdb_stall.py measures it: beside
-  64 MiB of ``LMDBStore.put``, a thread of the writing process stalled at most 0.3 ms,
-  another process 2.9-4.2 ms: a storage process would not shorten that part.)
+  lane also stalls for CPU, whether the writes run in this process or another one:
+  scripts/bench_lmdb_stall.py measures both.)
 
-Swaps first. On two cores, the engine, the loop thread and a busy storage thread (a STORE
+Swaps first. On few cores, the engine, the loop thread and a busy storage thread (a STORE
 checks its host blocks' checksums, then writes them: memory-bound work for tens of ms) are
-three runnable threads: a woken loop thread or engine waited for a core for milliseconds, and
-the first swaps after a 64 MiB STORE took 1-4 ms instead of 0.2 (bench_swap's
-``lane_p99_ratio`` 4-7). At nice 19 the storage thread still delayed 2-3% of the SWAP_INs
-beside a STORE by 1-3 ms, and stamps in both processes put all that delay in the engine's
-wake-up for the ack, as when the scheduler wakes the engine onto the core the niced thread
-holds and lets it run out its slice. So STOREs run under ``SCHED_IDLE`` (falling back to nice
-+19 where that is refused): the kernel counts a core running only such threads as idle when it
-places a woken thread, and preempts them at once for it. LOOKUP and LOAD, which a request
-waits for, run at the thread's own priority where the kernel lets it return (``Priority``).
-Idle cores still run the storage thread at full speed, and ``SCHED_IDLE`` is a low weight, not
-a strict priority: a STORE on machines whose cores are all busy still moves, slowly.
+three runnable threads, and a woken loop thread or engine would wait for a core for
+milliseconds; nice 19 is not enough, as the scheduler may wake the engine onto the core the
+niced thread holds and let it run out its slice. So STOREs run under ``SCHED_IDLE`` (falling
+back to nice +19 where that is refused): the kernel counts a core running only such threads as
+idle when it places a woken thread, and preempts them at once for it. LOOKUP and LOAD, which a
+request waits for, run at the thread's own priority where the kernel lets it return
+(``Priority``). Idle cores still run the storage thread at full speed, and ``SCHED_IDLE`` is a
+low weight, not a strict priority: a STORE on machines whose cores are all busy still moves,
+slowly.
 
 The swap lane holds the GIL while it is awake. A thread under ``SCHED_IDLE`` that holds the
 GIL when a busy core preempts it keeps it until the kernel runs it again, which on a machine
-whose cores all run normal threads can take a scheduler tick or more: the swap lane waits that
-long for the GIL. That happened in two places. While the loop spun for its next task without
-the GIL, the second SWAP_IN after each STORE's start took 2-5 ms; when a copy released the
-GIL, SWAP_INs waited 3-4 ms to take it back. So the loop spins holding the GIL
-(``Spin.keep_gil``) and calls the copy and the SWAP_IN's checksums holding it
+whose cores all run normal threads can take a scheduler tick or more: a swap lane that let the
+GIL go would wait that long to take it back. So the loop spins for its next task holding the
+GIL (``Spin.keep_gil``) and calls the copy and the SWAP_IN's checksums holding it
 (``ops.c_abi(hold_gil=True)``). The storage thread's own calls into C (checksums, backends)
 run on through a swap; it takes the GIL only between them, while the loop sleeps or runs
-Python of its own. Earlier, the loop did not spin while the storage lane worked (its spin kept
-the storage thread off a core), and every SWAP_IN beside a STORE paid the wake-up: 140-192 us
-p50 against 103-113 alone, and bench_swap's ``lane_p99_ratio`` read 1.39-2.99 (over 2 in 2 of
-11 runs). Now it reads 0.93-1.23 (10 runs). The window is narrower, not closed: the storage
-thread still takes the GIL while the loop sleeps or runs Python, and probes still caught a
-preempted holder stalling a SWAP_IN by 2-3 ms in some runs. Only a storage process of its own
-would close it.
+Python of its own. That narrows the window without closing it (the storage thread still takes
+the GIL while the loop sleeps or runs Python); only a storage process of its own would close it.
+bench_swap's ``lane_p99_ratio`` measures what is left (BENCHMARKS.md, Swap op and transfer path).
 
 Barriers (CLEAR, RESTORE, a fence, a bad task message): the loop ``drain``\\ s the storage
 lane first, so every task read before the barrier has finished and been acked.
@@ -85,9 +75,9 @@ class Priority:
     """The storage thread's CPU priority, task by task. Nobody waits for a STORE (write-behind):
     it runs under ``SCHED_IDLE`` (module docstring). A request waits for its LOOKUP (admission
     gives it ``storage_lookup_timeout_s``) and its LOAD: those run at the thread's own priority,
-    or a busy machine starves them (CI saw two engines on two cores time out their lookups).
+    or a busy machine starves them (two engines on two cores would time out their lookups).
     Leaving ``SCHED_IDLE`` needs CAP_SYS_NICE or an RLIMIT_NICE that allows it; where the kernel
-    refuses, the thread stays low for everything (as it always was before: nice +19)."""
+    refuses, the thread stays low for everything (nice +19)."""
 
     def __init__(self, tid: int, name: str) -> None:
         self.tid, self.name = tid, name

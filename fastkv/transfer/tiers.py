@@ -126,8 +126,8 @@ class ShmSegment:
 def _allocate(shm: posix_ipc.SharedMemory, name: str, size: int) -> None:
     """Allocates every page of a new segment now, as a GPU deployment pins its host memory up
     front: a tier too big for /dev/shm fails here, in one line, not with SIGBUS mid-run, and
-    no copy pays the page faults of first touch (a first 48 MiB copy into fresh shm took 49 ms
-    here, the next ones 5 ms: auto preemption priced every copy by that first one)."""
+    no copy pays the page faults of first touch (a first copy into fresh shm costs several
+    times the next ones, and auto preemption would price every copy by it)."""
     try:
         os.posix_fallocate(shm.fd, 0, size)
     except OSError as e:

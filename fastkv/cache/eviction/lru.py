@@ -7,7 +7,7 @@ recently used block (the head, evicted first) and ``prev[sentinel]`` the most re
 (the tail). ``-1`` in ``next`` marks a block that is not queued.
 
 Why Python lists and not numpy arrays: indexing a numpy array with a Python int builds a
-numpy scalar object per read, which is both an allocation and ~3x slower. A list slot holds
+numpy scalar object per read, which is both an allocation and several times slower. A list slot holds
 a reference to an int object that already exists (block ids come from the preallocated
 ``ids`` list), so ``append``/``remove``/``popleft`` only rebind references.
 """

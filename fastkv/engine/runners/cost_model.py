@@ -25,7 +25,7 @@ Public constants (dense bf16, no sparsity):
   link PCIe Gen5 x16 at 64 GB/s per direction.
 - Achievable fractions (assumptions, not specs): 50 % of peak FLOPs in prefill (the MFU large
   prefill batches reach), 80 % of HBM and of PCIe bandwidth. They put a prefill token at
-  ~30 us and its KV copy at ~2.6 us each way, the figures issue 15 quotes.
+  ~30 us and its KV copy at ~2.6 us each way.
 """
 from __future__ import annotations
 

@@ -198,8 +198,8 @@ def kv_rows_reference(
     key = _keys(tok, pos, weights_version)
     salts = _row_salts(layout, rank)
     # In chunks of tokens whose uint64 temporaries stay around ROWS_CHUNK_BYTES: whole-call
-    # temporaries (hundreds of MiB for a long prefill) were fresh mappings, page-faulted on
-    # every call, and made this ~5x slower.
+    # temporaries (hundreds of MiB for a long prefill) would be fresh mappings, page-faulted on
+    # every call.
     step = max(1, ROWS_CHUNK_BYTES // (8 * salts.size))
     for i in range(0, len(tok), step):
         out[:, :, :, i:i + step, HEADER:] = _bits_to_values(_mix(salts ^ key[i:i + step, None]), layout.dtype)
@@ -465,13 +465,12 @@ class SyntheticRunner(ModelRunner):
                        np.concatenate(blocks), np.concatenate(slots), self.weights_version)
         sampled = self._sample([s for s in plan.seqs if s.sample])
         # Making, checking and reading the synthetic bytes stands for what the model's compute
-        # does, and costs this CPU more than a GPU's time: making a 32 KiB token's KV rows about
-        # a modelled prefill token in a long prefill (~1 ms of Python per decode step on top),
-        # checking a resumed prefix twice that. Hidden under the modelled time, it charged
-        # recompute (rows) and resuming (checks) at this CPU's rates. So under a cost model the
-        # modelled time starts after it, and it is counted (synthetic_us): wall time less
-        # synthetic_us is the run as the model times it. The flat cost is CPU time per token
-        # that includes this work, as before.
+        # does, and costs this CPU more than a GPU's time: making a token's KV rows costs about
+        # as much as a modelled prefill token, checking a resumed prefix more. Hidden under the
+        # modelled time, it would charge recompute (rows) and resuming (checks) at this CPU's
+        # rates. So under a cost model the modelled time starts after it, and it is counted
+        # (synthetic_us): wall time less synthetic_us is the run as the model times it. The flat
+        # cost is CPU time per token that includes this work.
         now = time.perf_counter()
         self._checks["synthetic_us"] += round((now - t0) * 1e6)
         start = t0 if self.cost is None else now
@@ -560,7 +559,7 @@ class SyntheticRunner(ModelRunner):
         them to what a GPU host runs beside its steps (the scheduler, the copies, storage I/O), so
         on a 2-core machine the real copies overlap compute as DMA would, instead of taking turns
         with it. The last ``WAKE_MARGIN_S`` burns: a sleep's wake-up on a loaded machine comes late
-        by about that much, which measured ~10 % slower steps of under a millisecond."""
+        by about that much, which would slow steps of under a millisecond."""
         if self.cost is not None:
             time.sleep(max(0.0, deadline - WAKE_MARGIN_S - time.perf_counter()))
         x = self._burn
