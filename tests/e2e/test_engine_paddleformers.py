@@ -157,3 +157,34 @@ def test_one_flipped_byte_in_a_swapped_in_block_changes_the_output(checksums, tm
     else:
         assert bad, "a flipped byte in a swapped-in block went unnoticed by the oracle"
         assert summary["host_checksum_mismatches"] == 0
+
+
+@pytest.mark.slow
+def test_a_restart_on_a_warm_lmdb_store_serves_generate_tokens(tmp_path):
+    """Run A writes every block through to LMDB (a host tier that holds them all, so what is
+    stored does not depend on how fast the store keeps up); run B, new processes and empty
+    tiers on A's store, loads the prompts' KV from it instead of computing them."""
+    url = f"lmdb://{tmp_path}/store?max_bytes=64M"
+    a_results, _ = serve(spec(1, tmp_path / "a", "offload", url, num_host_blocks=96))
+    assert not mismatches(a_results)
+    b_results, b = serve(spec(1, tmp_path / "b", "offload", url, num_host_blocks=16))
+    assert not mismatches(b_results)
+    assert b["hit_ratio"]["storage"] > 0 and b["copy_tasks"].get("load", 0) > 0, b
+    assert b["storage_lookup"]["keys_found"] > 0 and b["corrupt_values"] == 0, b["storage_lookup"]
+
+
+@pytest.mark.slow
+def test_prefill_then_decode_serves_generate_tokens(tmp_path):
+    """A prefill engine computes each prompt and exports its KV to the shared store; a decode
+    engine takes every request from its handoff file, loads that KV and decodes: no prompt
+    token recomputed, every output generate()'s."""
+    url = f"lmdb://{tmp_path}/store?max_bytes=64M"
+    _, pre = serve(spec(1, tmp_path / "pre", "offload", url, num_device_blocks=24, num_host_blocks=24,
+                        role="prefill"))
+    results, dec = serve(spec(1, tmp_path / "dec", "offload", url, num_device_blocks=24, num_host_blocks=24,
+                              role="decode", handoff=str(tmp_path / "pre" / "handoff.jsonl")))
+    assert not mismatches(results)
+    assert pre["handoff"]["requests"] == len(PROMPTS) and pre["handoff"]["failed"] == 0, pre["handoff"]
+    h = dec["handoff"]
+    assert h["requests"] == len(PROMPTS) and h["recomputed_prompt_tokens"] == 0 and h["bytes"] > 0, h
+    assert all(row["recomputed_tokens"] == 0 for row in results.values())
