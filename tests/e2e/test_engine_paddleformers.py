@@ -106,10 +106,13 @@ def check_preempted(summary: dict, mode: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["recompute", "offload", "storage", "auto"])
-def test_every_request_equals_generate_under_preemption(mode, tmp_path):
+@pytest.mark.parametrize(("tp", "mode"), [(1, "recompute"), (1, "offload"), (1, "storage"), (1, "auto"),
+                                          (2, "offload"), (2, "storage")])
+def test_every_request_equals_generate_under_preemption(tp, mode, tmp_path):
+    """At tp 2 each rank holds one of the two KV heads, its two query heads and half of every
+    projection; the partial sums of o_proj and down_proj meet in the workers' collective."""
     url = f"lmdb://{tmp_path}/store?max_bytes=64M" if mode == "storage" else ""
-    results, summary = serve(spec(1, tmp_path / "out", mode, url))
+    results, summary = serve(spec(tp, tmp_path / "out", mode, url))
     assert not mismatches(results)
     check_preempted(summary, mode)
 
