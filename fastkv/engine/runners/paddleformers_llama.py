@@ -4,10 +4,10 @@ The model is the library's own: its embedding, decoder layers (RoPE, grouped-que
 MLP, RMSNorm), LM head and masks, run by its own ``forward``. fastkv replaces only the cache
 object the attention layers call: ``past_key_values.update(k, v, layer_idx)`` writes the new
 tokens' K and V (``[batch, kv_heads, seq, head_dim]``, after RoPE, before GQA repetition) into
-their slots of the device tier through the request's block table, and returns the K and V of
-every position so far, gathered through the same table. Each sequence of a step is one
-``forward`` of batch 1 with its own positions, so the library's causal mask (with the cached
-length as offset) is the one it uses in ``generate()``.
+their slots of the device tier through each request's block table, and returns the K and V of
+every position so far, gathered through the same tables. A step is one ``forward`` of its
+sequences as a padded batch, with their positions and a 4-D mask (each query sees its own
+request's positions up to its own), which the library's masking takes as given.
 
 Weights are random, drawn from ``seed`` and the weights version per parameter name (no
 download): ``build_model`` is what a test's oracle builds to run ``generate()`` on.
@@ -112,29 +112,57 @@ class PaddleFormersLlamaRunner(ModelRunner):
                                  f"max_position_embeddings {max_pos}")
             if len(s.token_ids) and (int(s.token_ids.max()) >= vocab or int(s.token_ids.min()) < 0):
                 raise ValueError(f"request {s.request_id} has a token id outside the vocab [0, {vocab})")
-        sampled: dict[int, int] = {}
+        if not plan.seqs:
+            return StepOutput(plan.step_id, {}, time.perf_counter() - t0)
+        b = _Batch(plan.seqs, self.layout.block_size)
+        cache = Cache(layers=[_PagedLayer(self, i, b) for i in range(self.layout.num_layers)])
         with paddle.no_grad():
-            for s in plan.seqs:  # every rank the same order: the collectives pair up
-                n = len(s.token_ids)
-                cache = Cache(layers=[_PagedLayer(self, i, s.block_table, s.start_pos)
-                                      for i in range(self.layout.num_layers)])
-                out = self.model(
-                    paddle.to_tensor(np.asarray(s.token_ids, np.int64).reshape(1, n)),
-                    position_ids=paddle.arange(s.start_pos, s.start_pos + n, dtype="int64").unsqueeze(0),
-                    past_key_values=cache, use_cache=True, return_dict=True,
-                )
-                if s.sample:
-                    # numpy's argmax takes the lowest id on a tie, as generate()'s paddle.argmax
-                    sampled[s.request_id] = int(np.argmax(out.logits[0, -1].numpy()))
+            out = self.model(paddle.to_tensor(b.token_ids), position_ids=paddle.to_tensor(b.positions),
+                             attention_mask=paddle.to_tensor(b.mask), past_key_values=cache, use_cache=True,
+                             return_dict=True)
+        logits = out.logits.numpy()
+        # numpy's argmax takes the lowest id on a tie, as generate()'s paddle.argmax does
+        sampled = {s.request_id: int(np.argmax(logits[i, len(s.token_ids) - 1]))
+                   for i, s in enumerate(plan.seqs) if s.sample}
         return StepOutput(plan.step_id, sampled, time.perf_counter() - t0)
 
 
-class _PagedLayer(CacheLayerMixin):
-    """One layer's cache for one sequence of a step: its slots in the device tier, by block table."""
+class _Batch:
+    """One step's sequences as one padded batch for the library's forward: S rows of Q query
+    tokens (a row's padding repeats its last token and position), keys [0, L) per row, and
+    the 4-D mask the library uses as given: query r of row i sees positions up to its own."""
 
-    def __init__(self, runner: PaddleFormersLlamaRunner, layer: int, table: np.ndarray, start: int) -> None:
+    def __init__(self, seqs, block_size: int) -> None:
+        n = np.array([len(s.token_ids) for s in seqs])
+        self.starts = np.array([s.start_pos for s in seqs])
+        self.ends = self.starts + n
+        S, Q, L = len(seqs), int(n.max()), int(self.ends.max())
+        self.nb = -(-L // block_size)
+        self.length = L
+        self.tables = np.zeros((S, self.nb), np.int64)  # padding reads block 0: masked, zeroed
+        self.token_ids = np.zeros((S, Q), np.int64)
+        for i, s in enumerate(seqs):
+            used = -(-int(self.ends[i]) // block_size)
+            self.tables[i, :used] = s.block_table[:used]
+            self.token_ids[i] = np.asarray(s.token_ids)[np.minimum(np.arange(Q), n[i] - 1)]
+        last = np.minimum(np.arange(Q)[None, :], (n - 1)[:, None])  # [S, Q]: each query's own token
+        self.positions = self.starts[:, None] + last
+        self.mask = (np.arange(L)[None, None, :] <= self.positions[:, :, None])[:, None]  # [S, 1, Q, L]
+        self.valid = np.arange(L)[None, :] < self.ends[:, None]  # [S, L]: slots that hold this request's KV
+        # the new tokens: (row, query) of each, and its slot
+        self.rows = np.repeat(np.arange(S), n)
+        self.cols = np.concatenate([np.arange(k) for k in n])
+        pos = self.starts[self.rows] + self.cols
+        self.slot_blocks = self.tables[self.rows, pos // block_size]
+        self.slot_offsets = pos % block_size
+
+
+class _PagedLayer(CacheLayerMixin):
+    """One layer's cache for one step's batch: its slots in the device tier, by block table."""
+
+    def __init__(self, runner: PaddleFormersLlamaRunner, layer: int, batch: _Batch) -> None:
         super().__init__()
-        self.runner, self.layer, self.table, self.length = runner, layer, table, start
+        self.runner, self.layer, self.b = runner, layer, batch
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: paddle.Tensor, value_states: paddle.Tensor | None = None) -> None:
@@ -142,35 +170,37 @@ class _PagedLayer(CacheLayerMixin):
 
     def update(self, key_states: paddle.Tensor, value_states: paddle.Tensor,
                cache_kwargs: dict[str, Any] | None = None) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """Write the new tokens' K/V [1, h, n, D] into their slots (no other slot), return the
-        K/V [1, h, start + n, D] of every position so far."""
-        r, bs = self.runner, self.runner.layout.block_size
-        n = key_states.shape[2]
-        pos = np.arange(self.length, self.length + n)
-        blocks, offsets = self.table[pos // bs].astype(np.int64), (pos % bs).astype(np.int64)
-        self.length += n
-        nb = -(-self.length // bs)
-        used = self.table[:nb].astype(np.int64)
+        """Write the new tokens' K/V (of [S, h, Q, D]; not the padding) into their slots, no
+        other slot; return the K/V [S, h, L, D] of every row's positions, zero past its end."""
+        r, b = self.runner, self.b
         out = []
         for views, caches, new in ((r.k_views, r.k_caches, key_states), (r.v_views, r.v_caches, value_states)):
             view, cache = views[self.layer], caches[self.layer]
-            tokens = new[0].transpose([1, 0, 2])  # [n, h, D]
             if view is not None:  # host memory: numpy writes in place
-                view[blocks, :, offsets, :] = tokens.numpy()
-                kv = paddle.to_tensor(view[used])  # [nb, h, bs, D], a copy
+                view[b.slot_blocks, :, b.slot_offsets, :] = new.numpy()[b.rows, :, b.cols, :]
+                kv = view[b.tables]  # [S, nb, h, bs, D], a copy
+                S, nb, h, bs, D = kv.shape
+                kv = kv.transpose(0, 2, 1, 3, 4).reshape(S, h, nb * bs, D)[:, :, : b.length]
+                kv = np.where(b.valid[:, None, :, None], kv, 0.0)  # not 0 * x: a stale slot may hold NaN
+                out.append(paddle.to_tensor(kv).astype(new.dtype))
             else:  # an accelerator tensor: Paddle's index_put writes in place
-                cache[paddle.to_tensor(blocks), :, paddle.to_tensor(offsets), :] = tokens.astype(cache.dtype)
-                kv = paddle.index_select(cache, paddle.to_tensor(used), axis=0)
-            h, D = kv.shape[1], kv.shape[3]
-            kv = kv.transpose([1, 0, 2, 3]).reshape([h, nb * bs, D])[:, : self.length]
-            out.append(kv.unsqueeze(0).astype(new.dtype))
+                rows, cols = paddle.to_tensor(b.rows), paddle.to_tensor(b.cols)
+                tokens = new.transpose([0, 2, 1, 3])[rows, cols]  # [T, h, D]
+                cache[paddle.to_tensor(b.slot_blocks), :, paddle.to_tensor(b.slot_offsets), :] = \
+                    tokens.astype(cache.dtype)
+                kv = paddle.index_select(cache, paddle.to_tensor(b.tables.reshape(-1)), axis=0)
+                S, nb, (h, bs, D) = b.tables.shape[0], b.nb, kv.shape[1:]
+                kv = kv.reshape([S, nb, h, bs, D]).transpose([0, 2, 1, 3, 4]).reshape([S, h, nb * bs, D])
+                kv = kv[:, :, : b.length].astype(new.dtype)
+                valid = paddle.to_tensor(b.valid[:, None, :, None])
+                out.append(paddle.where(valid, kv, paddle.zeros_like(kv)))
         return out[0], out[1]
 
     def get_seq_length(self) -> int:
-        return self.length
+        return int(self.b.starts.max())
 
     def get_mask_sizes(self, cache_position: paddle.Tensor) -> tuple[int, int]:
-        return self.length + cache_position.shape[0], 0
+        return self.b.length, 0
 
     def get_max_cache_shape(self) -> int:
         return -1
