@@ -220,8 +220,11 @@ class JobConfig:
         """The model settings against the layout, and the library's presence, without importing it."""
         import importlib.util
 
-        from fastkv.engine.runners.paddleformers_config import llama_settings
+        from fastkv.engine.runners.paddleformers_config import OPTIONS, llama_settings
 
+        if unknown := set(self.runner_options) - set(OPTIONS):
+            raise TableError(f"unknown runner_options {sorted(unknown)} for the {self.runner} runner; "
+                             f"known: {sorted(OPTIONS)}")
         try:
             llama_settings(self.layout(), self.runner_options)
         except ValueError as exc:

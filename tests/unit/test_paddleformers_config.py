@@ -58,3 +58,10 @@ def test_the_job_is_refused_before_anything_starts():
         JobConfig(runner="paddleformers:llama", runner_options={"config": {"head_dim": 64}}, head_dim=16)
     cfg = JobConfig(runner="paddleformers:llama", runner_options={"config": {"vocab_size": 300}})
     assert cfg.vocab() == 300
+
+
+def test_an_unknown_runner_option_is_named_as_a_table_error():
+    from fastkv.cli import TableError
+
+    with pytest.raises(TableError, match=r"unknown runner_options \['modle'\] for the paddleformers:llama runner"):
+        JobConfig(runner="paddleformers:llama", runner_options={"modle": 1})
