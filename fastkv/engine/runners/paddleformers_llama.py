@@ -5,9 +5,10 @@ MLP, RMSNorm), LM head and masks, run by its own ``forward``. fastkv replaces on
 object the attention layers call: ``past_key_values.update(k, v, layer_idx)`` writes the new
 tokens' K and V (``[batch, kv_heads, seq, head_dim]``, after RoPE, before GQA repetition) into
 their slots of the device tier through each request's block table, and returns the K and V of
-every position so far, gathered through the same tables. A step is one ``forward`` of its
-sequences as a padded batch, with their positions and a 4-D mask (each query sees its own
-request's positions up to its own), which the library's masking takes as given.
+every position so far, gathered through the same tables. A step's single-token sequences
+(decodes) go through one ``forward`` as a batch, each chunk of several tokens through its own;
+each forward gets its sequences' positions and a 4-D mask (each query sees its own request's
+positions up to its own), which the library's masking takes as given.
 
 Weights are random, drawn from ``seed`` and the weights version per parameter name (no
 download): ``build_model`` is what a test's oracle builds to run ``generate()`` on.
@@ -93,6 +94,7 @@ class PaddleFormersLlamaRunner(ModelRunner):
             raise ValueError(f"tp_size {tp_size} needs a collective attached as rank {rank} of {tp_size}")
         self.collective = collective
         self.seed = int(seed)
+        self.group = "decodes"  # how a step's sequences share forwards (``_groups``)
         self.load_weights(weights_version)
 
     def load_weights(self, weights_version: str) -> None:
@@ -112,19 +114,31 @@ class PaddleFormersLlamaRunner(ModelRunner):
                                  f"max_position_embeddings {max_pos}")
             if len(s.token_ids) and (int(s.token_ids.max()) >= vocab or int(s.token_ids.min()) < 0):
                 raise ValueError(f"request {s.request_id} has a token id outside the vocab [0, {vocab})")
-        if not plan.seqs:
-            return StepOutput(plan.step_id, {}, time.perf_counter() - t0)
-        b = _Batch(plan.seqs, self.layout.block_size)
-        cache = Cache(layers=[_PagedLayer(self, i, b) for i in range(self.layout.num_layers)])
-        with paddle.no_grad():
-            out = self.model(paddle.to_tensor(b.token_ids), position_ids=paddle.to_tensor(b.positions),
-                             attention_mask=paddle.to_tensor(b.mask), past_key_values=cache, use_cache=True,
-                             return_dict=True)
-        logits = out.logits.numpy()
-        # numpy's argmax takes the lowest id on a tie, as generate()'s paddle.argmax does
-        sampled = {s.request_id: int(np.argmax(logits[i, len(s.token_ids) - 1]))
-                   for i, s in enumerate(plan.seqs) if s.sample}
+        sampled: dict[int, int] = {}
+        for group in _groups(plan.seqs, self.group):  # the same on every rank: the collectives pair up
+            b = _Batch(group, self.layout.block_size)
+            cache = Cache(layers=[_PagedLayer(self, i, b) for i in range(self.layout.num_layers)])
+            with paddle.no_grad():
+                out = self.model(paddle.to_tensor(b.token_ids), position_ids=paddle.to_tensor(b.positions),
+                                 attention_mask=paddle.to_tensor(b.mask), past_key_values=cache, use_cache=True,
+                                 return_dict=True)
+            logits = out.logits.numpy()
+            # numpy's argmax takes the lowest id on a tie, as generate()'s paddle.argmax does
+            sampled.update({s.request_id: int(np.argmax(logits[i, len(s.token_ids) - 1]))
+                            for i, s in enumerate(group) if s.sample})
         return StepOutput(plan.step_id, sampled, time.perf_counter() - t0)
+
+
+def _groups(seqs, how: str) -> list[list]:
+    """The forwards of a step. "decodes": one for every single-token sequence, one per chunk
+    (a chunk padded to a batch's longest would cost its length in every row); "one": a single
+    padded batch; "each": one forward per sequence."""
+    if how == "one":
+        return [list(seqs)] if seqs else []
+    if how == "each":
+        return [[s] for s in seqs]
+    decodes = [s for s in seqs if len(s.token_ids) == 1]
+    return ([decodes] if decodes else []) + [[s] for s in seqs if len(s.token_ids) > 1]
 
 
 class _Batch:
