@@ -33,14 +33,15 @@ from fastkv.config import KVLayout
 from fastkv.demo import PREEMPTION_MODES, ConversationConfig
 from fastkv.outdir import OutDir
 
-RUNNERS = ("synthetic", "tiny")
+RUNNERS = ("synthetic", "tiny", "paddleformers:llama")
 STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
 ROLES = ("mixed", "prefill", "decode")
 # Per-token compute cost of the synthetic runner (CPU busy work): 300 us is what the tiny Paddle
 # decoder costs per token on the development machine, so recomputing a preempted request costs
 # what it would with a real (CPU) model. verify "resumed" checks every block of a request that
 # was restored, preempted or moved, byte for byte, without re-reading every sequence every step.
-DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 300.0, "verify": "resumed"}, "tiny": {}}
+DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 300.0, "verify": "resumed"}, "tiny": {},
+                          "paddleformers:llama": {}}
 CACHE_POLICIES = ("write_back", "write_through", "write_through_selective")
 STORAGE_WRITES = ("preempted", "through", "back")  # fastkv.cache.storage_writes: what each costs
 QUICK_DEMO = {"conversations": 8, "turns": 3}
@@ -163,6 +164,8 @@ class JobConfig:
                 if isinstance(exc, TableError):
                     raise
                 raise ValueError(f"the tiny runner cannot run this shape: {exc}") from None
+        if self.runner == "paddleformers:llama":
+            self._check_paddleformers()
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"setting 'metrics_port' must be in [0, 65536), got {self.metrics_port}")
         if self.heartbeat_s <= 0 or self.dead_after_s <= self.heartbeat_s:
@@ -221,6 +224,22 @@ class JobConfig:
             raise TableError(f"unknown runner_options.config settings {sorted(unknown)}; known: {sorted(known)}")
         return TinyConfig(**opts)
 
+    def _check_paddleformers(self) -> None:
+        """The model settings against the layout, and the library's presence, without importing it."""
+        import importlib.util
+
+        from fastkv.engine.runners.paddleformers_config import OPTIONS, llama_settings
+
+        if unknown := set(self.runner_options) - set(OPTIONS):
+            raise TableError(f"unknown runner_options {sorted(unknown)} for the {self.runner} runner; "
+                             f"known: {sorted(OPTIONS)}")
+        try:
+            llama_settings(self.layout(), self.runner_options)
+        except ValueError as exc:
+            raise ValueError(f"the paddleformers:llama runner cannot run this shape: {exc}") from None
+        if importlib.util.find_spec("paddleformers") is None:
+            raise ValueError("the paddleformers:llama runner needs PaddleFormers: pip install -e '.[cpu,models]'")
+
     def check_runner_options(self) -> None:
         """TableError for a runner option the reference runner does not take. Only for the
         default worker: a worker given by --entry reads the options its own way."""
@@ -229,6 +248,10 @@ class JobConfig:
 
             params = inspect.signature(SyntheticRunner).parameters.values()
             known = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+        elif self.runner == "paddleformers:llama":
+            from fastkv.engine.runners.paddleformers_config import OPTIONS
+
+            known = set(OPTIONS)
         else:
             known = {"config"}  # the worker passes the collective itself
         if unknown := set(self.runner_options) - known:
@@ -254,6 +277,10 @@ class JobConfig:
 
     def vocab(self) -> int:
         """The runner's vocab: every token id of the workload must be below it."""
+        if self.runner == "paddleformers:llama":
+            from fastkv.engine.runners.paddleformers_config import vocab_size
+
+            return vocab_size(self.runner_options) or RUNNER_VOCAB
         opts = self.runner_options.get("config", {}) if self.runner == "tiny" else self.runner_options
         return opts.get("vocab", RUNNER_VOCAB) if isinstance(opts, dict) else RUNNER_VOCAB
 
