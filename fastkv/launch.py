@@ -48,6 +48,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from fastkv.children import Child, _child_main, describe_exit
 from fastkv.ipc import Namespace, SignalArray, cleanup_stale
 from fastkv.ipc.namespace import SHM_DIR
 from fastkv.run import READY, STARTING, RunSpec, create_run
@@ -111,7 +112,7 @@ class Launch:
         self.join_timeout_s = join_timeout_s
         self.say = say or (lambda text: print(f"fastkv: {text}", file=sys.stderr, flush=True))
         self._ctx = mp_context or mp.get_context("spawn")
-        self.children: dict[str, Any] = {}  # name -> fastkv.supervisor.Child
+        self.children: dict[str, Child] = {}
         self.ns: Namespace | None = None
         self.signals: SignalArray | None = None
         self.failure: str | None = None  # why the watcher gave up (then ``stop`` is set)
@@ -153,12 +154,10 @@ class Launch:
                                                        populate=True))
         self.signals = SignalArray.attach(self.ns, "signals")
 
-    def start(self, role: str, rank: int, target: str | None = None, args: tuple | None = None) -> Any:
+    def start(self, role: str, rank: int, target: str | None = None, args: tuple | None = None) -> Child:
         """Spawns one process of the run, logging to ``<log_dir>/<name>.log`` and dying with this
         one: ``target`` ("module:function", default ``entry_points[role]``) called with ``args``
         (default ``(spec_json, rank)``); its return value is the exit status. Returns its Child."""
-        from fastkv.supervisor import Child, _child_main
-
         target = target or self.entry_points.get(role)
         if target is None:
             raise ValueError(f"no entry point for role {role!r}; pass target='module:function'")
@@ -204,16 +203,14 @@ class Launch:
             # A death wakes this at once; the ready flags have no doorbell, hence the slice.
             wait([c.process.sentinel for c in waiting], timeout=min(left, _READY_SLICE_S))
 
-    def death(self, child: Any, when: str = "") -> str:
+    def death(self, child: Child, when: str = "") -> str:
         """One line: which process died, how, and the last line of its log."""
-        from fastkv.supervisor import describe_exit
-
         log = self.log_dir / f"{child.name}.log"
         what = f"{child.name} (rank {child.rank}, pid {child.process.pid})"
         return f"{what} {describe_exit(child.process.exitcode)} {when}".rstrip() + f"; {log}: {last_line(log)}"
 
     # -- watching ----------------------------------------------------------------------
-    def restart_transfer(self, child: Any, why: str) -> Any:
+    def restart_transfer(self, child: Child, why: str) -> Child:
         """Replaces a dead transfer process (its ready flag back to STARTING, its generation
         bumped first: that is what tells the engine to fail the rank's copies in flight)."""
         assert self.signals is not None, "restart before setup"
@@ -225,10 +222,8 @@ class Launch:
         self.say(f"{child.name} {why}; restarted (gen {self.signals[f'{child.name}.gen']})")
         return new
 
-    def why_dead(self, child: Any, now_ns: int) -> str | None:
+    def why_dead(self, child: Child, now_ns: int) -> str | None:
         """None while ``child`` lives; else how it died (exited, a silent heartbeat, never ready)."""
-        from fastkv.supervisor import describe_exit
-
         assert self.signals is not None, "watch before setup"
         if child.process.exitcode is not None:
             return describe_exit(child.process.exitcode)
