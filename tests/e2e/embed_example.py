@@ -71,6 +71,7 @@ def worker_main(spec_json: str, rank: int) -> int:
     finally:
         tier.close()
         port.close()
+    print(f"toy worker {rank}: per-request state left at exit: {sorted(history)}", flush=True)
     return 0
 
 
@@ -114,11 +115,15 @@ def main(argv: list[str] | None = None) -> int:
             spec = RunSpec(f"embed{uuid.uuid4().hex[:8]}", layout, device_blocks, 64, out_dir=f"{out}/{name}",
                            heartbeat_s=0.2, dead_after_s=5.0)
             report[name] = serve(spec, prompts, max_new_tokens=12)
+            # every release reached every rank, the last ones too (sent when the engine idles or closes)
+            logs = [Path(spec.out_dir, "logs", f"worker{r}.log").read_text() for r in range(args.tp)]
+            report[name]["released"] = all(log.rstrip().endswith("left at exit: []") for log in logs)
     roomy, tight = report["roomy"], report["tight"]
     checks = {
         "preempted": tight["preemptions"] > 0 and roomy["preemptions"] == 0,
         "identical": tight["outputs"] == roomy["outputs"] and len(roomy["outputs"]) == len(prompts),
         "all_length": set(tight["finish"].values()) == {"length"},
+        "released": roomy["released"] and tight["released"],
         # every token streamed, one per step (a prompt's last chunk samples the first)
         "streamed": all([t for step in run["streamed"][rid] for t in step] == out and
                         all(len(step) == 1 for step in run["streamed"][rid])
