@@ -7,7 +7,8 @@ One ``Supervisor`` is one run::
 ``run()`` first builds fastkv's swap ops if this machine has never built them (one line on
 stderr; SIGINT/SIGTERM abort the build, leaving nothing behind), so no child builds them under
 its heartbeat. It then removes what dead runs left behind (``cleanup_stale``), creates the namespace, the
-channels (``fastkv.run.create_run``) and the KV tiers of every rank, starts the engine, one
+channels (``fastkv.run.create_run``) and the KV tiers of every rank (all through ``fastkv.launch.Launch``,
+the set-up an embedding deployment gets from ``launch``), starts the engine, one
 worker and one transfer process per rank (``multiprocessing`` spawn; entry points in
 ``ENTRY_POINTS``), and waits. It never sleep-polls: it blocks on the children's process
 sentinels and a self-pipe that the SIGINT/SIGTERM handler writes, with timeout

@@ -11,32 +11,10 @@ once the supervisor restarted it (``TransferClient`` adopts the new process); a 
 that dies or reports an error raises ``EngineError``: the model state is gone and the
 run must not pretend otherwise.
 
-Embedding (a Paddle deployment with its own workers)::
-
-    # supervisor side, once: Namespace.create, create_run(ns, spec), the tiers, transfer processes
-    engine = Engine.attach(spec)                  # in the serving process
-    rid = engine.add_request(prompt_ids, max_new_tokens=128)
-    while engine.has_work():
-        for result in engine.step():              # finished requests
-            respond(result.id, result.output)
-
-    # each worker rank r, in the deployment's own process:
-    from fastkv.engine import protocol
-from fastkv.sched.output import StepPlan
-    ends = attach_worker(Namespace.attach(spec.run_id), spec, r)
-    tier = DeviceTier.attach(spec.tier_prefix, r, spec.layout, spec.num_device_blocks)
-    while not ends.signals["stop"]:
-        msg = ends.plan.recv(timeout=spec.heartbeat_s)   # ChannelClosed: the engine shut down
-        if msg is None:
-            continue
-        plan = protocol.msg_to_plan(msg)          # StepPlan: per request tokens, start_pos, block table
-        out = my_model.step(plan, tier.k, tier.v) # write each new token's K/V at
-                                                  # tier.k[layer][block_table[pos // bs], :, pos % bs]
-        if r == 0:
-            ends.output.send(protocol.output_to_msg(out, sum(len(t) for t in msg.token_ids)))
-
-The model writes K/V only into the slots of the step's new tokens (every other slot may be
-in flight to another tier) and samples for the requests whose ``sample`` flag is set.
+Embedding (a Paddle deployment with its own workers): ``fastkv.launch`` sets the run up,
+``Engine.attach(spec)`` runs in the serving process (``step_stream`` for the tokens of each
+step; ``add_request`` and ``abort`` from any thread, the steps from one), and the workers
+follow ``fastkv.engine.worker_api`` (docs/WORKER_API.md; ``tests/e2e/embed_example.py``).
 """
 from __future__ import annotations
 

@@ -50,10 +50,21 @@ def toy_step(plan, k, v, block_size: int, history: dict[str, list[int]]) -> tupl
         if not (np.array_equal(keys, np.array(hist) + 1) and np.array_equal(vals, pos + 1)):
             errors.append(f"{seq.request_id}: K/V of positions < {seq.start_pos} lost")
         if seq.sample:
-            s = seq.sampling
-            mix = int(((pos + 1) * keys).sum()) * 2654435761 + (s.seed or 0) * 97 + int(s.temperature * 100)
-            sampled[seq.request_id] = mix % VOCAB
+            sampled[seq.request_id] = toy_sample(keys.tolist(), seq.sampling.seed or 0, seq.sampling.temperature)
     return sampled, "; ".join(errors)
+
+
+def toy_sample(keys: list[int], seed: int, temperature: float) -> int:
+    mix = sum((p + 1) * k for p, k in enumerate(keys)) * 2654435761 + seed * 97 + int(temperature * 100)
+    return mix % VOCAB
+
+
+def reference(prompt: list[int], max_new_tokens: int, seed: int, temperature: float) -> list[int]:
+    """What the toy model samples when its K/V is intact and the sampling parameters arrive."""
+    tokens = list(prompt)
+    for _ in range(max_new_tokens):
+        tokens.append(toy_sample([t + 1 for t in tokens], seed, temperature))
+    return tokens[len(prompt):]
 
 
 def worker_main(spec_json: str, rank: int) -> int:
@@ -122,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     checks = {
         "preempted": tight["preemptions"] > 0 and roomy["preemptions"] == 0,
         "identical": tight["outputs"] == roomy["outputs"] and len(roomy["outputs"]) == len(prompts),
+        # the K/V read back intact, and each request's own sampling parameters reached the workers
+        "reference": all(roomy["outputs"][f"req-{i}"] == reference(p, 12, i, 0.7) for i, p in enumerate(prompts)),
         "all_length": set(tight["finish"].values()) == {"length"},
         "released": roomy["released"] and tight["released"],
         # every token streamed, one per step (a prompt's last chunk samples the first)
