@@ -546,9 +546,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._one_step(hold=True)
         stuck = {rid: r.state.name for rid, r in s.requests.items()}
         assert not stuck, f"requests never finished: {stuck}; {s.counts()}"
-        # every request finished (many aborted): no block is held, every device block can be had
+        # every request finished (many aborted): none holds a block
         assert not self.cache.request_ids(), f"blocks held for {self.cache.request_ids()}"
-        assert self.cache.num_free_device_blocks == self.cache.config.num_device_blocks, s.counts()
         assert set(self.finished) == self.all_ids, f"lost requests: {self.all_ids - set(self.finished)}"
         for rid, r in self.finished.items():
             if r.state is not S.FINISHED_ABORTED:
