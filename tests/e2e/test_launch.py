@@ -43,6 +43,50 @@ def dying_transfer(spec_json: str, rank: int) -> int:
     return main(spec_json, rank)
 
 
+def tier_making_worker(spec_json: str, rank: int) -> int:
+    """The toy worker of a GPU deployment's ordering: it creates its rank's device tier itself."""
+    from fastkv.engine.worker_api import WorkerPort
+    from fastkv.transfer.tiers import DeviceTier
+    from tests.e2e.embed_example import toy_step
+
+    spec = RunSpec.from_json(spec_json)
+    port = WorkerPort(spec, rank)
+    tier = DeviceTier.create(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks, backend="shm")
+    history: dict[str, list[int]] = {}
+    port.ready()
+    try:
+        for plan in port.plans():
+            port.answer(plan, *toy_step(plan, tier.k_arrays, tier.v_arrays, spec.layout.block_size, history))
+    finally:
+        tier.close()
+        port.close()
+    return 0
+
+
+def test_workers_that_make_the_device_tiers_start_before_the_transfer_processes(tmp_path):
+    from fastkv.engine import Engine
+    from tests.e2e.embed_example import reference
+
+    spec = spec_for(tmp_path, tp=2)
+    with launch(spec, device_tiers="worker") as run:
+        assert not run.children and not any("kvdev" in n for n in leftovers(spec.run_id))
+        for rank in range(2):
+            run.start("worker", rank, "tests.e2e.test_launch:tier_making_worker")
+        run.wait_ready(["worker0", "worker1"])
+        run.start_transfers()  # they attach the tiers the workers made
+        engine = Engine.attach(spec)
+        try:
+            engine.wait_until_ready(60)
+            prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
+            for i, prompt in enumerate(prompts):
+                engine.add_request(prompt, 6, request_id=f"q{i}", sampling={"seed": i})
+            results = {r.id: r.output for r in engine.run()}
+        finally:
+            engine.close()
+    assert results == {f"q{i}": reference(p, 6, i, 1.0) for i, p in enumerate(prompts)}
+    assert leftovers(spec.run_id) == []
+
+
 def test_launch_sets_up_a_run_and_removes_everything(tmp_path):
     spec = spec_for(tmp_path)
     with launch(spec) as run:
