@@ -153,8 +153,9 @@ class Engine:
         self._params: dict[int, str] = {}  # requests not yet in a plan -> their PlanMsg.params entry
         self._tokens: dict[str, list[int]] = {}  # sampled in the step being run, by the caller's id
         # add_request/abort from other threads: queued under this, taken by the driving thread
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.RLock())
         self._incoming: list[tuple[Request, str]] = []
+        self._late: list[RequestResult] = []  # rejected when taken by abort(): the next step reports them
         self._aborts: list[str] = []
         self._owner = threading.get_ident()  # the thread driving step(): the last to call it
         self._stepping = False
@@ -351,15 +352,15 @@ class Engine:
         offloaded): its blocks are freed (at once, or when the step or the copy it is in
         ends) and it finishes with reason "aborted". False if the id is unknown or finished.
         Safe to call from any thread, like ``add_request`` (then it takes effect at the next step)."""
-        with self._cond:
+        with self._cond:  # re-entrant: _take_queued takes it again
             if threading.get_ident() != self._owner or self._stepping:
                 if request_id not in self._ids:
                     return False
                 self._aborts.append(request_id)
                 self._cond.notify_all()
                 return True
-        self._take_queued()  # it may be among them
-        return self._abort(request_id)
+            self._late += self._take_queued()  # it may be among them
+            return self._abort(request_id)
 
     def _abort(self, request_id: str) -> bool:
         rid = self._ids.get(request_id)
@@ -375,7 +376,8 @@ class Engine:
         """Requests unfinished (also queued by other threads), copies in flight, or releases
         the workers have not been sent yet."""
         return (self.sched.has_work() or self.transfer.pending > 0 or bool(self.lookups) or bool(self._arrived)
-                or bool(self.exporter) or bool(self._incoming) or bool(self._aborts) or bool(self._release))
+                or bool(self.exporter) or bool(self._incoming) or bool(self._aborts) or bool(self._release)
+                or bool(self._late))
 
     def wait_for_work(self, timeout: float) -> bool:
         """The driving thread, with nothing to do: block until another thread adds or aborts a
@@ -400,11 +402,13 @@ class Engine:
         """``step()``, also returning the tokens each request sampled in it (streaming: a
         request's last token comes in the update that lists it finished). The thread that
         calls it is the engine's driving thread."""
-        self._owner = threading.get_ident()
+        with self._cond:  # from here, add_request and abort of other threads queue
+            self._owner = threading.get_ident()
+            self._stepping = True
         self._tokens = {}
-        results = self._take_queued()
-        self._stepping = True
         try:
+            results, self._late = self._late, []
+            results += self._take_queued()
             results += self._step()
         finally:
             self._stepping = False

@@ -107,3 +107,58 @@ def test_aborts_in_the_states_a_run_reaches_leave_no_block_held(tmp_path):
             _no_block_held(engine)
         finally:
             engine.close()
+
+
+def test_an_asyncio_server_streams_tokens_from_the_engine_thread(tmp_path):
+    """docs/WORKER_API.md's pattern: the engine in a thread of its own, requests added from the
+    event loop's handlers, each request's tokens streamed to its asyncio.Queue step by step."""
+    import asyncio
+
+    spec = _spec(tmp_path, 12)
+    prompts = _prompts(6)
+
+    def engine_thread(engine, loop, queues, stop):
+        while not stop.is_set():
+            if not engine.has_work():
+                engine.wait_for_work(0.2)
+                continue
+            update = engine.step_stream()
+            for rid, tokens in update.tokens.items():
+                loop.call_soon_threadsafe(queues[rid].put_nowait, tokens)
+            for result in update.finished:
+                loop.call_soon_threadsafe(queues[result.id].put_nowait, result)
+
+    async def handle(engine, queues, i, prompt):
+        rid = f"a{i}"
+        queues[rid] = asyncio.Queue()
+        engine.add_request(prompt, 8, request_id=rid, preemption="offload", sampling={"seed": i})
+        chunks = []
+        while not hasattr(item := await queues[rid].get(), "finish"):
+            chunks.append(item)
+        return rid, chunks, item
+
+    async def serve(engine):
+        loop, queues, stop = asyncio.get_running_loop(), {}, threading.Event()
+        driver = threading.Thread(target=engine_thread, args=(engine, loop, queues, stop))
+        driver.start()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(handle(engine, queues, i, p)
+                                                           for i, p in enumerate(prompts))), 120)
+        finally:
+            stop.set()
+            driver.join()
+
+    with launch(spec) as run:
+        run.start("worker", 0, WORKER)
+        engine = Engine.attach(spec)
+        try:
+            engine.wait_until_ready()
+            served = asyncio.run(serve(engine))
+        finally:
+            engine.close()
+    from tests.e2e.embed_example import reference
+
+    for rid, chunks, result in served:
+        i = int(rid[1:])
+        assert result.finish == "length" and result.output == reference(prompts[i], 8, i, 1.0)
+        assert [t for c in chunks for t in c] == result.output and len(chunks) == 8, (rid, chunks)
