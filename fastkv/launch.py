@@ -260,7 +260,7 @@ class Launch:
                 if child.process.exitcode is None:  # hung: make it dead before replacing it
                     child.process.kill()
                     child.process.join()
-                if child.process.exitcode == 0 and self.signals["stop"]:
+                if child.process.exitcode == 0:  # the engine closed its end: a clean finish, not a death
                     continue
                 if child.restarts >= self.max_restarts:
                     self.failure = self.death(child, f"after {child.restarts} restarts")
