@@ -1,6 +1,12 @@
 """A single-machine Mooncake pool on 127.0.0.1: ``mooncake_master`` and one holder process
 (mooncake_holder.py) that lends the pool ``segment_size`` bytes. Tests, the benchmark and
-``--storage mooncake://local`` use it.
+``--storage mooncake://local[?segment_size=1G]`` (a pool of the run's own) use it; a pool
+that outlives supervisors runs in the foreground with
+
+    python -m fastkv.storage.local_mooncake --segment-size 4G     # prints the URL to give --storage
+
+Both processes die with the process that started them (PR_SET_PDEATHSIG, and the holder
+also at the end of its stdin), so a crash leaves no master running.
 
 Every port is an explicit free loopback port (the master's defaults would collide between
 runs). ``start()`` blocks on the processes' own output (a reader thread per process, no
@@ -9,14 +15,17 @@ and the holder can each be killed (SIGKILL) and the holder started again.
 """
 from __future__ import annotations
 
+import argparse
+import ctypes
 import importlib.util
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 from collections import deque
 from pathlib import Path
-from urllib.parse import urlencode
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from fastkv.storage.local_redis import free_port
 
@@ -33,12 +42,17 @@ def master_binary() -> str | None:
     return shutil.which("mooncake_master")
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGKILL it when the parent dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class _Proc:
     def __init__(self, name: str, args: list[str], ready: bytes, stdin: bool = False) -> None:
         self.name = name
         self.log: deque[bytes] = deque(maxlen=40)
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         self._ready = threading.Event()
         self._marker = ready
         threading.Thread(target=self._drain, daemon=True).start()
@@ -89,6 +103,24 @@ class LocalMooncake:
         self.metrics_port = free_port()
         self.master: _Proc | None = None
         self.holder: _Proc | None = None
+
+    @classmethod
+    def from_url(cls, url: str) -> LocalMooncake:
+        """``mooncake://local[?segment_size=1G]`` (the holder's segment; default 1 GiB)."""
+        from fastkv.storage.factory import parse_size
+
+        parts = urlsplit(url)
+        if parts.netloc != "local" or parts.path not in ("", "/"):
+            raise ValueError(f"not a local Mooncake pool URL: {url!r} (mooncake://local[?segment_size=1G])")
+        opts = dict(parse_qsl(parts.query, keep_blank_values=True))
+        unknown = set(opts) - {"segment_size"}
+        if unknown:
+            raise ValueError(f"unknown option {sorted(unknown)[0]!r} in storage URL {url!r}; known: ['segment_size']")
+        try:
+            size = parse_size(opts.get("segment_size", "1G"))
+        except ValueError as exc:
+            raise ValueError(f"bad value for 'segment_size' in storage URL {url!r}: {exc}") from None
+        return cls(segment_size=size, lease_ttl_ms=1000, client_ttl_s=5)
 
     @property
     def address(self) -> str:
@@ -146,3 +178,29 @@ class LocalMooncake:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fastkv.storage.factory import parse_size
+
+    p = argparse.ArgumentParser(prog="python -m fastkv.storage.local_mooncake", description=__doc__.split("\n\n")[0])
+    p.add_argument("--segment-size", default="1G", help="memory the holder lends the pool (e.g. 4G)")
+    p.add_argument("--lease-ms", type=int, default=1000, help="the master's lease on a value read")
+    args = p.parse_args(argv)
+    try:
+        pool = LocalMooncake(parse_size(args.segment_size), lease_ttl_ms=args.lease_ms, client_ttl_s=5)
+        pool.start()
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"local_mooncake: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(pool.url, flush=True)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        pool.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    sys.exit(main())

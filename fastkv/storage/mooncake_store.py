@@ -177,7 +177,7 @@ class MooncakeStore(StorageBackend):
         sbase = stage.ctypes.data
         codes = self._store.batch_get_into([self._mkey(k) for k in keys], [sbase + i * width for i in range(n)],
                                            [width] * n)
-        corrupt, lost, failed = [], 0, 0
+        corrupt, lost, failed = [], [], 0
         for i, code in enumerate(codes):
             if code >= 0:
                 verdict = self.codec.verify(keys[i], stage[i, :code], size)
@@ -186,7 +186,7 @@ class MooncakeStore(StorageBackend):
             elif code in _ABSENT:
                 continue
             elif code == _TRANSFER_FAIL:
-                lost += 1
+                lost.append(keys[i])
                 continue
             else:
                 failed = failed or code
@@ -203,7 +203,10 @@ class MooncakeStore(StorageBackend):
             self._ok()
             if lost:  # their segment's process died: misses, counted once per batch
                 self.stats.errors += 1
-                log.warning("mooncake get: %d of %d values lost with their segment", lost, n)
+                log.warning("mooncake get: %d of %d values lost with their segment", len(lost), n)
+                # the master lists them until it drops the dead segment, and a put of a listed key
+                # stores nothing: remove them so that the next put stores them again
+                self._store.batch_remove([self._mkey(k) for k in lost], True)
         if corrupt:
             self.stats.corrupt += len(corrupt)
             self._remove([self._mkey(k) for k in corrupt], force=True)
