@@ -48,6 +48,9 @@ AVAILABLE = MooncakeDistributedStore is not None
 
 # Mooncake's ErrorCode values that mean "not there (any more)": a plain miss.
 _ABSENT = {-704, -703, -710, -712}  # OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, REPLICA_NOT_FOUND, REPLICA_IS_GONE
+# LEASE_EXPIRED: the read outlasted the master's lease, so the value may have been evicted under
+# it and Mooncake dropped what it read; a miss (a lease shorter than a batch's transfer repeats it)
+_LEASE_EXPIRED = -707
 _TOO_SMALL = -600  # INVALID_PARAMS: get_into a buffer shorter than the value
 _HAS_LEASE = -706
 _TRANSFER_FAIL = -800  # the segment holding the value is gone (its process died)
@@ -177,13 +180,16 @@ class MooncakeStore(StorageBackend):
         sbase = stage.ctypes.data
         codes = self._store.batch_get_into([self._mkey(k) for k in keys], [sbase + i * width for i in range(n)],
                                            [width] * n)
-        corrupt, lost, failed = [], [], 0
+        corrupt, lost, failed, expired = [], [], 0, 0
         for i, code in enumerate(codes):
             if code >= 0:
                 verdict = self.codec.verify(keys[i], stage[i, :code], size)
             elif code == _TOO_SMALL:
                 verdict = Verdict.LENGTH  # longer than header + block: not one of ours
             elif code in _ABSENT:
+                continue
+            elif code == _LEASE_EXPIRED:
+                expired += 1
                 continue
             elif code == _TRANSFER_FAIL:
                 lost.append(keys[i])
@@ -207,6 +213,9 @@ class MooncakeStore(StorageBackend):
                 # the master lists them until it drops the dead segment, and a put of a listed key
                 # stores nothing: remove them so that the next put stores them again
                 self._store.batch_remove([self._mkey(k) for k in lost], True)
+        if expired:
+            log.warning("mooncake get: %d of %d reads outlasted the master's lease (--default_kv_lease_ttl); misses",
+                        expired, n)
         if corrupt:
             self.stats.corrupt += len(corrupt)
             self._remove([self._mkey(k) for k in corrupt], force=True)

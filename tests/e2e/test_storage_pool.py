@@ -104,11 +104,11 @@ def shared_prefix_half(first: list[int], second: list[int], tag: str) -> list[di
             for i in range(6)]
 
 
-def two_engines_at_once(tmp_path, url: str, versions: tuple[str, str]) -> tuple[dict, dict]:
+def two_engines_at_once(tmp_path, url: str, versions: tuple[str, str], tp: int = 1) -> tuple[dict, dict]:
     """Two engines on one store at the same time, each running one half of a shared-prefix workload."""
     pa, pb = SYSTEM + SYSTEM[::-1], SYSTEM[::-1] + SYSTEM  # 6 full blocks each
     halves = shared_prefix_half(pa, pb, "a"), shared_prefix_half(pb, pa, "b")
-    specs = [spec(1, tmp_path / f"e{i}", num_device_blocks=24, num_host_blocks=12, storage_url=url,
+    specs = [spec(tp, tmp_path / f"e{i}", num_device_blocks=24, num_host_blocks=12, storage_url=url,
                   cache_policy="write_through", weights_version=v,
                   runner_options={"verify": "all", "vocab": VOCAB}, scheduler={"max_num_batched_tokens": 48})
              for i, v in enumerate(versions)]
