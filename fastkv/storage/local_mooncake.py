@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
+import os
 import shutil
 import signal
 import subprocess
@@ -48,11 +49,13 @@ def _die_with_parent() -> None:
 
 
 class _Proc:
-    def __init__(self, name: str, args: list[str], ready: bytes, stdin: bool = False) -> None:
+    def __init__(self, name: str, args: list[str], ready: bytes, stdin: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log: deque[bytes] = deque(maxlen=40)
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+                                     env=env)
         self._ready = threading.Event()
         self._marker = ready
         threading.Thread(target=self._drain, daemon=True).start()
@@ -146,7 +149,9 @@ class LocalMooncake:
                 f"--metrics_port={self.metrics_port}", "--metrics_host=127.0.0.1",
                 f"--default_kv_lease_ttl={self.lease_ttl_ms}", f"--client_ttl={self.client_ttl_s}",
                 "--enable_http_metadata_server=false", "--logtostderr"]
-        self.master = _Proc(f"mooncake_master on {self.address}", args, MASTER_READY)
+        # its INFO line says when it serves, whatever GLOG_minloglevel the user runs with
+        env = {**os.environ, "GLOG_minloglevel": "0"}
+        self.master = _Proc(f"mooncake_master on {self.address}", args, MASTER_READY, env=env)
         self.master.wait_ready(timeout)
 
     def start_holder(self, timeout: float = 15.0) -> None:

@@ -16,9 +16,9 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or not argv[1].isdigit():
         print("usage: python -m fastkv.storage.mooncake_holder MASTER_HOST:PORT SEGMENT_BYTES", file=sys.stderr)
         return 2
-    from mooncake.store import MooncakeDistributedStore
+    from fastkv.storage.mooncake_store import MooncakeDistributedStore, _require, check_reachable
 
-    from fastkv.storage.mooncake_store import check_reachable
+    _require()
 
     check_reachable(argv[0], 2.0)
     store = MooncakeDistributedStore()

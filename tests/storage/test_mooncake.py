@@ -166,3 +166,19 @@ def test_dead_master_is_counted_and_backed_off(mooncake_pool):
     assert store.get(keys, host, range(4)) == [False] * 4
     assert time.monotonic() - t0 < 0.5 and store.stats.skipped == 2
     store.close()
+
+
+@pytest.mark.mooncake
+def test_supervisor_runs_on_a_local_pool_of_its_own_and_stops_it(tmp_path):
+    require_mooncake()
+    proc, _ = _supervisor(tmp_path, "--storage", "mooncake://local?segment_size=128M")
+    assert proc.returncode == 0, proc.stderr
+    start = next(line for line in proc.stderr.splitlines() if line.startswith("fastkv-supervisor: run "))
+    master = start.split("storage mooncake://", 1)[1].split("?", 1)[0]
+    assert master.startswith("127.0.0.1:"), start
+    with pytest.raises(ConnectionError, match="not reachable"):  # the pool went with the run
+        from fastkv.storage.mooncake_store import check_reachable
+
+        check_reachable(master, 1.0)
+    proc, _ = _supervisor(tmp_path, "--storage", "mooncake://local?segment=1G")
+    assert proc.returncode == 2 and "unknown option 'segment'" in proc.stderr, proc.stderr
