@@ -81,6 +81,14 @@ def test_fastdeploy_job_settings_become_one_url(clean_env, tmp_path):
     assert mooncake_config.from_url(cfg.storage)["protocol"] == "tcp"
     with pytest.raises(ValueError, match="kvcache_storage_config"):
         JobConfig(kvcache_storage_config={"protocol": "tcp"}, out=str(tmp_path))
+    job = tmp_path / "job.toml"  # as a FastDeploy user writes it
+    job.write_text('kvcache_storage_backend = "mooncake"\n[kvcache_storage_config]\n'
+                   'master_server_addr = "127.0.0.1:6"\nglobal_segment_size = 1073741824\n')
+    url = JobConfig.from_sources(job).storage
+    assert mooncake_config.from_url(url)["global_segment_size"] == 1 << 30 and "127.0.0.1:6" in url
+    job.write_text('kvcache_storage_backend = "mooncake"\n[kvcache_storage_config]\nmaster = "h:1"\n')
+    with pytest.raises(ValueError, match="unknown Mooncake keys \\['master'\\]"):
+        JobConfig.from_sources(job)
 
 
 # --- start errors: one line, rc 2, within 5 s ---------------------------------------
