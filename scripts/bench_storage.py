@@ -3,9 +3,10 @@
 backend, at batch sizes 1 and 64, through the same API the transfer processes call.
 
 Each round stores ``--blocks`` fresh keys from a host array, loads them back into another
-one (checked byte-identical once), then deletes them outside the timed part. The median
-round is reported. LMDB runs in a temporary directory (removed afterwards; its reads come
-from the page cache, as they would for a recently stored block); Redis is the server at
+one (checked byte-identical), then deletes them outside the timed part. Rounds of the
+backends interleave; the median round of each is reported. LMDB runs in a temporary
+directory (removed afterwards; its reads come from the page cache, as they would for a
+recently stored block); Redis is the server at
 ``--redis-url`` or a redis-server started here on 127.0.0.1 without persistence.
 
 ``--backends redis,redis-py`` adds the peer of fastkv's hand-written RESP path (issue 15):
@@ -23,6 +24,7 @@ The last line is the issue's JSON: {"bench": "storage", "mbps": {...}} at batch 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -193,6 +195,9 @@ def main() -> None:
     server: LocalRedis | None = None
     pool: LocalMooncake | None = None
     results: dict[tuple[str, int], tuple[float, float]] = {}
+    stores: dict[str, StorageBackend] = {}
+    where: dict[str, str] = {}
+    stack = contextlib.ExitStack()
     try:
         for backend in backends:
             if backend == "lmdb":
@@ -215,17 +220,27 @@ def main() -> None:
                     server.start()
                     args.redis_url = server.url
                 url = f"{args.redis_url}{'&' if '?' in args.redis_url else '?'}timeout=10"
+            where[backend] = args.redis_url if backend.startswith("redis") else url
             try:
-                store = (RedisPyStore(args.redis_url, namespace, timeout=10) if backend == "redis-py"
-                         else MooncakeRaw(url, host, out) if backend == "mooncake-raw"
-                         else open_store(url, namespace))
-                with store:
-                    for batch in BATCHES:
-                        results[backend, batch] = measure(store, host, out, batch, rounds)
+                stores[backend] = stack.enter_context(
+                    RedisPyStore(args.redis_url, namespace, timeout=10) if backend == "redis-py"
+                    else MooncakeRaw(url, host, out) if backend == "mooncake-raw" else open_store(url, namespace))
             except OSError as exc:
-                where = args.redis_url if backend.startswith("redis") else url
-                raise SystemExit(f"bench_storage: backend {backend} at {where!r}: {exc}") from None
+                raise SystemExit(f"bench_storage: backend {backend} at {where[backend]!r}: {exc}") from None
+        # Rounds interleave the backends (A, B, A, B, ...), so that the machine's load at any one
+        # moment falls on all of them alike.
+        for batch in BATCHES:
+            rates: dict[str, list[tuple[float, float]]] = {b: [] for b in backends}
+            for _ in range(rounds):
+                for backend in backends:
+                    try:
+                        rates[backend].append(measure(stores[backend], host, out, batch, 1))
+                    except OSError as exc:
+                        raise SystemExit(f"bench_storage: backend {backend} at {where[backend]!r}: {exc}") from None
+            for backend, got in rates.items():
+                results[backend, batch] = (statistics.median(p for p, _ in got), statistics.median(g for _, g in got))
     finally:
+        stack.close()
         if server is not None:
             server.kill()
         if pool is not None:
