@@ -190,3 +190,25 @@ def test_supervisor_runs_on_a_local_pool_of_its_own_and_stops_it(tmp_path):
         check_reachable(master, 1.0)
     proc, _ = _supervisor(tmp_path, "--storage", "mooncake://local?segment=1G")
     assert proc.returncode == 2 and "unknown option 'segment'" in proc.stderr, proc.stderr
+
+
+@pytest.mark.mooncake
+def test_a_full_pool_refuses_puts_counted_and_serves_what_it_holds():
+    """Past its room a pool refuses puts (NO_AVAILABLE_HANDLE) until its master has evicted
+    (in the background, by its own policy): each refused block is counted as not stored."""
+    require_mooncake()
+    with LocalMooncake(segment_size=16 << 20) as pool:  # (a few MiB hold nothing: its allocator's grain)
+        store = open_store(pool.url, NS)
+        host = np.random.default_rng(5).integers(0, 256, size=(16, 256 << 10), dtype=np.uint8)
+        batches = [rand_keys(16) for _ in range(6)]  # 24 MiB into 16 MiB
+        stored = [store.put(keys, host, range(16)) for keys in batches]
+        s = store.stats
+        assert s.store_failed > 0 and s.errors > 0 and s.stored + s.store_failed == 6 * 16, s
+        out = np.zeros_like(host)
+        for keys, ok in zip(batches, stored, strict=True):
+            got = store.get(keys, out, range(16))
+            assert not any(g and not o for g, o in zip(got, ok, strict=True)), "a refused put was served"
+            hit = [i for i, g in enumerate(got) if g]
+            assert np.array_equal(out[hit], host[hit])
+        assert s.hits > 0 and s.corrupt == 0 and s.hits + s.misses == 6 * 16
+        store.close()
