@@ -59,9 +59,15 @@ setup(
         "cpu": ["paddlepaddle>=3.0"],
         # KV events for KV-aware routers (fastkv.events, fastkv.routing): ZMQ and msgpack, as vLLM
         "events": ["pyzmq>=25", "msgspec>=0.18"],
+        # Mooncake's distributed store client and mooncake_master, CPU build (the plain
+        # mooncake-transfer-engine wheel needs CUDA); needs Debian's libibverbs1 too
+        "mooncake": ["mooncake-transfer-engine-non-cuda>=0.3.13"],
         # hypothesis pinned: the CI profile's derandomized examples, and so the state machines'
         # coverage check (tests/stateful/coverage.py), depend on its version
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis==6.170.15", "ruff>=0.5"],
+        # --runner paddleformers:llama. Its fast_dataindex pins numpy<=1.26.4, so pip downgrades
+        # numpy for it; .ci/install-models installs it keeping the numpy that is there.
+        "models": ["paddleformers==1.2.0"],
     },
     cmdclass={"build_py": BuildPyWithOps},
     # Atomics, fences and the ring fast path on shared memory (fastkv/ipc/ring.py), and the

@@ -33,14 +33,15 @@ from fastkv.config import KVLayout
 from fastkv.demo import PREEMPTION_MODES, ConversationConfig
 from fastkv.outdir import OutDir
 
-RUNNERS = ("synthetic", "tiny")
+RUNNERS = ("synthetic", "tiny", "paddleformers:llama")
 STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
 ROLES = ("mixed", "prefill", "decode")
 # Per-token compute cost of the synthetic runner (CPU busy work): 300 us, the order of what the
 # tiny Paddle decoder costs per token on a CPU, so recomputing a preempted request costs
 # what it would with a real (CPU) model. verify "resumed" checks every block of a request that
 # was restored, preempted or moved, byte for byte, without re-reading every sequence every step.
-DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 300.0, "verify": "resumed"}, "tiny": {}}
+DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 300.0, "verify": "resumed"}, "tiny": {},
+                          "paddleformers:llama": {}}
 CACHE_POLICIES = ("write_back", "write_through", "write_through_selective")
 STORAGE_WRITES = ("preempted", "through", "back")  # fastkv.cache.storage_writes: what each costs
 QUICK_DEMO = {"conversations": 8, "turns": 3}
@@ -96,7 +97,8 @@ class JobConfig:
     # FastDeploy's names (README "Settings"): the host tier in GiB or in blocks, the storage backend
     swap_space: float = 0.0
     num_cpu_blocks: int = 0
-    kvcache_storage_backend: str = ""
+    kvcache_storage_backend: str = ""  # a URL, or "mooncake" with kvcache_storage_config / MOONCAKE_*
+    kvcache_storage_config: dict[str, Any] = field(default_factory=dict)  # FastDeploy's Mooncake keys
     # KV events for KV-aware routers (fastkv.events): off without an endpoint
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
@@ -163,6 +165,8 @@ class JobConfig:
                 if isinstance(exc, TableError):
                     raise
                 raise ValueError(f"the tiny runner cannot run this shape: {exc}") from None
+        if self.runner == "paddleformers:llama":
+            self._check_paddleformers()
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"setting 'metrics_port' must be in [0, 65536), got {self.metrics_port}")
         if self.heartbeat_s <= 0 or self.dead_after_s <= self.heartbeat_s:
@@ -197,10 +201,17 @@ class JobConfig:
             object.__setattr__(self, "host_blocks", blocks)
         elif self.num_cpu_blocks:
             object.__setattr__(self, "host_blocks", self.num_cpu_blocks)
+        if self.kvcache_storage_config and self.kvcache_storage_backend != "mooncake":
+            raise ValueError("setting 'kvcache_storage_config' is for kvcache_storage_backend = \"mooncake\"")
         if self.kvcache_storage_backend:
             if self.storage != "default":
                 raise ValueError("give the storage tier as 'storage' or as 'kvcache_storage_backend', not both")
-            object.__setattr__(self, "storage", self.kvcache_storage_backend)
+            storage = self.kvcache_storage_backend
+            if storage == "mooncake":  # FastDeploy's keys: this table > MOONCAKE_CONFIG_PATH > MOONCAKE_* env
+                from fastkv.storage import mooncake_config
+
+                storage = mooncake_config.to_url(mooncake_config.resolve(self.kvcache_storage_config))
+            object.__setattr__(self, "storage", storage)
 
     def _check_scheduler(self) -> None:
         from fastkv.sched.config import SchedulerConfig
@@ -221,6 +232,22 @@ class JobConfig:
             raise TableError(f"unknown runner_options.config settings {sorted(unknown)}; known: {sorted(known)}")
         return TinyConfig(**opts)
 
+    def _check_paddleformers(self) -> None:
+        """The model settings against the layout, and the library's presence, without importing it."""
+        import importlib.util
+
+        from fastkv.engine.runners.paddleformers_config import OPTIONS, llama_settings
+
+        if unknown := set(self.runner_options) - set(OPTIONS):
+            raise TableError(f"unknown runner_options {sorted(unknown)} for the {self.runner} runner; "
+                             f"known: {sorted(OPTIONS)}")
+        try:
+            llama_settings(self.layout(), self.runner_options)
+        except ValueError as exc:
+            raise ValueError(f"the paddleformers:llama runner cannot run this shape: {exc}") from None
+        if importlib.util.find_spec("paddleformers") is None:
+            raise ValueError("the paddleformers:llama runner needs PaddleFormers: pip install -e '.[cpu,models]'")
+
     def check_runner_options(self) -> None:
         """TableError for a runner option the reference runner does not take. Only for the
         default worker: a worker given by --entry reads the options its own way."""
@@ -229,6 +256,10 @@ class JobConfig:
 
             params = inspect.signature(SyntheticRunner).parameters.values()
             known = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+        elif self.runner == "paddleformers:llama":
+            from fastkv.engine.runners.paddleformers_config import OPTIONS
+
+            known = set(OPTIONS)
         else:
             known = {"config"}  # the worker passes the collective itself
         if unknown := set(self.runner_options) - known:
@@ -254,6 +285,10 @@ class JobConfig:
 
     def vocab(self) -> int:
         """The runner's vocab: every token id of the workload must be below it."""
+        if self.runner == "paddleformers:llama":
+            from fastkv.engine.runners.paddleformers_config import vocab_size
+
+            return vocab_size(self.runner_options) or RUNNER_VOCAB
         opts = self.runner_options.get("config", {}) if self.runner == "tiny" else self.runner_options
         return opts.get("vocab", RUNNER_VOCAB) if isinstance(opts, dict) else RUNNER_VOCAB
 
@@ -415,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
       "a trace or a workload file defaults to room for its longest request, up to 1 GiB per rank)")
     a("--host-blocks", type=int, help="host tier capacity in blocks per rank, 0 = none (default 1024); under "
       "write-through, running requests hold their host copies: give it more blocks than the device tier")
-    a("--storage", help="storage URL (lmdb://DIR, redis://HOST:PORT), 'none', or 'default' = lmdb://<out>/store")
+    a("--storage", help="storage URL (lmdb://DIR, redis://HOST:PORT, mooncake://MASTER:PORT?..., mooncake://local "
+      "= a Mooncake pool of this run's own), 'none', or 'default' = lmdb://<out>/store")
     a("--preemption", choices=PREEMPTION_MODES, help="what preempting a request does (default offload)")
     a("--cache-policy", choices=CACHE_POLICIES, help="when blocks are copied to the host tier (default write_through)")
     a("--storage-write", choices=STORAGE_WRITES,
@@ -598,11 +634,15 @@ def _prepare_and_run(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     # supervisor's own go in, a signal unwinds the start-up and the run ends as stopped.
     _cuda_available()
     old_handlers = {signum: signal.signal(signum, _interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
+    pool = None  # mooncake://local: the run's own Mooncake pool
     try:
         # held back by fastkv.__main__ until now (a no-op otherwise); one that came meanwhile lands here
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             spec, workload = prepare(cfg, outdir=outdir)
+            pool = _local_pool(spec.storage_url)
+            if pool is not None:
+                spec = dataclasses.replace(spec, storage_url=pool.url)
             if spec.storage_url:  # a tier that cannot open would only be logged by the transfer processes
                 from fastkv.storage import probe_store
 
@@ -622,8 +662,26 @@ def _prepare_and_run(parser: argparse.ArgumentParser, args: argparse.Namespace, 
               file=sys.stderr)
         return 128 + exc.signal
     finally:
+        if pool is not None:
+            pool.stop()
         for signum, handler in old_handlers.items():
             signal.signal(signum, handler)
+
+
+def _local_pool(url: str):
+    """``mooncake://local[?segment_size=4G]``: a Mooncake master and holder on 127.0.0.1 for
+    this run, started (and stopped) by the supervisor; None for any other URL."""
+    if not url.startswith("mooncake://local"):
+        return None
+    from fastkv.storage.local_mooncake import LocalMooncake
+
+    pool = LocalMooncake.from_url(url)
+    try:
+        pool.start()
+    except (OSError, RuntimeError) as exc:
+        why = str(exc).splitlines()[0]
+        raise ValueError(f"--storage {url}: the local Mooncake pool did not start: {why}") from None
+    return pool
 
 
 def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress_bar: bool) -> int:

@@ -7,7 +7,8 @@ One ``Supervisor`` is one run::
 ``run()`` first builds fastkv's swap ops if this machine has never built them (one line on
 stderr; SIGINT/SIGTERM abort the build, leaving nothing behind), so no child builds them under
 its heartbeat. It then removes what dead runs left behind (``cleanup_stale``), creates the namespace, the
-channels (``fastkv.run.create_run``) and the KV tiers of every rank, starts the engine, one
+channels (``fastkv.run.create_run``) and the KV tiers of every rank (all through ``fastkv.launch.Launch``,
+the set-up an embedding deployment gets from ``launch``), starts the engine, one
 worker and one transfer process per rank (``multiprocessing`` spawn; entry points in
 ``ENTRY_POINTS``), and waits. It never sleep-polls: it blocks on the children's process
 sentinels and a self-pipe that the SIGINT/SIGTERM handler writes, with timeout
@@ -34,25 +35,22 @@ Each child's stdout/stderr goes to ``<out_dir>/logs/<name>.log``.
 """
 from __future__ import annotations
 
-import importlib
 import multiprocessing as mp
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from fastkv.children import Child, _child_main, describe_exit, log_tail, resolve  # noqa: F401 (re-exported)
 from fastkv.engine.engine import write_missing
-from fastkv.ipc import Namespace, SignalArray, cleanup_stale
+from fastkv.ipc import Namespace, SignalArray
 from fastkv.ipc.namespace import SHM_DIR
-from fastkv.ipc.peers import die_with_parent
-from fastkv.proctitle import set_title
-from fastkv.run import STARTING, RunSpec, create_run
+from fastkv.launch import Launch
+from fastkv.run import STARTING, RunSpec
 
 ENTRY_POINTS = {
     "engine": "fastkv.engine.engine:main",  # main(spec_json, workload_path) -> int
@@ -73,71 +71,6 @@ class RunResult(NamedTuple):
     exit_codes: dict[str, int | None]  # per process name, after shutdown
     restarts: dict[str, int]  # transfer process name -> times restarted
     seconds: float
-
-
-@dataclass(slots=True)
-class Child:
-    name: str  # engine, worker{r}, transfer{r}
-    role: str
-    rank: int
-    process: Any  # multiprocessing SpawnProcess
-    started_ns: int
-    restarts: int = 0
-
-
-def resolve(target: str) -> Callable[..., int]:
-    """``"package.module:function"`` -> the function."""
-    module, _, func = target.partition(":")
-    if not module or not func:
-        raise ValueError(f"entry point must be 'module:function', got {target!r}")
-    return getattr(importlib.import_module(module), func)
-
-
-def _child_main(target: str, args: tuple, parent_pid: int, log_path: str, title: tuple = ()) -> None:
-    """Runs in the spawned child: die with the supervisor, log to a file, call the entry point.
-    ``title``: ``(role, rank, run_id)`` for ``fastkv.proctitle.set_title``."""
-    die_with_parent(parent_pid)
-    if title:
-        set_title(*title)
-    # Ctrl-C reaches the whole process group; only the supervisor decides how to stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
-    sys.exit(resolve(target)(*args))
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def log_tail(path: Path, lines: int = 12) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return "(no log)"
-    tail = text.rstrip().splitlines()[-lines:]
-    return "\n".join("    " + line for line in tail) if tail else "(empty log)"
-
-
-@contextmanager
-def _tier_fits(tier: str, rank: int, num_blocks: int, block_bytes: int) -> Iterator[None]:
-    """Says which flag sized a tier that does not fit."""
-    try:
-        yield
-    except MemoryError as exc:
-        raise MemoryError(f"the {tier} tier of rank {rank} (--{tier}-blocks {num_blocks} x "
-                          f"{block_bytes / 2**10:.0f} KiB) does not fit: {exc}") from None
 
 
 class Supervisor:
@@ -183,7 +116,7 @@ class Supervisor:
         self.children: dict[str, Child] = {}
         self.ns: Namespace | None = None
         self.signals: SignalArray | None = None
-        self._tiers: list[Any] = []
+        self._run: Launch | None = None
         self._ctx = mp.get_context("spawn")
         self._stop_reason: str | None = None
         self._stopping = False
@@ -274,42 +207,19 @@ class Supervisor:
         return None
 
     def _setup(self, cuda: bool) -> None:
-        from fastkv.transfer.tiers import DeviceTier, HostTier
-
-        removed = cleanup_stale(self.manifest_dir)
-        if removed:
-            print(f"fastkv-supervisor: removed {len(removed)} objects left by dead runs", file=sys.stderr)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir.mkdir(exist_ok=True)
-        spec = self.spec
-        self.ns = Namespace.create(spec.run_id, self.manifest_dir)
-        create_run(self.ns, spec)
-        for r in range(spec.tp_size):
-            # Recorded first: a crash between record and create leaves nothing unlisted.
-            self.ns.record("shm", f"kvdev{r}")
-            # Allocated now (populate), as a GPU deployment's are: a tier too big fails here.
-            with _tier_fits("device", r, spec.num_device_blocks, spec.layout.block_bytes):
-                if not cuda:  # on a GPU build the worker allocates it and shares it by CUDA IPC
-                    self._tiers.append(DeviceTier.create(spec.tier_prefix, r, spec.layout, spec.num_device_blocks,
-                                                         backend="shm", populate=True))
-            if spec.num_host_blocks:
-                self.ns.record("shm", f"kvhost{r}")
-                with _tier_fits("host", r, spec.num_host_blocks, spec.layout.block_bytes):
-                    self._tiers.append(HostTier.create(spec.tier_prefix, r, spec.layout, spec.num_host_blocks,
-                                                       populate=True))
-        self.signals = SignalArray.attach(self.ns, "signals")
+        # The set-up an embedding deployment gets from fastkv.launch; this loop watches the children.
+        self._run = Launch(self.spec, log_dir=self.log_dir, manifest_dir=self.manifest_dir,
+                           entry_points=self.entry_points, mp_context=self._ctx, max_restarts=self.max_restarts,
+                           startup_timeout_s=self.startup_timeout_s, join_timeout_s=self.join_timeout_s,
+                           say=lambda text: print(f"fastkv-supervisor: {text}", file=sys.stderr))
+        self.children = self._run.children
+        self._run.setup(cuda)
+        self.ns, self.signals = self._run.ns, self._run.signals
 
     def _teardown(self) -> None:
-        if self.signals is not None:
-            self.signals.close()
-            self.signals = None
-        for tier in self._tiers:
-            tier.close()
-            tier.unlink()
-        self._tiers = []
-        if self.ns is not None:  # also unlinks a worker-made (CUDA) device tier: its name is in the manifest
-            self.ns.close()
-            self.ns = None
+        self.signals = self.ns = None
+        if self._run is not None:
+            self._run.teardown()
         fds, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)  # first: a late signal skips it
         for fd in fds:
             if fd >= 0:
@@ -329,28 +239,13 @@ class Supervisor:
 
     # -- children ----------------------------------------------------------------------
     def _start(self, role: str, rank: int) -> Child:
-        name = "engine" if role == "engine" else f"{role}{rank}"
-        args = (self.spec.to_json(), str(self.workload_path)) if role == "engine" else (self.spec.to_json(), rank)
-        proc = self._ctx.Process(
-            target=_child_main, name=f"fastkv-{name}",
-            args=(self.entry_points[role], args, os.getpid(), str(self.log_dir / f"{name}.log"),
-                  (role, rank, self.spec.run_id)),
-        )
-        old = self.children.get(name)
-        child = Child(name, role, rank, proc, time.monotonic_ns(), old.restarts if old else 0)
-        self.children[name] = child
-        proc.start()
-        return child
+        assert self._run is not None, "start before setup"
+        args = (self.spec.to_json(), str(self.workload_path)) if role == "engine" else None
+        return self._run.start(role, rank, args=args)
 
     def _restart_transfer(self, child: Child, why: str) -> None:
-        assert self.signals is not None, "restart before setup"
-        child.process.join()
-        self.signals[f"{child.name}.ready"] = STARTING
-        # The gen bump is what tells the engine's TransferClient to fail this rank's tasks in flight.
-        self.signals.add(f"{child.name}.gen", 1)
-        self._start("transfer", child.rank).restarts = child.restarts + 1
-        print(f"fastkv-supervisor: {child.name} {why}; restarted (gen {self.signals[f'{child.name}.gen']})",
-              file=sys.stderr)
+        assert self._run is not None, "restart before setup"
+        self._run.restart_transfer(child, why)
 
     def _watch(self) -> tuple[bool, str]:
         """Until the engine exits 0 (True), a stop request or a fatal death (False, why)."""
@@ -388,16 +283,8 @@ class Supervisor:
 
     def _why_dead(self, child: Child, now_ns: int) -> str | None:
         """None while ``child`` lives; else how it died (exited, or a silent heartbeat, or never ready)."""
-        assert self.signals is not None, "watch before setup"
-        if child.process.exitcode is not None:
-            return describe_exit(child.process.exitcode)
-        if self.signals[f"{child.name}.ready"] != STARTING:
-            silent = now_ns - max(self.signals[f"{child.name}.beat"], child.started_ns)
-            if silent > self.spec.dead_after_s * 1e9:
-                return f"heartbeat silent for {silent / 1e9:.1f} s"
-        elif now_ns - child.started_ns > self.startup_timeout_s * 1e9:
-            return f"not ready after {self.startup_timeout_s:.0f} s"
-        return None
+        assert self._run is not None, "watch before setup"
+        return self._run.why_dead(child, now_ns)
 
     def _report_progress(self) -> None:
         if self.progress is not None and self.signals is not None:

@@ -3,20 +3,28 @@
 backend, at batch sizes 1 and 64, through the same API the transfer processes call.
 
 Each round stores ``--blocks`` fresh keys from a host array, loads them back into another
-one (checked byte-identical once), then deletes them outside the timed part. The median
-round is reported. LMDB runs in a temporary directory (removed afterwards; its reads come
-from the page cache, as they would for a recently stored block); Redis is the server at
+one (checked byte-identical), then deletes them outside the timed part. Rounds of the
+backends interleave; the median round of each is reported. LMDB runs in a temporary
+directory (removed afterwards; its reads come from the page cache, as they would for a
+recently stored block); Redis is the server at
 ``--redis-url`` or a redis-server started here on 127.0.0.1 without persistence.
 
 ``--backends redis,redis-py`` adds the peer of fastkv's hand-written RESP path (issue 15):
 the same ``RedisStore`` with its SET and GET pipelines through redis-py's own client, which
 packs and parses with ``hiredis`` when it is installed (``pip install 'redis[hiredis]'``).
 
+``mooncake`` is fastkv's Mooncake backend on a pool started here (mooncake_master and a holder
+on 127.0.0.1, local_mooncake.py); ``mooncake-raw`` is Mooncake's own batched API on the same pool
+with no fastkv code (``batch_put_from`` / ``batch_get_into`` of the bare blocks, registered
+buffers, no header, no checksum, no staging): the ceiling fastkv's backend is measured against.
+Both are in the default set where the Mooncake client is installed.
+
 The last line is the issue's JSON: {"bench": "storage", "mbps": {...}} at batch 64.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -34,7 +42,10 @@ from fastkv.cli import at_least  # noqa: E402
 from fastkv.config import KVLayout  # noqa: E402
 from fastkv.storage import StorageBackend, namespace_fingerprint, open_store  # noqa: E402
 from fastkv.storage.base import HEADER_BYTES, Verdict  # noqa: E402
+from fastkv.storage.local_mooncake import LocalMooncake  # noqa: E402
 from fastkv.storage.local_redis import LocalRedis  # noqa: E402
+from fastkv.storage.mooncake_config import from_url  # noqa: E402
+from fastkv.storage.mooncake_store import AVAILABLE as MOONCAKE  # noqa: E402
 from fastkv.storage.redis_store import _FAILURES, RedisStore  # noqa: E402
 
 LAYOUTS = {
@@ -44,7 +55,8 @@ LAYOUTS = {
     "small": KVLayout(num_layers=2, kv_heads=4, block_size=64, head_dim=128, dtype="bfloat16"),
 }
 BATCHES = (1, 64)
-BACKENDS = ("lmdb", "redis", "redis-py")
+BACKENDS = ("lmdb", "redis", "redis-py", "mooncake", "mooncake-raw")
+DEFAULT_BACKENDS = "lmdb,redis,mooncake,mooncake-raw" if MOONCAKE else "lmdb,redis"
 
 
 class RedisPyStore(RedisStore):
@@ -83,6 +95,44 @@ class RedisPyStore(RedisStore):
         return True
 
 
+class MooncakeRaw:
+    """Mooncake's batched API on the bare blocks, as a client with no fastkv code would call it."""
+
+    def __init__(self, url: str, host: np.ndarray, out: np.ndarray) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        o = from_url(url)
+        self.store = MooncakeDistributedStore()
+        ret = self.store.setup(o["local_hostname"], o["metadata_server"], o["global_segment_size"],
+                               o["local_buffer_size"], o["protocol"], o["rdma_devices"], o["master_server_addr"])
+        if ret != 0:
+            raise OSError(f"Mooncake setup failed with code {ret}")
+        self.size = host[0].nbytes
+        for arr in (host, out):
+            self.store.register_buffer(arr.ctypes.data, arr.nbytes)
+        self.stats = "raw"
+
+    def put(self, keys, host, ids):
+        base = host.ctypes.data
+        return [c == 0 for c in self.store.batch_put_from([k.hex() for k in keys], [base + b * self.size for b in ids],
+                                                          [self.size] * len(keys))]
+
+    def get(self, keys, out, ids):
+        base = out.ctypes.data
+        return [c == self.size for c in self.store.batch_get_into([k.hex() for k in keys],
+                                                                  [base + b * self.size for b in ids],
+                                                                  [self.size] * len(keys))]
+
+    def delete(self, keys):
+        self.store.batch_remove([k.hex() for k in keys], True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.store.close()
+
+
 def measure(store: StorageBackend, host: np.ndarray, out: np.ndarray, batch: int, rounds: int) -> tuple[float, float]:
     """Median put and get MB/s over ``rounds`` rounds of ``len(host)`` fresh blocks."""
     n = host.shape[0]
@@ -116,7 +166,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=at_least(1), help="blocks per round (default 128, quick 64)")
     ap.add_argument("--rounds", type=at_least(1), help="rounds per measurement (default 5, quick 3)")
     ap.add_argument("--redis-url", help="use this server instead of starting one")
-    ap.add_argument("--backends", default="lmdb,redis", help=f"comma-separated: {','.join(BACKENDS)}")
+    ap.add_argument("--backends", default=DEFAULT_BACKENDS, help=f"comma-separated: {','.join(BACKENDS)} "
+                    f"(default {DEFAULT_BACKENDS})")
     ap.add_argument("--tmpdir", help="where the LMDB environment goes (default: the system temp dir)")
     ap.add_argument("--smoke", action="store_true",
                     help="small layout, 64 blocks, 1 round (tests: numbers mean nothing)")
@@ -142,12 +193,24 @@ def main() -> None:
     except OSError as exc:
         raise SystemExit(f"bench_storage: --tmpdir: {exc}") from None
     server: LocalRedis | None = None
+    pool: LocalMooncake | None = None
     results: dict[tuple[str, int], tuple[float, float]] = {}
+    stores: dict[str, StorageBackend] = {}
+    where: dict[str, str] = {}
+    stack = contextlib.ExitStack()
     try:
         for backend in backends:
             if backend == "lmdb":
                 # Room for one round plus what the freed pages of earlier rounds pin.
                 url = f"lmdb://{workdir}/lmdb?max_bytes={4 * host.nbytes}"
+            elif backend.startswith("mooncake"):
+                if pool is None:
+                    if not MOONCAKE:
+                        raise SystemExit("bench_storage: the Mooncake client is not installed "
+                                         "(pip install -e '.[mooncake]')")
+                    pool = LocalMooncake(segment_size=4 * host.nbytes + (64 << 20), lease_ttl_ms=2000)
+                    pool.start()
+                url = pool.url + f"&local_buffer_size={16 << 20}"
             else:
                 if args.redis_url is None and server is None:
                     try:
@@ -157,25 +220,38 @@ def main() -> None:
                     server.start()
                     args.redis_url = server.url
                 url = f"{args.redis_url}{'&' if '?' in args.redis_url else '?'}timeout=10"
+            where[backend] = args.redis_url if backend.startswith("redis") else url
             try:
-                store = (RedisPyStore(args.redis_url, namespace, timeout=10) if backend == "redis-py"
-                         else open_store(url, namespace))
-                with store:
-                    for batch in BATCHES:
-                        results[backend, batch] = measure(store, host, out, batch, rounds)
+                stores[backend] = stack.enter_context(
+                    RedisPyStore(args.redis_url, namespace, timeout=10) if backend == "redis-py"
+                    else MooncakeRaw(url, host, out) if backend == "mooncake-raw" else open_store(url, namespace))
             except OSError as exc:
-                where = args.redis_url if backend.startswith("redis") else url
-                raise SystemExit(f"bench_storage: backend {backend} at {where!r}: {exc}") from None
+                raise SystemExit(f"bench_storage: backend {backend} at {where[backend]!r}: {exc}") from None
+        # Rounds interleave the backends (A, B, A, B, ...), so that the machine's load at any one
+        # moment falls on all of them alike.
+        for batch in BATCHES:
+            rates: dict[str, list[tuple[float, float]]] = {b: [] for b in backends}
+            for _ in range(rounds):
+                for backend in backends:
+                    try:
+                        rates[backend].append(measure(stores[backend], host, out, batch, 1))
+                    except OSError as exc:
+                        raise SystemExit(f"bench_storage: backend {backend} at {where[backend]!r}: {exc}") from None
+            for backend, got in rates.items():
+                results[backend, batch] = (statistics.median(p for p, _ in got), statistics.median(g for _, g in got))
     finally:
+        stack.close()
         if server is not None:
             server.kill()
+        if pool is not None:
+            pool.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
     print(f"storage tier, {layout.block_bytes / (1 << 20):g} MiB blocks ({layout.describe()}), "
           f"{blocks} blocks x {rounds} rounds, median MB/s")
-    print(f"{'backend':<8}" + "".join(f"{f'put b={b}':>12}{f'get b={b}':>12}" for b in BATCHES))
+    print(f"{'backend':<13}" + "".join(f"{f'put b={b}':>12}{f'get b={b}':>12}" for b in BATCHES))
     for backend in backends:
-        print(f"{backend:<8}" + "".join(f"{results[backend, b][0]:>12.0f}{results[backend, b][1]:>12.0f}"
+        print(f"{backend:<13}" + "".join(f"{results[backend, b][0]:>12.0f}{results[backend, b][1]:>12.0f}"
                                          for b in BATCHES))
     mbps = {}
     for backend in backends:

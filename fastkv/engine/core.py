@@ -11,36 +11,15 @@ once the supervisor restarted it (``TransferClient`` adopts the new process); a 
 that dies or reports an error raises ``EngineError``: the model state is gone and the
 run must not pretend otherwise.
 
-Embedding (a Paddle deployment with its own workers)::
-
-    # supervisor side, once: Namespace.create, create_run(ns, spec), the tiers, transfer processes
-    engine = Engine.attach(spec)                  # in the serving process
-    rid = engine.add_request(prompt_ids, max_new_tokens=128)
-    while engine.has_work():
-        for result in engine.step():              # finished requests
-            respond(result.id, result.output)
-
-    # each worker rank r, in the deployment's own process:
-    from fastkv.engine import protocol
-from fastkv.sched.output import StepPlan
-    ends = attach_worker(Namespace.attach(spec.run_id), spec, r)
-    tier = DeviceTier.attach(spec.tier_prefix, r, spec.layout, spec.num_device_blocks)
-    while not ends.signals["stop"]:
-        msg = ends.plan.recv(timeout=spec.heartbeat_s)   # ChannelClosed: the engine shut down
-        if msg is None:
-            continue
-        plan = protocol.msg_to_plan(msg)          # StepPlan: per request tokens, start_pos, block table
-        out = my_model.step(plan, tier.k, tier.v) # write each new token's K/V at
-                                                  # tier.k[layer][block_table[pos // bs], :, pos % bs]
-        if r == 0:
-            ends.output.send(protocol.output_to_msg(out, sum(len(t) for t in msg.token_ids)))
-
-The model writes K/V only into the slots of the step's new tokens (every other slot may be
-in flight to another tier) and samples for the requests whose ``sample`` flag is set.
+Embedding (a Paddle deployment with its own workers): ``fastkv.launch`` sets the run up,
+``Engine.attach(spec)`` runs in the serving process (``step_stream`` for the tokens of each
+step; ``add_request`` and ``abort`` from any thread, the steps from one), and the workers
+follow ``fastkv.engine.worker_api`` (docs/WORKER_API.md; ``tests/e2e/embed_example.py``).
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -54,7 +33,18 @@ from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.engine import protocol
 from fastkv.engine.handoff import Exporter, HandoffStats
 from fastkv.engine.lookup import StorageLookup
-from fastkv.ipc import Broadcast, DoneMsg, Namespace, OutputMsg, PeerDied, PeerTimeout, PlanMsg, pid_alive
+from fastkv.engine.sampling import Sampling, request_params
+from fastkv.ipc import (
+    Broadcast,
+    ChannelClosed,
+    DoneMsg,
+    Namespace,
+    OutputMsg,
+    PeerDied,
+    PeerTimeout,
+    PlanMsg,
+    pid_alive,
+)
 from fastkv.metrics import EngineMetrics
 from fastkv.run import EngineEnds, RunSpec, attach_engine
 from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig, WeightUpdate
@@ -99,6 +89,14 @@ class RequestResult(NamedTuple):
 
     def to_json(self) -> dict[str, Any]:
         return self._asdict()
+
+
+class StepUpdate(NamedTuple):
+    """What one ``step_stream()`` produced: per request (the caller's id) the tokens sampled
+    in this step, in order, and the requests that finished (with ``finish``, the reason)."""
+
+    tokens: dict[str, list[int]]
+    finished: list[RequestResult]
 
 
 def _enum(cls: type, value: Any) -> Any:
@@ -160,6 +158,15 @@ class Engine:
         self._ids: dict[str, int] = {}
         self._next_id = 0
         self._release: list[int] = []  # finished since the last plan: the runners may forget them
+        self._params: dict[int, str] = {}  # requests not yet in a plan -> their PlanMsg.params entry
+        self._tokens: dict[str, list[int]] = {}  # sampled in the step being run, by the caller's id
+        # add_request/abort from other threads: queued under this, taken by the driving thread
+        self._cond = threading.Condition(threading.RLock())
+        self._incoming: list[tuple[Request, str]] = []
+        self._late: list[RequestResult] = []  # rejected when taken by abort(): the next step reports them
+        self._aborts: list[str] = []
+        self._owner = threading.get_ident()  # the thread driving step(): the last to call it
+        self._stepping = False
         self._idle = 0
         self._last_check = 0.0  # last look at the workers' pids
         self._ns: Namespace | None = None
@@ -189,15 +196,38 @@ class Engine:
     # ================================================================== requests
     def add_request(self, prompt: Iterable[int], max_new_tokens: int, *, request_id: str | None = None,
                     preemption: str | PreemptionMode | None = None, eos_token_id: int | None = None,
-                    stop_token_ids: Iterable[int] = (), arrival_time: float | None = None) -> str:
+                    stop_token_ids: Iterable[int] = (), arrival_time: float | None = None,
+                    sampling: Sampling | dict[str, Any] | None = None) -> str:
         """Queue a request; returns its id (``request_id``, or a fresh one). ``preemption``
         overrides the deployment's mode for this request ("recompute", "offload", "storage",
-        "auto"); ``arrival_time`` (time.monotonic) defaults to now. ValueError if the id is
+        "auto"); ``arrival_time`` (time.monotonic) defaults to now. ``sampling`` (a
+        ``Sampling`` or a dict of its fields) goes to the workers untouched, in the request's
+        first plan; its ``stop_token_ids`` also stop the request here. ValueError if the id is
         in use; RequestRejected (a ValueError) if the request is invalid or can never run to
         ``max_new_tokens``: prompt and output must fit in ``max_model_len`` (the device tier,
-        or less), since a request is never cut short without saying so."""
-        req, ext = self._new_request(prompt, max_new_tokens, request_id, preemption, eos_token_id, stop_token_ids,
-                                     arrival_time)
+        or less), since a request is never cut short without saying so.
+
+        Safe to call from any thread: called from one other than the thread driving ``step()``
+        (or during a step), the request is checked here and enters at the next step; a thread
+        blocked in ``wait_for_work`` wakes up."""
+        with self._cond:
+            req, ext, params = self._new_request(prompt, max_new_tokens, request_id, preemption, eos_token_id,
+                                                 stop_token_ids, arrival_time, sampling)
+            if threading.get_ident() == self._owner and not self._stepping:
+                self._enter(req, ext)
+            else:
+                try:
+                    self.sched.check_request(req)
+                except (TypeError, ValueError) as exc:
+                    raise RequestRejected(ext, str(exc).removeprefix(f"request {req.request_id}: ")) from None
+                if req.arrival_time is None:
+                    req.arrival_time = time.monotonic()
+                self._incoming.append((req, ext))
+                self._cond.notify_all()
+            self._register(req, ext, params)
+        return ext
+
+    def _enter(self, req: Request, ext: str) -> None:
         try:
             if self.lookups is None:
                 self.sched.add_request(req)
@@ -206,18 +236,37 @@ class Engine:
                 self.lookups.park(req)
         except (TypeError, ValueError) as exc:
             raise RequestRejected(ext, str(exc).removeprefix(f"request {req.request_id}: ")) from None
-        self._register(req, ext)
-        return ext
+
+    def _take_queued(self) -> list[RequestResult]:
+        """The driving thread: the requests and aborts other threads queued."""
+        with self._cond:
+            incoming, self._incoming = self._incoming, []
+            aborts, self._aborts = self._aborts, []
+        results = []
+        for req, ext in incoming:
+            try:
+                self._enter(req, ext)
+            except RequestRejected as exc:  # checked when queued: the scheduler changed its mind since
+                with self._cond:
+                    del self._ext[req.request_id], self._ids[ext]
+                    self._params.pop(req.request_id, None)
+                results.append(self.rejected(ext, exc.reason, req.arrival_time))
+        for ext in aborts:
+            self._abort(ext)
+        return results
 
     def _new_request(self, prompt: Iterable[int], max_new_tokens: int, request_id: str | None,
                      preemption: str | PreemptionMode | None, eos_token_id: int | None,
-                     stop_token_ids: Iterable[int], arrival_time: float | None) -> tuple[Request, str]:
+                     stop_token_ids: Iterable[int], arrival_time: float | None,
+                     sampling: Sampling | dict[str, Any] | None = None) -> tuple[Request, str, str]:
         rid = self._next_id
         ext = str(rid) if request_id is None else str(request_id)
         if ext in self._ids:
             raise ValueError(f"request id {ext!r} is already in use")
         tokens = list(prompt)
         try:
+            sampling = Sampling.of(sampling)
+            stop_token_ids = [*stop_token_ids, *sampling.stop_token_ids]
             cap = self.sched.max_model_len
             need = len(tokens) + max_new_tokens if isinstance(max_new_tokens, int) else 0
             if need > cap:  # checked before Request sizes its token buffer for max_new_tokens
@@ -233,18 +282,20 @@ class Engine:
         except (TypeError, ValueError) as exc:
             # The scheduler names its own sequence number; the caller knows the request by ``ext``.
             raise RequestRejected(ext, str(exc).removeprefix(f"request {rid}: ")) from None
-        return req, ext
+        return req, ext, request_params(ext, sampling)
 
-    def _register(self, req: Request, ext: str) -> None:
+    def _register(self, req: Request, ext: str, params: str) -> None:
         self._next_id += 1
         self._ext[req.request_id], self._ids[ext] = ext, req.request_id
+        self._params[req.request_id] = params
         self.metrics.prompt_tokens.inc(req.num_prompt_tokens)
 
     # ================================================================== disaggregated serving
     def reserve_for_prefilled(self, prompt: Iterable[int], max_new_tokens: int, *, request_id: str,
                               from_store: bool = True, preemption: str | PreemptionMode | None = None,
                               eos_token_id: int | None = None, stop_token_ids: Iterable[int] = (),
-                              arrival_time: float | None = None) -> Reservation | Refusal:
+                              arrival_time: float | None = None,
+                              sampling: Sampling | dict[str, Any] | None = None) -> Reservation | Refusal:
         """Decode side: take a request another engine prefilled. Refused (a ``Refusal`` naming
         ``request_id`` and the reason, nothing changed) when the blocks it needs are not free
         beyond what the running requests keep for their growth; they are never preempted for it.
@@ -253,8 +304,8 @@ class Engine:
         recomputing only what the store no longer holds. Otherwise the caller writes the KV of
         ``[first_position, last_position)`` into the reserved blocks and calls ``on_prefilled``.
         Call it between steps. RequestRejected if the request can never run."""
-        req, ext = self._new_request(prompt, max_new_tokens, request_id, preemption, eos_token_id, stop_token_ids,
-                                     arrival_time)
+        req, ext, params = self._new_request(prompt, max_new_tokens, request_id, preemption, eos_token_id,
+                                             stop_token_ids, arrival_time, sampling)
         tail = None
         if from_store:
             if req.extra is not None or self.lookups is None:
@@ -269,7 +320,7 @@ class Engine:
             raise RequestRejected(ext, str(exc).removeprefix(f"request {req.request_id}: ")) from None
         if isinstance(got, Refusal):
             return got._replace(request_id=ext)
-        self._register(req, ext)
+        self._register(req, ext, params)
         if from_store:  # nothing else writes its blocks: it is prefilled once its loads are in
             self._from_store[req.request_id] = time.monotonic()
             if got.writable:
@@ -305,14 +356,41 @@ class Engine:
                              state="rejected", reason=reason)
 
     def abort(self, request_id: str) -> bool:
+        """Abort a request whatever its state (waiting, loading, running, offloading,
+        offloaded): its blocks are freed (at once, or when the step or the copy it is in
+        ends) and it finishes with reason "aborted". False if the id is unknown or finished.
+        Safe to call from any thread, like ``add_request`` (then it takes effect at the next step)."""
+        with self._cond:  # re-entrant: _take_queued takes it again
+            if threading.get_ident() != self._owner or self._stepping:
+                if request_id not in self._ids:
+                    return False
+                self._aborts.append(request_id)
+                self._cond.notify_all()
+                return True
+            self._late += self._take_queued()  # it may be among them
+            return self._abort(request_id)
+
+    def _abort(self, request_id: str) -> bool:
         rid = self._ids.get(request_id)
         if rid is not None and self.lookups is not None and self.lookups.abort(rid):
             return True
         return rid is not None and self.sched.abort(rid)
 
     def has_work(self) -> bool:
+        """Requests unfinished (also queued by other threads), copies in flight, or releases
+        the workers have not been sent yet."""
         return (self.sched.has_work() or self.transfer.pending > 0 or bool(self.lookups) or bool(self._arrived)
-                or bool(self.exporter))
+                or bool(self.exporter) or bool(self._incoming) or bool(self._aborts) or bool(self._release)
+                or bool(self._late))
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """The driving thread, with nothing to do: block until another thread adds or aborts a
+        request, or ``timeout`` s pass; returns ``has_work()``."""
+        self.beat()
+        with self._cond:
+            self._cond.wait_for(lambda: self._incoming or self._aborts, timeout)
+        self.beat()
+        return self.has_work()
 
     # ================================================================== the loop
     def beat(self) -> None:
@@ -322,6 +400,25 @@ class Engine:
         """One iteration: plan, dispatch copies, run the step on the workers (or, when
         nothing can run, wait up to ``heartbeat_s`` for a copy); returns the requests
         that finished."""
+        return self.step_stream().finished
+
+    def step_stream(self) -> StepUpdate:
+        """``step()``, also returning the tokens each request sampled in it (streaming: a
+        request's last token comes in the update that lists it finished). The thread that
+        calls it is the engine's driving thread."""
+        with self._cond:  # from here, add_request and abort of other threads queue
+            self._owner = threading.get_ident()
+            self._stepping = True
+        self._tokens = {}
+        try:
+            results, self._late = self._late, []
+            results += self._take_queued()
+            results += self._step()
+        finally:
+            self._stepping = False
+        return StepUpdate(self._tokens, results)
+
+    def _step(self) -> list[RequestResult]:
         self.beat()
         if time.monotonic() - self._last_check >= self.spec.heartbeat_s:
             self.check_workers()
@@ -341,6 +438,9 @@ class Engine:
         if out.plan.seqs:
             self._idle = 0
             self._run(out.plan)
+            results += [self._result(r) for r in self.sched.take_finished()]  # with their last token
+        elif self._release:  # idle: the workers forget the finished requests now, not at the next plan
+            self._run(StepPlan(0, []))
         elif self.transfer.pending:
             self._idle = 0
             self._pump(self.spec.heartbeat_s if self.lookups is None else self.lookups.wait_s(self.spec.heartbeat_s))
@@ -422,8 +522,10 @@ class Engine:
     def _run(self, plan: StepPlan, timeout: float | None = None, control: PlanMsg | None = None) -> None:
         """One step (or ``control``, a request to every rank) through the workers."""
         t0 = time.perf_counter()
+        new = {s.request_id: self._params.pop(s.request_id) for s in plan.seqs if s.request_id in self._params}
         try:
-            self._broadcast.send(control or protocol.plan_to_msg(plan, self._release), timeout=self.spec.dead_after_s)
+            self._broadcast.send(control or protocol.plan_to_msg(plan, self._release, new),
+                                 timeout=self.spec.dead_after_s)
         except (PeerDied, PeerTimeout) as exc:
             raise EngineError(f"cannot send step {plan.step_id}: {exc}") from exc
         if control is None:
@@ -448,7 +550,8 @@ class Engine:
                 out = msg
         if plan.step_id:
             output = protocol.msg_to_output(out)
-            for rid in output.sampled:
+            for rid, tok in output.sampled.items():
+                self._tokens.setdefault(self._ext[rid], []).append(tok)
                 seen = self._sampled_by.setdefault(rid, [])
                 if not seen or seen[-1] != self.weights_version:
                     seen.append(self.weights_version)
@@ -522,8 +625,10 @@ class Engine:
 
     # ================================================================== results
     def _result(self, req: Request) -> RequestResult:
-        ext = self._ext.pop(req.request_id)
-        del self._ids[ext]
+        with self._cond:
+            ext = self._ext.pop(req.request_id)
+            del self._ids[ext]
+            self._params.pop(req.request_id, None)
         self._release.append(req.request_id)
         finish = FINISH[req.state]
         self.metrics.observe_finished(finish)
@@ -549,8 +654,16 @@ class Engine:
                              weights_version="+".join(self._sampled_by.get(req.request_id, ())))
 
     def close(self) -> None:
-        """Close this engine's channel ends (workers and transfer processes see a clean
-        shutdown) and the metrics endpoint. The supervisor unlinks the objects."""
+        """Send the workers the last releases, close this engine's channel ends (workers and
+        transfer processes see a clean shutdown) and the metrics endpoint. The supervisor
+        (or ``fastkv.launch``) unlinks the objects."""
+        if self._release:  # not waiting for an answer: the workers see the channel close next
+            try:
+                self._broadcast.send(protocol.plan_to_msg(StepPlan(0, []), self._release),
+                                     timeout=self.spec.heartbeat_s)
+            except (PeerDied, PeerTimeout, ChannelClosed):
+                pass
+            self._release = []
         self.metrics.close()
         if self.events is not None:
             self.events.close()

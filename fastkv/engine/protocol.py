@@ -5,7 +5,9 @@ a worker turns it back into a ``StepPlan`` for its runner, and rank 0 answers wi
 ``OutputMsg``. A ``PlanMsg`` whose ``control`` is set is not a step but a request to every
 rank: ``load_weights_msg`` is the weight-update hook (``weights_request`` reads it back;
 rank 0 answers with an empty ``OutputMsg`` once every rank has loaded, or with the error).
-Request ids are the scheduler's ints, sent as decimal strings. These functions are all a
+Request ids are the scheduler's ints, sent as decimal strings; the caller's id and the
+sampling parameters of each request come once, in ``PlanMsg.params`` of the first plan that
+carries it (``fastkv.engine.worker_api`` maps them back). These functions are all a
 deployment's own worker needs besides its model (see ``fastkv.engine.core`` for the
 embedding example).
 """
@@ -21,7 +23,8 @@ from fastkv.ipc import OutputMsg, PlanMsg
 from fastkv.sched.output import SeqWork, StepOutput, StepPlan
 
 
-def plan_to_msg(plan: StepPlan, release: Iterable[int] = ()) -> PlanMsg:
+def plan_to_msg(plan: StepPlan, release: Iterable[int] = (), params: dict[int, str] | None = None) -> PlanMsg:
+    """``params``: request id -> its JSON (``PlanMsg.params``) for the requests new to the workers."""
     seqs = plan.seqs
     sample = np.fromiter((s.sample for s in seqs), np.int32, len(seqs))
     return PlanMsg(
@@ -32,6 +35,7 @@ def plan_to_msg(plan: StepPlan, release: Iterable[int] = ()) -> PlanMsg:
         np.fromiter((s.start_pos for s in seqs), np.int32, len(seqs)),
         np.empty(0, np.int32) if sample.all() else sample,  # all-sample (decode) steps send no flags
         [str(r) for r in release],
+        params=[params.get(s.request_id, "") for s in seqs] if params else [],
     )
 
 

@@ -236,10 +236,8 @@ def _dec_str(buf: bytes, off: int, count: int, nbytes: int, where: str) -> Any:
 def _dec_bytes_list(buf: bytes, off: int, count: int, nbytes: int, where: str) -> Any:
     if 4 * count > nbytes:
         raise _bad(buf, f"{where}: {count} lengths do not fit in {nbytes} bytes")
-    if not count:
-        return ()
-    lens = _u32s(count).unpack_from(buf, off)
-    if 4 * count + sum(lens) != nbytes:
+    lens = _u32s(count).unpack_from(buf, off) if count else ()
+    if 4 * count + sum(lens) != nbytes:  # an empty list with bytes too (the C decoder's check)
         raise _bad(buf, f"{where}: item lengths do not add up to {nbytes} bytes")
     items, p = [], off + 4 * count
     for ln in lens:

@@ -73,10 +73,12 @@ class PlanMsg:
     common case, costs no bytes). ``release``: requests finished since the last plan,
     whose per-request runner state may go (``ModelRunner.release``). ``control``: a
     request to every rank instead of a step (JSON, ``fastkv.engine.protocol``: the
-    weight-update hook); empty for a step."""
+    weight-update hook); empty for a step. ``params``: per request, on the first plan that
+    carries it, a JSON object with its caller's id and sampling parameters, "" on later plans;
+    empty when no request in the step is new (``fastkv.engine.worker_api`` reads it)."""
 
     WIRE: ClassVar[str] = ("step_id:i64 request_ids:str[] token_ids:i32[][] block_tables:i32[][] num_computed:i32[] "
-                           "sample:i32[] release:str[] control:str")
+                           "sample:i32[] release:str[] control:str params:str[]")
     step_id: int
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[np.ndarray] = field(default_factory=list)
@@ -85,9 +87,12 @@ class PlanMsg:
     sample: np.ndarray = field(default_factory=_empty)
     release: list[str] = field(default_factory=list)
     control: str = ""
+    params: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
+        if len(self.params) not in (0, n):
+            raise ValueError(f"PlanMsg step {self.step_id}: {len(self.params)} params for {n} requests")
         if not (len(self.token_ids) == len(self.block_tables) == len(self.num_computed) == n):
             raise ValueError(
                 f"PlanMsg step {self.step_id}: per-request lists differ in length: request_ids {n}, token_ids "

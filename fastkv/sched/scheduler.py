@@ -238,6 +238,11 @@ class Scheduler:
             self.cache.free(rid, cache=True)
             self.table.to_waiting(self.requests[rid], S.OFFLOADING)
 
+    def take_finished(self) -> list[Request]:
+        """The requests finished since the last ``step()`` (which hands out the rest): the engine
+        reports one with the step that sampled its last token."""
+        return self.table.take_finished()
+
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         self.cost.observe_copy(nbytes, seconds)
 

@@ -192,6 +192,10 @@ class StorageBackend(ABC):
 
     codec: ValueCodec
     stats: StoreStats
+    # False where a put of a key already stored keeps the stored value (Mooncake's objects are
+    # immutable). Either is correct here: a block key addresses its content, so both carry the
+    # same bytes.
+    overwrites: bool = True
 
     def __init__(self, namespace: bytes, rank: int, tp_size: int) -> None:
         self.codec = ValueCodec(namespace, rank, tp_size)

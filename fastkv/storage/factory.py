@@ -3,8 +3,8 @@
     lmdb:///var/cache/fastkv/engine0?max_bytes=64G[&map_size=160G]
     redis://[:password@]host:port/db?timeout=1.0[&backoff=0.5][&max_backoff=5][&ttl=3600][&prefix=fkv]
     rediss://...   unix:///run/redis.sock?db=0&...          (same options)
-    mooncake://master-host:50051?metadata_server=http://h:8080/metadata&local_hostname=h[&protocol=tcp]
-        [&device_name=mlx5_0][&global_segment_size=4G][&local_buffer_size=1G]
+    mooncake://master-host:50051?metadata_server=P2PHANDSHAKE&local_hostname=h[&protocol=tcp]
+        [&rdma_devices=mlx5_0][&global_segment_size=0][&local_buffer_size=16M]   (mooncake_config.py)
 
 Sizes take binary suffixes (K, M, G, T; "64G" = 64 GiB). Unknown options are an error, so
 a typo never silently falls back to a default. LMDB's ``writemap`` is refused: with it, a
@@ -87,17 +87,10 @@ def open_store(url: str, namespace: bytes, rank: int = 0, tp_size: int = 1) -> S
         clean = urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(theirs), ""))
         return RedisStore(clean, namespace, rank, tp_size, **opts)
     if scheme == "mooncake":
+        from fastkv.storage.mooncake_config import from_url
         from fastkv.storage.mooncake_store import MooncakeStore
 
-        kinds = {"metadata_server": str, "local_hostname": str, "protocol": str, "device_name": str,
-                 "global_segment_size": "size", "local_buffer_size": "size", "prefix": str}
-        opts = _options(parts.query, kinds, url)
-        for required in ("metadata_server", "local_hostname"):
-            if required not in opts:
-                raise ValueError(f"mooncake URL needs ?{required}=...: {url!r}")
-        if not parts.netloc:
-            raise ValueError(f"mooncake URL needs the master address as host:port: {url!r}")
-        return MooncakeStore(namespace, rank, tp_size, master_server_address=parts.netloc, **opts)
+        return MooncakeStore(namespace, rank, tp_size, **from_url(url))
     raise ValueError(f"unknown storage URL scheme {parts.scheme!r} in {url!r}; use lmdb://, redis:// or mooncake://")
 
 
@@ -109,6 +102,9 @@ def probe_store(url: str, tp_size: int = 1, timeout: float = 1.0) -> None:
 
     parts = urlsplit(url)
     probe_url = url
+    if parts.scheme.lower() == "mooncake":
+        query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "connect_timeout"]
+        probe_url = urlunsplit(parts._replace(query=urlencode([*query, ("connect_timeout", str(timeout))])))
     if parts.scheme.lower() in ("redis", "rediss", "unix"):
         query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "timeout"]
         probe_url = urlunsplit(parts._replace(query=urlencode([*query, ("timeout", str(timeout))])))

@@ -72,11 +72,14 @@ def test_decode_engine_serves_a_finished_prefill_runs_prompts_token_identically(
     assert "(the blocks the handoff named: no lookups)" in table
 
 
-@pytest.fixture(params=["lmdb", "redis"])
+@pytest.fixture(params=["lmdb", "redis", pytest.param("mooncake", marks=pytest.mark.mooncake)])
 def store_url(request, tmp_path):
-    """One store for both runs: an LMDB directory, or a Redis (a fresh key prefix on the session's server)."""
+    """One store for both runs: an LMDB directory, or a Redis or Mooncake pool (a fresh key
+    prefix on the module's server or pool)."""
     if request.param == "lmdb":
         return f"lmdb://{tmp_path}/store?max_bytes=64M"
+    if request.param == "mooncake":
+        return request.getfixturevalue("mooncake_url") + f"&prefix={new_run_id()}"
     return request.getfixturevalue("redis_url") + f"?prefix={new_run_id()}"
 
 

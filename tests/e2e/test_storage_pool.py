@@ -96,19 +96,20 @@ def redis_url(tmp_path):
     server.kill()
 
 
-def shared_prefix_half(first: list[int], second: list[int], tag: str) -> list[dict]:
-    """Requests on prefix ``first`` at once, then, a few seconds later (once the other engine
+def shared_prefix_half(first: list[int], second: list[int], tag: str, later_s: float = 4.0) -> list[dict]:
+    """Requests on prefix ``first`` at once, then, ``later_s`` seconds later (once the other engine
     has stored its own ``first``), requests on ``second``."""
-    return [{"id": f"{tag}{i}", "arrival_s": 0 if i < 3 else 4.0, "max_new_tokens": 4, "preemption": "offload",
+    return [{"id": f"{tag}{i}", "arrival_s": 0 if i < 3 else later_s, "max_new_tokens": 4, "preemption": "offload",
              "prompt": (first if i < 3 else second) + [(i * 31 + j * 7) % 500 for j in range(5 + i)]}
             for i in range(6)]
 
 
-def two_engines_at_once(tmp_path, url: str, versions: tuple[str, str]) -> tuple[dict, dict]:
+def two_engines_at_once(tmp_path, url: str, versions: tuple[str, str], tp: int = 1,
+                        later_s: float = 4.0) -> tuple[dict, dict]:
     """Two engines on one store at the same time, each running one half of a shared-prefix workload."""
     pa, pb = SYSTEM + SYSTEM[::-1], SYSTEM[::-1] + SYSTEM  # 6 full blocks each
-    halves = shared_prefix_half(pa, pb, "a"), shared_prefix_half(pb, pa, "b")
-    specs = [spec(1, tmp_path / f"e{i}", num_device_blocks=24, num_host_blocks=12, storage_url=url,
+    halves = shared_prefix_half(pa, pb, "a", later_s), shared_prefix_half(pb, pa, "b", later_s)
+    specs = [spec(tp, tmp_path / f"e{i}", num_device_blocks=24, num_host_blocks=12, storage_url=url,
                   cache_policy="write_through", weights_version=v,
                   runner_options={"verify": "all", "vocab": VOCAB}, scheduler={"max_num_batched_tokens": 48})
              for i, v in enumerate(versions)]

@@ -262,3 +262,17 @@ def test_done_carries_lookup_counts():
     msg = DoneMsg(7, 1, True, found=np.array([3, 0, 2], np.int32).tobytes())
     back = decode(encode(msg))
     assert back == msg and back.found_counts.tolist() == [3, 0, 2]
+
+
+def test_an_empty_string_list_with_bytes_is_bad_in_both_decoders():
+    """A PlanMsg whose empty ``release`` claims a byte: the reference decoder blames that field,
+    as the C one does (it once went on and blamed the field after it)."""
+    from fastkv.ipc.codec import bad_message, decode_many, decode_py, encode_py
+
+    msg = PlanMsg(1, [""], [np.array([0], np.int32)], [np.array([0], np.int32)], np.arange(1, dtype=np.int32))
+    buf = bytearray(encode_py(msg))
+    buf[108] ^= 1  # release's byte count: 0 -> 1
+    _, bad, why = decode_many([bytes(buf)])
+    with pytest.raises(BadMessage, match="PlanMsg.release: item lengths do not add up") as ref:
+        decode_py(bytes(buf))
+    assert bad == 0 and str(bad_message(bytes(buf), why)).split(":")[:2] == str(ref.value).split(":")[:2]

@@ -212,12 +212,14 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.m._reqs)
     @rule(data=st.data(), cache=st.booleans() | st.just(True))
     def free(self, data, cache):
+        """A request finished or aborted: the scheduler's abort, in any state, is this call."""
         self._free(data.draw(st.sampled_from(sorted(self.m._reqs))), cache)
 
     @precondition(lambda self: self.serving())
     @rule(data=st.data(), cache=st.booleans() | st.just(True))
     def free_while_copying(self, data, cache):
-        """Free a request while a copy it waits for flies, the purpose picked first (rare ones count)."""
+        """Free (finish or abort) a request while a copy it waits for flies, the purpose picked first
+        (rare ones count)."""
         serving = self.serving()
         purpose = data.draw(st.sampled_from(sorted(serving)))
         self._free(data.draw(st.sampled_from(sorted(serving[purpose]))), cache)
@@ -234,6 +236,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.lossy |= not cache
         self.freed.add(rid)
         self.m.free(rid, cache)
+        assert rid not in self.m.request_ids(), f"request {rid} freed, still holding blocks"
 
     @precondition(lambda self: self.m.host.capacity and self.running())
     @rule(data=st.data())

@@ -430,6 +430,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         reached("abort during its step" if in_step else f"abort {self.sched.requests[rid].state.name}")
         self.aborted.add(rid)
         assert self.sched.abort(rid)
+        if rid not in self.sched.requests:  # finished now (not at the end of its step): it holds no block
+            assert rid not in self.cache.request_ids(), f"request {rid} aborted, still holding blocks"
 
     @precondition(lambda self: self.sched.weight_update_state is WeightUpdate.NONE)
     @rule(go=st.integers(0, 5), drain=st.booleans(), free=st.booleans())
@@ -544,6 +546,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._one_step(hold=True)
         stuck = {rid: r.state.name for rid, r in s.requests.items()}
         assert not stuck, f"requests never finished: {stuck}; {s.counts()}"
+        # every request finished (many aborted): none holds a block
+        assert not self.cache.request_ids(), f"blocks held for {self.cache.request_ids()}"
         assert set(self.finished) == self.all_ids, f"lost requests: {self.all_ids - set(self.finished)}"
         for rid, r in self.finished.items():
             if r.state is not S.FINISHED_ABORTED:

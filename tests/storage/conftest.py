@@ -1,7 +1,8 @@
-"""Fixtures for the storage tests: real redis-server processes and small KV layouts.
+"""Fixtures for the storage tests: real redis-server processes, real Mooncake pools
+(mooncake_master plus a holder process) and small KV layouts.
 
-``redis-server`` missing: the Redis tests skip locally, but FAIL when CI is set (CI
-installs it, so a skip there would hide a broken setup).
+``redis-server`` or the Mooncake client missing: those tests skip locally, but FAIL when CI
+is set (CI installs both, so a skip there would hide a broken setup).
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import numpy as np
 import pytest
 
 from fastkv.config import KVLayout
+from fastkv.storage import mooncake_store
 from fastkv.storage.base import namespace_fingerprint
+from fastkv.storage.local_mooncake import LocalMooncake
 from fastkv.storage.local_redis import LocalRedis
 
 REDIS_BIN = shutil.which("redis-server")
@@ -36,6 +39,31 @@ class RedisServer(LocalRedis):
 
     def __init__(self, workdir: Path, password: str | None = None) -> None:
         super().__init__(workdir, password, binary=require_redis())
+
+
+def require_mooncake() -> None:
+    if not mooncake_store.AVAILABLE:
+        if os.environ.get("CI"):
+            pytest.fail("the Mooncake client is not installed, but CI is set: .ci/run must install '.[mooncake]'")
+        pytest.skip("the Mooncake client is not installed (pip install -e '.[mooncake]', apt-get install libibverbs1)")
+
+
+@pytest.fixture(scope="session")
+def shared_mooncake():
+    """One pool (master + holder) for the tests that do not kill it (each uses fresh random keys)."""
+    require_mooncake()
+    with LocalMooncake(segment_size=256 << 20) as pool:
+        yield pool
+
+
+@pytest.fixture
+def mooncake_pool():
+    """A pool of this test's own, for tests that kill its master or holder."""
+    require_mooncake()
+    pool = LocalMooncake(segment_size=64 << 20)
+    pool.start()
+    yield pool
+    pool.stop()
 
 
 @pytest.fixture(scope="session")

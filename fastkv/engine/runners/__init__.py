@@ -9,6 +9,8 @@ import importlib
 RUNNERS = {
     "synthetic": "fastkv.engine.runners.synthetic:SyntheticRunner",
     "tiny": "fastkv.engine.runners.tiny_decoder:TinyDecoderRunner",
+    # PaddleFormers' own model code (the optional extra: pip install -e '.[models]')
+    "paddleformers:llama": "fastkv.engine.runners.paddleformers_llama:PaddleFormersLlamaRunner",
 }
 
 
@@ -17,4 +19,9 @@ def runner_class(name: str) -> type:
     if name not in RUNNERS:
         raise ValueError(f"unknown runner {name!r}; choose one of {sorted(RUNNERS)}")
     module, cls = RUNNERS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "paddleformers":
+            raise ValueError(f"runner {name!r} needs PaddleFormers: pip install -e '.[models]'") from None
+        raise

@@ -1,0 +1,95 @@
+"""The PaddleFormers runner's model settings, checked against the KV layout without importing
+Paddle or PaddleFormers (``fastkv.cli`` checks a job with it before anything starts).
+
+The settings are ``LlamaConfig`` keyword arguments: runner option ``config`` (a table), over
+the ``config.json`` named by runner option ``config_file``, over defaults derived from the
+layout. The layout decides what fastkv allocates (layers, KV heads, head_dim), so a setting
+that disagrees with it is an error rather than a silent second truth.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fastkv.config import KVLayout
+
+OPTIONS = ("config", "config_file", "seed")  # the runner's keyword options (besides the collective)
+# Settings fastkv owns or that the CPU build cannot run: the fused RMSNorm has no CPU kernel, and
+# tensor parallelism is fastkv's (the workers' collective), not the library's.
+FIXED = {"fuse_rms_norm": False, "tensor_model_parallel_size": 1, "sequence_parallel": False}
+
+
+def llama_settings(layout: KVLayout, options: dict[str, Any]) -> dict[str, Any]:
+    """``LlamaConfig`` keyword arguments for ``layout`` and the runner ``options``; ValueError
+    naming the setting that is unknown or disagrees with the layout."""
+    if unknown := set(options) - set(OPTIONS):
+        raise ValueError(f"unknown runner_options {sorted(unknown)} for the paddleformers runner; "
+                         f"known: {list(OPTIONS)}")
+    given: dict[str, Any] = {}
+    if options.get("config_file"):
+        path = Path(options["config_file"])
+        try:
+            given.update(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"runner_options.config_file {str(path)!r}: {exc}") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"runner_options.config_file {str(path)!r} must hold a JSON object")
+    table = options.get("config", {})
+    if not isinstance(table, dict):
+        raise ValueError(f"runner_options.config must be a table of LlamaConfig settings, got {table!r}")
+    given.update(table)
+    kv_heads = layout.kv_heads * layout.tp_size
+    q_heads = int(given.get("num_attention_heads", 2 * kv_heads))
+    hidden = int(given.get("hidden_size", q_heads * layout.head_dim))
+    settings = {
+        "vocab_size": 1024,
+        "max_position_embeddings": 8192,
+        "intermediate_size": 2 * hidden,
+        "tie_word_embeddings": False,
+        # No padding token (the embedding would zero its row, generate() would mask it out of a
+        # prompt) and no EOS (fastkv's requests say when they stop): the library's generate()
+        # then computes what a serving engine computes.
+        "pad_token_id": None,
+        "eos_token_id": None,
+        **given,
+        "num_attention_heads": q_heads,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(given.get("num_hidden_layers", layout.num_layers)),
+        "num_key_value_heads": int(given.get("num_key_value_heads", kv_heads)),
+        "head_dim": int(given.get("head_dim") or hidden // q_heads),
+    }
+    for name, want, what in (("num_hidden_layers", layout.num_layers, "layers"),
+                             ("num_key_value_heads", kv_heads, "kv_heads x tp"),
+                             ("head_dim", layout.head_dim, "head_dim")):
+        if settings[name] != want:
+            raise ValueError(f"model setting {name} = {settings[name]} disagrees with the KV layout's {what} = {want}")
+    if q_heads % kv_heads:
+        raise ValueError(f"num_attention_heads {q_heads} must be a multiple of the {kv_heads} KV heads")
+    if q_heads * layout.head_dim != hidden:
+        raise ValueError(f"hidden_size {hidden} must be num_attention_heads x head_dim = {q_heads * layout.head_dim}")
+    if settings["intermediate_size"] % layout.tp_size:
+        raise ValueError(f"intermediate_size {settings['intermediate_size']} must split evenly over "
+                         f"tp {layout.tp_size}")
+    if layout.dtype != "float32":
+        raise ValueError(f"the paddleformers runner computes in float32 on this build: dtype must be 'float32', "
+                         f"got {layout.dtype!r}")
+    for name, value in FIXED.items():
+        if given.get(name, value) != value:
+            raise ValueError(f"model setting {name} must be {value!r} here, got {given[name]!r}")
+    return {**settings, **FIXED}
+
+
+def vocab_size(options: dict[str, Any]) -> int | None:
+    """The vocab the options give (config table over config file), or None for the default."""
+    table = options.get("config") if isinstance(options.get("config"), dict) else {}
+    if "vocab_size" in table:
+        return int(table["vocab_size"])
+    if options.get("config_file"):
+        try:
+            doc = json.loads(Path(options["config_file"]).read_text())
+        except (OSError, ValueError):
+            return None  # llama_settings names the problem
+        if isinstance(doc, dict) and "vocab_size" in doc:
+            return int(doc["vocab_size"])
+    return None

@@ -1,0 +1,251 @@
+"""PaddleFormers' ``LlamaForCausalLM`` on fastkv's paged device tier (``--runner paddleformers:llama``).
+
+The model is the library's own: its embedding, decoder layers (RoPE, grouped-query attention,
+MLP, RMSNorm), LM head and masks, run by its own ``forward``. fastkv replaces only the cache
+object the attention layers call: ``past_key_values.update(k, v, layer_idx)`` writes the new
+tokens' K and V (``[batch, kv_heads, seq, head_dim]``, after RoPE, before GQA repetition) into
+their slots of the device tier through each request's block table, and returns the K and V of
+every position so far, gathered through the same tables. A step's single-token sequences
+(decodes) go through one ``forward`` as a batch, each chunk of several tokens through its own;
+each forward gets its sequences' positions and a 4-D mask (each query sees its own request's
+positions up to its own), which the library's masking takes as given.
+
+Weights are random, drawn from ``seed`` and the weights version per parameter name (no
+download): ``build_model`` is what a test's oracle builds to run ``generate()`` on.
+
+Tensor parallel: rank r of tp keeps KV heads [r*h, (r+1)*h) and their query heads (the
+column shards of q/k/v_proj), the matching rows of o_proj, and 1/tp of the MLP (columns of
+gate/up_proj, rows of down_proj), in the library's own Linear layers. The partial outputs of
+o_proj and down_proj are summed through the workers' ``ShmCollective`` (rank order, so every
+rank gets the same bits). Embedding, norms and the LM head are replicated.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import paddle
+from paddleformers.nn.linear import Linear
+from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+from paddleformers.transformers.cache_utils import Cache, CacheLayerMixin
+
+from fastkv.config import KVLayout
+from fastkv.engine.runners.base import ModelRunner
+from fastkv.engine.runners.paddleformers_config import llama_settings
+from fastkv.engine.runners.tiny_decoder import weights_seed
+from fastkv.ipc.collective import ShmCollective
+from fastkv.sched.output import StepOutput, StepPlan, validate_plan
+
+
+def random_weights(model: LlamaForCausalLM, seed: int) -> dict[str, np.ndarray]:
+    """Seeded weights for every parameter of ``model``, each drawn from (seed, its name), so
+    the order of parameters does not matter: matrices N(0, 1/fan_in), embeddings N(0, 1),
+    norm gains 1 + N(0, 0.1^2), biases N(0, 0.02^2). The library's own initializer (std 0.02)
+    gives a model whose greedy output is one token repeated: no test of anything."""
+    out = {}
+    for name, p in model.state_dict().items():
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        shape = tuple(p.shape)
+        if name.endswith("embed_tokens.weight"):
+            w = rng.standard_normal(shape)
+        elif len(shape) == 2:
+            w = rng.standard_normal(shape) / np.sqrt(shape[0])
+        elif "norm" in name:
+            w = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            w = 0.02 * rng.standard_normal(shape)
+        out[name] = w.astype(str(p.dtype).removeprefix("paddle."))
+    return out
+
+
+def build_model(settings: dict[str, Any], seed: int = 0, weights_version: str = "0") -> LlamaForCausalLM:
+    """The whole model (tp 1) with the seeded weights of ``weights_version``, in eval mode."""
+    model = LlamaForCausalLM(LlamaConfig(**settings))
+    weights = random_weights(model, weights_seed(seed, weights_version))
+    model.set_state_dict({name: paddle.to_tensor(w) for name, w in weights.items()})
+    model.eval()
+    return model
+
+
+class PaddleFormersLlamaRunner(ModelRunner):
+    """``LlamaForCausalLM`` on one rank. Options: ``config`` (LlamaConfig settings), ``config_file``
+    (a config.json), ``seed`` (weights); ``collective`` is required when tp_size > 1."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        rank: int,
+        tp_size: int,
+        k_caches: Sequence[Any],
+        v_caches: Sequence[Any],
+        *,
+        config: dict[str, Any] | None = None,
+        config_file: str = "",
+        seed: int = 0,
+        collective: ShmCollective | None = None,
+        weights_version: str = "0",
+    ) -> None:
+        super().__init__(layout, rank, tp_size, k_caches, v_caches)
+        self.settings = llama_settings(layout, {"config": dict(config or {}), "config_file": config_file})
+        if tp_size > 1 and (collective is None or collective.rank != rank or collective.world_size != tp_size):
+            raise ValueError(f"tp_size {tp_size} needs a collective attached as rank {rank} of {tp_size}")
+        self.collective = collective
+        self.seed = int(seed)
+        self.group = "decodes"  # how a step's sequences share forwards (``_groups``)
+        self.load_weights(weights_version)
+
+    def load_weights(self, weights_version: str) -> None:
+        model = build_model(self.settings, self.seed, weights_version)
+        if self.tp_size > 1:
+            _shard(model, self.rank, self.tp_size, self.collective)
+        self.model = model
+        self.weights_version = str(weights_version)
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        t0 = time.perf_counter()
+        validate_plan(plan, self.layout.block_size, self.num_device_blocks)
+        vocab, max_pos = self.settings["vocab_size"], self.settings["max_position_embeddings"]
+        for s in plan.seqs:
+            if s.end_pos > max_pos:
+                raise ValueError(f"request {s.request_id} reaches position {s.end_pos} > "
+                                 f"max_position_embeddings {max_pos}")
+            if len(s.token_ids) and (int(s.token_ids.max()) >= vocab or int(s.token_ids.min()) < 0):
+                raise ValueError(f"request {s.request_id} has a token id outside the vocab [0, {vocab})")
+        sampled: dict[int, int] = {}
+        for group in _groups(plan.seqs, self.group):  # the same on every rank: the collectives pair up
+            b = _Batch(group, self.layout.block_size)
+            cache = Cache(layers=[_PagedLayer(self, i, b) for i in range(self.layout.num_layers)])
+            with paddle.no_grad():
+                out = self.model(paddle.to_tensor(b.token_ids), position_ids=paddle.to_tensor(b.positions),
+                                 attention_mask=paddle.to_tensor(b.mask), past_key_values=cache, use_cache=True,
+                                 return_dict=True)
+            logits = out.logits.numpy()
+            # numpy's argmax takes the lowest id on a tie, as generate()'s paddle.argmax does
+            sampled.update({s.request_id: int(np.argmax(logits[i, len(s.token_ids) - 1]))
+                            for i, s in enumerate(group) if s.sample})
+        return StepOutput(plan.step_id, sampled, time.perf_counter() - t0)
+
+
+def _groups(seqs, how: str) -> list[list]:
+    """The forwards of a step. "decodes": one for every single-token sequence, one per chunk
+    (a chunk padded to a batch's longest would cost its length in every row); "one": a single
+    padded batch; "each": one forward per sequence."""
+    if how == "one":
+        return [list(seqs)] if seqs else []
+    if how == "each":
+        return [[s] for s in seqs]
+    decodes = [s for s in seqs if len(s.token_ids) == 1]
+    return ([decodes] if decodes else []) + [[s] for s in seqs if len(s.token_ids) > 1]
+
+
+class _Batch:
+    """One step's sequences as one padded batch for the library's forward: S rows of Q query
+    tokens (a row's padding repeats its last token and position), keys [0, L) per row, and
+    the 4-D mask the library uses as given: query r of row i sees positions up to its own."""
+
+    def __init__(self, seqs, block_size: int) -> None:
+        n = np.array([len(s.token_ids) for s in seqs])
+        self.starts = np.array([s.start_pos for s in seqs])
+        self.ends = self.starts + n
+        S, Q, L = len(seqs), int(n.max()), int(self.ends.max())
+        self.nb = -(-L // block_size)
+        self.length = L
+        self.tables = np.zeros((S, self.nb), np.int64)  # padding reads block 0: masked, zeroed
+        self.token_ids = np.zeros((S, Q), np.int64)
+        for i, s in enumerate(seqs):
+            used = -(-int(self.ends[i]) // block_size)
+            self.tables[i, :used] = s.block_table[:used]
+            self.token_ids[i] = np.asarray(s.token_ids)[np.minimum(np.arange(Q), n[i] - 1)]
+        last = np.minimum(np.arange(Q)[None, :], (n - 1)[:, None])  # [S, Q]: each query's own token
+        self.positions = self.starts[:, None] + last
+        self.mask = (np.arange(L)[None, None, :] <= self.positions[:, :, None])[:, None]  # [S, 1, Q, L]
+        self.valid = np.arange(L)[None, :] < self.ends[:, None]  # [S, L]: slots that hold this request's KV
+        # the new tokens: (row, query) of each, and its slot
+        self.rows = np.repeat(np.arange(S), n)
+        self.cols = np.concatenate([np.arange(k) for k in n])
+        pos = self.starts[self.rows] + self.cols
+        self.slot_blocks = self.tables[self.rows, pos // block_size]
+        self.slot_offsets = pos % block_size
+
+
+class _PagedLayer(CacheLayerMixin):
+    """One layer's cache for one step's batch: its slots in the device tier, by block table."""
+
+    def __init__(self, runner: PaddleFormersLlamaRunner, layer: int, batch: _Batch) -> None:
+        super().__init__()
+        self.runner, self.layer, self.b = runner, layer, batch
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: paddle.Tensor, value_states: paddle.Tensor | None = None) -> None:
+        pass
+
+    def update(self, key_states: paddle.Tensor, value_states: paddle.Tensor,
+               cache_kwargs: dict[str, Any] | None = None) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """Write the new tokens' K/V (of [S, h, Q, D]; not the padding) into their slots, no
+        other slot; return the K/V [S, h, L, D] of every row's positions, zero past its end."""
+        r, b = self.runner, self.b
+        out = []
+        for views, caches, new in ((r.k_views, r.k_caches, key_states), (r.v_views, r.v_caches, value_states)):
+            view, cache = views[self.layer], caches[self.layer]
+            if view is not None:  # host memory: numpy writes in place
+                view[b.slot_blocks, :, b.slot_offsets, :] = new.numpy()[b.rows, :, b.cols, :]
+                kv = view[b.tables]  # [S, nb, h, bs, D], a copy
+                S, nb, h, bs, D = kv.shape
+                kv = kv.transpose(0, 2, 1, 3, 4).reshape(S, h, nb * bs, D)[:, :, : b.length]
+                kv = np.where(b.valid[:, None, :, None], kv, 0.0)  # not 0 * x: a stale slot may hold NaN
+                out.append(paddle.to_tensor(kv).astype(new.dtype))
+            else:  # an accelerator tensor: Paddle's index_put writes in place
+                rows, cols = paddle.to_tensor(b.rows), paddle.to_tensor(b.cols)
+                tokens = new.transpose([0, 2, 1, 3])[rows, cols]  # [T, h, D]
+                cache[paddle.to_tensor(b.slot_blocks), :, paddle.to_tensor(b.slot_offsets), :] = \
+                    tokens.astype(cache.dtype)
+                kv = paddle.index_select(cache, paddle.to_tensor(b.tables.reshape(-1)), axis=0)
+                S, nb, (h, bs, D) = b.tables.shape[0], b.nb, kv.shape[1:]
+                kv = kv.reshape([S, nb, h, bs, D]).transpose([0, 2, 1, 3, 4]).reshape([S, h, nb * bs, D])
+                kv = kv[:, :, : b.length].astype(new.dtype)
+                valid = paddle.to_tensor(b.valid[:, None, :, None])
+                out.append(paddle.where(valid, kv, paddle.zeros_like(kv)))
+        return out[0], out[1]
+
+    def get_seq_length(self) -> int:
+        return int(self.b.starts.max())
+
+    def get_mask_sizes(self, cache_position: paddle.Tensor) -> tuple[int, int]:
+        return self.b.length, 0
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+
+def _shard(model: LlamaForCausalLM, rank: int, tp: int, coll: ShmCollective) -> None:
+    """Keep rank ``rank``'s share of every attention and MLP projection (module docstring)."""
+
+    def cols(lin, n_parts):
+        w = lin.weight.numpy()
+        part = w.shape[1] // n_parts
+        keep = slice(rank * part, (rank + 1) * part)
+        new = Linear.create(w.shape[0], part, has_bias=lin.bias is not None, linear_type="default")
+        new.weight.set_value(w[:, keep])
+        if lin.bias is not None:
+            new.bias.set_value(lin.bias.numpy()[keep])
+        return new
+
+    def rows(lin):
+        w = lin.weight.numpy()
+        part = w.shape[0] // tp
+        new = Linear.create(part, w.shape[1], has_bias=lin.bias is not None, linear_type="default")
+        new.weight.set_value(w[rank * part : (rank + 1) * part])
+        if lin.bias is not None:  # added once, by rank 0
+            new.bias.set_value(lin.bias.numpy() if rank == 0 else np.zeros_like(lin.bias.numpy()))
+        new.register_forward_post_hook(lambda _layer, _inputs, out: paddle.to_tensor(coll.all_reduce_sum(out.numpy())))
+        return new
+
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.q_proj, attn.k_proj, attn.v_proj = cols(attn.q_proj, tp), cols(attn.k_proj, tp), cols(attn.v_proj, tp)
+        attn.o_proj = rows(attn.o_proj)
+        mlp.gate_proj, mlp.up_proj = cols(mlp.gate_proj, tp), cols(mlp.up_proj, tp)
+        mlp.down_proj = rows(mlp.down_proj)

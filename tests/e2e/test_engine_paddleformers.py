@@ -1,0 +1,193 @@
+"""PaddleFormers' LlamaForCausalLM served through fastkv: engine, workers, transfer processes.
+
+The oracle is the library itself: each prompt alone through ``LlamaForCausalLM.generate()``
+(greedy, its own DynamicCache, no fastkv), on the same seeded weights, computed here. Every
+request's output must equal it token for token, under memory pressure in every preemption
+mode, after a restart on a warm store, through the prefill -> decode pair, and at tp 2.
+One flipped byte in one swapped-in block changes the output: the check has teeth.
+"""
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+
+pytest.importorskip("paddleformers")
+
+import paddle  # noqa: E402
+
+from fastkv.cache.plan import CopyKind  # noqa: E402
+from fastkv.config import KVLayout  # noqa: E402
+from fastkv.engine.runners.paddleformers_config import llama_settings  # noqa: E402
+from fastkv.engine.runners.paddleformers_llama import build_model  # noqa: E402
+from fastkv.run import RunSpec  # noqa: E402
+from tests.e2e.launch import Run, new_run_id  # noqa: E402
+
+SEED = 3
+OPTIONS = {"config": {"vocab_size": 256, "intermediate_size": 128}, "seed": SEED}
+MAX_NEW = 10
+SYSTEM = [7, 200, 41, 99, 5, 211, 18, 64]  # a shared system prompt: prefix-cache hits across requests
+PROMPTS = {f"q{i}": (SYSTEM if i % 2 else []) + [(i * 37 + j * 13) % 250 + 1 for j in range(6 + 2 * i)]
+           for i in range(8)}
+# The oracle's top-2 logit margin must dwarf float32 noise (~1e-6 here): a batch or chunk shape
+# can then not flip a token, and a mismatch is a wrong KV, never rounding.
+MIN_MARGIN = 1e-4
+
+
+def layout(tp: int) -> KVLayout:
+    """The tiny Llama: 2 layers, 4 query heads, 2 KV heads, head_dim 16."""
+    return KVLayout(num_layers=2, kv_heads=2 // tp, block_size=4, head_dim=16, dtype="float32", tp_size=tp)
+
+
+@cache
+def oracle() -> tuple[dict[str, list[int]], float]:
+    """Each prompt alone through the library's generate(); and the least top-2 margin of the
+    logits behind those tokens (one full forward of prompt + output, no cache)."""
+    model = build_model(llama_settings(layout(1), OPTIONS), SEED)
+    out, margin = {}, np.inf
+    with paddle.no_grad():
+        for rid, prompt in PROMPTS.items():
+            ids, _ = model.generate(paddle.to_tensor([prompt]), max_new_tokens=MAX_NEW, decode_strategy="greedy_search")
+            out[rid] = ids.numpy()[0].tolist()
+            logits = model(paddle.to_tensor([prompt + out[rid]]), return_dict=True).logits[0].numpy()
+            top2 = np.sort(logits[len(prompt) - 1 : -1], axis=1)[:, -2:]
+            margin = min(margin, float((top2[:, 1] - top2[:, 0]).min()))
+    return out, margin
+
+
+def workload() -> list[dict]:
+    return [{"id": rid, "arrival_s": 0, "prompt": p, "max_new_tokens": MAX_NEW, "preemption": None}
+            for rid, p in PROMPTS.items()]
+
+
+def spec(tp: int, out_dir, mode: str, storage_url: str = "", **kw) -> RunSpec:
+    """20 device blocks of 4 tokens for 8 requests of up to 32: preemption under pressure.
+    Storage mode gets a small host tier, so host copies are evicted and resumes LOAD."""
+    kw.setdefault("num_device_blocks", 20)
+    kw.setdefault("num_host_blocks", 8 if mode == "storage" else 48)
+    return RunSpec(new_run_id(), layout(tp), storage_url=storage_url, runner="paddleformers:llama",
+                   runner_options=OPTIONS, scheduler={"preemption": mode, "max_num_batched_tokens": 48},
+                   heartbeat_s=0.2, out_dir=str(out_dir), slot_size=256, nslots=256, **kw)
+
+
+def serve(s: RunSpec, transfer: str | None = None) -> tuple[dict, dict]:
+    with Run(s, workload(), **({"transfer": transfer} if transfer else {})) as run:
+        assert run.wait(180) == 0, "engine failed (see its stderr above)"
+        results, summary = run.results(), run.summary()
+        codes = run.close()
+    assert all(c == 0 for c in codes.values()), f"process exit codes {codes}"
+    return results, summary
+
+
+def mismatches(results: dict) -> dict[str, tuple[list[int], list[int]]]:
+    """Requests whose output is not generate()'s: id -> (fastkv's, the library's)."""
+    want, margin = oracle()
+    assert margin > MIN_MARGIN, f"the oracle's logit margin {margin:.2e} is too thin for a token check: pick a seed"
+    assert sorted(results) == sorted(want)
+    return {rid: (row["output"], want[rid]) for rid, row in results.items()
+            if row["finish"] != "length" or row["output"] != want[rid]}
+
+
+def check_preempted(summary: dict, mode: str) -> None:
+    pre = summary["preemptions"]
+    assert summary["requests"] == len(PROMPTS) and summary["generated_tokens"] == len(PROMPTS) * MAX_NEW
+    if mode == "auto":
+        assert sum(pre.values()) > 0, f"no preemption under pressure: {summary}"
+    else:
+        assert pre[mode] > 0, f"no {mode} preemption under pressure: {summary}"
+    if mode == "recompute":
+        assert summary["recomputed_tokens"] > 0, summary
+    if mode == "offload":
+        assert summary["recomputed_tokens"] == 0 and summary["copy_tasks"].get("swap_in", 0) > 0, summary
+    if mode == "storage":
+        assert summary["copy_tasks"].get("store", 0) > 0, summary
+        assert summary["storage_errors"] == 0 and summary["recomputed_because_storage"] == 0, summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "mode"), [(1, "recompute"), (1, "offload"), (1, "storage"), (1, "auto"),
+                                          (2, "offload"), (2, "storage")])
+def test_every_request_equals_generate_under_preemption(tp, mode, tmp_path):
+    """At tp 2 each rank holds one of the two KV heads, its two query heads and half of every
+    projection; the partial sums of o_proj and down_proj meet in the workers' collective."""
+    url = f"lmdb://{tmp_path}/store?max_bytes=64M" if mode == "storage" else ""
+    results, summary = serve(spec(tp, tmp_path / "out", mode, url))
+    assert not mismatches(results)
+    check_preempted(summary, mode)
+
+
+def corrupting_transfer_main(spec_json: str, rank: int) -> int:
+    """The transfer process, but the first block it swaps in from the host has one byte flipped
+    there just before the copy: the top exponent bit of a key of its first slot whose magnitude
+    is in [1, 2), which makes it NaN. A merely scaled value may or may not move an argmax
+    (a probe: a x2^128 key or value changed 6 to 8 of 8 requests' outputs); a NaN poisons
+    every score it meets, so a request that reads the block cannot get generate()'s tokens."""
+    from fastkv.transfer import process
+    from fastkv.transfer.executor import TaskExecutor
+
+    swap = TaskExecutor._swap
+    flipped = []
+
+    def flip_then_swap(self, plan):
+        if plan.kind is CopyKind.SWAP_IN and not flipped:
+            src = int(plan.src[0])
+            keys = self.host.array[src][:, 0, :, 0, :]  # [layers, heads, head_dim]: K of slot 0
+            hits = np.argwhere((np.abs(keys) >= 1) & (np.abs(keys) < 2))
+            if len(hits):
+                layer, head, d = hits[0]
+                keys[layer, head, d : d + 1].view(np.uint8)[3] ^= 0x40  # little endian: byte 3 = sign, exponent
+                flipped.append(src)
+                print(f"corrupting transfer{rank}: flipped a byte of host block {src} before its swap-in", flush=True)
+        return swap(self, plan)
+
+    TaskExecutor._swap = flip_then_swap
+    return process.main(spec_json, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checksums", [False, True])
+def test_one_flipped_byte_in_a_swapped_in_block_changes_the_output(checksums, tmp_path):
+    """Without host checksums the wrong value reaches attention and some request's tokens are no
+    longer generate()'s: the oracle sees one wrong block. With them the swap-in is refused and
+    recomputed, and every output is right again."""
+    s = spec(1, tmp_path / "out", "offload", host_checksums=checksums)
+    results, summary = serve(s, transfer="tests.e2e.test_engine_paddleformers:corrupting_transfer_main")
+    assert summary["copy_tasks"].get("swap_in", 0) > 0, summary
+    bad = mismatches(results)
+    if checksums:
+        assert not bad and summary["host_checksum_mismatches"] > 0, (bad, summary)
+    else:
+        assert bad, "a flipped byte in a swapped-in block went unnoticed by the oracle"
+        assert summary["host_checksum_mismatches"] == 0
+
+
+@pytest.mark.slow
+def test_a_restart_on_a_warm_lmdb_store_serves_generate_tokens(tmp_path):
+    """Run A writes every block through to LMDB (a host tier that holds them all, so what is
+    stored does not depend on how fast the store keeps up); run B, new processes and empty
+    tiers on A's store, loads the prompts' KV from it instead of computing them."""
+    url = f"lmdb://{tmp_path}/store?max_bytes=64M"
+    a_results, _ = serve(spec(1, tmp_path / "a", "offload", url, num_host_blocks=96))
+    assert not mismatches(a_results)
+    b_results, b = serve(spec(1, tmp_path / "b", "offload", url, num_host_blocks=16))
+    assert not mismatches(b_results)
+    assert b["hit_ratio"]["storage"] > 0 and b["copy_tasks"].get("load", 0) > 0, b
+    assert b["storage_lookup"]["keys_found"] > 0 and b["corrupt_values"] == 0, b["storage_lookup"]
+
+
+@pytest.mark.slow
+def test_prefill_then_decode_serves_generate_tokens(tmp_path):
+    """A prefill engine computes each prompt and exports its KV to the shared store; a decode
+    engine takes every request from its handoff file, loads that KV and decodes: no prompt
+    token recomputed, every output generate()'s."""
+    url = f"lmdb://{tmp_path}/store?max_bytes=64M"
+    _, pre = serve(spec(1, tmp_path / "pre", "offload", url, num_device_blocks=24, num_host_blocks=24,
+                        role="prefill"))
+    results, dec = serve(spec(1, tmp_path / "dec", "offload", url, num_device_blocks=24, num_host_blocks=24,
+                              role="decode", handoff=str(tmp_path / "pre" / "handoff.jsonl")))
+    assert not mismatches(results)
+    assert pre["handoff"]["requests"] == len(PROMPTS) and pre["handoff"]["failed"] == 0, pre["handoff"]
+    h = dec["handoff"]
+    assert h["requests"] == len(PROMPTS) and h["recomputed_prompt_tokens"] == 0 and h["bytes"] > 0, h
+    assert all(row["recomputed_tokens"] == 0 for row in results.values())
