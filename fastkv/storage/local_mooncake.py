@@ -110,7 +110,7 @@ class LocalMooncake:
     @classmethod
     def from_url(cls, url: str) -> LocalMooncake:
         """``mooncake://local[?segment_size=1G]`` (the holder's segment; default 1 GiB)."""
-        from fastkv.storage.factory import parse_size
+        from fastkv.storage.sizes import parse_size
 
         parts = urlsplit(url)
         if parts.netloc != "local" or parts.path not in ("", "/"):
@@ -186,7 +186,7 @@ class LocalMooncake:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fastkv.storage.factory import parse_size
+    from fastkv.storage.sizes import parse_size
 
     p = argparse.ArgumentParser(prog="python -m fastkv.storage.local_mooncake", description=__doc__.split("\n\n")[0])
     p.add_argument("--segment-size", default="1G", help="memory the holder lends the pool (e.g. 4G)")

@@ -95,7 +95,7 @@ def to_url(settings: dict[str, str]) -> str:
 
 def from_url(url: str) -> dict:
     """The backend's keyword arguments for ``url``: the URL's keys over resolve()'s."""
-    from fastkv.storage.factory import parse_size
+    from fastkv.storage.sizes import parse_size
 
     parts = urlsplit(url)
     if not parts.netloc or parts.netloc == "local":
