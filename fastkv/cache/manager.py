@@ -251,6 +251,7 @@ class CacheManager:
         st.device_hit_tokens += nd * bs
 
         req = CacheRecord(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n)
+        self.index.learn(keys, None)
         if keys:
             req.last_block = toks[(len(keys) - 1) * bs:len(keys) * bs].tolist()
         self._reqs[request_id] = req
@@ -352,7 +353,9 @@ class CacheManager:
             extras = req.extras
             if extras:
                 extras = {i - len(req.keys): e for i, e in extras.items() if i >= len(req.keys)}
-            req.keys += block_keys(chunk, bs, parent, 0, extras)
+            new_keys = block_keys(chunk, bs, parent, 0, extras)
+            self.index.learn(new_keys, req.keys[-1] if req.keys else None)
+            req.keys += new_keys
             req.last_block = tail[(full - 1) * bs:full * bs]
             del tail[:full * bs]
         return Growth(tuple(new), plans, req.pending == 0)
