@@ -6,10 +6,13 @@ from __future__ import annotations
 from collections import Counter
 
 from fastkv.cache.copies import Purpose
+from fastkv.cache.index import Cause
 from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import ReqState
 from fastkv.cache.state import CacheState
 from fastkv.config import cdiv
+
+_CACHED = int(BlockState.CACHED)
 
 # Which side of a plan pins which tier, per purpose: (device pins, host pins) as "src"/"dst".
 _PINS = {
@@ -27,6 +30,7 @@ def check(state: CacheState) -> None:
     dev, host, bs = state.device, state.host, state.block_size
     dev.check_integrity()
     host.check_integrity()
+    _no_key_stranded_by_eviction(state)
 
     dev_refs: Counter[int] = Counter()
     host_refs: Counter[int] = Counter()
@@ -113,3 +117,18 @@ def check(state: CacheState) -> None:
             assert pool.pins[b] == pins[b], f"{pool.tier} block {b}: {pool.pins[b]} pins but {pins[b]} copies"
     assert len(state.index.stored) <= state.index.storage_keys
     assert len(state.index.history) <= 2 * state.index.history_size
+
+
+def _no_key_stranded_by_eviction(state: CacheState) -> None:
+    """No CACHED key whose parent is in no tier (nor on its way to one), unless a loss took the
+    parent: a failed or skipped copy, a key dropped or lost by storage (index.Cause)."""
+    present = (state.device.lookup, state.host.lookup, state.index.stored, state.copies.inflight,
+               state.copies.loading)
+    history = state.index.history
+    for pool in (state.device, state.host):
+        for b, pk in enumerate(pool.parent):
+            if pk is None or pool.state[b] != _CACHED or any(pk in where for where in present):
+                continue
+            record = history.get(pk)
+            assert record is None or record[1] is not Cause.EVICTED, \
+                f"{pool.tier} block {b}: a cached key stranded behind a parent evicted from the {record[0].name}"

@@ -264,7 +264,7 @@ class CacheManager:
         req.private_block = partial  # resumed once: let go of uncached, nothing else may match it
         plans: list[CopyPlan] = []
         if sto_keys:
-            staged = take_host(self.state, len(sto_keys), pinned=True)
+            staged = take_host(self.state, len(sto_keys), pinned=True, keys=sto_keys)
             plans.append(self.copies.open(CopyKind.LOAD, Purpose.PREFIX_LOAD, dst=staged, keys=sto_keys, req=req,
                                           positions=list(range(nd + nh + nj, nd + nh + nj + ns))))
             self.copies.records[plans[-1].plan_id].waiters = [(req, {i: nh + nj + i for i in range(ns)})]

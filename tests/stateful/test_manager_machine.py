@@ -37,6 +37,7 @@ from hypothesis.stateful import (
 )
 
 from fastkv.cache.copies import Purpose
+from fastkv.cache.index import Cause
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
 from fastkv.cache.pool import BlockState
@@ -54,7 +55,10 @@ CASES = frozenset(
     | {f"{p.name} freed during" for p in (*OWNED, Purpose.WRITE_THROUGH)} | {"storage lost a key of a LOAD in flight"}
     # a parent in flight when a request's chain hold reached it (tiering.hold_chain) lands
     | {"a chain hold joins a parent as it lands", "a chain hold let go before its parent landed",
-       "a running request let go of its chain hold for host room"})
+       "a running request let go of its chain hold for host room"}
+    # leaves first whatever order a chain reached a tier in (pool.py): a child landing in a later
+    # plan than its parent's, and a host eviction that passes over a parent for its child
+    | {"a child lands on the host in a later plan than its parent", "the host passes over a parent for its child"})
 REACHED: Counter[str] = Counter()
 
 
@@ -281,6 +285,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert pool.state[b] == BlockState.IN_FLIGHT, f"plan {plan.plan_id} touches {pool.tier} block {b}"
         if plan.kind is CopyKind.LOAD:
             ok = ok and all(k in self.storage for k in plan.keys)
+        if ok and plan.kind in (CopyKind.SWAP_OUT, CopyKind.LOAD):
+            if any(self.parent.get(k) in m.host.lookup for k in m.copies.records[plan.plan_id].keys):
+                reached("a child lands on the host in a later plan than its parent")
         if ok and plan.kind is CopyKind.SWAP_OUT:
             for k in m.copies.records[plan.plan_id].keys:
                 for holder in m.copies.awaited.get(k, ()):
@@ -355,6 +362,25 @@ class ManagerMachine(RuleBasedStateMachine):
         assert e.block_index >= r.num_blocks
 
     # ------------------------------------------------------------------ invariants
+    @invariant()
+    def no_key_stranded_by_eviction(self):
+        """No cached key whose parent is in no tier (nor on its way to one), unless a loss (a
+        failed or skipped copy, a dropped key, storage losing it) took the parent."""
+        m = self.m
+        present = set(m.device.lookup) | set(m.host.lookup) | set(m.index.stored) | set(m.copies.inflight) \
+            | set(m.copies.loading)
+        for pool in (m.device, m.host):
+            for b, k in enumerate(pool.key):
+                p = self.parent.get(k)
+                if k is None or p is None or pool.state[b] != BlockState.CACHED or p in present:
+                    continue
+                record = m.index.history.get(p)
+                assert record is None or record[1] is not Cause.EVICTED, \
+                    f"{pool.tier} block {b}: a cached key whose parent was evicted ({record})"
+        if m.host.passed_over > getattr(self, "passed_over", 0):
+            self.passed_over = m.host.passed_over
+            reached("the host passes over a parent for its child")
+
     @invariant()
     def integrity(self):
         if self.m.stats.chain_spills > getattr(self, "spills", 0):
