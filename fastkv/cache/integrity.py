@@ -121,13 +121,16 @@ def check(state: CacheState) -> None:
 
 def _no_key_stranded_by_eviction(state: CacheState) -> None:
     """No CACHED key whose parent is in no tier (nor on its way to one), unless a loss took the
-    parent: a failed or skipped copy, a key dropped or lost by storage (index.Cause)."""
+    parent (a failed or skipped copy, a key dropped or lost by storage: index.Cause) or a tier
+    had to evict it with children left (only parents of held or in-flight blocks were cached)."""
     present = (state.device.lookup, state.host.lookup, state.index.stored, state.copies.inflight,
                state.copies.loading)
     history = state.index.history
     for pool in (state.device, state.host):
         for b, pk in enumerate(pool.parent):
             if pk is None or pool.state[b] != _CACHED or any(pk in where for where in present):
+                continue
+            if pk in state.device.forced_keys or pk in state.host.forced_keys:
                 continue
             record = history.get(pk)
             assert record is None or record[1] is not Cause.EVICTED, \

@@ -365,7 +365,9 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def no_key_stranded_by_eviction(self):
         """No cached key whose parent is in no tier (nor on its way to one), unless a loss (a
-        failed or skipped copy, a dropped key, storage losing it) took the parent."""
+        failed or skipped copy, a dropped key, storage losing it) took the parent, or a tier had
+        to evict it with children left: a take that finds only parents of held or in-flight
+        blocks cached (pool.py, ``forced_evictions``)."""
         m = self.m
         present = set(m.device.lookup) | set(m.host.lookup) | set(m.index.stored) | set(m.copies.inflight) \
             | set(m.copies.loading)
@@ -373,6 +375,8 @@ class ManagerMachine(RuleBasedStateMachine):
             for b, k in enumerate(pool.key):
                 p = self.parent.get(k)
                 if k is None or p is None or pool.state[b] != BlockState.CACHED or p in present:
+                    continue
+                if p in m.device.forced_keys or p in m.host.forced_keys:
                     continue
                 record = m.index.history.get(p)
                 assert record is None or record[1] is not Cause.EVICTED, \
