@@ -48,7 +48,8 @@ _FREE, _ALLOCATED, _CACHED, _IN_FLIGHT = 0, 1, 2, 3
 
 class BlockPool:
     __slots__ = ("tier", "capacity", "state", "ref", "pins", "key", "lookup", "free", "evictable", "num_allocated",
-                 "num_in_flight", "parent", "kids", "parents", "forced_evictions", "forced_keys", "awaited", "passed_over")
+                 "num_in_flight", "parent", "kids", "parents", "awaited", "forced_evictions", "forced_keys",
+                 "passed_over")
 
     def __init__(self, tier: str, capacity: int, eviction: str = "lru") -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
