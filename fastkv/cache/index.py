@@ -30,8 +30,14 @@ than their children", so that LRU eviction takes leaves first:
   until it lands, and releasing them leaves first orders the host half of its chain, which its
   refresh then skips.
 
+The pools also keep leaves first by construction (``fastkv.cache.pool``): from ``parents``,
+each counts the keyed children of every key in its tier (and those a copy brings there), and
+passes over a parent that has any; a device parent of host blocks leaves the device for the host
+(``tiering.take_device``). So the order above is a matter of LRU accuracy, not of strands.
+
 What remains, accepted and documented: a copy that fails or finds no free host block drops
-its key, and children already on the host are stranded. A stranded entry is never returned
+its key, and children already on the host are stranded; so does a parent a tier had to evict
+with children held or in flight (nothing else was cached: ``forced_evictions``). A stranded entry is never returned
 (no wrong answer), holds no reference, and ages out through the LRU queue like any other.
 ``strand_free`` in the tests checks that without failures there are none.
 """
