@@ -168,6 +168,14 @@ class PrefixIndex:
                 parents[k] = parent
             parent = k
 
+    def learn_at(self, keys: list[bytes], positions: list[int]) -> None:
+        """The parents of ``keys[i]`` for each ``i`` in ``positions`` (a request's chain, about to
+        be keyed in a tier: the entry may have gone with an earlier copy of the key)."""
+        parents = self.parents
+        for i in positions:
+            if i:
+                parents[keys[i]] = keys[i - 1]
+
     def remember_stored(self, key: bytes) -> None:
         self.stored[key] = None
         if len(self.stored) > self.storage_keys:

@@ -377,6 +377,7 @@ class CacheManager:
             self._repair_dups(req)
         blocks = req.table[first:full]
         keys = req.keys[first:full]
+        self.index.learn_at(req.keys, range(first, full))
         dups = self.device.insert_many(blocks, keys)
         req.num_keyed = full
         if dups:
@@ -395,6 +396,7 @@ class CacheManager:
         cached, so that the children it inserts next hang under a present parent."""
         dev = self.device
         pos = [i for i in req.dup_pos if dev.key[req.table[i]] is None]
+        self.index.learn_at(req.keys, pos)
         left = dev.insert_many([req.table[i] for i in pos], [req.keys[i] for i in pos])
         req.dup_pos = [pos[j] for j in left]
 
