@@ -48,7 +48,7 @@ _FREE, _ALLOCATED, _CACHED, _IN_FLIGHT = 0, 1, 2, 3
 
 class BlockPool:
     __slots__ = ("tier", "capacity", "state", "ref", "pins", "key", "lookup", "free", "evictable", "num_allocated",
-                 "num_in_flight", "parent", "kids", "parents", "awaited", "forced_evictions", "forced_keys",
+                 "num_in_flight", "parent", "kids", "parents", "awaited", "forced_evictions",
                  "passed_over")
 
     def __init__(self, tier: str, capacity: int, eviction: str = "lru") -> None:
@@ -69,7 +69,6 @@ class BlockPool:
         self.kids: dict[bytes, int] = {}  # parent key -> keyed blocks of this tier under it
         self.parents: dict[bytes, bytes] = {}  # key -> parent key (the prefix index's, once attached)
         self.forced_evictions = 0
-        self.forced_keys: set[bytes] = set()  # keys evicted with children left: those may be stranded
         self.passed_over = 0  # parents met at the queue's head with children left (sent behind them)
         self.awaited: dict[bytes, int] = {}  # parent key -> children a copy brings to this tier
 
@@ -159,7 +158,6 @@ class BlockPool:
                     continue
                 if k in kids:
                     self.forced_evictions += 1
-                    self.forced_keys.add(k)
                 skips = 0
                 self._unkey(b)
                 out.append(b)
@@ -411,7 +409,6 @@ class BlockPool:
             self.free.append(block)
         self.lookup.clear()
         self.kids = dict(self.awaited)
-        self.forced_keys.clear()
         return dropped
 
     # ------------------------------------------------------------------ checks

@@ -37,7 +37,6 @@ from hypothesis.stateful import (
 )
 
 from fastkv.cache.copies import Purpose
-from fastkv.cache.index import Cause
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
 from fastkv.cache.pool import BlockState
@@ -364,26 +363,23 @@ class ManagerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ invariants
     @invariant()
     def no_key_stranded_by_eviction(self):
-        """No cached key whose parent is in no tier (nor on its way to one), unless a loss (a
-        failed or skipped copy, a dropped key, storage losing it) took the parent, or a tier had
-        to evict it with children left: a take that finds only parents of held or in-flight
-        blocks cached (pool.py, ``forced_evictions``)."""
+        """No cached key whose parent is in no tier (nor on its way to one), copies in flight or
+        not, as long as nothing was lost: a failure, a skipped copy, a dropped key, storage losing
+        one, or a parent a tier had to evict with children left (every other cached block was a
+        parent of held or in-flight ones: ``forced_evictions``)."""
         m = self.m
+        if self.m.host.passed_over > getattr(self, "passed_over", 0):
+            self.passed_over = m.host.passed_over
+            reached("the host passes over a parent for its child")
+        if self.lossy or m.stats.skipped_copies or m.device.forced_evictions or m.host.forced_evictions:
+            return
         present = set(m.device.lookup) | set(m.host.lookup) | set(m.index.stored) | set(m.copies.inflight) \
             | set(m.copies.loading)
         for pool in (m.device, m.host):
             for b, k in enumerate(pool.key):
                 p = self.parent.get(k)
-                if k is None or p is None or pool.state[b] != BlockState.CACHED or p in present:
-                    continue
-                if p in m.device.forced_keys or p in m.host.forced_keys:
-                    continue
-                record = m.index.history.get(p)
-                assert record is None or record[1] is not Cause.EVICTED, \
-                    f"{pool.tier} block {b}: a cached key whose parent was evicted ({record})"
-        if m.host.passed_over > getattr(self, "passed_over", 0):
-            self.passed_over = m.host.passed_over
-            reached("the host passes over a parent for its child")
+                if k is not None and p is not None and pool.state[b] == BlockState.CACHED and k not in self.private:
+                    assert p in present, f"{pool.tier} block {b}: a cached key whose parent was evicted"
 
     @invariant()
     def integrity(self):
