@@ -236,6 +236,7 @@ class CacheManager:
         del self._waiting_keys[request_id]
         joins: list[tuple[int, int]] = []
         if sto_keys:  # join LOADs in flight; stage the others in host blocks, what finds no room is recomputed
+            self.index.learn(sto_keys, keys[nd + nh - 1] if nd + nh else None)  # they are keyed on the host
             joins, sto_keys = split_loads(self.state, sto_keys)
             room = make_host_room(self.state, len(sto_keys), host_hits)
             del sto_keys[max(room, 0):]
@@ -251,7 +252,6 @@ class CacheManager:
         st.device_hit_tokens += nd * bs
 
         req = CacheRecord(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n)
-        self.index.learn(keys, None)
         if keys:
             req.last_block = toks[(len(keys) - 1) * bs:len(keys) * bs].tolist()
         self._reqs[request_id] = req
@@ -353,9 +353,7 @@ class CacheManager:
             extras = req.extras
             if extras:
                 extras = {i - len(req.keys): e for i, e in extras.items() if i >= len(req.keys)}
-            new_keys = block_keys(chunk, bs, parent, 0, extras)
-            self.index.learn(new_keys, req.keys[-1] if req.keys else None)
-            req.keys += new_keys
+            req.keys += block_keys(chunk, bs, parent, 0, extras)
             req.last_block = tail[(full - 1) * bs:full * bs]
             del tail[:full * bs]
         return Growth(tuple(new), plans, req.pending == 0)

@@ -145,21 +145,30 @@ class BlockPool:
     def _evict_leaves(self, n: int, evicted: list[tuple[int, bytes]] | None) -> list[int]:
         """Dequeue and unkey ``n`` CACHED blocks, leaves first (``n <= len(self.evictable)``);
         each ``(block, key)`` is appended to ``evicted``."""
-        queue, kids, key = self.evictable, self.kids, self.key
+        queue, kids, key, lookup, parent = self.evictable, self.kids, self.key, self.lookup, self.parent
         out: list[int] = []
         skips = 0
         while len(out) < n:
             for b in queue.popleft_many(n - len(out)):
                 k = key[b]
-                if k in kids and skips <= len(queue):
-                    queue.append(b)  # behind its children: they go first
-                    skips += 1
-                    self.passed_over += 1
-                    continue
                 if k in kids:
+                    if skips <= len(queue):
+                        queue.append(b)  # behind its children: they go first
+                        skips += 1
+                        self.passed_over += 1
+                        continue
                     self.forced_evictions += 1
                 skips = 0
-                self._unkey(b)
+                del lookup[k]  # _unkey, inline: the hot path of allocation
+                key[b] = None
+                pk = parent[b]
+                if pk is not None:
+                    parent[b] = None
+                    c = kids[pk] - 1
+                    if c:
+                        kids[pk] = c
+                    else:
+                        del kids[pk]
                 out.append(b)
                 if evicted is not None:
                     evicted.append((b, k))
