@@ -30,6 +30,7 @@ def check(state: CacheState) -> None:
     dev, host, bs = state.device, state.host, state.block_size
     dev.check_integrity()
     host.check_integrity()
+    _child_counts(state)
     _no_key_stranded_by_eviction(state)
 
     dev_refs: Counter[int] = Counter()
@@ -135,3 +136,12 @@ def _no_key_stranded_by_eviction(state: CacheState) -> None:
             if pk is not None and pool.state[b] == _CACHED:
                 assert any(pk in where for where in present), \
                     f"{pool.tier} block {b}: a cached key stranded behind a parent evicted from every tier"
+
+
+def _child_counts(state: CacheState) -> None:
+    """Each pool counts, per parent key, its keyed children and those copies bring to it."""
+    for pool in (state.device, state.host):
+        kids: Counter[bytes] = Counter(pk for pk in pool.parent if pk is not None)
+        if pool is state.host:
+            kids.update(pk for rec in state.copies.records.values() for pk in rec.expected or ())
+        assert kids == pool.kids, f"{pool.tier}: child counts {dict(pool.kids)} != {dict(kids)}"

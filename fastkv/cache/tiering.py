@@ -76,7 +76,7 @@ def take_host(state: CacheState, n: int, pinned: bool, partial: bool = False, ke
         n = min(n, host.num_available)
     victims: list[tuple[int, bytes]] = []
     take = host.take_pinned if pinned else host.take
-    expected = host.expect(keys) if keys else None
+    expected = host.expect(keys) if keys and len(host.free) < n else None  # only an eviction needs it
     blocks = [take(victims) for _ in range(n)]
     if expected:
         host.unexpect(expected)
