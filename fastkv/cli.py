@@ -32,6 +32,7 @@ from fastkv.compiled import NotBuilt
 from fastkv.config import KVLayout
 from fastkv.demo import PREEMPTION_MODES, ConversationConfig
 from fastkv.outdir import OutDir
+from fastkv.sched.config import SchedulerConfig
 
 RUNNERS = ("synthetic", "tiny", "paddleformers:llama")
 STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
@@ -271,14 +272,16 @@ class JobConfig:
         file's (say, a trace run's own workload.jsonl run again on its store), may reach
         thousands of tokens: their tier holds at least the longest request (prompt and output),
         so every request runs to its end and the pressure comes from requests running side by
-        side, rather than from requests that could never run. Up to ``AUTO_DEVICE_BYTES`` per
+        side, rather than from requests that could never run; and a step's token budget more,
+        so that one long prompt leaves room for short ones beside it. Up to ``AUTO_DEVICE_BYTES`` per
         rank: a longer request is rejected alone (its reason names the tier it exceeds), and
         ``--device-blocks`` gives it room."""
         if self.workload == "demo":
             return DEMO_DEVICE_BLOCKS
         longest = max(len(r["prompt"]) + r["max_new_tokens"] for r in self.requests())
         cap = max(DEMO_DEVICE_BLOCKS, AUTO_DEVICE_BYTES // self.layout().block_bytes)
-        return min(cap, max(DEMO_DEVICE_BLOCKS, -(-longest // self.block_size)))
+        beside = self.scheduler.get("max_num_batched_tokens", SchedulerConfig().max_num_batched_tokens)
+        return min(cap, max(DEMO_DEVICE_BLOCKS, -(-longest // self.block_size) + -(-beside // self.block_size)))
 
     def _is_trace(self) -> bool:
         return self.workload == "trace" or self.workload.startswith("trace:")

@@ -229,6 +229,7 @@ def make_ready(state: CacheState, req: CacheRecord) -> Ready:
     n_full = min(valid // bs, len(req.keys))
     dev = state.device
     todo = [i for i in range(req.num_keyed, n_full) if dev.key[req.table[i]] is None]
+    state.index.learn_at(req.keys, todo)
     dups = dev.insert_many([req.table[i] for i in todo], [req.keys[i] for i in todo])
     req.dup_pos += [todo[j] for j in dups]
     state.stats.duplicate_blocks += len(dups)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.pool import BlockPool
 from fastkv.cache.requests import CacheRecord
 
 
@@ -37,10 +38,13 @@ class CopyRecord:
     # hold; ``chain_end`` is its chain's length, for the per-plan hold it gets if the request lets go first
     owner: CacheRecord | None = None
     chain_end: int = 0
+    # the parent keys of the keys it brings to the host: their host blocks wait for these children
+    expected: list[bytes] | None = None
 
 
 class CopyBook:
-    def __init__(self) -> None:
+    def __init__(self, host: BlockPool | None = None) -> None:
+        self.host = host  # keys a copy brings to it count as children there from the start
         self.records: dict[int, CopyRecord] = {}
         self.inflight: dict[bytes, int] = {}  # key -> plan id, for keys a SWAP_OUT brings to the host
         self.loading: dict[bytes, tuple[int, int]] = {}  # key -> (plan id, index), for keys a PREFIX_LOAD brings
@@ -57,7 +61,9 @@ class CopyBook:
         carried = kind in (CopyKind.STORE, CopyKind.LOAD, CopyKind.RESTORE)
         storage_keys = tuple(keys) if carried else ()
         plan = CopyPlan(pid, kind, src, dst, storage_keys)
-        self.records[pid] = CopyRecord(plan, purpose, list(src), list(dst), list(keys), req, positions)
+        rec = self.records[pid] = CopyRecord(plan, purpose, list(src), list(dst), list(keys), req, positions)
+        if self.host is not None and keys and kind in (CopyKind.SWAP_OUT, CopyKind.LOAD):
+            rec.expected = self.host.expect(keys)
         if purpose is Purpose.WRITE_BACK or purpose is Purpose.WRITE_THROUGH:
             for k in keys:
                 self.inflight[k] = pid
@@ -73,6 +79,8 @@ class CopyBook:
         if rec is None or rec.plan is not plan:
             raise ValueError(f"plan {plan.plan_id} is not in flight (completed twice, or not from this manager)")
         del self.records[plan.plan_id]
+        if rec.expected:
+            self.host.unexpect(rec.expected)
         if rec.purpose is Purpose.WRITE_BACK or rec.purpose is Purpose.WRITE_THROUGH:
             inflight = self.inflight
             for k in rec.keys:

@@ -30,8 +30,14 @@ than their children", so that LRU eviction takes leaves first:
   until it lands, and releasing them leaves first orders the host half of its chain, which its
   refresh then skips.
 
+The pools also keep leaves first by construction (``fastkv.cache.pool``): from ``parents``,
+each counts the keyed children of every key in its tier (and those a copy brings there), and
+passes over a parent that has any; a device parent of host blocks leaves the device for the host
+(``tiering.take_device``). So the order above is a matter of LRU accuracy, not of strands.
+
 What remains, accepted and documented: a copy that fails or finds no free host block drops
-its key, and children already on the host are stranded. A stranded entry is never returned
+its key, and children already on the host are stranded; so does a parent a tier had to evict
+with children held or in flight (nothing else was cached: ``forced_evictions``). A stranded entry is never returned
 (no wrong answer), holds no reference, and ages out through the LRU queue like any other.
 ``strand_free`` in the tests checks that without failures there are none.
 """
@@ -107,6 +113,10 @@ class PrefixIndex:
         self.storage_keys = storage_keys
         self.history: dict[bytes, tuple[Tier, Cause]] = {}  # insertion ordered, trimmed by gone_many
         self.history_size = history
+        # key -> its parent key, for every chained key a request computed that some tier may still
+        # get or has: the pools count each key's keyed children per tier from it (leaves first)
+        self.parents: dict[bytes, bytes] = {}
+        device.parents = host.parents = self.parents
         # one shared tuple per (tier, cause): recording a departure allocates nothing
         self._records = {(t, c): (t, c) for t in Tier for c in Cause}
 
@@ -142,19 +152,42 @@ class PrefixIndex:
     def present(self, key: bytes) -> bool:
         return key in self.device.lookup or key in self.host.lookup or key in self.stored
 
+    def learn(self, keys: list[bytes], parent: bytes | None) -> None:
+        """``keys`` is a chain hanging under ``parent`` (None: under the root)."""
+        parents = self.parents
+        for k in keys:
+            if parent is not None:
+                parents[k] = parent
+            parent = k
+
+    def learn_at(self, keys: list[bytes], positions: list[int]) -> None:
+        """The parents of ``keys[i]`` for each ``i`` in ``positions`` (a request's chain, about to
+        be keyed in a tier: the entry may have gone with an earlier copy of the key)."""
+        parents = self.parents
+        for i in positions:
+            if i:
+                parents[keys[i]] = keys[i - 1]
+
     def remember_stored(self, key: bytes) -> None:
         self.stored[key] = None
         if len(self.stored) > self.storage_keys:
-            self.stored.popitem(last=False)
+            old, _ = self.stored.popitem(last=False)
+            if old not in self.device.lookup and old not in self.host.lookup:
+                self.parents.pop(old, None)
 
     def gone(self, key: bytes, tier: Tier, cause: Cause) -> None:
         """``key`` left its last tier: remember why, for ``explain_miss`` (bounded history)."""
         if self.history_size:
             self.gone_many((key,), tier, cause)
+        else:
+            self.parents.pop(key, None)
 
     def gone_many(self, keys, tier: Tier, cause: Cause) -> None:
         """One plain dict store per key; the oldest half is cut in one pass once the history
         doubles its size (amortized O(1), and much cheaper than an LRU dict per eviction)."""
+        pop = self.parents.pop
+        for k in keys:
+            pop(k, None)
         if not self.history_size:
             return
         h = self.history
@@ -168,4 +201,5 @@ class PrefixIndex:
         """Forget every key (weight update); returns them."""
         dropped = self.device.clear() + self.host.clear() + list(self.stored)
         self.stored.clear()
+        self.parents.clear()
         return dropped

@@ -6,10 +6,13 @@ from __future__ import annotations
 from collections import Counter
 
 from fastkv.cache.copies import Purpose
+from fastkv.cache.index import Cause
 from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import ReqState
 from fastkv.cache.state import CacheState
 from fastkv.config import cdiv
+
+_CACHED = int(BlockState.CACHED)
 
 # Which side of a plan pins which tier, per purpose: (device pins, host pins) as "src"/"dst".
 _PINS = {
@@ -27,6 +30,8 @@ def check(state: CacheState) -> None:
     dev, host, bs = state.device, state.host, state.block_size
     dev.check_integrity()
     host.check_integrity()
+    _child_counts(state)
+    _no_key_stranded_by_eviction(state)
 
     dev_refs: Counter[int] = Counter()
     host_refs: Counter[int] = Counter()
@@ -113,3 +118,30 @@ def check(state: CacheState) -> None:
             assert pool.pins[b] == pins[b], f"{pool.tier} block {b}: {pool.pins[b]} pins but {pins[b]} copies"
     assert len(state.index.stored) <= state.index.storage_keys
     assert len(state.index.history) <= 2 * state.index.history_size
+
+
+def _no_key_stranded_by_eviction(state: CacheState) -> None:
+    """No CACHED key whose parent is in no tier (nor on its way to one), as long as nothing was
+    lost: a failed or skipped copy, a key dropped, reset or lost by storage, or a parent a tier had
+    to evict with children left (only parents of held or in-flight blocks were cached) strands
+    children by design (index.py); eviction alone never does (pool.py)."""
+    dev, host, st = state.device, state.host, state.stats
+    if st.failed_copies or st.skipped_copies or st.load_misses or dev.forced_evictions or host.forced_evictions:
+        return
+    if any(cause is not Cause.EVICTED for _, cause in state.index.history.values()):
+        return
+    present = (dev.lookup, host.lookup, state.index.stored, state.copies.inflight, state.copies.loading)
+    for pool in (dev, host):
+        for b, pk in enumerate(pool.parent):
+            if pk is not None and pool.state[b] == _CACHED:
+                assert any(pk in where for where in present), \
+                    f"{pool.tier} block {b}: a cached key stranded behind a parent evicted from every tier"
+
+
+def _child_counts(state: CacheState) -> None:
+    """Each pool counts, per parent key, its keyed children and those copies bring to it."""
+    for pool in (state.device, state.host):
+        kids: Counter[bytes] = Counter(pk for pk in pool.parent if pk is not None)
+        if pool is state.host:
+            kids.update(pk for rec in state.copies.records.values() for pk in rec.expected or ())
+        assert kids == pool.kids, f"{pool.tier}: child counts {dict(pool.kids)} != {dict(kids)}"

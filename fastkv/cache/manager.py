@@ -239,6 +239,7 @@ class CacheManager:
             self.state.residency.register(keys, toks.tobytes(), bs)
         joins: list[tuple[int, int]] = []
         if sto_keys:  # join LOADs in flight; stage the others in host blocks, what finds no room is recomputed
+            self.index.learn(sto_keys, keys[nd + nh - 1] if nd + nh else None)  # they are keyed on the host
             joins, sto_keys = split_loads(self.state, sto_keys)
             room = make_host_room(self.state, len(sto_keys), host_hits)
             del sto_keys[max(room, 0):]
@@ -266,7 +267,7 @@ class CacheManager:
         req.private_block = partial  # resumed once: let go of uncached, nothing else may match it
         plans: list[CopyPlan] = []
         if sto_keys:
-            staged = take_host(self.state, len(sto_keys), pinned=True)
+            staged = take_host(self.state, len(sto_keys), pinned=True, keys=sto_keys)
             plans.append(self.copies.open(CopyKind.LOAD, Purpose.PREFIX_LOAD, dst=staged, keys=sto_keys, req=req,
                                           positions=list(range(nd + nh + nj, nd + nh + nj + ns))))
             self.copies.records[plans[-1].plan_id].waiters = [(req, {i: nh + nj + i for i in range(ns)})]
@@ -380,6 +381,7 @@ class CacheManager:
             self._repair_dups(req)
         blocks = req.table[first:full]
         keys = req.keys[first:full]
+        self.index.learn_at(req.keys, range(first, full))
         dups = self.device.insert_many(blocks, keys)
         req.num_keyed = full
         if dups:
@@ -398,6 +400,7 @@ class CacheManager:
         cached, so that the children it inserts next hang under a present parent."""
         dev = self.device
         pos = [i for i in req.dup_pos if dev.key[req.table[i]] is None]
+        self.index.learn_at(req.keys, pos)
         left = dev.insert_many([req.table[i] for i in pos], [req.keys[i] for i in pos])
         req.dup_pos = [pos[j] for j in left]
 

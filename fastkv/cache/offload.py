@@ -50,7 +50,7 @@ def offload(state: CacheState, request_id: object, to_storage: bool = False) -> 
     for hb in host_table:
         if hb >= 0:
             host.incref(hb)
-    fresh = take_host(state, len(copy), pinned=False)
+    fresh = take_host(state, len(copy), pinned=False, keys=[req.keys[i] for i in copy if i < n_full])
     keys: list[bytes] = []
     state.epoch += 1
     req.private_key = None

@@ -18,6 +18,14 @@ Releasing the last reference of an IN_FLIGHT block does not free it: the block s
 IN_FLIGHT and turns CACHED or FREE when its last copy completes (``unpin``). That is how the
 pool refuses to free a block a copy still reads or writes, without making callers track it.
 
+Leaves first, by construction: ``kids`` counts, per parent key, the keyed blocks of this tier
+whose key hangs under it (``parents``, shared with the prefix index, says which key a key hangs
+under). A CACHED block with keyed children here is not evicted: met at the head of the queue,
+it goes back to its young end, behind its children, whatever order parent and child reached the
+tier in (matching walks from the root, so a child left behind its parent is never hit again).
+Only when a whole turn of the queue finds no leaf (every child held or in flight) is a parent
+evicted anyway (``forced_evictions``).
+
 Hot paths (``take``, ``incref``, ``release``) work on preallocated Python lists indexed by
 block id and allocate no objects, except the tuple reporting an eviction.
 """
@@ -40,7 +48,8 @@ _FREE, _ALLOCATED, _CACHED, _IN_FLIGHT = 0, 1, 2, 3
 
 class BlockPool:
     __slots__ = ("tier", "capacity", "state", "ref", "pins", "key", "lookup", "free", "evictable", "num_allocated",
-                 "num_in_flight")
+                 "num_in_flight", "parent", "kids", "parents", "forced_evictions",
+                 "passed_over")
 
     def __init__(self, tier: str, capacity: int, eviction: str = "lru") -> None:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
@@ -56,6 +65,11 @@ class BlockPool:
         self.free = list(range(capacity - 1, -1, -1))  # a stack: block 0 is handed out first
         self.num_allocated = 0
         self.num_in_flight = 0
+        self.parent: list[bytes | None] = [None] * capacity  # the parent key of each keyed block
+        self.kids: dict[bytes, int] = {}  # parent key -> keyed blocks of this tier under it
+        self.parents: dict[bytes, bytes] = {}  # key -> parent key (the prefix index's, once attached)
+        self.forced_evictions = 0
+        self.passed_over = 0  # parents met at the queue's head with children left (sent behind them)
 
     # ------------------------------------------------------------------ counts
     @property
@@ -79,6 +93,84 @@ class BlockPool:
         self._check_id(block)
         return BlockState(self.state[block])
 
+    # ------------------------------------------------------------------ keys and children
+    def _key(self, block: int, key: bytes) -> None:
+        self.key[block] = key
+        self.lookup[key] = block
+        pk = self.parents.get(key)
+        if pk is not None:
+            self.parent[block] = pk
+            kids = self.kids
+            kids[pk] = kids.get(pk, 0) + 1
+
+    def _unkey(self, block: int) -> bytes:
+        k = self.key[block]
+        del self.lookup[k]
+        self.key[block] = None
+        pk = self.parent[block]
+        if pk is not None:
+            self.parent[block] = None
+            kids = self.kids
+            n = kids[pk] - 1
+            if n:
+                kids[pk] = n
+            else:
+                del kids[pk]
+        return k
+
+    def expect(self, keys: list[bytes]) -> list[bytes]:
+        """A copy brings ``keys`` to this tier: their parents here wait for them as for keyed
+        children. Returns those parents, for ``unexpect`` once it is done."""
+        get, kids = self.parents.get, self.kids
+        out = []
+        for k in keys:
+            pk = get(k)
+            if pk is not None:
+                kids[pk] = kids.get(pk, 0) + 1
+                out.append(pk)
+        return out
+
+    def unexpect(self, parents: list[bytes]) -> None:
+        kids = self.kids
+        for pk in parents:
+            n = kids[pk] - 1
+            if n:
+                kids[pk] = n
+            else:
+                del kids[pk]
+
+    def _evict_leaves(self, n: int, evicted: list[tuple[int, bytes]] | None) -> list[int]:
+        """Dequeue and unkey ``n`` CACHED blocks, leaves first (``n <= len(self.evictable)``);
+        each ``(block, key)`` is appended to ``evicted``."""
+        queue, kids, key, lookup, parent = self.evictable, self.kids, self.key, self.lookup, self.parent
+        out: list[int] = []
+        skips = 0
+        while len(out) < n:
+            for b in queue.popleft_many(n - len(out)):
+                k = key[b]
+                if k in kids:
+                    if skips <= len(queue):
+                        queue.append(b)  # behind its children: they go first
+                        skips += 1
+                        self.passed_over += 1
+                        continue
+                    self.forced_evictions += 1
+                skips = 0
+                del lookup[k]  # _unkey, inline: the hot path of allocation
+                key[b] = None
+                pk = parent[b]
+                if pk is not None:
+                    parent[b] = None
+                    c = kids[pk] - 1
+                    if c:
+                        kids[pk] = c
+                    else:
+                        del kids[pk]
+                out.append(b)
+                if evicted is not None:
+                    evicted.append((b, k))
+        return out
+
     # ------------------------------------------------------------------ handing out
     def take(self, evicted: list[tuple[int, bytes]] | None = None) -> int:
         """Hand out a block with refcount 1: a FREE one, else evict the next CACHED victim.
@@ -93,10 +185,13 @@ class BlockPool:
             if block < 0:
                 return -1
             k = self.key[block]
-            del self.lookup[k]
-            self.key[block] = None
-            if evicted is not None:
-                evicted.append((block, k))
+            if k in self.kids:  # a parent first in line: the slow path finds a leaf
+                self.evictable.append(block)
+                block = self._evict_leaves(1, evicted)[0]
+            else:
+                self._unkey(block)
+                if evicted is not None:
+                    evicted.append((block, k))
         self.state[block] = _ALLOCATED
         self.ref[block] = 1
         self.num_allocated += 1
@@ -115,14 +210,7 @@ class BlockPool:
         else:
             blocks = free[::-1]
             free.clear()
-            lookup, key = self.lookup, self.key
-            for b in self.evictable.popleft_many(n - nf):
-                k = key[b]
-                del lookup[k]
-                key[b] = None
-                blocks.append(b)
-                if evicted is not None:
-                    evicted.append((b, k))
+            blocks += self._evict_leaves(n - nf, evicted)
         state, ref = self.state, self.ref
         for b in blocks:
             state[b] = _ALLOCATED
@@ -191,8 +279,7 @@ class BlockPool:
                 self.evictable.append(block)
             else:
                 if k is not None:
-                    del self.lookup[k]
-                    self.key[block] = None
+                    self._unkey(block)
                     self.evictable.forget(block)
                 self.state[block] = _FREE
                 self.free.append(block)
@@ -247,8 +334,7 @@ class BlockPool:
             raise ValueError(f"{self.tier} block {block} already has a key")
         if key in self.lookup:
             return False
-        self.key[block] = key
-        self.lookup[key] = block
+        self._key(block, key)
         return True
 
     def insert_many(self, blocks: list[int], keys: list[bytes]) -> list[int]:
@@ -257,6 +343,7 @@ class BlockPool:
         copy is the one its request's children will follow); when it is held too, the new block
         stays an unkeyed duplicate. Returns the indices (into ``blocks``) of the duplicates."""
         setdefault, key, state = self.lookup.setdefault, self.key, self.state
+        parents, parent, kids = self.parents.get, self.parent, self.kids
         dups = []
         for i, (b, k) in enumerate(zip(blocks, keys, strict=True)):
             holder = setdefault(k, b)  # one dict probe: inserted, or another block has k
@@ -267,6 +354,10 @@ class BlockPool:
                 self.drop_key(holder)  # it becomes FREE
                 self.lookup[k] = b
             key[b] = k
+            pk = parents(k)
+            if pk is not None:
+                parent[b] = pk
+                kids[pk] = kids.get(pk, 0) + 1
         return dups
 
     def release_many(self, blocks: list[int], keep: bool = True) -> None:
@@ -296,8 +387,7 @@ class BlockPool:
         k = self.key[block]
         if k is None:
             return None
-        del self.lookup[k]
-        self.key[block] = None
+        self._unkey(block)
         if self.state[block] == _CACHED:
             self.evictable.remove(block)
             self.state[block] = _FREE
@@ -328,6 +418,9 @@ class BlockPool:
         dropped = list(self.lookup)
         while (block := self.evictable.popleft()) >= 0:
             self.key[block] = None
+            if (pk := self.parent[block]) is not None:
+                self.unexpect([pk])  # what stays counted is what copies bring
+                self.parent[block] = None
             self.state[block] = _FREE
             self.free.append(block)
         self.lookup.clear()
@@ -361,3 +454,10 @@ class BlockPool:
         assert counts[_IN_FLIGHT] == self.num_in_flight, f"{self.tier}: in flight {self.num_in_flight} != {counts}"
         assert sum(counts) == self.capacity
         assert len(self.lookup) == sum(1 for k in self.key if k is not None), f"{self.tier}: stale lookup entries"
+        kids: dict[bytes, int] = {}
+        for b, pk in enumerate(self.parent):
+            if pk is not None:
+                assert self.key[b] is not None, f"{self.tier} block {b}: a parent key but no key"
+                kids[pk] = kids.get(pk, 0) + 1
+        # the rest are children a copy brings (checked against the copies by the cache's check)
+        assert all(self.kids.get(pk, 0) >= n for pk, n in kids.items()), f"{self.tier}: child counts too low"

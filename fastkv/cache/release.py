@@ -27,6 +27,7 @@ def release_table(st: CacheState, req: CacheRecord, cache: bool) -> None:
             if dkey[b] is None:  # a duplicate: refresh the block that holds the key
                 c = lookup.get(k)
                 if c is None:  # that block is gone: this copy keeps the key alive
+                    st.index.learn_at(keys, [i])
                     dev.set_key(b, k)
                 release(b)
                 if c is not None:

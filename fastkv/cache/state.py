@@ -69,7 +69,7 @@ class CacheState:
         self.device = BlockPool("device", config.num_device_blocks, config.eviction)
         self.host = BlockPool("host", config.num_host_blocks, config.eviction)
         self.index = PrefixIndex(self.device, self.host, config.storage, config.storage_keys, config.history)
-        self.copies = CopyBook()
+        self.copies = CopyBook(self.host)
         self.stats = CacheStats()
         self.namespace = config.namespace()
         self.root = root_key(self.namespace)

@@ -1,7 +1,8 @@
 """Blocks between tiers: where fresh blocks come from and the copies that move keyed bytes.
 
 Taking fresh blocks evicts LRU ones; a device victim whose key has no other copy is written
-back to the host (WRITE_BACK) in a plan its new owner waits for, or its key is gone. The other
+back to the host (WRITE_BACK, and under any policy when children of it are on the host: it
+would strand them) in a plan its new owner waits for, or its key is gone. The other
 helpers open the write-through, swap-in and store plans. Every function takes the cache state and
 only opens plans (pinning their blocks); completions.py settles them.
 """
@@ -29,7 +30,8 @@ def take_device(state: CacheState, n: int, owner: CacheRecord) -> tuple[list[int
         return blocks, None
     state.stats.device_evictions += len(victims)
     hlookup, stored, inflight = state.host.lookup, state.index.stored, state.copies.inflight
-    if not hlookup and not stored and not state.write_back:  # device-only: every victim's key is gone
+    host_kids = state.host.kids
+    if not hlookup and not stored and not state.write_back and not host_kids:  # every victim's key is gone
         state.stats.dropped_keys += len(victims)
         state.index.gone_many([k for _, k in victims], Tier.DEVICE, Cause.EVICTED)
         if state.policy.copies_on_hit:
@@ -44,7 +46,7 @@ def take_device(state: CacheState, n: int, owner: CacheRecord) -> tuple[list[int
             selective.pop(k, None)
         if k in hlookup or k in inflight:  # on the host, or on its way there (a second copy would race it)
             continue
-        if state.write_back:
+        if state.write_back or k in host_kids:  # a parent of host blocks leaves the device for the host
             src.append(b)
             keys.append(k)
         elif k not in stored:
@@ -52,7 +54,7 @@ def take_device(state: CacheState, n: int, owner: CacheRecord) -> tuple[list[int
     if not src:
         return blocks, None
     make_host_room(state, len(src), keep=owner)
-    dst = take_host(state, len(src), pinned=True, partial=True)
+    dst = take_host(state, len(src), pinned=True, partial=True, keys=keys)
     for k in keys[len(dst):]:
         state.stats.skipped_copies += 1
         if k not in stored:
@@ -65,14 +67,19 @@ def take_device(state: CacheState, n: int, owner: CacheRecord) -> tuple[list[int
     return blocks, state.copies.open(CopyKind.SWAP_OUT, Purpose.WRITE_BACK, src=src, dst=dst, keys=keys, req=owner)
 
 
-def take_host(state: CacheState, n: int, pinned: bool, partial: bool = False) -> list[int]:
-    """``n`` host blocks (fewer if ``partial`` and the host is short), evicting LRU ones."""
+def take_host(state: CacheState, n: int, pinned: bool, partial: bool = False, keys: Sequence[bytes] = ()) -> list[int]:
+    """``n`` host blocks (fewer if ``partial`` and the host is short), evicting LRU ones.
+    ``keys``: what the copy into them brings; their parents on the host wait for them already
+    (the plan, opened once it has its blocks, holds them from then on)."""
     host = state.host
     if partial:
         n = min(n, host.num_available)
     victims: list[tuple[int, bytes]] = []
     take = host.take_pinned if pinned else host.take
+    expected = host.expect(keys) if keys and len(host.free) < n else None  # only an eviction needs it
     blocks = [take(victims) for _ in range(n)]
+    if expected:
+        host.unexpect(expected)
     assert all(b >= 0 for b in blocks), "host take ran out after the availability check"
     if victims:
         state.stats.host_evictions += len(victims)
@@ -126,7 +133,7 @@ def _write_through(state: CacheState, pairs: list[tuple[int, bytes]], chain) -> 
     pairs = [(b, k) for b, k in pairs if k not in hlookup and k not in inflight]
     if not pairs:
         return None
-    dst = take_host(state, len(pairs), pinned=True, partial=True)
+    dst = take_host(state, len(pairs), pinned=True, partial=True, keys=[k for _, k in pairs])
     if len(dst) < len(pairs):
         state.stats.skipped_copies += len(pairs) - len(dst)
         keys = chain()

@@ -1,5 +1,11 @@
 """One step's batch while ``step()`` builds it: the sequences scheduled, the token budget
-left, and the requests that stalled (their patience is refunded if the step stays empty)."""
+left, and the requests that stalled (their patience is refunded if the step stays empty).
+
+Fair chunked prefill: a prefill chunk first gets at most ``SchedulerConfig.prefill_share``
+tokens, so that the requests scheduled after it (decodes, other prefills, the newcomers that
+admission adds) find budget left; once everyone had theirs, ``top_up`` gives what is left to the
+prefills held back, shortest rest first. A long prompt therefore progresses every step, by a whole step's
+budget when it runs alone, and a short prompt arriving beside it is admitted in the next step."""
 from __future__ import annotations
 
 from fastkv.cache.manager import CacheManager
@@ -15,6 +21,8 @@ class StepBatch:
         self.budget = config.max_num_batched_tokens
         self.seqs: dict[int, SeqWork] = {}
         self.stalled: list[Request] = []
+        self.share = config.prefill_share
+        self.held_back: list[Request] = []  # prefills cut to their share, in schedule order
 
     @property
     def full(self) -> bool:
@@ -28,6 +36,27 @@ class StepBatch:
         if n > self.budget and not cfg.chunked_prefill and n <= cfg.max_num_batched_tokens:
             return  # a whole prompt in a later step (one longer than the budget is chunked anyway)
         n = min(n, self.budget)
+        if self.share and n > self.share:
+            n = self.share
+            self.held_back.append(req)
+        self._put(req, n)
+
+    def top_up(self) -> None:
+        """Give the budget nobody else took to the prefills cut to their share, the one nearest
+        its first token first (a short prompt's TTFT is decided by it, a long one's hardly)."""
+        for req in sorted(self.held_back, key=lambda r: r.num_new_tokens):
+            if self.budget <= 0:
+                return
+            seq = self.seqs.get(req.request_id)
+            if seq is None:  # unscheduled (preempted) after it was cut
+                continue
+            n = len(seq.token_ids)
+            more = min(req.num_new_tokens - n, self.budget)
+            if more > 0:
+                self.budget += n
+                self._put(req, n + more)
+
+    def _put(self, req: Request, n: int) -> None:
         start = req.num_computed_tokens
         self.seqs[req.request_id] = SeqWork(
             req.request_id, req.token_span(start, start + n), start, self.cache.block_table(req.request_id),

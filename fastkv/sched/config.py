@@ -12,6 +12,13 @@ class SchedulerConfig:
     max_num_seqs: int = 128  # sequences per step (and admitted at once, LOADING included)
     max_num_batched_tokens: int = 2048  # tokens computed per step
     chunked_prefill: bool = True  # split prompts across steps to fit the token budget
+    # Fair chunked prefill: one request's prefill chunk takes at most this many tokens of a step
+    # before the other requests (decodes, other prefills, newcomers) had theirs; budget they leave
+    # goes back to it, so a long prompt alone still fills every step. None: a quarter of
+    # max_num_batched_tokens (newcomers and decodes get three quarters of a step beside a long
+    # prompt). vLLM and FastDeploy default to 4 % of max_model_len, which a device sized for one long
+    # prompt makes larger than the step budget, i.e. no cap; 0: no cap.
+    long_prefill_token_threshold: int | None = None
     max_model_len: int | None = None  # prompt + output cap; None: what the whole device holds
     preemption: PreemptionMode = PreemptionMode.RECOMPUTE  # deployment default (requests may override)
     policy: QueuePolicy = QueuePolicy.FCFS  # queue order and victim choice
@@ -46,6 +53,9 @@ class SchedulerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {v!r}")
+        v = self.long_prefill_token_threshold
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"SchedulerConfig.long_prefill_token_threshold must be None or an int >= 0, got {v!r}")
         for name in ("max_model_len", "max_loading_blocks", "block_bytes"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -59,3 +69,11 @@ class SchedulerConfig:
         if min(self.copy_bandwidth, self.prefill_rate) <= 0 or not 0 < self.cost_alpha <= 1 or self.copy_latency_s < 0:
             raise ValueError("SchedulerConfig: copy_bandwidth and prefill_rate must be > 0, cost_alpha in (0, 1], "
                              "copy_latency_s >= 0")
+
+    @property
+    def prefill_share(self) -> int:
+        """Tokens one prefill chunk takes before the others had theirs (0: no cap)."""
+        if not self.chunked_prefill:
+            return 0
+        v = self.long_prefill_token_threshold
+        return max(1, self.max_num_batched_tokens // 4) if v is None else v

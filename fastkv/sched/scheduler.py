@@ -137,6 +137,7 @@ class Scheduler:
                 batch.schedule(req)
         if not updating:
             admission.admit(parts, batch)
+        batch.top_up()
         seqs = list(batch.seqs.values())
         plan = StepPlan(self._step_id, seqs)
         if seqs:

@@ -87,5 +87,6 @@ def test_the_trace_runs_with_its_defaults(tmp_path):
     spec = json.loads((tmp_path / "out" / "spec.json").read_text())
     longest = max(len(r["prompt"]) + r["max_new_tokens"] for r in
                   map(json.loads, (tmp_path / "out" / "workload.jsonl").read_text().splitlines()))
-    assert spec["num_device_blocks"] == -(-longest // 16) and "report:" in out
+    beside = -(-2048 // 16)  # a step's token budget beside it: short prompts fit next to the longest
+    assert spec["num_device_blocks"] == -(-longest // 16) + beside and "report:" in out
     assert not list(SHM.glob(f"fkv.{rid}.*"))

@@ -54,7 +54,10 @@ CASES = frozenset(
     | {f"{p.name} freed during" for p in (*OWNED, Purpose.WRITE_THROUGH)} | {"storage lost a key of a LOAD in flight"}
     # a parent in flight when a request's chain hold reached it (tiering.hold_chain) lands
     | {"a chain hold joins a parent as it lands", "a chain hold let go before its parent landed",
-       "a running request let go of its chain hold for host room"})
+       "a running request let go of its chain hold for host room"}
+    # leaves first whatever order a chain reached a tier in (pool.py): a child landing in a later
+    # plan than its parent's, and a host eviction that passes over a parent for its child
+    | {"a child lands on the host in a later plan than its parent", "the host passes over a parent for its child"})
 REACHED: Counter[str] = Counter()
 
 
@@ -284,6 +287,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert pool.state[b] == BlockState.IN_FLIGHT, f"plan {plan.plan_id} touches {pool.tier} block {b}"
         if plan.kind is CopyKind.LOAD:
             ok = ok and all(k in self.storage for k in plan.keys)
+        if ok and plan.kind in (CopyKind.SWAP_OUT, CopyKind.LOAD):
+            if any(self.parent.get(k) in m.host.lookup for k in m.copies.records[plan.plan_id].keys):
+                reached("a child lands on the host in a later plan than its parent")
         if ok and plan.kind is CopyKind.SWAP_OUT:
             for k in m.copies.records[plan.plan_id].keys:
                 for holder in m.copies.awaited.get(k, ()):
@@ -358,6 +364,26 @@ class ManagerMachine(RuleBasedStateMachine):
         assert e.block_index >= r.num_blocks
 
     # ------------------------------------------------------------------ invariants
+    @invariant()
+    def no_key_stranded_by_eviction(self):
+        """No cached key whose parent is in no tier (nor on its way to one), copies in flight or
+        not, as long as nothing was lost: a failure, a skipped copy, a dropped key, storage losing
+        one, or a parent a tier had to evict with children left (every other cached block was a
+        parent of held or in-flight ones: ``forced_evictions``)."""
+        m = self.m
+        if self.m.host.passed_over > getattr(self, "passed_over", 0):
+            self.passed_over = m.host.passed_over
+            reached("the host passes over a parent for its child")
+        if self.lossy or m.stats.skipped_copies or m.device.forced_evictions or m.host.forced_evictions:
+            return
+        present = set(m.device.lookup) | set(m.host.lookup) | set(m.index.stored) | set(m.copies.inflight) \
+            | set(m.copies.loading)
+        for pool in (m.device, m.host):
+            for b, k in enumerate(pool.key):
+                p = self.parent.get(k)
+                if k is not None and p is not None and pool.state[b] == BlockState.CACHED and k not in self.private:
+                    assert p in present, f"{pool.tier} block {b}: a cached key whose parent was evicted"
+
     @invariant()
     def integrity(self):
         if self.m.stats.chain_spills > getattr(self, "spills", 0):

@@ -31,7 +31,7 @@ def shared_start():
     """The rules both examples begin with (they part at the next step)."""
     machine = SchedulerMachine()
     m = checked_by(machine, "integrity")
-    m.setup(dev=8, mode=PreemptionMode.RECOMPUTE, policy=QueuePolicy.FCFS, budget=16, max_seqs=5, host=16, cache_policy=WritePolicy.WRITE_THROUGH, patience=4, storage=True, max_loading=None, chunked=True, watermark_admission=False)
+    m.setup(dev=8, mode=PreemptionMode.RECOMPUTE, policy=QueuePolicy.FCFS, budget=16, max_seqs=5, host=16, cache_policy=WritePolicy.WRITE_THROUGH, patience=4, storage=True, max_loading=None, chunked=True, watermark_admission=False, share=0)
     m.abort_before_its_swap_in(data=Draws([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111], 2, [45, 20, 6, 47, 10, 16, 13, 44, 37]), fail=True)
     m.reserve_prefilled(data=Draws([120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131], 1, [34, 29, 33, 32]), max_new=6)
     m.add(data=Draws([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111], 0, [40, 10]), eos=True, max_new=15, mode=None, priority=0)

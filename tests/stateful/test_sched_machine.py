@@ -61,7 +61,9 @@ CASES = frozenset(
     | {f"abort {s.name}" for s in LIVE} | {"abort during its step"}
     | {f"weight update with a request {s.name}" for s in LIVE}
     | {"transfer process died with copies in flight", "storage lost a key of a LOAD in flight",
-       "a restore preempted while loading"})
+       "a restore preempted while loading"}
+    # fair chunked prefill (SchedulerConfig.long_prefill_token_threshold)
+    | {"a long prompt progresses beside another request", "a short prompt admitted beside a long prefill"})
 REACHED: Counter[str] = Counter()
 MAX_LIVE = 5  # enough requests for pressure; more only lengthen the teardown
 
@@ -88,13 +90,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         watermark_admission=st.booleans(),
     )
     def setup(self, dev, host, storage, cache_policy, mode, policy, budget, chunked, max_seqs, max_loading,
-              patience, watermark_admission):
+              patience, watermark_admission, share=None):
+        # share: SchedulerConfig.long_prefill_token_threshold (drawn examples keep the default, a
+        # quarter of the budget; replays of examples found before it existed pass 0)
         self.cache = CacheManager(CacheConfig(num_device_blocks=dev, num_host_blocks=host, block_size=BS,
                                               policy=cache_policy, storage=storage and host > 0))
         cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, chunked_prefill=chunked,
                               preemption=mode, policy=policy, max_loading_blocks=max_loading,
                               copy_patience_steps=patience, watermark_admission=watermark_admission,
-                              block_bytes=4096, reserve_init_blocks=2.0, reserve_decay=0.5, reserve_min_blocks=0.0)
+                              block_bytes=4096, reserve_init_blocks=2.0, reserve_decay=0.5, reserve_min_blocks=0.0,
+                              long_prefill_token_threshold=share)
         # a clock of its own: the same examples then make the same decisions on any machine, at any load
         self.sched = Scheduler(self.cache, cfg, clock=itertools.count(0.0, 0.001).__next__)
         self.worker = FakeWorker(dev, BS, VOCAB)
@@ -189,11 +194,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.cache.reset_prefix_cache()  # what Engine.reset_prefix_cache does, between two steps
         out = self.sched.step()
         self._out(out)
+        self._fairness(out.plan.seqs)
         if out.plan.seqs:
             self.output = self.worker.step(out.plan, self.transfer.busy_device_blocks())
         # the checks after every step, not only after the rule: a request restored in one step
         # computes more in the next, and the restore's exactness is checked when it resumes
         self.integrity()
+
+    def _fairness(self, seqs) -> None:
+        """A prompt still prefilling shares its step: with others (it progresses every step), and
+        with a newcomer's whole prompt (admitted beside it)."""
+        long = [s for s in seqs if not s.sample]
+        if long and len(seqs) > 1:
+            reached("a long prompt progresses beside another request")
+            if any(s.start_pos == 0 and s.sample and len(s.token_ids) > 1 for s in seqs):
+                reached("a short prompt admitted beside a long prefill")
 
     @precondition(lambda self: self.output is not None)
     @rule()

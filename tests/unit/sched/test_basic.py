@@ -24,7 +24,7 @@ def seqs(out):
 
 
 def test_token_budget_and_chunked_prefill():
-    r = rig(max_num_batched_tokens=8)
+    r = rig(max_num_batched_tokens=8, long_prefill_token_threshold=0)  # no share: first come takes the budget
     r.add(0, range(1, 11), max_new_tokens=2)
     r.add(1, range(20, 23), max_new_tokens=2)
     assert seqs(r.step()) == [(0, 0, 8, False)]  # 8 of 10 prompt tokens; no budget left for 1
@@ -34,6 +34,39 @@ def test_token_budget_and_chunked_prefill():
     assert {rid: q.state for rid, q in r.finished.items()} == {0: S.FINISHED_LENGTH, 1: S.FINISHED_LENGTH}
     assert r.finished[0].output_token_ids == r.worker.truth[0].tokens[10:]
     assert r.sched.stats.prefill_tokens == 13 and r.sched.stats.recomputed_tokens == 0
+
+
+def test_a_long_prefill_leaves_room_for_a_short_prompt_beside_it():
+    """Fair chunked prefill: the long prompt gets its share first; the newcomer is admitted in the
+    same step; what nobody else takes goes back to the long prompt (every step stays full)."""
+    r = rig(dev=64, max_num_batched_tokens=8, long_prefill_token_threshold=2)
+    r.add(0, range(1, 41), max_new_tokens=2)
+    assert seqs(r.step()) == [(0, 0, 8, False)]  # alone: the whole budget
+    r.add(1, range(100, 103), max_new_tokens=2)
+    assert seqs(r.step()) == [(0, 8, 5, False), (1, 0, 3, True)]  # 2 + the 3 the newcomer left
+    assert seqs(r.step()) == [(0, 13, 7, False), (1, 3, 1, True)]  # a decode beside it
+    r.run()
+    assert r.finished[0].output_token_ids == r.worker.truth[0].tokens[40:]
+    assert r.finished[1].output_token_ids == r.worker.truth[1].tokens[3:]
+
+
+def test_two_long_prompts_each_progress_every_step():
+    r = rig(dev=64, max_num_batched_tokens=8, long_prefill_token_threshold=3)
+    r.add(0, range(1, 41), max_new_tokens=1)
+    r.add(1, range(100, 140), max_new_tokens=1)
+    for _ in range(4):
+        out = seqs(r.step())
+        assert [s[0] for s in out] == [0, 1] and sum(s[2] for s in out) == 8
+        r.sched.check_integrity()
+
+
+def test_the_share_defaults_to_a_quarter_of_the_budget_and_is_checked():
+    assert SchedulerConfig(max_num_batched_tokens=2048).prefill_share == 512
+    assert SchedulerConfig(long_prefill_token_threshold=0).prefill_share == 0
+    assert SchedulerConfig(chunked_prefill=False).prefill_share == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+            SchedulerConfig(long_prefill_token_threshold=bad)
 
 
 def test_without_chunking_a_prompt_waits_for_a_step_with_room():
@@ -73,7 +106,8 @@ def test_stop_tokens_eos_and_max_model_len():
 
 
 def _abort_waiting_and_during_a_step() -> None:
-    r = rig(dev=4, host=4, max_num_batched_tokens=4, preemption=PreemptionMode.OFFLOAD)
+    r = rig(dev=4, host=4, max_num_batched_tokens=4, preemption=PreemptionMode.OFFLOAD,
+            long_prefill_token_threshold=0)  # request 0 takes the whole budget: 1 stays WAITING
     r.add(0, range(1, 9), max_new_tokens=20)
     r.add(1, range(30, 33), max_new_tokens=20)
     out = r.sched.step()  # request 0's first chunk is in flight
