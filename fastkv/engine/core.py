@@ -18,6 +18,7 @@ follow ``fastkv.engine.worker_api`` (docs/WORKER_API.md; ``tests/e2e/embed_examp
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -658,12 +659,10 @@ class Engine:
         transfer processes see a clean shutdown) and the metrics endpoint. The supervisor
         (or ``fastkv.launch``) unlinks the objects."""
         if self._release:  # not waiting for an answer: the workers see the channel close next
-            try:
-                self._broadcast.send(protocol.plan_to_msg(StepPlan(0, []), self._release),
-                                     timeout=self.spec.heartbeat_s)
-            except (PeerDied, PeerTimeout, ChannelClosed):
-                pass
-            self._release = []
+            last, self._release = self._release, []
+            # workers already gone keep no per-request state to forget
+            with contextlib.suppress(PeerDied, PeerTimeout, ChannelClosed):
+                self._broadcast.send(protocol.plan_to_msg(StepPlan(0, []), last), timeout=self.spec.heartbeat_s)
         self.metrics.close()
         if self.events is not None:
             self.events.close()
