@@ -103,8 +103,9 @@ def _verified_row(data: dict[str, Any]) -> str:
     v, tp = data["verified"], data.get("tp", 1)
     ranks = f" (summed over {tp} ranks)" if tp > 1 else ""
     return (f"{v['kv_mismatches']} mismatches in {v['kv_blocks_verified']} blocks{ranks} of "
-            f"{v['kv_requests_verified']} distinct requests checked on resuming, {v['kv_positions_read']} positions "
-            f"read by the oracle; the runner's own byte work took {v.get('synthetic_us', 0) / 1e6:.2f} s")
+            f"{v['kv_requests_verified']} distinct requests whose cached KV was read back (a prefix hit or a "
+            f"resume), {v['kv_positions_read']} positions read by the oracle; the runner's own byte work took "
+            f"{v.get('synthetic_us', 0) / 1e6:.2f} s")
 
 
 def _storage_rows(lk: dict[str, Any]) -> list[tuple[str, str]]:
