@@ -607,6 +607,10 @@ def main(argv: list[str] | None = None) -> int:
         from fastkv.metrics import check_port
 
         check_port(cfg.metrics_port)
+        if cfg.kv_events():
+            from fastkv.events.config import EventsConfig
+
+            EventsConfig(**cfg.kv_events()).check_endpoints()
         run_id = _new_run_id(args.run_id)
         outdir = OutDir.claim(cfg.out, run_id)
     except (ValueError, NotBuilt) as exc:

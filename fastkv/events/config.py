@@ -4,6 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ENCODINGS = ("array", "map")
+SCHEMES = ("tcp://", "ipc://", "inproc://")
+FLAGS = {"endpoint": "--kv-events-endpoint", "replay_endpoint": "--kv-events-replay-endpoint"}
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: a wildcard address, ipc:// or inproc:// binds; a host address connects."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +37,11 @@ class EventsConfig:
                 raise ValueError(f"kv events setting {name!r}{flag} must be a positive int, got {value!r}")
         if self.encoding not in ENCODINGS:
             raise ValueError(f"kv events setting 'encoding' must be one of {ENCODINGS}, got {self.encoding!r}")
+        for name, flag in FLAGS.items():
+            value = getattr(self, name)
+            if value and not value.startswith(SCHEMES):
+                raise ValueError(f"{flag} {value!r} is not a ZMQ endpoint (e.g. tcp://*:5557, tcp://HOST:5557, "
+                                 "ipc:///tmp/kv-events)")
         if self.replay_endpoint and not self.endpoint:
             raise ValueError("kv events: a replay endpoint needs an endpoint to publish on")
 
@@ -45,3 +57,25 @@ class EventsConfig:
         except ImportError as exc:
             return f"kv events need {exc.name}: pip install 'fastkv[events]' (pyzmq, msgspec)"
         return ""
+
+    def check_endpoints(self) -> None:
+        """ValueError naming the flag when an endpoint this run binds cannot be bound (busy, no
+        such address): checked before anything of the run starts, as the metrics port is."""
+        import zmq
+
+        ctx = zmq.Context()
+        try:
+            for name, flag in FLAGS.items():
+                value = getattr(self, name)
+                if not value or value.startswith("inproc://") or not (binds(value) or name == "replay_endpoint"):
+                    continue
+                sock = ctx.socket(zmq.PUB)
+                sock.setsockopt(zmq.LINGER, 0)
+                try:
+                    sock.bind(value)
+                except zmq.ZMQError as exc:
+                    raise ValueError(f"{flag} {value!r}: cannot bind ({exc.strerror})") from None
+                finally:
+                    sock.close()
+        finally:
+            ctx.term()

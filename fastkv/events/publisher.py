@@ -31,16 +31,11 @@ from collections import deque
 import msgspec
 import zmq
 
-from fastkv.events.config import EventsConfig
+from fastkv.events.config import EventsConfig, binds
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _STOP = b""
 _ids = itertools.count()
-
-
-def _binds(endpoint: str) -> bool:
-    """vLLM's rule: a wildcard address, ipc:// or inproc:// binds; a host address connects."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class ZmqPublisher:
@@ -57,7 +52,7 @@ class ZmqPublisher:
         try:
             self.pub = self.ctx.socket(zmq.PUB)
             self.pub.sndhwm = config.hwm
-            (self.pub.bind if _binds(config.endpoint) else self.pub.connect)(config.endpoint)
+            (self.pub.bind if binds(config.endpoint) else self.pub.connect)(config.endpoint)
             self.router = self._stop = self._thread = None
             if config.replay_endpoint:
                 self.router = self.ctx.socket(zmq.ROUTER)
