@@ -243,8 +243,9 @@ class _SchedulerCollector:
                                   value=s.stats.recomputed_tokens)
         if m.events is not None:
             ev = m.events.stats()
-            batches = CounterMetricFamily("fastkv_kv_event_batches", "KV event batches: published, and those ZMQ "
-                                          "refused (kept for replay)", labels=["outcome"])
+            batches = CounterMetricFamily("fastkv_kv_event_batches", "KV event batches: published, and those "
+                                          "dropped: a subscriber's queue was full, none got it live (kept for "
+                                          "replay)", labels=["outcome"])
             batches.add_metric(["published"], ev["batches"])
             batches.add_metric(["dropped"], ev["dropped"])
             yield batches

@@ -1,40 +1,44 @@
 #!/usr/bin/env python
 """What KV events cost the engine: the same workload through the whole system (supervisor,
 engine, workers, transfer processes) with events off and on, in one invocation, rounds
-interleaved; each run reports its fastest round (as bench_e2e: load from elsewhere only slows).
+interleaved (each round in another order of the runs).
 
 Runs:
 
 - ``off``: no KV events;
 - ``on``: events published, a reference indexer (fastkv.routing.indexer, in a process of its
   own) applying every batch; it must end with every batch the engine published;
-- ``stalled``: events published to a subscriber that connects and never reads: ZMQ's
-  high-water mark bounds what queues for it, the replay buffer bounds what the engine keeps,
-  and the engine must not slow down.
+- ``stalled``: events published to a subscriber that connects and never reads, with a ZMQ
+  high-water mark of ``STALLED_HWM`` batches so that its queue fills within the run: the
+  publisher must count the batches it could not take (``dropped``, in the summary), the replay
+  buffer bounds what the engine keeps, and the engine must not slow down.
 
-Reported per run: tokens/s, step p50, and for the event runs the engine thread's own time
-publishing (``flush_us_mean`` per step: taking the cache's residency changes, building and
-encoding the batch, handing it to ZMQ) against the run's step p50 (``publish_per_step``: what
-publishing adds to a typical step) and as a share of the run's wall time (``publish_share``),
-batches, batches ZMQ refused (``dropped``; what the stalled subscriber's queue drops happens in
-ZMQ, silently to the engine, and shows as holes at the subscriber), and the replay buffer's
-size. The LAST line is JSON:
+Step time is noisy on a shared machine, so each round compares its runs with each other: per
+round the ratio of step p50 (and of tokens/s) to that round's ``off`` run; reported are the
+median of the rounds' ratios and their spread (min..max). Also per event run: the engine
+thread's CPU time per flush (``flush_cpu_us_mean``: taking the cache's residency changes and
+handing them to the publisher thread) against the run's step p50 (``publish_per_step``), the
+publisher thread's CPU time per batch (building, encoding, sending: off the step's path),
+batches, ``dropped``, and the replay buffer's size. The LAST line is JSON:
 
-    {"bench": "events", "workload": W, "tokens_per_s": {"off": ..., "on": ..., "stalled": ...},
+    {"bench": "events", "workload": W, "rounds": R,
+     "step_ratio": {"on": {"median": .., "min": .., "max": ..}, "stalled": {...}},
+     "tokens_ratio": {...same shape}, "tokens_per_s": {"off": ..., "on": ..., "stalled": ...},
      "step_ms_p50": {...same keys}, "publish_per_step": {"on": ..., "stalled": ...},
-     "publish_share": {"on": ..., "stalled": ...},
-     "flush_us_mean": {"on": ..., "stalled": ...}, "batches": {"on": ..., "stalled": ...},
-     "dropped": {"on": ..., "stalled": ...}, "buffered_bytes": {"on": ..., "stalled": ...},
-     "reader_complete": true|false}
+     "flush_cpu_us_mean": {...}, "encode_cpu_us_mean": {...}, "batches": {...}, "dropped": {...},
+     "buffered_bytes": {...}, "reader_complete": true|false}
 
-``--quick``: 32 trace requests and 2 rounds; ``--smoke``: a tiny demo, 1 round (tests).
+(medians over rounds for the per-run figures). ``--quick``: 32 trace requests and 2 rounds;
+``--smoke``: a tiny demo, 1 round (tests).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +54,7 @@ from fastkv.supervisor import Supervisor  # noqa: E402
 SMOKE_DEMO = {"conversations": 2, "turns": 2, "system_tokens": 32, "user_tokens": (8, 16), "reply_tokens": 8,
               "max_new_tokens": 16}
 RUNS = ("off", "on", "stalled")
+STALLED_HWM = 16  # batches queued for the stalled subscriber before the publisher drops
 
 
 def reader(endpoint: str, out: str) -> int:
@@ -75,6 +80,8 @@ def run_one(base: JobConfig, label: str, out: Path) -> dict:
     kw = {} if label == "off" else {"kv_events_endpoint": endpoint}
     cfg = JobConfig(**{**base.__dict__, **kw, "out": str(out)})
     spec, workload = prepare(cfg)
+    if label == "stalled":
+        spec = dataclasses.replace(spec, kv_events={**spec.kv_events, "hwm": STALLED_HWM})
     proc = sub = ctx = None
     if label == "on":
         got = out.parent / f"{label}.reader.json"
@@ -92,7 +99,7 @@ def run_one(base: JobConfig, label: str, out: Path) -> dict:
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.rcvhwm = 16
+        sub.rcvhwm = STALLED_HWM
         sub.connect(endpoint)  # and never reads
     try:
         result = Supervisor(spec, workload).run()
@@ -107,11 +114,14 @@ def run_one(base: JobConfig, label: str, out: Path) -> dict:
     data = json.loads((out / "summary.json").read_text())
     ev = data.get("kv_events") or {}
     if ev:
-        ev["publish_share"] = ev["flushes"] * ev["flush_us_mean"] / 1e6 / max(data["seconds"], 1e-9)
-        ev["publish_per_step"] = ev["flush_us_mean"] / 1e3 / max(data["step_ms_p50"], 1e-9)
+        ev["publish_per_step"] = ev["flush_cpu_us_mean"] / 1e3 / max(data["step_ms_p50"], 1e-9)
     if label == "on":
         data["reader"] = json.loads(got.read_text())
     return data
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
 def main() -> int:
@@ -140,43 +150,51 @@ def main() -> int:
         print(f"{workload}: {n} requests, {base.device_blocks} device / {base.host_blocks} host blocks; "
               f"{rounds} interleaved rounds of {', '.join(RUNS)}", flush=True)
         for r in range(rounds):
-            for label in RUNS:
+            for label in RUNS[r % len(RUNS):] + RUNS[:r % len(RUNS)]:  # no run always first
                 print(f"running {label} (round {r + 1} of {rounds}) ...", flush=True)
                 runs[label].append(run_one(base, label, root / f"{label}.{r}"))
     finally:
         if not args.out:
             shutil.rmtree(root, ignore_errors=True)
-    best = {label: max(ds, key=lambda d: d["tokens_per_s"]) for label, ds in runs.items()}
-    per_round = "; ".join(f"{m} " + ", ".join(str(round(d["tokens_per_s"])) for d in ds) for m, ds in runs.items())
-    print(f"\nfastest of {rounds} interleaved rounds per run; tokens/s of every round: {per_round}")
-    print("\n| run | tokens/s | / off | step p50 ms | publish us per step | / step p50 % | publish share of wall % "
-          "| batches | dropped | replay buffer KiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    off = best["off"]["tokens_per_s"]
-    for label, d in best.items():
-        ev = d.get("kv_events") or {}
-        cells = ([f"{ev['flush_us_mean']:.1f}", f"{100 * ev['publish_per_step']:.2f}",
-                  f"{100 * ev['publish_share']:.3f}", str(ev["batches"]), str(ev["dropped"]),
-                  f"{ev['buffered_bytes'] / 1024:.0f}"] if ev else ["-"] * 6)
-        print(f"| {label} | {d['tokens_per_s']:.1f} | {d['tokens_per_s'] / max(off, 1e-9):.3f} | "
-              f"{d['step_ms_p50']:.2f} | " + " | ".join(cells) + " |")
+    med = statistics.median
+    ratio = {key: {m: spread([d[key] / max(o[key], 1e-9) for d, o in zip(runs[m], runs["off"], strict=True)])
+                   for m in ("on", "stalled")} for key in ("step_ms_p50", "tokens_per_s")}
+    ev = {m: [d["kv_events"] for d in runs[m]] for m in ("on", "stalled")}
+    print("\nper round (run order rotates): step p50 ms / tokens/s")
+    for r in range(rounds):
+        print(f"  round {r + 1}: " + "; ".join(f"{m} {runs[m][r]['step_ms_p50']:.2f} / {runs[m][r]['tokens_per_s']:.1f}"
+                                          for m in RUNS))
+    print("\n| run | step p50 / off: median (min..max) | tokens/s / off: median (min..max) | engine thread CPU us "
+          "per flush | / step p50 % | publisher thread CPU us per batch | batches | dropped | replay buffer KiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in ("on", "stalled"):
+        st, tk = ratio["step_ms_p50"][m], ratio["tokens_per_s"][m]
+        e = ev[m]
+        print(f"| {m} | {st['median']:.3f} ({st['min']:.3f}..{st['max']:.3f}) | {tk['median']:.3f} "
+              f"({tk['min']:.3f}..{tk['max']:.3f}) | {med([x['flush_cpu_us_mean'] for x in e]):.1f} | "
+              f"{100 * med([x['publish_per_step'] for x in e]):.2f} | "
+              f"{med([x['encode_cpu_us_mean'] for x in e]):.1f} | "
+              f"{med([x['batches'] for x in e]):.0f} | {', '.join(str(x['dropped']) for x in e)} | "
+              f"{max(x['buffered_bytes'] for x in e) / 1024:.0f} |")
     rd = [d["reader"] for d in runs["on"]]
     complete = all(r["next_seq"] == d["kv_events"]["batches"] and r["lost"] == 0 for r, d in zip(rd, runs["on"],
                                                                                                   strict=True))
     print(f"\nreader applied every batch of every 'on' run: {complete} "
           f"({', '.join(str(r['batches']) for r in rd)} batches)")
-    ev = {m: best[m]["kv_events"] for m in ("on", "stalled")}
     print(json.dumps({
         "bench": "events",
         "workload": workload,
-        "tokens_per_s": {m: round(d["tokens_per_s"], 1) for m, d in best.items()},
-        "step_ms_p50": {m: round(d["step_ms_p50"], 3) for m, d in best.items()},
-        "publish_per_step": {m: round(e["publish_per_step"], 5) for m, e in ev.items()},
-        "publish_share": {m: round(e["publish_share"], 5) for m, e in ev.items()},
-        "flush_us_mean": {m: e["flush_us_mean"] for m, e in ev.items()},
-        "batches": {m: e["batches"] for m, e in ev.items()},
-        "dropped": {m: e["dropped"] for m, e in ev.items()},
-        "buffered_bytes": {m: e["buffered_bytes"] for m, e in ev.items()},
+        "rounds": rounds,
+        "step_ratio": ratio["step_ms_p50"],
+        "tokens_ratio": ratio["tokens_per_s"],
+        "tokens_per_s": {m: round(med([d["tokens_per_s"] for d in ds]), 1) for m, ds in runs.items()},
+        "step_ms_p50": {m: round(med([d["step_ms_p50"] for d in ds]), 3) for m, ds in runs.items()},
+        "publish_per_step": {m: round(med([x["publish_per_step"] for x in e]), 5) for m, e in ev.items()},
+        "flush_cpu_us_mean": {m: med([x["flush_cpu_us_mean"] for x in e]) for m, e in ev.items()},
+        "encode_cpu_us_mean": {m: med([x["encode_cpu_us_mean"] for x in e]) for m, e in ev.items()},
+        "batches": {m: med([x["batches"] for x in e]) for m, e in ev.items()},
+        "dropped": {m: [x["dropped"] for x in e] for m, e in ev.items()},
+        "buffered_bytes": {m: max(x["buffered_bytes"] for x in e) for m, e in ev.items()},
         "reader_complete": complete,
     }))
     return 0

@@ -21,7 +21,8 @@ class EventsConfig:
     topic: str = "kv@fastkv@fastkv-demo"  # llm-d's subscriber parses kv@<pod id>@<model name>
     replay_endpoint: str = ""  # ROUTER socket for replay requests; empty: no replay
     buffer_steps: int = 10_000  # batches kept for replay
-    hwm: int = 1_000  # batches ZMQ queues per subscriber on the PUB socket (newer ones are dropped for it)
+    hwm: int = 1_000  # batches ZMQ queues per subscriber; a batch one subscriber has no room for is dropped
+    stall_timeout_ms: int = 1_000  # a full queue refusing batches this long is set aside, the others get them
     encoding: str = "array"  # "array" (llm-d, vLLM's array_like structs) or "map" (tagged maps)
     data_parallel_rank: int = 0
 
@@ -29,7 +30,7 @@ class EventsConfig:
         for name in ("endpoint", "topic", "replay_endpoint", "encoding"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"kv events setting {name!r} must be a string, got {getattr(self, name)!r}")
-        for name in ("buffer_steps", "hwm", "data_parallel_rank"):
+        for name in ("buffer_steps", "hwm", "stall_timeout_ms", "data_parallel_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "data_parallel_rank"
                                                                                 else 1):

@@ -29,7 +29,7 @@ def test_live_and_replaying_subscribers_match_the_engine_per_tier(tmp_path):
     cfg = config(tmp_path)
     idx = Indexer()
     live = idx.add("e0", cfg.endpoint, cfg.replay_endpoint, topic="kv@")
-    samples = []
+    samples, replayed = [], []
 
     def on_step(step, rig, ev):
         idx.poll(0)
@@ -37,6 +37,16 @@ def test_live_and_replaying_subscribers_match_the_engine_per_tier(tmp_path):
             idx.sync()
             assert_same(live, rig, f"step {step}")
             samples.append(sum(len(k) for k in live.held.values()))
+        if step % (4 * SAMPLE_EVERY) == 2 * SAMPLE_EVERY:  # a subscriber joining now replays from seq 0
+            fresh = Indexer()
+            try:
+                view = fresh.add("e0", cfg.endpoint, cfg.replay_endpoint, topic="kv@")
+                fresh.sync()
+                assert view.next_seq == ev.publisher.seq
+                assert_same(view, rig, f"replayed from the start at step {step}")
+                replayed.append(view.batches)
+            finally:
+                fresh.close()
 
     rig, ev = run_demo(cfg, on_step)
     try:
@@ -48,6 +58,7 @@ def test_live_and_replaying_subscribers_match_the_engine_per_tier(tmp_path):
         # the run moved keys through every tier, and the comparisons saw them
         assert all(live.held[m] for m in ("GPU", "CPU", "DISK")), {m: len(k) for m, k in live.held.items()}
         assert len(samples) > 10 and max(samples) > 0
+        assert len(replayed) > 3 and replayed == sorted(replayed) and replayed[-1] > 0
         # subscribers learn only chained keys, which a router derives from tokens
         assert set().union(*live.held.values()) <= chained_keys(rig)
 
