@@ -19,13 +19,14 @@ median of the rounds' ratios and their spread (min..max). Also per event run: th
 thread's CPU time per flush (``flush_cpu_us_mean``: taking the cache's residency changes and
 handing them to the publisher thread) against the run's step p50 (``publish_per_step``), the
 publisher thread's CPU time per batch (building, encoding, sending: off the step's path),
-batches, ``dropped``, and the replay buffer's size. The LAST line is JSON:
+batches, ``dropped`` and ``set_aside`` per round, and the replay buffer's size. The LAST line is JSON:
 
     {"bench": "events", "workload": W, "rounds": R,
      "step_ratio": {"on": {"median": .., "min": .., "max": ..}, "stalled": {...}},
      "tokens_ratio": {...same shape}, "tokens_per_s": {"off": ..., "on": ..., "stalled": ...},
      "step_ms_p50": {...same keys}, "publish_per_step": {"on": ..., "stalled": ...},
      "flush_cpu_us_mean": {...}, "encode_cpu_us_mean": {...}, "batches": {...}, "dropped": {...},
+     "set_aside": {...},
      "buffered_bytes": {...}, "reader_complete": true|false}
 
 (medians over rounds for the per-run figures). ``--quick``: 32 trace requests and 2 rounds;
@@ -165,8 +166,9 @@ def main() -> int:
         print(f"  round {r + 1}: " + "; ".join(f"{m} {runs[m][r]['step_ms_p50']:.2f} / {runs[m][r]['tokens_per_s']:.1f}"
                                           for m in RUNS))
     print("\n| run | step p50 / off: median (min..max) | tokens/s / off: median (min..max) | engine thread CPU us "
-          "per flush | / step p50 % | publisher thread CPU us per batch | batches | dropped | replay buffer KiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "per flush | / step p50 % | publisher thread CPU us per batch | batches | dropped | set aside "
+          "| replay buffer KiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m in ("on", "stalled"):
         st, tk = ratio["step_ms_p50"][m], ratio["tokens_per_s"][m]
         e = ev[m]
@@ -175,6 +177,7 @@ def main() -> int:
               f"{100 * med([x['publish_per_step'] for x in e]):.2f} | "
               f"{med([x['encode_cpu_us_mean'] for x in e]):.1f} | "
               f"{med([x['batches'] for x in e]):.0f} | {', '.join(str(x['dropped']) for x in e)} | "
+              f"{', '.join(str(x['set_aside']) for x in e)} | "
               f"{max(x['buffered_bytes'] for x in e) / 1024:.0f} |")
     rd = [d["reader"] for d in runs["on"]]
     complete = all(r["next_seq"] == d["kv_events"]["batches"] and r["lost"] == 0 for r, d in zip(rd, runs["on"],
@@ -194,6 +197,7 @@ def main() -> int:
         "encode_cpu_us_mean": {m: med([x["encode_cpu_us_mean"] for x in e]) for m, e in ev.items()},
         "batches": {m: med([x["batches"] for x in e]) for m, e in ev.items()},
         "dropped": {m: [x["dropped"] for x in e] for m, e in ev.items()},
+        "set_aside": {m: [x["set_aside"] for x in e] for m, e in ev.items()},
         "buffered_bytes": {m: max(x["buffered_bytes"] for x in e) for m, e in ev.items()},
         "reader_complete": complete,
     }))

@@ -31,6 +31,7 @@ Memory: ``buffer_steps`` batches, up to ``hwm`` per subscriber inside ZMQ, and a
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -46,6 +47,7 @@ from fastkv.events.config import EventsConfig, binds
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 QUEUE_BATCHES = 1024  # handed over, not yet encoded: past this the engine thread waits for the encoder
 _STOP = None
+log = logging.getLogger(__name__)
 
 
 class ZmqPublisher:
@@ -59,6 +61,7 @@ class ZmqPublisher:
         self.set_aside = 0  # times stalled subscribers' queues were set aside so the others get batches
         self._refused_since: float | None = None  # when the current run of refused sends began
         self.replays = 0
+        self.errors = 0  # batches that failed to build or send (a bug: logged once)
         self.encode_cpu_s = 0.0  # publisher-thread CPU time building, encoding and sending
         self._topic = config.topic.encode()
         self._encode = msgspec.msgpack.Encoder().encode
@@ -114,17 +117,22 @@ class ZmqPublisher:
                 return
             c0 = time.thread_time()
             seq, batch = item
-            payload = self._encode(batch() if callable(batch) else batch)
-            self.buffer.append((seq, payload))
-            frames = (self._topic, seq.to_bytes(8, "big"), payload)
             try:
-                send(frames, flags=zmq.NOBLOCK)
-                self._refused_since = None
-            except zmq.Again:  # a subscriber's queue is full: nobody gets it live
-                self.dropped += 1
-                self._stalled(frames)
-            while pub.poll(0):  # (un)subscriptions: read so that they do not pile up
-                pub.recv_multipart()
+                payload = self._encode(batch() if callable(batch) else batch)
+                self.buffer.append((seq, payload))
+                frames = (self._topic, seq.to_bytes(8, "big"), payload)
+                try:
+                    send(frames, flags=zmq.NOBLOCK)
+                    self._refused_since = None
+                except zmq.Again:  # a subscriber's queue is full: nobody gets it live
+                    self.dropped += 1
+                    self._stalled(frames)
+                while pub.poll(0):  # (un)subscriptions: read so that they do not pile up
+                    pub.recv_multipart()
+            except Exception:  # a bug must not stop the thread: the engine would wait on a full queue
+                self.errors += 1
+                if self.errors == 1:
+                    log.exception("kv events: batch %d was not published", seq)
             with self._done:
                 self.done = seq + 1
                 self._done.notify_all()
@@ -183,6 +191,7 @@ class ZmqPublisher:
     def stats(self) -> dict[str, int | float]:
         buffered = tuple(self.buffer)
         return {"batches": self.seq, "dropped": self.dropped, "set_aside": self.set_aside, "replays": self.replays,
+                "errors": self.errors,
                 "buffered": len(buffered), "buffered_bytes": sum(len(p) for _, p in buffered),
                 "encode_cpu_us_mean": round(1e6 * self.encode_cpu_s / max(self.done, 1), 2)}
 

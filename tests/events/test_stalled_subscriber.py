@@ -108,3 +108,18 @@ def test_the_demo_beside_a_subscriber_that_never_reads_counts_drops_in_metrics_a
         ev.close()
         idx.close()
         ctx.destroy(linger=0)
+
+
+def test_a_batch_that_fails_to_build_is_counted_and_the_publisher_goes_on(tmp_path):
+    EventBatch, BlockStored, *_ = public_schema(True)
+    pub = ZmqPublisher(EventsConfig(endpoint=f"ipc://{tmp_path}/pub"))
+    try:
+        def broken():
+            raise RuntimeError("a bug")
+
+        pub.publish(broken)
+        pub.publish(lambda: EventBatch(0.0, [BlockStored([key(1)], None, [0], 1, None, "GPU")], 0))
+        assert pub.sync(10.0)
+        assert pub.errors == 1 and [s for s, _ in pub.buffer] == [1]
+    finally:
+        pub.close()
