@@ -8,10 +8,14 @@ Runs:
 - ``off``: no KV events;
 - ``on``: events published, a reference indexer (fastkv.routing.indexer, in a process of its
   own) applying every batch; it must end with every batch the engine published;
-- ``stalled``: events published to a subscriber that connects and never reads, with a ZMQ
+- ``stalled``: the same, and beside it a subscriber that connects and never reads, with a ZMQ
   high-water mark of ``STALLED_HWM`` batches so that its queue fills within the run: the
-  publisher must count the batches it could not take (``dropped``, in the summary), the replay
+  publisher must count the batches it could not take (``dropped``, in the summary) and set the
+  stalled queue aside, the reader must end with every batch (it replays the holes), the replay
   buffer bounds what the engine keeps, and the engine must not slow down.
+
+The reader process runs in ``off`` too (subscribed to an endpoint nobody publishes on), so that
+the runs differ only in what the engine does.
 
 Step time is noisy on a shared machine, so each round compares its runs with each other: per
 round the ratio of step p50 (and of tokens/s) to that round's ``off`` run; reported are the
@@ -27,7 +31,7 @@ batches, ``dropped`` and ``set_aside`` per round, and the replay buffer's size. 
      "step_ms_p50": {...same keys}, "publish_per_step": {"on": ..., "stalled": ...},
      "flush_cpu_us_mean": {...}, "encode_cpu_us_mean": {...}, "batches": {...}, "dropped": {...},
      "set_aside": {...},
-     "buffered_bytes": {...}, "reader_complete": true|false}
+     "buffered_bytes": {...}, "reader_complete": {"on": true|false, "stalled": true|false}}
 
 (medians over rounds for the per-run figures). ``--quick``: 32 trace requests and 2 rounds;
 ``--smoke``: a tiny demo, 1 round (tests).
@@ -35,6 +39,7 @@ batches, ``dropped`` and ``set_aside`` per round, and the replay buffer's size. 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -58,43 +63,51 @@ RUNS = ("off", "on", "stalled")
 STALLED_HWM = 16  # batches queued for the stalled subscriber before the publisher drops
 
 
-def reader(endpoint: str, out: str) -> int:
-    """--reader: apply every batch until SIGTERM, then write what was applied to ``out``."""
+def reader(endpoint: str, replay: str, out: str) -> int:
+    """--reader: apply every batch until SIGTERM (a hole: replay it), then write what was
+    applied to ``out``."""
     from fastkv.routing.indexer import Indexer
 
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     idx = Indexer()
-    view = idx.add("engine", endpoint)
+    view = idx.add("engine", endpoint, replay)
     Path(out + ".ready").touch()
+    timeouts = 0
     while not stop:
-        idx.poll(0.1)
-    idx.poll(0.5)
+        try:
+            idx.poll(0.1)
+        except TimeoutError:  # the engine is gone before it answered a replay
+            timeouts += 1
+    with contextlib.suppress(TimeoutError):
+        idx.poll(0.5)
     Path(out).write_text(json.dumps({"batches": view.batches, "next_seq": view.next_seq, "gaps": view.gaps,
-                                     "lost": view.lost, "held": {m: len(k) for m, k in view.held.items()}}))
+                                     "lost": view.lost, "replay_timeouts": timeouts,
+                                     "held": {m: len(k) for m, k in view.held.items()}}))
     idx.close()
     return 0
 
 
 def run_one(base: JobConfig, label: str, out: Path) -> dict:
-    endpoint = f"ipc://{out.parent}/{label}.pub"
-    kw = {} if label == "off" else {"kv_events_endpoint": endpoint}
+    """One run; a reader process subscribes in every run (in ``off`` to an endpoint nobody
+    publishes on), so that the runs differ only in what the engine does."""
+    endpoint, replay = f"ipc://{out.parent}/{label}.pub", f"ipc://{out.parent}/{label}.replay"
+    kw = {} if label == "off" else {"kv_events_endpoint": endpoint, "kv_events_replay_endpoint": replay}
     cfg = JobConfig(**{**base.__dict__, **kw, "out": str(out)})
     spec, workload = prepare(cfg)
     if label == "stalled":
         spec = dataclasses.replace(spec, kv_events={**spec.kv_events, "hwm": STALLED_HWM})
-    proc = sub = ctx = None
-    if label == "on":
-        got = out.parent / f"{label}.reader.json"
-        got.unlink(missing_ok=True)
-        proc = subprocess.Popen([sys.executable, __file__, "--reader", endpoint, str(got)])
-        ready = Path(str(got) + ".ready")
-        while not ready.exists() and proc.poll() is None:
-            try:
-                proc.wait(0.05)
-            except subprocess.TimeoutExpired:
-                pass
-    elif label == "stalled":
+    got = out.parent / f"{label}.reader.json"
+    got.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, __file__, "--reader", endpoint, replay, str(got)])
+    ready = Path(str(got) + ".ready")
+    while not ready.exists() and proc.poll() is None:
+        try:
+            proc.wait(0.05)
+        except subprocess.TimeoutExpired:
+            pass
+    ctx = None
+    if label == "stalled":
         import zmq
 
         ctx = zmq.Context()
@@ -105,9 +118,8 @@ def run_one(base: JobConfig, label: str, out: Path) -> dict:
     try:
         result = Supervisor(spec, workload).run()
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
         if ctx is not None:
             ctx.destroy(linger=0)
     if not result.ok:
@@ -116,8 +128,7 @@ def run_one(base: JobConfig, label: str, out: Path) -> dict:
     ev = data.get("kv_events") or {}
     if ev:
         ev["publish_per_step"] = ev["flush_cpu_us_mean"] / 1e3 / max(data["step_ms_p50"], 1e-9)
-    if label == "on":
-        data["reader"] = json.loads(got.read_text())
+    data["reader"] = json.loads(got.read_text())
     return data
 
 
@@ -126,8 +137,8 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def main() -> int:
-    if len(sys.argv) == 4 and sys.argv[1] == "--reader":
-        return reader(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 5 and sys.argv[1] == "--reader":
+        return reader(sys.argv[2], sys.argv[3], sys.argv[4])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="32 trace requests, 2 rounds")
     p.add_argument("--smoke", action="store_true", help="a tiny demo, 1 round (tests: numbers mean nothing)")
@@ -179,11 +190,12 @@ def main() -> int:
               f"{med([x['batches'] for x in e]):.0f} | {', '.join(str(x['dropped']) for x in e)} | "
               f"{', '.join(str(x['set_aside']) for x in e)} | "
               f"{max(x['buffered_bytes'] for x in e) / 1024:.0f} |")
-    rd = [d["reader"] for d in runs["on"]]
-    complete = all(r["next_seq"] == d["kv_events"]["batches"] and r["lost"] == 0 for r, d in zip(rd, runs["on"],
-                                                                                                  strict=True))
-    print(f"\nreader applied every batch of every 'on' run: {complete} "
-          f"({', '.join(str(r['batches']) for r in rd)} batches)")
+    complete = {m: all(d["reader"]["next_seq"] == d["kv_events"]["batches"] and d["reader"]["lost"] == 0
+                       for d in runs[m]) for m in ("on", "stalled")}
+    print(f"\nthe reader applied every batch of every 'on' run: {complete['on']}; beside the stalled subscriber, "
+          f"replaying the holes: {complete['stalled']} (batches, gaps: "
+          + "; ".join(f"{m} " + ", ".join(f"{d['reader']['batches']}, {d['reader']['gaps']}" for d in runs[m])
+                      for m in ("on", "stalled")) + ")")
     print(json.dumps({
         "bench": "events",
         "workload": workload,
