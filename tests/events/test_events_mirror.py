@@ -1,14 +1,24 @@
 """A subscriber that applies the KV events has the engine's own index, per tier, key by key:
 at sampled steps of the --quick demo (offload pressure, copies in flight across steps, a
 weight update and a reset_prefix_cache) and at its end, also when it replays every batch from
-the start; and one killed mid-run and replaced sees the gap, replays, and ends exact."""
+the start; and one killed mid-run (closed in-process, or its process killed) and replaced sees
+the gap, replays, and ends exact."""
 from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 from fastkv.events import EventsConfig
 from fastkv.routing.indexer import Indexer
 from tests.events.demo_rig import chained_keys, engine_index, run_demo
 
 SAMPLE_EVERY = 40
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(tmp_path, **kw) -> EventsConfig:
@@ -107,3 +117,48 @@ def test_a_subscriber_killed_mid_run_is_replaced_and_the_new_one_catches_up(tmp_
         ev.close()
         if second is not None:
             second.close()
+
+
+def start_subscriber(cfg, out) -> subprocess.Popen:
+    """A subscriber process (tests.events.subscriber_proc), once it has subscribed."""
+    proc = subprocess.Popen([sys.executable, "-m", "tests.events.subscriber_proc", cfg.endpoint, cfg.replay_endpoint,
+                             str(out)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    ready = Path(f"{out}.ready")
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the subscriber process did not start"
+        time.sleep(0.02)
+    return proc
+
+
+def test_a_subscriber_process_killed_mid_run_is_replaced_and_the_new_one_ends_with_the_engines_index(tmp_path):
+    cfg = config(tmp_path)
+    procs = {"first": start_subscriber(cfg, tmp_path / "first.json")}
+
+    def on_step(step, rig, ev):
+        if step == 150:  # the subscriber dies without a word
+            procs["first"].kill()
+            procs["first"].wait(30)
+        elif step == 300:
+            procs["second"] = start_subscriber(cfg, tmp_path / "second.json")
+
+    try:
+        rig, ev = run_demo(cfg, on_step)
+        try:
+            second = procs["second"]
+            second.send_signal(signal.SIGTERM)  # it takes the tail by replay, then reports
+            assert second.wait(60) == 0
+            got = json.loads((tmp_path / "second.json").read_text())
+            assert got["gaps"] >= 1, "the new subscriber never saw the gap in the sequence numbers"
+            assert got["next_seq"] == ev.stats()["batches"] and got["lost"] == 0
+            want = engine_index(rig)
+            for medium, keys in want.items():
+                assert set(got["held"].get(medium, [])) == {k.hex() for k in keys}, medium
+            assert not (tmp_path / "first.json").exists()  # killed: it never reported
+        finally:
+            ev.close()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
