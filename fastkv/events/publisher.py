@@ -65,7 +65,7 @@ class ZmqPublisher:
         self.encode_cpu_s = 0.0  # publisher-thread CPU time building, encoding and sending
         self._topic = config.topic.encode()
         self._encode = msgspec.msgpack.Encoder().encode
-        self._queue: queue.Queue = queue.Queue(QUEUE_BATCHES)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C: the engine thread's put is the cheapest handoff
         self._done = threading.Condition()
         self.router = self._thread = self._replayer = self._wake = None
         try:
@@ -98,6 +98,9 @@ class ZmqPublisher:
         to be encoded, kept for replay and sent; returns its sequence number. Waits only while
         ``QUEUE_BATCHES`` batches are still unencoded."""
         seq = self.seq
+        if seq - self.done >= QUEUE_BATCHES:  # the encoder fell behind: wait for its CPU, never a subscriber
+            with self._done:
+                self._done.wait_for(lambda: seq - self.done < QUEUE_BATCHES)
         self.seq += 1
         self._queue.put((seq, batch))
         return seq

@@ -3,6 +3,7 @@ and metrics), memory stays bounded, a healthy subscriber beside it loses nothing
 a subscriber that joins later replays and ends with the engine's index."""
 from __future__ import annotations
 
+import threading
 import time
 
 import zmq
@@ -122,4 +123,28 @@ def test_a_batch_that_fails_to_build_is_counted_and_the_publisher_goes_on(tmp_pa
         assert pub.sync(10.0)
         assert pub.errors == 1 and [s for s, _ in pub.buffer] == [1]
     finally:
+        pub.close()
+
+
+def test_the_engine_waits_for_its_encoder_only_past_queue_batches(tmp_path, monkeypatch):
+    import fastkv.events.publisher as publisher
+
+    monkeypatch.setattr(publisher, "QUEUE_BATCHES", 2)
+    EventBatch, BlockStored, *_ = public_schema(True)
+    batch = EventBatch(0.0, [BlockStored([key(1)], None, [0], 1, None, "GPU")], 0)
+    gate = threading.Event()
+    pub = ZmqPublisher(EventsConfig(endpoint=f"ipc://{tmp_path}/pub"))
+    try:
+        pub.publish(lambda: batch if gate.wait(30) else None)  # the encoder is busy with this one
+        pub.publish(batch)  # two handed over: no wait yet
+        third = threading.Thread(target=pub.publish, args=(batch,))
+        third.start()
+        third.join(0.3)
+        assert third.is_alive(), "a third batch went in with two still unencoded"
+        gate.set()
+        third.join(30)
+        assert not third.is_alive() and pub.sync(10.0)
+        assert [s for s, _ in pub.buffer] == [0, 1, 2] and pub.errors == 0
+    finally:
+        gate.set()
         pub.close()
