@@ -322,6 +322,7 @@ def main() -> int:
     tps = {m: spread([d["tokens_per_s"] for d in ds]) for m, ds in runs.items()}
     print(f"\n{rounds} paired rounds; tokens/s median (lowest-highest): "
           + "; ".join(f"{m} {fmt_spread(v, 0)}" for m, v in tps.items()))
+    print("\nEach row is the run's median round (the slower of two).")
     print("\n| run | tokens/s | tokens/s of the wall | runner's byte work s | recomputed tokens | TTFT p50 ms "
           "| TTFT p99 ms | hit % device/host/storage "
           "| preemptions recompute/offload/storage | step p50 ms | copy task p50 ms | seconds | gpu_busy "
