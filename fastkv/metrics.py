@@ -241,6 +241,8 @@ class _SchedulerCollector:
         yield pre
         yield CounterMetricFamily("fastkv_recomputed_tokens", "Tokens computed again after a preemption",
                                   value=s.stats.recomputed_tokens)
+        yield CounterMetricFamily("fastkv_storage_skipped_blocks", "Blocks a storage write policy wanted stored "
+                                  "but skipped: the storage tier was behind", value=stats.skipped_stores)
         if m.events is not None:
             ev = m.events.stats()
             batches = CounterMetricFamily("fastkv_kv_event_batches", "KV event batches: published, and those "

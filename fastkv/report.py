@@ -108,6 +108,13 @@ def _verified_row(data: dict[str, Any]) -> str:
             f"{v.get('synthetic_us', 0) / 1e6:.2f} s")
 
 
+def gpu_busy_row(busy: float, t: dict[str, float]) -> str:
+    """``gpu_busy`` and where the rest of the wall went, largest first."""
+    rest = sorted(((v, k) for k, v in t.items() if k not in ("wall", "gpu") and v > 0), reverse=True)
+    return f"{100 * busy:.1f}% of {t.get('wall', 0):.2f} s" + ("; the rest: " + ", ".join(
+        f"{k} {v:.2f} s" for v, k in rest) if rest else "")
+
+
 def _storage_rows(lk: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     if lk.get("lookups"):
@@ -159,6 +166,8 @@ def table(data: dict[str, Any]) -> str:
         rows.append(("KV verified", _verified_row(data)))
     if data.get("storage_lookup"):
         rows += _storage_rows(data["storage_lookup"])
+    if data.get("gpu_busy") is not None:  # docs/FORMATS.md gpu_busy, gpu_time
+        rows.append(("GPU busy", gpu_busy_row(data["gpu_busy"], data.get("gpu_time") or {})))
     if "host_checksum_mismatches" in data:
         rows.append(("host checksum mismatches", f"{data['host_checksum_mismatches']} (each recomputed, never served)"))
     width = max(len(k) for k, _ in rows)

@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """End to end: the demo workload under memory pressure through the whole system (supervisor,
 engine, workers, transfer processes), once per preemption mode, side by side, under a cost
-model of a named GPU deployment. ``--rounds`` (default 5) repeats every run, the modes
-interleaved, and each mode reports its fastest run (as timeit does: every run does the same
-work, and load from elsewhere only slows it): on a shared machine one run of each swings by
-tens of percent with other load, far more than the modes differ. (Here one --quick run's five
-rounds of auto took 1155-1341 tok/s; with 3 rounds, auto / best fixed mode read 0.89-0.98 over
-five runs in which auto chose exactly as recompute did.)
+model of a named GPU deployment. Rounds are paired: each round runs every mode once, back to back
+(the order rotated from round to round), so that load from elsewhere, which swings one run by
+tens of percent on a shared machine, falls on the modes of a round alike. Each mode reports its
+median over the rounds with its spread (lowest and highest); each ratio between modes is taken
+within each round, then given as its median and spread, and stated as a figure only when that
+spread is at most ``RATIO_SPREAD`` (else "unresolved", with its range: more rounds or a quieter
+machine resolve it). ``--rounds`` defaults to 5; ``--quick`` runs 2 rounds of a shorter workload
+(the quick demo with short replies, ``QUICK_E2E``) in under 4 minutes.
 
 Runs (same workload, same capacities, fresh LMDB store each):
 
@@ -25,7 +27,9 @@ compute. Under a cost model the KV layout defaults to 32 KiB per token (``MODEL_
 modelled steps outweigh the engine's own Python per step. ``--cost-model flat`` keeps the runner's
 flat 300 us per token and the supervisor's layout.
 
-Tokens/s are generated tokens over the run's wall time less the synthetic runner's own byte work
+Tokens/s are generated tokens over the run's wall time to its last token (``last_token_s``: the
+STOREs still draining after it delay no token; ``seconds`` in the table is the whole run) less the
+synthetic runner's own byte work
 (``synthetic_us``: making, checking and reading its KV rows), which stands for work the GPU does
 inside the modelled step time and which the runner does before waiting that time out. On this CPU
 it costs more than the model: making a 32 KiB token's rows (compiled, ``fastkv._synthetic``) about
@@ -84,6 +88,12 @@ from fastkv.engine.runners.cost_model import (  # noqa: E402
 )
 from fastkv.supervisor import Supervisor  # noqa: E402
 
+# --quick: the quick demo's 8 conversations x 3 turns with short replies: the prompts alone
+# outgrow the demo's device tier, so every mode still preempts, in a few seconds a run. Each run
+# also costs ~10 s of start-up and teardown (three processes importing Paddle), so two rounds.
+QUICK_E2E = {"max_new_tokens": 32}
+QUICK_ROUNDS = 2
+RATIO_SPREAD = 0.06  # a ratio whose rounds differ by more cannot tell a few percent apart
 SMOKE_DEMO = {"conversations": 2, "turns": 2, "system_tokens": 32, "user_tokens": (8, 16), "reply_tokens": 8,
               "max_new_tokens": 16}
 
@@ -143,13 +153,15 @@ def run_one(base: JobConfig, label: str, out: Path, entries: dict[str, str]) -> 
     result = Supervisor(spec, workload, entry_points=entries).run()
     if not result.ok:
         raise SystemExit(f"bench_e2e: run {label!r} failed: {result.message}")
-    data = report.write(out, title=f"bench e2e: {label}").data
+    data = report.build(report.load_summary(out), report.load_results(out))  # no plot: seconds per run
     # The run as the cost model times it: without the runner's own byte work (module docstring).
     # Ranks do theirs side by side: their mean is the delay.
     data["wall_tokens_per_s"] = data["tokens_per_s"]
     modelled = spec.runner_options.get("cost_model")  # the flat cost already counts it: CPU time per token
     data["synthetic_s"] = data.get("verified", {}).get("synthetic_us", 0) / 1e6 / spec.tp_size if modelled else 0.0
-    data["tokens_per_s"] = data["generated_tokens"] / max(data["seconds"] - data["synthetic_s"], 1e-9)
+    # To the last token: what a tier's write-behind copies take to drain after it delays no token.
+    data["tokens_per_s"] = data["generated_tokens"] / max(data.get("last_token_s", data["seconds"])
+                                                          - data["synthetic_s"], 1e-9)
     with (out / "results.jsonl").open() as f:
         data["outputs"] = {r["id"]: (r["finish"], r["output"]) for r in map(json.loads, f)}
     if spec.runner == "synthetic":  # its outputs are known without any cache: check each run alone
@@ -163,6 +175,44 @@ def run_one(base: JobConfig, label: str, out: Path, entries: dict[str, str]) -> 
     return data
 
 
+def spread(values: list[float], digits: int = 1) -> dict[str, float]:
+    """Median, lowest and highest of a figure over the rounds."""
+    v = sorted(values)
+    mid = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+    return {"median": round(mid, digits), "min": round(v[0], digits), "max": round(v[-1], digits)}
+
+
+def fmt_spread(v: dict[str, float], digits: int) -> str:
+    return f"{v['median']:.{digits}f} ({v['min']:.{digits}f}-{v['max']:.{digits}f})"
+
+
+def paired_ratios(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per round: every tiered mode against recompute_device_only, offload against recompute
+    and against the round's best mode, auto against the round's best fixed mode; then each
+    ratio's median and spread, and whether the spread resolves it (``RATIO_SPREAD``)."""
+    rounds = len(next(iter(runs.values())))
+    per: dict[str, list[float]] = {}
+    for r in range(rounds):
+        t = {m: ds[r]["tokens_per_s"] for m, ds in runs.items()}
+        pairs = {f"{m}/recompute_device_only": (t[m], t["recompute_device_only"])
+                 for m in ("recompute", "offload", "storage", "auto")}
+        pairs["offload/recompute"] = (t["offload"], t["recompute"])
+        pairs["offload/best"] = (t["offload"], max(t.values()))
+        pairs["auto/best_fixed"] = (t["auto"], max(v for m, v in t.items() if m != "auto"))
+        for name, (a, b) in pairs.items():
+            per.setdefault(name, []).append(a / max(b, 1e-9))
+    out = {}
+    for name, values in per.items():
+        s = spread(values, 3)
+        out[name] = {**s, "resolved": s["max"] - s["min"] <= RATIO_SPREAD}
+    return out
+
+
+def fmt_ratio(r: dict) -> str:
+    rng = f"{r['min']:.3f}-{r['max']:.3f}"
+    return f"{r['median']:.3f} ({rng})" if r["resolved"] else f"unresolved ({rng})"
+
+
 def fmt_row(label: str, d: dict) -> str:
     ttft, hit, pre = d["ttft_s"], d["hit_ratio"], d["preemptions"]
     ms = lambda k: f"{1e3 * ttft[k]:.0f}" if k in ttft else "-"  # noqa: E731
@@ -170,7 +220,16 @@ def fmt_row(label: str, d: dict) -> str:
             f"{d['recomputed_tokens']} | {ms('p50')} | {ms('p99')} | "
             f"{100 * hit['device']:.1f}/{100 * hit['host']:.1f}/{100 * hit['storage']:.1f} | "
             f"{pre['recompute']}/{pre['offload']}/{pre['storage']} | {d['step_ms_p50']:.2f} | {d['task_ms_p50']:.2f} | "
-            f"{d['seconds']:.1f} |")
+            f"{d['seconds']:.1f} | {gpu_cells(d)} | {d.get('storage_blocks_stored', 0)}/"
+            f"{d.get('storage_blocks_skipped', 0)} |")
+
+
+def gpu_cells(d: dict) -> str:
+    t = d.get("gpu_time") or {}
+    if d.get("gpu_busy") is None:
+        return "- | -"
+    return (f"{d['gpu_busy']:.3f} | " + "/".join(f"{t.get(k, 0):.2f}" for k in ("schedule", "copies", "ipc", "idle",
+                                                                                  "other")))
 
 
 def main() -> int:
@@ -206,7 +265,8 @@ def main() -> int:
     p.add_argument("--workload", default="demo", help="as fastkv-supervisor's --workload, or mixed (short "
                    "against long contexts)")
     p.add_argument("--rounds", type=at_least(0), default=0,
-                   help="rounds of every run, interleaved; each mode reports its fastest run (default 5, --smoke 1)")
+                   help=f"paired rounds of every run; each mode reports its median and spread (default 5, "
+                   f"--quick {QUICK_ROUNDS}, --smoke 1)")
     p.add_argument("--out", help="keep each run's output here (default: a temporary directory, removed)")
     p.add_argument("--entry", action="append", default=[], metavar="ROLE=MODULE:FUNC", help="as fastkv-supervisor")
     args = p.parse_args()
@@ -227,7 +287,7 @@ def main() -> int:
         options = {"cost_model": args.cost_model, "copy_gbps": gbps}
     if args.verify:
         options["verify"] = args.verify
-    rounds = args.rounds or (1 if args.smoke else 5)
+    rounds = args.rounds or (1 if args.smoke else QUICK_ROUNDS if args.quick else 5)
     runs: dict[str, list[dict]] = {label: [] for label in RUNS}
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fastkv-bench-e2e-"))
     try:
@@ -237,7 +297,8 @@ def main() -> int:
                              dtype=args.dtype, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
                              cache_policy=args.cache_policy, storage=args.storage, storage_write=args.storage_write,
                              quick=args.quick or args.smoke,
-                             demo=SMOKE_DEMO if args.smoke else {}, workload=workload, runner_options=options)
+                             demo=SMOKE_DEMO if args.smoke else QUICK_E2E if args.quick else {}, workload=workload,
+                             runner_options=options)
             num_requests, block_bytes = len(base.requests()), base.layout().block_bytes
             for label in RUNS:  # each run's own settings too, before any of them runs
                 run_config(base, label, root / label)
@@ -248,22 +309,25 @@ def main() -> int:
               f"{block_bytes >> 10} KiB; cost model "
               f"{options.get('cost_model', 'flat')} at {options.get('copy_gbps', '-')} GB/s of copies here",
               flush=True)
-        for r in range(rounds):
-            for label in RUNS:
+        order = list(RUNS)
+        for r in range(rounds):  # paired: every mode once per round, the order rotated
+            for label in order[r % len(order):] + order[:r % len(order)]:
                 print(f"running {label} (round {r + 1} of {rounds}) ...", flush=True)
                 runs[label].append(run_one(base, label, root / f"{label}.{r}", entries))
     finally:
         if not args.out:
             shutil.rmtree(root, ignore_errors=True)
-    # The machine may be shared: rounds interleave the modes so that load from elsewhere falls on
-    # all of them alike, and the least disturbed run of each mode stands for it.
-    results = {label: max(ds, key=lambda d: d["tokens_per_s"]) for label, ds in runs.items()}
-    per_round = "; ".join(f"{m} " + ", ".join(str(round(d["tokens_per_s"])) for d in ds) for m, ds in runs.items())
-    print(f"\nfastest of {rounds} interleaved rounds per run; tokens/s of every round: {per_round}")
+    # Each mode's median round stands for it in the table; the spread says how far to trust it.
+    results = {label: sorted(ds, key=lambda d: d["tokens_per_s"])[(len(ds) - 1) // 2] for label, ds in runs.items()}
+    tps = {m: spread([d["tokens_per_s"] for d in ds]) for m, ds in runs.items()}
+    print(f"\n{rounds} paired rounds; tokens/s median (lowest-highest): "
+          + "; ".join(f"{m} {fmt_spread(v, 0)}" for m, v in tps.items()))
+    print("\nEach row is the run's median round (the slower of two).")
     print("\n| run | tokens/s | tokens/s of the wall | runner's byte work s | recomputed tokens | TTFT p50 ms "
           "| TTFT p99 ms | hit % device/host/storage "
-          "| preemptions recompute/offload/storage | step p50 ms | copy task p50 ms | seconds |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| preemptions recompute/offload/storage | step p50 ms | copy task p50 ms | seconds | gpu_busy "
+          "| GPU idle s: schedule/copies/ipc/idle/other | storage blocks stored/skipped |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, d in results.items():
         print(fmt_row(label, d))
     every_run = [d for ds in runs.values() for d in ds]
@@ -282,18 +346,21 @@ def main() -> int:
               f"{costs['decode_step_us']:.0f} us carries {costs['free_recompute_tokens']:.0f} recomputed tokens "
               f"at < 5 % extra (decode bound: recompute nearly free); a copy task costs the table's p50 whatever "
               f"its size")
-    tps = {m: round(d["tokens_per_s"], 1) for m, d in results.items()}
-    best_fixed = max(v for m, v in tps.items() if m != "auto")
-    print(f"\noffload / recompute {tps['offload'] / max(tps['recompute'], 1e-9):.2f}x, / recompute_device_only "
-          f"{tps['offload'] / max(tps['recompute_device_only'], 1e-9):.2f}x; auto / best fixed mode "
-          f"{tps['auto'] / max(best_fixed, 1e-9):.2f}x; outputs identical across runs: {identical}; "
-          f"equal to the synthetic model's (computed without a cache): {correct}")
+    ratios = paired_ratios(runs)
+    print("\nratios within each round, median (lowest-highest), stated where the spread is at most "
+          f"{RATIO_SPREAD}: " + "; ".join(f"{name} {fmt_ratio(r)}" for name, r in ratios.items())
+          + f"; outputs identical across runs: {identical}; equal to the synthetic model's (computed without a "
+          f"cache): {correct}")
     print(json.dumps({
         "bench": "e2e",
         "cost_model": options.get("cost_model", "flat"),
         "copy_gbps": options.get("copy_gbps", 0.0),
-        "tokens_per_s": tps,
-        "recomputed_tokens": {m: d["recomputed_tokens"] for m, d in results.items()},
+        "rounds": rounds,
+        "tokens_per_s": {m: v["median"] for m, v in tps.items()},
+        "tokens_per_s_spread": {m: {"min": v["min"], "max": v["max"]} for m, v in tps.items()},
+        "ratios": ratios,
+        "gpu_busy": {m: spread([d.get("gpu_busy") or 0.0 for d in ds], 3) for m, ds in runs.items()},
+        "recomputed_tokens": {m: max(d["recomputed_tokens"] for d in ds) for m, ds in runs.items()},
         "outputs_identical": identical,
         "outputs_correct": correct,
         "verified": {m: d.get("verified") for m, d in results.items()},

@@ -51,6 +51,7 @@ def finish(state: CacheState, rec: CopyRecord, ok: bool) -> Completion:
     elif p is Purpose.STORE:
         for b in rec.src:
             state.host.unpin(b)
+        state.store_backlog -= len(rec.src)
         state.stats.store_blocks += len(rec.src) if ok else 0
         if ok:
             for k in rec.keys:

@@ -33,6 +33,9 @@ class CacheConfig:
     storage: bool = False  # a storage tier exists: host blocks are STOREd, prefixes LOADed
     storage_writes: StorageWrites = StorageWrites.THROUGH  # which host blocks are STOREd (storage_writes.py)
     flush_window: int = 32  # BACK: most blocks flushed ahead of the host's evictions at once
+    # STORE blocks in flight beyond which the write policies' optional STOREs are skipped and
+    # counted: storage slower than the engine makes blocks falls behind, never stalls a step
+    storage_backlog_blocks: int = 256
     storage_keys: int = 1 << 22  # how many stored keys to remember
     history: int = 1 << 16  # departed keys remembered for explain_miss
     model_id: str = "model"
@@ -41,7 +44,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_device_blocks", "num_host_blocks", "block_size", "selective_hits", "storage_keys",
-                     "history", "flush_window"):
+                     "history", "flush_window", "storage_backlog_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"CacheConfig.{name} must be an int >= 0, got {value!r}")
@@ -89,6 +92,7 @@ class CacheState:
         # storage-mode preempted requests -> their resume key: only their own re-admission looks it up, once
         self.resumes: OrderedDict[object, bytes] = OrderedDict()
         self.evicted_since_flush = 0  # host evictions the BACK storage flush has not answered yet
+        self.store_backlog = 0  # blocks of STOREs in flight (tiering.store; completions)
         self.paused = False  # a weight update is in progress
         # running requests holding their chain's host copies, the least recently extended hold first
         self.chain_holders: OrderedDict[object, CacheRecord] = OrderedDict()

@@ -29,6 +29,7 @@ class CacheStats:
     failed_copies: int = 0  # plans completed with ok=False
     load_misses: int = 0  # blocks of failed LOADs
     skipped_copies: int = 0  # host copies not made when due: no host block free
+    skipped_stores: int = 0  # blocks a write policy would store, skipped: storage was behind (storage_writes.py)
     late_copies: int = 0  # skipped write-throughs made later, once host blocks were free
     chain_spills: int = 0  # running requests' chain holds let go of for want of host room (tiering.make_host_room)
     offloads: int = 0

@@ -27,6 +27,12 @@ page cache's writeback: each time the host evicts ``n`` blocks, the next ``n`` (
 ``flush_window``) unstored blocks at its eviction end are STOREd. A flushed block is pinned
 while it is written and re-enters the host queue as recently used (a second chance, as in
 CLOCK), so flushing keeps pace with evictions instead of writing the whole host tier.
+
+What THROUGH and BACK store is optional: the host holds the bytes either way. When the storage
+tier is slower than the engine makes blocks, STOREs pile up; past ``storage_backlog_blocks`` in
+flight, those optional STOREs are skipped and counted (``skipped_stores``), so storage falls
+behind instead of pinning host blocks without bound or stalling a step. A request preempted
+to storage (or under PREEMPTED) is always stored: it resumes from what was written.
 """
 from __future__ import annotations
 
@@ -67,13 +73,28 @@ def _flush_back(state: CacheState) -> list[CopyPlan]:
             keys.append(k)
             if len(blocks) == n:
                 break
-    return store(state, blocks, keys)
+    return optional_store(state, blocks, keys)
+
+
+def optional_store(state: CacheState, blocks: list[int], keys: list[bytes]) -> list[CopyPlan]:
+    """STOREs a write policy wants but nobody needs: as many as the backlog has room for, the
+    rest skipped and counted (module docstring)."""
+    stored = state.index.stored
+    if any(k in stored for k in keys):  # those need no STORE, and skip none
+        pairs = [(b, k) for b, k in zip(blocks, keys, strict=True) if k not in stored]
+        blocks, keys = [b for b, _ in pairs], [k for _, k in pairs]
+    room = state.config.storage_backlog_blocks - state.store_backlog
+    if room < len(blocks):
+        room = max(room, 0)
+        state.stats.skipped_stores += len(blocks) - room
+        blocks, keys = blocks[:room], keys[:room]
+    return store(state, blocks, keys) if blocks else []
 
 
 def landed_stores(state: CacheState, blocks: list[int], keys: list[bytes]) -> list[CopyPlan]:
     """A write-back or write-through copy landed these keyed host blocks: THROUGH stores them."""
     if state.index.storage and state.config.storage_writes is StorageWrites.THROUGH:
-        return store(state, blocks, keys)
+        return optional_store(state, blocks, keys)
     return []
 
 
@@ -84,13 +105,15 @@ def offload_stores(state: CacheState, req: CacheRecord, copied: list[tuple[int, 
     if not state.index.storage:
         return []
     sw = state.config.storage_writes
-    pairs = copied if sw is StorageWrites.THROUGH else []
     if req.alive and (req.to_storage or sw is StorageWrites.PREEMPTED):
         n_full = min(req.num_computed // state.block_size, len(req.keys))
         pairs = [(req.host_refs[i], req.keys[i]) for i in range(n_full)]
         if req.to_storage and req.private_key is not None and req.private_block < 0:
             pairs.append((req.host_refs[n_full], req.private_key))
-    return store(state, [b for b, _ in pairs], [k for _, k in pairs])
+        return store(state, [b for b, _ in pairs], [k for _, k in pairs])
+    if sw is StorageWrites.THROUGH:
+        return optional_store(state, [b for b, _ in copied], [k for _, k in copied])
+    return []
 
 
 def partial_resume_key(state: CacheState, rid: object, root: bytes, keys: list[bytes], block: list[int] | None,

@@ -330,5 +330,6 @@ def store(state: CacheState, blocks: list[int], keys: list[bytes]) -> list[CopyP
         return []
     for b, _ in pairs:
         state.host.pin(b)
+    state.store_backlog += len(pairs)
     return [state.copies.open(CopyKind.STORE, Purpose.STORE, src=[b for b, _ in pairs],
                              keys=[k for _, k in pairs])]

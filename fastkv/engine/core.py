@@ -35,6 +35,7 @@ from fastkv.engine import protocol
 from fastkv.engine.handoff import Exporter, HandoffStats
 from fastkv.engine.lookup import StorageLookup
 from fastkv.engine.sampling import Sampling, request_params
+from fastkv.engine.timeline import GpuClock
 from fastkv.ipc import (
     Broadcast,
     ChannelClosed,
@@ -153,6 +154,7 @@ class Engine:
             self.lookups = StorageLookup(self.cache, spec.storage_lookup_timeout_s,
                                          spec.slot_size * spec.nslots // (4 * 40))
         self.check = check  # check_integrity of scheduler and cache after every step (tests)
+        self.gpu_clock = GpuClock()  # where the wall goes, from the GPU's side (summary gpu_busy)
         self._broadcast = Broadcast(ends.plans)
         self._sig = ends.signals
         self._ext: dict[int, str] = {}  # scheduler id -> caller's id
@@ -420,6 +422,7 @@ class Engine:
         return StepUpdate(self._tokens, results)
 
     def _step(self) -> list[RequestResult]:
+        self.gpu_clock.enter("schedule")
         self.beat()
         if time.monotonic() - self._last_check >= self.spec.heartbeat_s:
             self.check_workers()
@@ -431,19 +434,20 @@ class Engine:
             self.exporter.poll()
         out = self.sched.step()
         self._arrived += [rid for rid in out.kv_writable if rid in self._from_store]
-        for plan in out.copies:
-            if plan.kind is CopyKind.CLEAR and self._free_memory:
-                plan = CopyPlan(plan.plan_id, CopyKind.CLEAR, keys=(FREE,))
-            self.transfer.submit(plan)
+        copies = [CopyPlan(p.plan_id, CopyKind.CLEAR, keys=(FREE,)) if p.kind is CopyKind.CLEAR and self._free_memory
+                  else p for p in out.copies]
+        if not out.plan.seqs:
+            self._submit(copies)
         results = [self._result(r) for r in out.finished]
         if out.plan.seqs:
             self._idle = 0
-            self._run(out.plan)
+            self._run(out.plan, copies=copies)
             results += [self._result(r) for r in self.sched.take_finished()]  # with their last token
         elif self._release:  # idle: the workers forget the finished requests now, not at the next plan
             self._run(StepPlan(0, []))
         elif self.transfer.pending:
             self._idle = 0
+            self.gpu_clock.enter("copies")
             self._pump(self.spec.heartbeat_s if self.lookups is None else self.lookups.wait_s(self.spec.heartbeat_s))
         elif self.sched.requests and not out.copies and not out.finished:
             self._idle += 1
@@ -453,6 +457,7 @@ class Engine:
         if self.check:
             self.sched.check_integrity()
             self.cache.check_integrity()
+        self.gpu_clock.enter("other")
         return results
 
     def run(self) -> list[RequestResult]:
@@ -466,7 +471,9 @@ class Engine:
         """Idle (between arrivals): block up to ``timeout`` s on the inbox, handling copy
         completions as they come. Never sleeps without a doorbell to wake it."""
         self.beat()
+        self.gpu_clock.enter("idle")
         self._pump(timeout)
+        self.gpu_clock.enter("other")
 
     # ================================================================== control
     def update_weights(self, version: str, *, free_memory: bool = False) -> list[RequestResult]:
@@ -520,10 +527,21 @@ class Engine:
             self._check_stop("waiting for the transfer processes")
             self._pump(self.spec.heartbeat_s)  # blocks on the doorbell: nothing else to do yet
 
-    def _run(self, plan: StepPlan, timeout: float | None = None, control: PlanMsg | None = None) -> None:
-        """One step (or ``control``, a request to every rank) through the workers."""
+    def _submit(self, copies: list[CopyPlan]) -> None:
+        for plan in copies:
+            self.transfer.submit(plan)
+
+    def _run(self, plan: StepPlan, timeout: float | None = None, control: PlanMsg | None = None,
+             copies: list[CopyPlan] = ()) -> None:
+        """One step (or ``control``, a request to every rank) through the workers. ``copies``
+        go to the transfer processes once the step is on its way: waking a transfer process
+        can cost the engine its core for milliseconds on a busy host, which must not come
+        between two steps. Copies ran beside the step before too (invariant 3 keeps them off
+        the blocks it writes): only the order of the sends changes."""
         t0 = time.perf_counter()
         new = {s.request_id: self._params.pop(s.request_id) for s in plan.seqs if s.request_id in self._params}
+        if plan.step_id:
+            self.gpu_clock.sent()
         try:
             self._broadcast.send(control or protocol.plan_to_msg(plan, self._release, new),
                                  timeout=self.spec.dead_after_s)
@@ -531,6 +549,7 @@ class Engine:
             raise EngineError(f"cannot send step {plan.step_id}: {exc}") from exc
         if control is None:
             self._release = []
+        self._submit(copies)
         out: OutputMsg | None = None
         while out is None:
             if timeout is not None and time.perf_counter() - t0 > timeout:
@@ -550,6 +569,8 @@ class Engine:
                 assert msg.step_id == plan.step_id, f"output of step {msg.step_id} while step {plan.step_id} runs"
                 out = msg
         if plan.step_id:
+            self.gpu_clock.received(out.seconds)
+            self.gpu_clock.enter("schedule")
             output = protocol.msg_to_output(out)
             for rid, tok in output.sampled.items():
                 self._tokens.setdefault(self._ext[rid], []).append(tok)

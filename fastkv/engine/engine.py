@@ -124,6 +124,7 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
               seconds: float, status: str = "done") -> dict[str, Any]:
     generated = sum(len(r.output) for r in results)
     sig, ranks = engine.ends.signals, range(engine.spec.tp_size)
+    gpu = engine.gpu_clock.summary(gpu_byte_work_s(engine.spec, sig))
     return {
         "status": status,
         "states": _states(results),
@@ -132,7 +133,13 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         "generated_tokens": generated,
         "seconds": seconds,
         "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+        # when the last token was sampled: what comes after is write-behind copies draining
+        "last_token_s": next((row[0] for row in timeline if row[2] >= generated), seconds),
         **engine.metrics.summary(),
+        # modelled GPU seconds / wall seconds from the first step to the last, and where the
+        # rest went (fastkv.engine.timeline.GpuClock)
+        "gpu_busy": gpu["gpu_busy"],
+        "gpu_time": gpu["gpu_time"],
         # Storage faults (a tier that fails mid-run degrades to recompute; these say how much).
         "storage_errors": engine.ends.signals["storage.errors"],
         "corrupt_values": engine.ends.signals["storage.corrupt"],
@@ -147,6 +154,10 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         # offload or a load (a host tier too small for them: fastkv.cache.tiering.make_host_room)
         "host_chain_spills": engine.cache.stats.chain_spills,
         "unstored_host_evictions": engine.cache.stats.unstored_host_evictions,
+        # blocks written to the storage tier, and those a write policy wanted stored but skipped
+        # because the storage tier was behind (fastkv.cache.storage_writes): never a stalled step
+        "storage_blocks_stored": engine.cache.stats.store_blocks,
+        "storage_blocks_skipped": engine.cache.stats.skipped_stores,
         # what the shared store was asked at admission and what it confirmed (fastkv.engine.lookup)
         "storage_lookup": {} if engine.lookups is None else {
             **engine.lookups.stats.to_json(),
@@ -172,6 +183,15 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
             "resident": engine.events.resident()},
         "timeline": timeline,
     }
+
+
+def gpu_byte_work_s(spec: RunSpec, sig: Any) -> float:
+    """Under a cost model, the synthetic runner's own byte work (``synthetic_us``, mean over
+    ranks: they do theirs side by side) stands for GPU work inside a step, outside the modelled
+    time a step reports. Without one, a step's reported time already includes it."""
+    if not spec.runner_options.get("cost_model"):
+        return 0.0
+    return sum(sig[f"worker{r}.synthetic_us"] for r in range(spec.tp_size)) / spec.tp_size / 1e6
 
 
 def _states(results: list[RequestResult]) -> dict[str, int]:

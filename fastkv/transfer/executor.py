@@ -94,6 +94,21 @@ class CorruptHostBlock(RuntimeError):
     """A host block's bytes no longer match the checksum written when they landed."""
 
 
+def storage_time_model(spec: RunSpec) -> Callable[[int], float] | None:
+    """Under the synthetic runner's cost model, the least seconds a STORE or LOAD of so many bytes
+    takes: the deployment's storage link, scaled like its copies
+    (``fastkv.engine.runners.cost_model.ScaledCostModel.storage_seconds``); None otherwise."""
+    opts = spec.runner_options
+    if spec.runner != "synthetic" or not opts.get("cost_model"):
+        return None
+    from fastkv.engine.runners.cost_model import ScaledCostModel, deployment, measure_copy_bandwidth
+
+    gbps = float(opts.get("copy_gbps") or 0.0)
+    layout = spec.layout
+    return ScaledCostModel.calibrate(deployment(opts["cost_model"]), layout.block_bytes // layout.block_size,
+                                     gbps * 1e9 if gbps > 0 else measure_copy_bandwidth()).storage_seconds
+
+
 class TaskExecutor:
     """One rank's tiers and storage backend, and the code that runs each task on them."""
 
@@ -115,6 +130,7 @@ class TaskExecutor:
         self.holds = HostHolds()  # host blocks storage tasks are on (fastkv.transfer.lanes)
         self.checksum_mismatches = 0
         self.released_bytes = 0  # host tier memory given back by CLEAR with FREE
+        self._storage_s = storage_time_model(spec)  # None: storage I/O at this machine's speed
         try:
             self._attach_device()
             self._attach_host()
@@ -311,7 +327,10 @@ class TaskExecutor:
         hold = self._task.hold
 
         def part(p: slice) -> None:
+            t0 = time.perf_counter()
             oks = move(plan.keys[p], host, ids[p])
+            if self._storage_s is not None:  # the deployment's storage link: its time, waited out
+                time.sleep(max(0.0, t0 + self._storage_s(len(oks) * self.block_bytes) - time.perf_counter()))
             done.extend(oks)
             if load:  # sealed before a swap waiting for these blocks may read them
                 self._landed(ids[p].tolist(), oks)

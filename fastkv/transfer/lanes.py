@@ -52,6 +52,12 @@ writer holds the blocks it reads (SWAP_IN) and no task at all holds the blocks i
 (SWAP_OUT). A SWAP_IN of blocks a STORE is reading runs at once: both only read. A storage
 task frees its blocks part by part, so a SWAP_IN right behind a LOAD copies block i while
 block i+1 loads.
+
+Within the storage lane, a LOOKUP or LOAD goes ahead of the STOREs queued before it: a request
+waits for those, nobody for a STORE, and behind a backlog of write-through STOREs at the
+storage link's speed an admission's LOOKUP would wait out all of them. Nothing depends on the
+order: a STORE's host blocks are pinned, never a LOAD's destination, and a key is looked up or
+loaded only once its STORE landed (else it is a miss, as in any other order).
 """
 from __future__ import annotations
 
@@ -162,7 +168,8 @@ class HostHolds:
 
 
 class StorageLane:
-    """One thread running storage tasks in the order they were submitted.
+    """One thread running storage tasks in the order they were submitted, LOOKUPs and LOADs
+    ahead of the STOREs queued before them (module docstring).
 
     ``run(msg, hold)`` executes and acks one task. An exception out of it (the engine is
     gone, or a bug) ends the lane: the tasks still queued are dropped, their holds released,
@@ -183,7 +190,11 @@ class StorageLane:
                 hold.release()
                 self.check()
                 return
-            self._queue.append((msg, hold))
+            queue = self._queue
+            if msg.kind == BACKGROUND_KIND or not queue or queue[-1][0].kind != BACKGROUND_KIND:
+                queue.append((msg, hold))
+            else:  # ahead of the queued STOREs, behind the LOOKUPs and LOADs queued before it
+                queue.insert(next(i for i, (m, _) in enumerate(queue) if m.kind == BACKGROUND_KIND), (msg, hold))
             self._cond.notify()
         if self._thread is None:  # started on the first storage task: runs without storage have none
             sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))

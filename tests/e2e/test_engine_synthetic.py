@@ -57,6 +57,10 @@ def run_once(tmp_path, name: str, url: str, wl: list[dict], tp: int = 1, referen
     assert all(c == 0 for c in codes.values()), codes
     if reference:
         check_outputs(results, wl)
+    t = summary["gpu_time"]  # the wall from the first step to the last, split by cause
+    assert 0 < summary["gpu_busy"] <= 1 and t["gpu"] > 0, summary
+    assert sum(v for k, v in t.items() if k != "wall") == pytest.approx(t["wall"], abs=1e-3), t
+    assert t["wall"] <= summary["last_token_s"] <= summary["seconds"], summary
     return results, summary
 
 

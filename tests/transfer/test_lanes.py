@@ -291,6 +291,31 @@ def test_a_storage_lane_that_fails_drops_its_queue_frees_its_holds_and_reraises_
         lane.close()
 
 
+def test_lookups_and_loads_go_ahead_of_queued_stores_in_their_own_order():
+    """A request waits for its LOOKUP and LOAD, nobody for a STORE: behind a backlog of STOREs
+    they run first, among themselves in the order sent."""
+    holds, ran, gate = HostHolds(), [], threading.Event()
+
+    def run(msg, hold):
+        gate.wait(10)
+        ran.append(msg.task_id)
+        hold.release()
+
+    lane = StorageLane(run, "test-storage")
+    try:
+        kinds = [CopyKind.STORE, CopyKind.STORE, CopyKind.STORE, CopyKind.LOOKUP, CopyKind.STORE, CopyKind.LOAD]
+        for i, kind in enumerate(kinds):
+            lane.submit(TaskMsg(i, int(kind)), holds.hold([i], writes=kind == CopyKind.LOAD))
+            if i == 0:  # the first STORE is running when the others come
+                while not lane._busy:
+                    threading.Event().wait(0.001)
+        gate.set()
+        lane.drain(lambda: None, 0.05)
+        assert ran == [0, 3, 5, 1, 2, 4]
+    finally:
+        lane.close()
+
+
 def test_the_storage_lane_cuts_the_gil_switch_interval_so_a_woken_swap_waits_a_fraction_of_5_ms():
     """A woken thread waits for the GIL up to the switch interval (CPython's default: 5 ms)
     while another thread runs Python: starting the storage lane must cut it. (What that
@@ -314,22 +339,25 @@ def test_the_storage_lane_cuts_the_gil_switch_interval_so_a_woken_swap_waits_a_f
         sys.setswitchinterval(previous)
 
 
-def storage_thread_sees(probe, kinds=(CopyKind.STORE,)):
-    """What ``probe(tid)`` returns on a storage lane's thread as it runs each task of ``kinds``."""
-    seen = []
+def storage_thread_sees(probe, kinds=(CopyKind.STORE,), one_by_one=False):
+    """What ``probe(tid)`` returns on a storage lane's thread as it runs each task of ``kinds``
+    (in the order sent: the lane runs LOOKUPs and LOADs ahead of queued STOREs)."""
+    seen = {}
 
     def run(msg, hold):
-        seen.append(probe(threading.get_native_id()))
+        seen[msg.task_id] = probe(threading.get_native_id())
         hold.release()
 
     lane = StorageLane(run, "test-storage")
     try:
         for i, kind in enumerate(kinds):
             lane.submit(TaskMsg(i + 1, int(kind)), HostHolds().hold([i], writes=kind == CopyKind.LOAD))
+            if one_by_one:  # each task runs before the next is sent: the order is the one given
+                lane.drain(lambda: None, 0.05)
         lane.drain(lambda: None, 0.05)
     finally:
         lane.close()
-    return seen
+    return [seen[i + 1] for i in range(len(kinds))]
 
 
 def may_leave_sched_idle() -> bool:
@@ -373,6 +401,6 @@ def test_where_sched_idle_is_refused_the_storage_thread_is_niced(monkeypatch):
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     seen = storage_thread_sees(lambda tid: os.getpriority(os.PRIO_PROCESS, tid), (CopyKind.LOAD, CopyKind.STORE,
-                                                                                  CopyKind.LOAD))
+                                                                                  CopyKind.LOAD), one_by_one=True)
     assert seen == [mine, min(19, mine + STORAGE_NICE), min(19, mine + STORAGE_NICE)] and STORAGE_NICE > 0
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine, "the loop thread was niced too"

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from fastkv.cli import JobConfig
-from fastkv.engine.runners.cost_model import LLAMA3_8B_H100, LLAMA3_70B_H100_TP4, ScaledCostModel, deployment
+from fastkv.engine.runners.cost_model import (
+    LLAMA3_8B_H100,
+    LLAMA3_8B_H100_POOL,
+    LLAMA3_70B_H100_TP4,
+    ScaledCostModel,
+    deployment,
+)
 from fastkv.sched.output import SeqWork, StepPlan
 from tests.unit.test_synthetic_runner import layout, make
 
@@ -137,3 +143,30 @@ def test_the_runners_own_byte_work_comes_before_the_modelled_compute_and_is_coun
     assert own > 0
     assert wall >= want + own
     assert want <= out.seconds <= wall - own + 1e-3
+
+
+def test_storage_keeps_the_deployments_ratio_to_the_copies():
+    """A block's STORE takes, here, its copy time here times the deployment's PCIe / storage ratio."""
+    local_token, gbps = 32 << 10, 12e9
+    for dep, link in ((D, 6e9), (LLAMA3_8B_H100_POOL, 12.5e9)):
+        m = ScaledCostModel.calibrate(dep, local_token, gbps)
+        block = 16 * local_token
+        copy = m.scale * 16 * dep.copy_seconds_per_token()  # a block's copy under the model, here
+        assert copy == pytest.approx(block / gbps)
+        assert m.storage_seconds(block) == pytest.approx(copy * 64e9 / link)  # both links at 80 %
+    assert deployment("llama3-8b-h100-sxm-pool100g").storage == "100gbe"
+    with pytest.raises(ValueError, match="copy bandwidth"):
+        ScaledCostModel(D, 1.0).storage_seconds(1)
+
+
+def test_the_transfer_process_throttles_storage_only_under_a_cost_model():
+    from fastkv.run import RunSpec
+    from fastkv.transfer.executor import storage_time_model
+
+    spec = JobConfig(layers=16, kv_heads=8, dtype="bfloat16").layout()
+    base = RunSpec(run_id="t", layout=spec, num_device_blocks=4, num_host_blocks=4, runner="synthetic",
+                   runner_options={"cost_model": D.name, "copy_gbps": 12.0})
+    seconds = storage_time_model(base)
+    assert seconds(spec.block_bytes) == pytest.approx(
+        ScaledCostModel.calibrate(D, spec.block_bytes // spec.block_size, 12e9).storage_seconds(spec.block_bytes))
+    assert storage_time_model(RunSpec(**{**base.__dict__, "runner_options": {}})) is None

@@ -94,6 +94,10 @@ def test_counters_for_copies_by_kind_and_bytes_and_storage_faults():
     assert got[("fastkv_copy_failures_total", (("kind", "load"),))] == 1
     assert got[("fastkv_storage_errors_total", ())] == 3 and got[("fastkv_storage_corrupt_values_total", ())] == 1
     assert got[("fastkv_host_checksum_mismatches_total", (("rank", "0"),))] == 2
+    assert got[("fastkv_storage_skipped_blocks_total", ())] == 0
+    m.scheduler.cache.stats.skipped_stores = 5  # read at scrape time
+    assert ("fastkv_storage_skipped_blocks_total", 5) in {(s.name, s.value) for s in samples(
+        generate_latest(m.registry).decode())}
     gauges = {fam.name for fam in text_string_to_metric_families(text) if fam.type == "gauge"}
     assert gauges == {"fastkv_blocks", "fastkv_requests", "fastkv_copies_in_flight"}
 

@@ -26,6 +26,13 @@ Public constants (dense bf16, no sparsity):
 - Achievable fractions (assumptions, not specs): 50 % of peak FLOPs in prefill (the MFU large
   prefill batches reach), 80 % of HBM and of PCIe bandwidth. They put a prefill token at
   ~30 us and its KV copy at ~2.6 us each way.
+- Storage: each deployment names the link its storage tier sits behind (``STORAGE_LINKS``):
+  a local NVMe Gen4 x4 SSD (7 GB/s sequential read, ~6 GB/s write: the write side counts, as
+  write-throughs are most of what a tier moves) or a shared pool over 100 GbE (12.5 GB/s),
+  each at 80 %. The storage tier's I/O is throttled to it, scaled like the copies
+  (``ScaledCostModel.storage_seconds``): a STORE or LOAD takes at least the deployment's time for
+  its bytes, times ``scale``, so storage and auto preemption are judged at the deployment's
+  ratio of storage to PCIe and compute, not at this machine's page-cache speed.
 """
 from __future__ import annotations
 
@@ -59,6 +66,8 @@ class Deployment:
     pcie_efficiency: float = 0.8
     dtype_bytes: int = 2
     tp: int = 1
+    storage: str = "nvme"  # a STORAGE_LINKS name: what the storage tier sits behind, per rank
+    storage_efficiency: float = 0.8
 
     @property
     def matmul_params(self) -> int:
@@ -99,6 +108,14 @@ class Deployment:
         """One direction of one token's KV over the host link."""
         return self.kv_bytes_per_token / (self.pcie_bandwidth * self.pcie_efficiency)
 
+    @property
+    def storage_bandwidth(self) -> float:
+        """Bytes/s one rank's storage I/O achieves."""
+        return STORAGE_LINKS[self.storage] * self.storage_efficiency
+
+
+# bytes/s of the link a storage tier sits behind (module docstring)
+STORAGE_LINKS = {"nvme": 6e9, "100gbe": 12.5e9}
 
 LLAMA3_8B_H100 = Deployment(
     name="llama3-8b-h100-sxm", layers=32, hidden=4096, q_heads=32, kv_heads=8, head_dim=128, ffn=14336,
@@ -109,7 +126,12 @@ LLAMA3_70B_H100_TP4 = Deployment(
     name="llama3-70b-h100-sxm-tp4", layers=80, hidden=8192, q_heads=64, kv_heads=8, head_dim=128, ffn=28672,
     vocab=128256, peak_flops=989e12, hbm_bandwidth=3.35e12, pcie_bandwidth=64e9, tp=4,
 )
-DEPLOYMENTS = {d.name: d for d in (LLAMA3_8B_H100, LLAMA3_70B_H100_TP4)}
+# The 8B deployment with its storage tier a pool shared over 100 GbE instead of a local SSD.
+LLAMA3_8B_H100_POOL = Deployment(
+    name="llama3-8b-h100-sxm-pool100g", layers=32, hidden=4096, q_heads=32, kv_heads=8, head_dim=128, ffn=14336,
+    vocab=128256, peak_flops=989e12, hbm_bandwidth=3.35e12, pcie_bandwidth=64e9, storage="100gbe",
+)
+DEPLOYMENTS = {d.name: d for d in (LLAMA3_8B_H100, LLAMA3_8B_H100_POOL, LLAMA3_70B_H100_TP4)}
 
 
 def deployment(name: str) -> Deployment:
@@ -138,6 +160,7 @@ class ScaledCostModel:
 
     deployment: Deployment
     scale: float
+    copy_bandwidth: float = 0.0  # this machine's, bytes/s, as calibrated
 
     @classmethod
     def calibrate(cls, dep: Deployment, local_kv_bytes_per_token: int, copy_bandwidth: float) -> ScaledCostModel:
@@ -145,10 +168,20 @@ class ScaledCostModel:
             raise ValueError(f"need KV bytes per token ({local_kv_bytes_per_token}) and copy bandwidth "
                              f"({copy_bandwidth}) > 0")
         local = local_kv_bytes_per_token / copy_bandwidth
-        return cls(dep, local / dep.copy_seconds_per_token())
+        return cls(dep, local / dep.copy_seconds_per_token(), copy_bandwidth)
 
     def step_seconds(self, seqs: Iterable[tuple[int, int]]) -> float:
         return self.scale * self.deployment.step_seconds(seqs)
+
+    def storage_seconds(self, nbytes: int) -> float:
+        """The least time a STORE or LOAD of ``nbytes`` (this machine's KV layout) takes here: the
+        deployment's storage time for the same tokens, scaled like its copies. This machine's KV
+        bytes per token stand for the deployment's, as in ``calibrate``, so the ratio of storage
+        to copy time is the deployment's."""
+        if self.copy_bandwidth <= 0:
+            raise ValueError("storage_seconds needs the copy bandwidth the model was calibrated at")
+        dep = self.deployment
+        return nbytes / self.copy_bandwidth * (dep.pcie_bandwidth * dep.pcie_efficiency / dep.storage_bandwidth)
 
     def preemption_costs(self, batch: int = 16, context: int = 1024, chunk: int = 2048) -> dict[str, float]:
         """What preempting costs under this model, here (microseconds; scaled like the steps):

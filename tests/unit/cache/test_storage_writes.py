@@ -146,3 +146,37 @@ def test_a_resume_key_matches_once_only_for_the_request_it_was_stored_for():
     m.free("r")
     again = m.allocate("r", resumed)  # same id and tokens, but no preempted state left to resume
     assert again.num_cached_tokens + again.num_pending_tokens == 2 * BS
+
+
+def test_through_skips_and_counts_stores_past_the_backlog_and_stores_again_once_it_drains():
+    """Storage slower than the engine makes blocks: past ``storage_backlog_blocks`` STORE blocks
+    in flight the write-through STOREs are skipped and counted, never queued without bound."""
+    m = pool(StorageWrites.THROUGH, dev=8, host=8, storage_backlog_blocks=2)
+    assert not m.allocate("a", toks(1, 2, 3)).plans
+    (through,) = m.mark_computed("a", 3 * BS)
+    (store,) = m.complete(through, True).plans
+    assert store.kind is CopyKind.STORE and len(store.src) == 2 and m.stats.skipped_stores == 1
+    assert not m.allocate("b", toks(4)).plans
+    (through_b,) = m.mark_computed("b", BS)
+    assert m.complete(through_b, True).plans == () and m.stats.skipped_stores == 2  # the backlog is full
+    assert m.complete(store, True).plans == ()
+    assert m.stats.store_blocks == 2 and len(m.index.stored) == 2
+    m.free("a")
+    m.free("b")
+    assert not m.allocate("c", toks(5)).plans  # the backlog drained: stored again
+    (through_c,) = m.mark_computed("c", BS)
+    (store_c,) = m.complete(through_c, True).plans
+    assert list(store_c.keys) == m.keys_for(toks(5)) and m.stats.skipped_stores == 2
+    drain(m, [store_c])
+    m.check_integrity()
+
+
+def test_a_request_preempted_to_storage_is_stored_whatever_the_backlog():
+    m = pool(StorageWrites.THROUGH, dev=6, host=6, storage_backlog_blocks=0)
+    drain(m, m.allocate("b", toks(3, 4, extra=2)).plans)
+    drain(m, m.mark_computed("b", 2 * BS + 2))
+    assert m.stats.skipped_stores == 2 and not m.index.stored  # write-through STOREs: skipped
+    drain(m, m.offload("b", to_storage=True))  # the victim resumes from storage: stored, backlog or not
+    assert all(k in m.index.stored for k in m.keys_for(toks(3, 4)))
+    assert m.stats.skipped_stores == 2 and m.stats.store_blocks == 3  # its partial block too
+    m.check_integrity()
