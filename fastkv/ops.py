@@ -54,7 +54,7 @@ PREBUILT_DIR = Path(__file__).resolve().parent / "_prebuilt"
 LIB_NAME = "fastkv_ops"
 _CPU_SOURCES = ("swap_op.cc", "block_digest.cc", "block_digest_avx2.cc", "block_digest_avx512.cc")
 _CUDA_SOURCES = ("swap_cuda.cu",)
-_HEADERS = ("swap_common.h", "swap_cuda.h", "block_digest.h", "third_party/xxhash/xxhash.h")
+_HEADERS = ("swap_common.h", "swap_cuda.h", "block_digest.h", "block_copy_hash.h", "third_party/xxhash/xxhash.h")
 _CXX_FLAGS = ["-O3", "-pthread"]
 _CUDA_FLAGS = ["-O3", "-DFASTKV_WITH_CUDA"]  # and the -gencode flags of fastkv.cuda_arch
 
@@ -315,6 +315,7 @@ def _bind_c_abi(lib: ctypes.CDLL) -> ctypes.CDLL:
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.fkv_cpu_swap.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32, i32, i32, ptr]
     lib.fkv_cpu_block_checksums.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
+    lib.fkv_cpu_set_fused_checksums.argtypes = [i32]
     lib.fkv_cpu_set_copy_policy.argtypes = [i32, ptr, ptr, ptr]
     lib.fkv_cpu_copy_choice.argtypes = [i64, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)]
     lib.fkv_cpu_copy_choice.restype = None
@@ -363,6 +364,16 @@ def copy_choice(nbytes: int, max_threads: int) -> tuple[bool, int]:
     streaming, threads = ctypes.c_int32(), ctypes.c_int32()
     c_abi().fkv_cpu_copy_choice(nbytes, max_threads, ctypes.byref(streaming), ctypes.byref(threads))
     return bool(streaming.value), threads.value
+
+
+def set_fused_checksums(mode: int) -> int:
+    """How a CPU SWAP_OUT hashes its pages, for tests and benchmarks to compare: 1 in the copy's
+    pass (the default), 2 the same with the AVX2 build, 0 each page after its copy. Returns the
+    previous mode; ValueError where this CPU has no such build."""
+    was = c_abi().fkv_cpu_set_fused_checksums(mode)
+    if was < 0:
+        raise ValueError(f"fused checksums mode {mode}: this CPU has no such build (modes 0, 1, 2)")
+    return was
 
 
 def _thread_counts(max_threads: int) -> list[int]:

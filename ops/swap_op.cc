@@ -31,6 +31,7 @@
 namespace {
 
 fkv::CopyPolicy g_policy;  // set once by fkv_cpu_set_copy_policy when the ops load, before any swap
+fkv::PageCopyHash g_copy_hash = fkv::page_copy_hash();  // a SWAP_OUT's fused copy and hash (fkv_cpu_set_fused_checksums)
 thread_local std::string g_cpu_error;
 
 constexpr const char* kOp = "fastkv_swap_blocks: ";
@@ -172,7 +173,8 @@ extern "C" const char* fkv_cpu_last_error() { return g_cpu_error.c_str(); }
 // them; the ids are checked here, before anything moves). method -1: the policy's choice with
 // at most num_threads threads; 0 regular, 1 streaming stores on exactly num_threads (calibration).
 // sums (to_host only; may be null): the host tier's checksums, [num_host_blocks][16]; each
-// destination block's is written from its pages as they are copied (block_digest.h).
+// destination block's is written from its pages, hashed in the same pass as their copy
+// (block_digest.h).
 extern "C" int fkv_cpu_swap(char* const* dev_k, char* const* dev_v, int64_t num_layers, char* host, int64_t page_bytes,
                             int64_t num_dev_blocks, int64_t num_host_blocks, const int32_t* src, const int32_t* dst,
                             int64_t n, int32_t to_host, int32_t num_threads, int32_t method, uint8_t* sums) {
@@ -197,7 +199,8 @@ extern "C" int fkv_cpu_swap(char* const* dev_k, char* const* dev_v, int64_t num_
   }
   const int64_t pages = 2 * num_layers;
   std::vector<uint64_t> digests(static_cast<size_t>(n * pages));
-  fkv::swap_cpu(dev_k, dev_v, host, g, src, dst, n, true, how, fkv::page_hash(), digests.data());
+  fkv::swap_cpu(dev_k, dev_v, host, g, src, dst, n, true, how, fkv::page_hash(), digests.data(),
+                g_copy_hash);
   for (int64_t i = 0; i < n; ++i) fkv::block_checksum(&digests[i * pages], pages, sums + int64_t{dst[i]} * 16);
   return 0;
 }
@@ -222,6 +225,18 @@ extern "C" int fkv_cpu_block_checksums(const char* host, int64_t num_layers, int
     fkv::block_checksum(digests.data(), pages, out + j * 16);
   }
   return 0;
+}
+
+// How a SWAP_OUT hashes its pages, for tests and the benchmark to compare: mode 1 in the copy's
+// pass with the best build for the CPU (the default), 2 the same with the AVX2 build, 0 each
+// page from its source after its copy. Returns the previous mode, or -1 (nothing changed)
+// where the CPU has no such build.
+extern "C" int fkv_cpu_set_fused_checksums(int32_t mode) {
+  const fkv::PageCopyHash want = mode == 0 ? nullptr : fkv::page_copy_hash(mode == 2);
+  if (mode < 0 || mode > 2 || (mode != 0 && want == nullptr)) return -1;
+  const int was = g_copy_hash == nullptr ? 0 : g_copy_hash == fkv::page_copy_hash() ? 1 : 2;
+  g_copy_hash = want;
+  return was;
 }
 
 // Installs the measured policy: entry i (min_bytes ascending) applies to calls of >= min_bytes[i].
