@@ -582,7 +582,8 @@ class BoundSwap:
         Not thread-safe: one caller at a time (the transfer process's swap lane).
 
         ``sums`` (a SWAP_OUT's): the host tier's checksums, uint8 [host blocks, 16], C-contiguous;
-        the CPU kernel writes each destination's checksum as it copies (``block_checksums``).
+        the CPU kernel writes each destination's checksum, hashing each page in the copy's pass
+        (``block_checksums``, ``set_fused_checksums``).
         Returns whether it did (a GPU swap does not: seal its blocks after it)."""
         if self.on_gpu:
             swap_blocks(self._k, self._v, self._host, src, dst, to_host=to_host, num_threads=num_threads)

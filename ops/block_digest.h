@@ -1,9 +1,8 @@
 // Host block checksums (fastkv/transfer/tiers.py, ``block_checksum``, is the reference):
 // XXH3-128 (canonical, big-endian bytes) of the XXH3-64 digests of the block's pages in host
-// order, each as 8 little-endian bytes. Per page, so that a SWAP_OUT hashes each page from its
-// source right after copying it, while the page is still in the cache: hashing the block after
-// the copy read it back from memory (streaming stores leave nothing cached), about as slow as
-// the copy itself. xxHash is vendored in ops/third_party/xxhash (BSD-2-Clause, 0.8.2).
+// order, each as 8 little-endian bytes. Per page, so that a SWAP_OUT hashes each page in the
+// same pass over its bytes as the copy (page_copy_hash): hashing the block after the copy read
+// it back from memory (streaming stores leave nothing cached), about as slow as the copy itself. xxHash is vendored in ops/third_party/xxhash (BSD-2-Clause, 0.8.2).
 #pragma once
 
 #include <cstddef>
