@@ -501,6 +501,7 @@ def swap_blocks(
     to_host: bool,
     num_threads: int | None = None,
     dma_min_bytes: int = DEFAULT_DMA_MIN_BYTES,
+    sums_addr: int = 0,
 ) -> None:
     """Copies block ``src[i]`` to block ``dst[i]`` for every i, all layers, K and V, in one op call.
 
@@ -509,7 +510,10 @@ def swap_blocks(
     head_dim]``. to_host=True: src are device block ids, dst host block ids (SWAP_OUT); False:
     the reverse (SWAP_IN). src/dst: 1-D integer arrays (numpy, lists or paddle tensors) of
     equal length; dst ids must be unique. num_threads: CPU threads (default: every core this
-    process may use). Returns when the bytes are in place (GPU: after the completion event).
+    process may use). sums_addr (a SWAP_OUT's; 0: none): the address of the host tier's
+    checksums, a C-contiguous uint8 [host_blocks, 16] array the caller checked (``BoundSwap``
+    does); each destination block's checksum is written there. Returns when the bytes are in
+    place (GPU: after the completion event).
     Raises TypeError/ValueError naming the bad argument before anything is copied.
     """
     paddle = _paddle()
@@ -526,7 +530,8 @@ def swap_blocks(
     src_t, dst_t = from_dlpack(src_ids), from_dlpack(dst_ids)  # zero-copy: the op reads the ids in place
     try:
         paddle._C_ops._run_custom_op(
-            "fastkv_swap_blocks", k_list, v_list, host, src_t, dst_t, bool(to_host), threads, int(dma_min_bytes)
+            "fastkv_swap_blocks", k_list, v_list, host, src_t, dst_t, bool(to_host), threads, int(dma_min_bytes),
+            int(sums_addr)
         )
     except OSError as exc:  # how Paddle surfaces PD_CHECK
         message = str(exc)
@@ -584,10 +589,14 @@ class BoundSwap:
         ``sums`` (a SWAP_OUT's): the host tier's checksums, uint8 [host blocks, 16], C-contiguous;
         the CPU kernel writes each destination's checksum, hashing each page in the copy's pass
         (``block_checksums``, ``set_fused_checksums``).
-        Returns whether it did (a GPU swap does not: seal its blocks after it)."""
+        On the GPU the op writes them, hashing each unit of blocks from the host tier as it
+        lands while the next units copy. Returns whether the checksums were written."""
+        sealing = sums is not None and bool(to_host)
         if self.on_gpu:
-            swap_blocks(self._k, self._v, self._host, src, dst, to_host=to_host, num_threads=num_threads)
-            return False
+            sums_at = self._sums_address(sums, self._geometry[4]) if sealing else 0
+            swap_blocks(self._k, self._v, self._host, src, dst, to_host=to_host, num_threads=num_threads,
+                        sums_addr=sums_at)
+            return sealing
         src, dst = _ids_fast(src, "src"), _ids_fast(dst, "dst")
         n = len(src)
         if n != len(dst):
@@ -599,7 +608,6 @@ class BoundSwap:
             src_at, dst_at = src.ctypes.data, dst.ctypes.data
         threads = default_num_threads() if num_threads is None else num_threads
         layers, host, page, ndev, nhost = self._geometry
-        sealing = sums is not None and to_host
         sums_at = self._sums_address(sums, nhost) if sealing else None
         if self._lib.fkv_cpu_swap(self._k_ptrs, self._v_ptrs, layers, host, page, ndev, nhost, src_at, dst_at, n,
                                   bool(to_host), threads, -1, sums_at) != 0:

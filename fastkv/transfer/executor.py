@@ -256,7 +256,7 @@ class TaskExecutor:
                 unsealed.extend(plan.dst[p].tolist())
 
         self._in_parts(len(plan.src), part, SWAP_PART_S)
-        if unsealed:  # a GPU swap: sealed from the host bytes once they are there
+        if unsealed:  # a swap that wrote no checksums: sealed from the host bytes
             host.seal(unsealed)
         return len(plan.src) * self.block_bytes, ""
 

@@ -211,3 +211,21 @@ def test_fused_checksum_modes_are_checked():
         assert ops.set_fused_checksums(1) == 1, "a refused mode changed the setting"
     finally:
         ops.set_fused_checksums(was)
+
+
+def test_the_op_writes_a_swap_outs_checksums_at_the_address_it_is_given(paddle_ops):
+    """``swap_blocks(..., sums_addr=...)``: the Paddle op's path (a GPU SWAP_OUT's on a CUDA
+    build; on the CPU the same fused kernel) writes each destination's checksum there."""
+    from fastkv.config import KVLayout
+
+    lay = KVLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=16, dtype="float32")
+    rng = np.random.default_rng(5)
+    k = [paddle_ops.to_tensor(rng.standard_normal(lay.device_shape(4)).astype(np.float32)) for _ in range(2)]
+    v = [paddle_ops.to_tensor(rng.standard_normal(lay.device_shape(4)).astype(np.float32)) for _ in range(2)]
+    host = paddle_ops.zeros(lay.host_shape(3), dtype="float32")
+    sums = np.zeros((3, 16), np.uint8)
+    ops.swap_out(k, v, host, [3, 1], [2, 0], num_threads=1, sums_addr=sums.ctypes.data)
+    assert [sums[b].tobytes() for b in (2, 0)] == reference(host.numpy(), [2, 0])
+    assert not sums[1].any(), "a block the swap did not write got a checksum"
+    ops.swap_in(k, v, host, [2], [0], num_threads=1, sums_addr=sums.ctypes.data)
+    assert not sums[1].any(), "a SWAP_IN writes no checksum"
