@@ -250,7 +250,18 @@ inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const
     uint64_t got[kFusedPages];
     for (; p < end; p += group) {
       const int count = static_cast<int>(std::min(group, end - p));
-      for (int k = 0; k < count; ++k) ats[k] = locate(p + k, &tos[k], &froms[k]);
+      uintptr_t grid = 0;
+      for (int k = 0; k < count; ++k) {
+        ats[k] = locate(p + k, &tos[k], &froms[k]);
+        grid |= reinterpret_cast<uintptr_t>(tos[k]);
+      }
+      if (streaming && (grid & 63)) {  // off the grid the fused loop would take regular stores: slower
+        for (int k = 0; k < count; ++k) {
+          stream_copy(tos[k], froms[k], static_cast<size_t>(page));
+          digests[ats[k]] = hash(froms[k], static_cast<size_t>(page));
+        }
+        continue;
+      }
       fused(tos, froms, count, static_cast<size_t>(page), streaming, got);
       for (int k = 0; k < count; ++k) digests[ats[k]] = got[k];
     }

@@ -85,6 +85,10 @@ void swap_cpu_sealed(char* const* dev_k, char* const* dev_v, char* host, const f
   }
   const int64_t pages = 2 * g.num_layers;
   std::vector<uint64_t> digests(static_cast<size_t>(n * pages));
+  // The fused copy streams its stores at every size: the policy's regular stores (measured per
+  // machine for plain copies) read each destination line first, which the hash's arithmetic
+  // then no longer hides (measured on a 2 MiB block: 107 against 163 us, 98 us unhashed).
+  if (g_copy_hash != nullptr) how.streaming = true;
   fkv::swap_cpu(dev_k, dev_v, host, g, src, dst, n, true, how, fkv::page_hash(), digests.data(), g_copy_hash);
   for (int64_t i = 0; i < n; ++i) fkv::block_checksum(&digests[i * pages], pages, sums + int64_t{dst[i]} * 16);
 }
