@@ -126,7 +126,10 @@ def fused_mode():
     modes = []
 
     def use(mode: int) -> None:
-        modes.append(ops.set_fused_checksums(mode))
+        try:
+            modes.append(ops.set_fused_checksums(mode))
+        except ValueError:  # no AVX2 on this CPU: nothing to compare
+            pytest.skip(f"this CPU has no build for fused checksums mode {mode}")
 
     yield use
     if modes:
