@@ -242,7 +242,7 @@ inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const
   const char *from, *from2;
   int64_t p = begin;
   if (hash && fused) {
-    // kFusedPages pages side by side when streaming (as many read streams as the plain copy's)
+    // kFusedPages pages side by side when streaming (block_copy_hash.h: why two)
     const int64_t group = streaming ? kFusedPages : 1;
     char* tos[kFusedPages];
     const char* froms[kFusedPages];
