@@ -64,6 +64,7 @@ class CudaError(RuntimeError):
 
 
 _I64, _I32, _P = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+LANDED_FN = ctypes.CFUNCTYPE(None, _P, ctypes.POINTER(_I32), _I64)  # fkv_landed_fn
 
 
 class CudaSwapLib:
@@ -74,6 +75,8 @@ class CudaSwapLib:
         sig = {
             "fkv_cuda_swap": [ctypes.POINTER(_P), ctypes.POINTER(_P), _I64, _P, _I64, _I64, _I64, _P, _P, _I64, _I32,
                               _I64, _P, _I32],
+            "fkv_cuda_swap_landed": [ctypes.POINTER(_P), ctypes.POINTER(_P), _I64, _P, _I64, _I64, _I64, _P, _P, _I64,
+                                     _I64, _P, _I64, LANDED_FN, _P],
             "fkv_cuda_wait": [],
             "fkv_cuda_host_register": [_P, _I64],
             "fkv_cuda_host_unregister": [_P],
@@ -149,6 +152,21 @@ class CudaSwapLib:
         k_arr, v_arr = (_P * layers)(*dev_k), (_P * len(dev_v))(*dev_v)
         self._call("fkv_cuda_swap", k_arr, v_arr, layers, host, page_bytes, num_dev_blocks, num_host_blocks,
                    src.ctypes.data, dst.ctypes.data, len(src), int(to_host), dma_min_bytes, None, int(sync))
+
+    def swap_landed(self, dev_k: list[int], dev_v: list[int], host: int, page_bytes: int, num_dev_blocks: int,
+                    num_host_blocks: int, src: np.ndarray, dst: np.ndarray, *, unit_bytes: int,
+                    on_landed, dma_min_bytes: int = 2 << 20) -> None:
+        """One fkv_cuda_swap_landed call (a SWAP_OUT): ``on_landed(pairs)`` gets each unit's pair
+        indices (a list) once its bytes are in host memory."""
+        src = np.ascontiguousarray(src, dtype=np.int32)
+        dst = np.ascontiguousarray(dst, dtype=np.int32)
+        if len(src) != len(dst) or len(dev_k) != len(dev_v):
+            raise ValueError(f"need equal lengths: {len(src)} src, {len(dst)} dst, {len(dev_k)} K, {len(dev_v)} V")
+        layers = len(dev_k)
+        k_arr, v_arr = (_P * layers)(*dev_k), (_P * len(dev_v))(*dev_v)
+        callback = LANDED_FN(lambda _ctx, pairs, count: on_landed([pairs[i] for i in range(count)]))
+        self._call("fkv_cuda_swap_landed", k_arr, v_arr, layers, host, page_bytes, num_dev_blocks, num_host_blocks,
+                   src.ctypes.data, dst.ctypes.data, len(src), dma_min_bytes, None, unit_bytes, callback, None)
 
 
 def main(argv: list[str] | None = None) -> int:

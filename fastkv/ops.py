@@ -54,7 +54,7 @@ PREBUILT_DIR = Path(__file__).resolve().parent / "_prebuilt"
 LIB_NAME = "fastkv_ops"
 _CPU_SOURCES = ("swap_op.cc", "block_digest.cc", "block_digest_avx2.cc", "block_digest_avx512.cc")
 _CUDA_SOURCES = ("swap_cuda.cu",)
-_HEADERS = ("swap_common.h", "swap_cuda.h", "block_digest.h", "third_party/xxhash/xxhash.h")
+_HEADERS = ("swap_common.h", "swap_cuda.h", "block_digest.h", "block_copy_hash.h", "third_party/xxhash/xxhash.h")
 _CXX_FLAGS = ["-O3", "-pthread"]
 _CUDA_FLAGS = ["-O3", "-DFASTKV_WITH_CUDA"]  # and the -gencode flags of fastkv.cuda_arch
 
@@ -315,6 +315,7 @@ def _bind_c_abi(lib: ctypes.CDLL) -> ctypes.CDLL:
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.fkv_cpu_swap.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32, i32, i32, ptr]
     lib.fkv_cpu_block_checksums.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
+    lib.fkv_cpu_set_fused_checksums.argtypes = [i32]
     lib.fkv_cpu_set_copy_policy.argtypes = [i32, ptr, ptr, ptr]
     lib.fkv_cpu_copy_choice.argtypes = [i64, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)]
     lib.fkv_cpu_copy_choice.restype = None
@@ -363,6 +364,16 @@ def copy_choice(nbytes: int, max_threads: int) -> tuple[bool, int]:
     streaming, threads = ctypes.c_int32(), ctypes.c_int32()
     c_abi().fkv_cpu_copy_choice(nbytes, max_threads, ctypes.byref(streaming), ctypes.byref(threads))
     return bool(streaming.value), threads.value
+
+
+def set_fused_checksums(mode: int) -> int:
+    """How a CPU SWAP_OUT hashes its pages, for tests and benchmarks to compare: 1 in the copy's
+    pass (the default), 2 the same with the AVX2 build, 0 each page after its copy. Returns the
+    previous mode; ValueError where this CPU has no such build."""
+    was = c_abi().fkv_cpu_set_fused_checksums(mode)
+    if was < 0:
+        raise ValueError(f"fused checksums mode {mode}: this CPU has no such build (modes 0, 1, 2)")
+    return was
 
 
 def _thread_counts(max_threads: int) -> list[int]:
@@ -490,6 +501,7 @@ def swap_blocks(
     to_host: bool,
     num_threads: int | None = None,
     dma_min_bytes: int = DEFAULT_DMA_MIN_BYTES,
+    sums_addr: int = 0,
 ) -> None:
     """Copies block ``src[i]`` to block ``dst[i]`` for every i, all layers, K and V, in one op call.
 
@@ -498,7 +510,10 @@ def swap_blocks(
     head_dim]``. to_host=True: src are device block ids, dst host block ids (SWAP_OUT); False:
     the reverse (SWAP_IN). src/dst: 1-D integer arrays (numpy, lists or paddle tensors) of
     equal length; dst ids must be unique. num_threads: CPU threads (default: every core this
-    process may use). Returns when the bytes are in place (GPU: after the completion event).
+    process may use). sums_addr (a SWAP_OUT's; 0: none): the address of the host tier's
+    checksums, a C-contiguous uint8 [host_blocks, 16] array the caller checked (``BoundSwap``
+    does); each destination block's checksum is written there. Returns when the bytes are in
+    place (GPU: after the completion event).
     Raises TypeError/ValueError naming the bad argument before anything is copied.
     """
     paddle = _paddle()
@@ -515,7 +530,8 @@ def swap_blocks(
     src_t, dst_t = from_dlpack(src_ids), from_dlpack(dst_ids)  # zero-copy: the op reads the ids in place
     try:
         paddle._C_ops._run_custom_op(
-            "fastkv_swap_blocks", k_list, v_list, host, src_t, dst_t, bool(to_host), threads, int(dma_min_bytes)
+            "fastkv_swap_blocks", k_list, v_list, host, src_t, dst_t, bool(to_host), threads, int(dma_min_bytes),
+            int(sums_addr)
         )
     except OSError as exc:  # how Paddle surfaces PD_CHECK
         message = str(exc)
@@ -571,11 +587,16 @@ class BoundSwap:
         Not thread-safe: one caller at a time (the transfer process's swap lane).
 
         ``sums`` (a SWAP_OUT's): the host tier's checksums, uint8 [host blocks, 16], C-contiguous;
-        the CPU kernel writes each destination's checksum as it copies (``block_checksums``).
-        Returns whether it did (a GPU swap does not: seal its blocks after it)."""
+        the CPU kernel writes each destination's checksum, hashing each page in the copy's pass
+        (``block_checksums``, ``set_fused_checksums``).
+        On the GPU the op writes them, hashing each unit of blocks from the host tier as it
+        lands while the next units copy. Returns whether the checksums were written."""
+        sealing = sums is not None and bool(to_host)
         if self.on_gpu:
-            swap_blocks(self._k, self._v, self._host, src, dst, to_host=to_host, num_threads=num_threads)
-            return False
+            sums_at = self._sums_address(sums, self._geometry[4]) if sealing else 0
+            swap_blocks(self._k, self._v, self._host, src, dst, to_host=to_host, num_threads=num_threads,
+                        sums_addr=sums_at)
+            return sealing
         src, dst = _ids_fast(src, "src"), _ids_fast(dst, "dst")
         n = len(src)
         if n != len(dst):
@@ -587,7 +608,6 @@ class BoundSwap:
             src_at, dst_at = src.ctypes.data, dst.ctypes.data
         threads = default_num_threads() if num_threads is None else num_threads
         layers, host, page, ndev, nhost = self._geometry
-        sealing = sums is not None and to_host
         sums_at = self._sums_address(sums, nhost) if sealing else None
         if self._lib.fkv_cpu_swap(self._k_ptrs, self._v_ptrs, layers, host, page, ndev, nhost, src_at, dst_at, n,
                                   bool(to_host), threads, -1, sums_at) != 0:

@@ -10,6 +10,12 @@ namespace fkv {
 
 uint64_t page_hash_avx2(const void* data, size_t n);    // block_digest_avx2.cc
 uint64_t page_hash_avx512(const void* data, size_t n);  // block_digest_avx512.cc
+#if defined(__x86_64__) || defined(_M_X64)
+void page_copy_hash_avx2(char* const* dst, const char* const* src, int count, size_t n, bool streaming,
+                         uint64_t* out);
+void page_copy_hash_avx512(char* const* dst, const char* const* src, int count, size_t n, bool streaming,
+                           uint64_t* out);
+#endif
 
 namespace {
 uint64_t page_hash_baseline(const void* data, size_t n) { return XXH3_64bits(data, n); }
@@ -23,6 +29,20 @@ PageHash page_hash() {
   if (best) return best;
 #endif
   return page_hash_baseline;
+}
+
+PageCopyHash page_copy_hash(bool avx2_only) {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();  // called from a static initializer (swap_op.cc), maybe before libgcc's
+  if (avx2_only) return __builtin_cpu_supports("avx2") ? page_copy_hash_avx2 : nullptr;
+  static const PageCopyHash best = __builtin_cpu_supports("avx512f") ? page_copy_hash_avx512
+                                   : __builtin_cpu_supports("avx2")  ? page_copy_hash_avx2
+                                                                     : nullptr;
+  return best;
+#else
+  (void)avx2_only;
+  return nullptr;
+#endif
 }
 
 void block_checksum(const uint64_t* page_digests, int64_t pages, uint8_t out[16]) {

@@ -20,6 +20,8 @@
 #include <thread>
 #include <vector>
 
+#include "block_digest.h"
+
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(__CUDACC__)
 #include <immintrin.h>
 #define FKV_STREAM_STORES 1
@@ -211,14 +213,15 @@ struct CopyPolicy {
 // (about 9% faster than pair by pair). Streaming, two pages go side by side as four streams
 // (stream_copy_pair): one page's jump elsewhere then overlaps the others' copies.
 //
-// With `hash`, each page's source is hashed right after its copy, into digests[i * pages_per_pair
-// + slot] for pair i (a SWAP_OUT's host checksums, block_digest.h).
-using PageDigest = uint64_t (*)(const void* data, size_t n);
+// With `hash`, each page is hashed into digests[i * pages_per_pair + slot] for pair i (a
+// SWAP_OUT's host checksums, block_digest.h): in the same pass as its copy where `fused` is
+// given (two pages side by side when streaming), else from its source right after the copy.
+using PageDigest = PageHash;
 
 inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const SwapGeometry& g,
                        const int32_t* src, const int32_t* dst, const int32_t* order, int64_t n, bool to_host,
                        bool streaming, int64_t begin, int64_t end, PageDigest hash = nullptr,
-                       uint64_t* digests = nullptr) {
+                       uint64_t* digests = nullptr, PageCopyHash fused = nullptr) {
   const int64_t pages_per_pair = 2 * g.num_layers;
   const int64_t page = g.page_bytes;
   const int64_t block = g.block_bytes();
@@ -238,6 +241,33 @@ inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const
   char *to, *to2;
   const char *from, *from2;
   int64_t p = begin;
+  if (hash && fused) {
+    // kFusedPages pages side by side when streaming (block_copy_hash.h: why two)
+    const int64_t group = streaming ? kFusedPages : 1;
+    char* tos[kFusedPages];
+    const char* froms[kFusedPages];
+    int64_t ats[kFusedPages];
+    uint64_t got[kFusedPages];
+    for (; p < end; p += group) {
+      const int count = static_cast<int>(std::min(group, end - p));
+      uintptr_t grid = 0;
+      for (int k = 0; k < count; ++k) {
+        ats[k] = locate(p + k, &tos[k], &froms[k]);
+        grid |= reinterpret_cast<uintptr_t>(tos[k]);
+      }
+      if (streaming && (grid & 63)) {  // off the grid the fused loop would take regular stores: slower
+        for (int k = 0; k < count; ++k) {
+          stream_copy(tos[k], froms[k], static_cast<size_t>(page));
+          digests[ats[k]] = hash(froms[k], static_cast<size_t>(page));
+        }
+        continue;
+      }
+      fused(tos, froms, count, static_cast<size_t>(page), streaming, got);
+      for (int k = 0; k < count; ++k) digests[ats[k]] = got[k];
+    }
+    if (streaming) store_fence();
+    return;
+  }
   if (streaming) {
     for (; p + 1 < end; p += 2) {
       const int64_t at = locate(p, &to, &from);
@@ -266,7 +296,7 @@ inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const
 // memcpys on the CPU (it does on the GPU, as one 2D copy per layer).
 inline void swap_cpu(char* const* dev_k, char* const* dev_v, char* host, const SwapGeometry& g, const int32_t* src,
                      const int32_t* dst, int64_t n, bool to_host, CopyChoice how, PageDigest hash = nullptr,
-                     uint64_t* digests = nullptr) {
+                     uint64_t* digests = nullptr, PageCopyHash fused = nullptr) {
   const int64_t total_pages = n * 2 * g.num_layers;
   if (total_pages == 0) return;
   const int64_t threads = std::min<int64_t>(std::max(how.threads, 1), total_pages);
@@ -276,7 +306,7 @@ inline void swap_cpu(char* const* dev_k, char* const* dev_v, char* host, const S
   std::sort(order.begin(), order.end(), [src](int32_t a, int32_t b) { return src[a] < src[b]; });
   const int32_t* ord = order.data();
   if (threads == 1) {
-    copy_pages(dev_k, dev_v, host, g, src, dst, ord, n, to_host, streaming, 0, total_pages, hash, digests);
+    copy_pages(dev_k, dev_v, host, g, src, dst, ord, n, to_host, streaming, 0, total_pages, hash, digests, fused);
     return;
   }
   std::vector<std::thread> workers;
@@ -286,10 +316,10 @@ inline void swap_cpu(char* const* dev_k, char* const* dev_v, char* host, const S
     const int64_t begin = std::min(total_pages, t * chunk);
     const int64_t end = std::min(total_pages, begin + chunk);
     workers.emplace_back(copy_pages, dev_k, dev_v, host, std::cref(g), src, dst, ord, n, to_host, streaming, begin,
-                         end, hash, digests);
+                         end, hash, digests, fused);
   }
   copy_pages(dev_k, dev_v, host, g, src, dst, ord, n, to_host, streaming, 0, std::min(total_pages, chunk), hash,
-             digests);
+             digests, fused);
   for (auto& w : workers) w.join();
 }
 

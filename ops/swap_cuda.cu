@@ -7,6 +7,7 @@
 // page, so they go to one gather kernel that reads and writes the mapped host memory directly.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -46,6 +47,7 @@ struct DeviceState {
   char* scratch = nullptr;
   size_t capacity = 0;
   int max_pitch = 0;
+  std::vector<cudaEvent_t> landed;  // fkv_cuda_swap_landed's per-unit events, grown as needed
 };
 
 constexpr int kMaxDevices = 64;
@@ -134,15 +136,28 @@ int check_pinned(const char* first, const char* last) {
   return 0;
 }
 
-}  // namespace
+// What one swap queues, in order: units, each a gather kernel over its scattered pairs, then
+// its DMA runs, then (landed mode) an event. pairs: the unit's pair indices i, for the callback.
+struct Unit {
+  std::vector<int32_t> k_src, k_dst;
+  std::vector<fkv::Run> dma;
+  std::vector<int32_t> pairs;
+};
 
-extern "C" {
+int ensure_events(DeviceState& s, size_t count) {
+  while (s.landed.size() < count) {
+    cudaEvent_t e = nullptr;
+    FKV_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync));
+    s.landed.push_back(e);
+  }
+  return 0;
+}
 
-const char* fkv_cuda_last_error(void) { return g_error.c_str(); }
-
-int fkv_cuda_swap(void* const* dev_k, void* const* dev_v, int64_t num_layers, void* host, int64_t page_bytes,
-                  int64_t num_dev_blocks, int64_t num_host_blocks, const int32_t* src, const int32_t* dst, int64_t n,
-                  int32_t to_host, int64_t dma_min_bytes, void* after_stream, int32_t sync) {
+// fkv_cuda_swap, and with `landed` fkv_cuda_swap_landed: units of at most unit_pairs pairs.
+int swap_impl(void* const* dev_k, void* const* dev_v, int64_t num_layers, void* host, int64_t page_bytes,
+              int64_t num_dev_blocks, int64_t num_host_blocks, const int32_t* src, const int32_t* dst, int64_t n,
+              int32_t to_host, int64_t dma_min_bytes, void* after_stream, int32_t sync, fkv_landed_fn landed,
+              void* ctx, int64_t unit_pairs) {
   fkv::SwapGeometry g{num_layers, page_bytes, num_dev_blocks, num_host_blocks};
   std::string problem = fkv::check_geometry(g);
   if (!problem.empty()) return fail(problem);
@@ -174,24 +189,38 @@ int fkv_cuda_swap(void* const* dev_k, void* const* dev_v, int64_t num_layers, vo
   if (wait_pending(*s)) return -1;
   if (n == 0) return 0;
 
-  // Split runs: long ones to the DMA engines, the rest into the gather kernel's pair list.
-  std::vector<fkv::Run> runs = fkv::coalesce(src, dst, n);
-  std::vector<fkv::Run> dma;
-  std::vector<int32_t> k_src, k_dst;
-  for (const fkv::Run& r : runs) {
-    if (static_cast<int64_t>(r.len) * page_bytes >= dma_min_bytes) {
-      dma.push_back(r);
-    } else {
-      for (int32_t j = 0; j < r.len; ++j) {
-        k_src.push_back(r.src + j);
-        k_dst.push_back(r.dst + j);
+  // Split runs: long ones to the DMA engines, the rest into the gather kernel's pair list; a
+  // unit closes when it holds unit_pairs pairs (a long run is split across units).
+  std::vector<Unit> units(1);
+  int64_t start = 0;  // pair index of the run's first pair (coalesce keeps the pairs' order)
+  for (const fkv::Run& r : fkv::coalesce(src, dst, n)) {
+    const bool by_dma = static_cast<int64_t>(r.len) * page_bytes >= dma_min_bytes;
+    for (int32_t j = 0; j < r.len;) {
+      if (static_cast<int64_t>(units.back().pairs.size()) >= unit_pairs) units.emplace_back();
+      Unit& u = units.back();
+      const int32_t take = static_cast<int32_t>(
+          std::min<int64_t>(r.len - j, unit_pairs - static_cast<int64_t>(u.pairs.size())));
+      if (by_dma) {
+        u.dma.push_back(fkv::Run{r.src + j, r.dst + j, take});
+      } else {
+        for (int32_t t = 0; t < take; ++t) {
+          u.k_src.push_back(r.src + j + t);
+          u.k_dst.push_back(r.dst + j + t);
+        }
       }
+      for (int32_t t = 0; t < take; ++t) u.pairs.push_back(static_cast<int32_t>(start + j + t));
+      j += take;
     }
+    start += r.len;
   }
 
-  if (static_cast<int64_t>(k_src.size()) * 2 * num_layers > INT32_MAX) {
-    return fail("too many scattered pages for one kernel launch: split the swap");
+  const int64_t pages_per_pair = 2 * num_layers;
+  for (const Unit& u : units) {
+    if (static_cast<int64_t>(u.k_src.size()) * pages_per_pair > INT32_MAX) {
+      return fail("too many scattered pages for one kernel launch: split the swap");
+    }
   }
+  if (landed != nullptr && ensure_events(*s, units.size())) return -1;
 
   // Everything below queues work; on a failure part of it may be queued already.
   auto enqueue = [&]() -> int {
@@ -200,58 +229,76 @@ int fkv_cuda_swap(void* const* dev_k, void* const* dev_v, int64_t num_layers, vo
       FKV_CUDA(cudaStreamWaitEvent(s->stream, s->upstream, 0));
     }
 
-    const int64_t pages_per_pair = 2 * num_layers;
-    const int64_t kernel_pairs = static_cast<int64_t>(k_src.size());
-    if (kernel_pairs > 0) {
-      const size_t table_bytes = static_cast<size_t>(pages_per_pair) * sizeof(char*);
-      const size_t ids_bytes = static_cast<size_t>(kernel_pairs) * sizeof(int32_t);
-      if (reserve(*s, table_bytes + 2 * ids_bytes)) return -1;
+    // Every unit's kernel ids in one staging buffer behind the layer table, copied up once:
+    // the copy is asynchronous, so no unit may reuse another's part of the buffer.
+    const size_t table_bytes = static_cast<size_t>(pages_per_pair) * sizeof(char*);
+    size_t ids_total = 0;
+    for (const Unit& u : units) ids_total += 2 * u.k_src.size() * sizeof(int32_t);
+    if (ids_total > 0) {
+      if (reserve(*s, table_bytes + ids_total)) return -1;
       char** table = reinterpret_cast<char**>(s->staging);
       for (int64_t l = 0; l < num_layers; ++l) {
         table[2 * l] = static_cast<char*>(dev_k[l]);
         table[2 * l + 1] = static_cast<char*>(dev_v[l]);
       }
-      std::memcpy(s->staging + table_bytes, k_src.data(), ids_bytes);
-      std::memcpy(s->staging + table_bytes + ids_bytes, k_dst.data(), ids_bytes);
-      FKV_CUDA(cudaMemcpyAsync(s->scratch, s->staging, table_bytes + 2 * ids_bytes, cudaMemcpyHostToDevice, s->stream));
-      auto* d_table = reinterpret_cast<char* const*>(s->scratch);
-      auto* d_src = reinterpret_cast<const int32_t*>(s->scratch + table_bytes);
-      auto* d_dst = reinterpret_cast<const int32_t*>(s->scratch + table_bytes + ids_bytes);
-      const int64_t pages = kernel_pairs * pages_per_pair;
-      if (aligned) {
-        gather_pages<uint4><<<static_cast<unsigned>(pages), 256, 0, s->stream>>>(d_table, host_mapped, d_src, d_dst,
-                                                                                  pages_per_pair, page_bytes, to_host);
-      } else {
-        gather_pages<unsigned char><<<static_cast<unsigned>(pages), 256, 0, s->stream>>>(
-            d_table, host_mapped, d_src, d_dst, pages_per_pair, page_bytes, to_host);
+      size_t at = table_bytes;
+      for (const Unit& u : units) {
+        const size_t ids_bytes = u.k_src.size() * sizeof(int32_t);
+        std::memcpy(s->staging + at, u.k_src.data(), ids_bytes);
+        std::memcpy(s->staging + at + ids_bytes, u.k_dst.data(), ids_bytes);
+        at += 2 * ids_bytes;
       }
-      FKV_CUDA(cudaGetLastError());
+      FKV_CUDA(cudaMemcpyAsync(s->scratch, s->staging, table_bytes + ids_total, cudaMemcpyHostToDevice, s->stream));
     }
 
     const int64_t block = g.block_bytes();
-    for (const fkv::Run& r : dma) {
-      const int64_t dev_id = to_host ? r.src : r.dst;
-      const int64_t host_id = to_host ? r.dst : r.src;
-      for (int64_t slot = 0; slot < pages_per_pair; ++slot) {
-        char* dev_span = static_cast<char*>(slot % 2 == 0 ? dev_k[slot / 2] : dev_v[slot / 2]) + dev_id * page_bytes;
-        char* host_span = host_bytes + host_id * block + slot * page_bytes;
-        if (block <= s->max_pitch) {
-          if (to_host) {
-            FKV_CUDA(cudaMemcpy2DAsync(host_span, block, dev_span, page_bytes, page_bytes, r.len,
-                                       cudaMemcpyDeviceToHost, s->stream));
-          } else {
-            FKV_CUDA(cudaMemcpy2DAsync(dev_span, page_bytes, host_span, block, page_bytes, r.len,
-                                       cudaMemcpyHostToDevice, s->stream));
-          }
-        } else {  // host rows too far apart for a 2D copy: one copy per page
-          for (int32_t j = 0; j < r.len; ++j) {
-            char* d = dev_span + j * page_bytes;
-            char* h = host_span + j * block;
-            FKV_CUDA(cudaMemcpyAsync(to_host ? h : d, to_host ? d : h, page_bytes,
-                                     to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, s->stream));
+    size_t ids_at = table_bytes;
+    for (size_t ui = 0; ui < units.size(); ++ui) {
+      const Unit& u = units[ui];
+      const int64_t kernel_pairs = static_cast<int64_t>(u.k_src.size());
+      if (kernel_pairs > 0) {
+        const size_t ids_bytes = static_cast<size_t>(kernel_pairs) * sizeof(int32_t);
+        auto* d_table = reinterpret_cast<char* const*>(s->scratch);
+        auto* d_src = reinterpret_cast<const int32_t*>(s->scratch + ids_at);
+        auto* d_dst = reinterpret_cast<const int32_t*>(s->scratch + ids_at + ids_bytes);
+        ids_at += 2 * ids_bytes;
+        const int64_t pages = kernel_pairs * pages_per_pair;
+        if (aligned) {
+          gather_pages<uint4><<<static_cast<unsigned>(pages), 256, 0, s->stream>>>(
+              d_table, host_mapped, d_src, d_dst, pages_per_pair, page_bytes, to_host);
+        } else {
+          gather_pages<unsigned char><<<static_cast<unsigned>(pages), 256, 0, s->stream>>>(
+              d_table, host_mapped, d_src, d_dst, pages_per_pair, page_bytes, to_host);
+        }
+        FKV_CUDA(cudaGetLastError());
+      }
+
+      for (const fkv::Run& r : u.dma) {
+        const int64_t dev_id = to_host ? r.src : r.dst;
+        const int64_t host_id = to_host ? r.dst : r.src;
+        for (int64_t slot = 0; slot < pages_per_pair; ++slot) {
+          char* dev_span =
+              static_cast<char*>(slot % 2 == 0 ? dev_k[slot / 2] : dev_v[slot / 2]) + dev_id * page_bytes;
+          char* host_span = host_bytes + host_id * block + slot * page_bytes;
+          if (block <= s->max_pitch) {
+            if (to_host) {
+              FKV_CUDA(cudaMemcpy2DAsync(host_span, block, dev_span, page_bytes, page_bytes, r.len,
+                                         cudaMemcpyDeviceToHost, s->stream));
+            } else {
+              FKV_CUDA(cudaMemcpy2DAsync(dev_span, page_bytes, host_span, block, page_bytes, r.len,
+                                         cudaMemcpyHostToDevice, s->stream));
+            }
+          } else {  // host rows too far apart for a 2D copy: one copy per page
+            for (int32_t j = 0; j < r.len; ++j) {
+              char* d = dev_span + j * page_bytes;
+              char* h = host_span + j * block;
+              FKV_CUDA(cudaMemcpyAsync(to_host ? h : d, to_host ? d : h, page_bytes,
+                                       to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, s->stream));
+            }
           }
         }
       }
+      if (landed != nullptr) FKV_CUDA(cudaEventRecord(s->landed[ui], s->stream));
     }
 
     FKV_CUDA(cudaEventRecord(s->done, s->stream));
@@ -264,7 +311,43 @@ int fkv_cuda_swap(void* const* dev_k, void* const* dev_v, int64_t num_layers, vo
     return -1;
   }
   s->pending = true;
+  if (landed != nullptr) {
+    // Each unit's pairs go to the callback as soon as they are in host memory, while the
+    // stream copies the next units.
+    for (size_t ui = 0; ui < units.size(); ++ui) {
+      const cudaError_t err = cudaEventSynchronize(s->landed[ui]);
+      if (err != cudaSuccess) {
+        (void)wait_pending(*s);
+        return fail_cuda("cudaEventSynchronize(landed)", err);
+      }
+      landed(ctx, units[ui].pairs.data(), static_cast<int64_t>(units[ui].pairs.size()));
+    }
+  }
   return sync ? wait_pending(*s) : 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* fkv_cuda_last_error(void) { return g_error.c_str(); }
+
+int fkv_cuda_swap(void* const* dev_k, void* const* dev_v, int64_t num_layers, void* host, int64_t page_bytes,
+                  int64_t num_dev_blocks, int64_t num_host_blocks, const int32_t* src, const int32_t* dst, int64_t n,
+                  int32_t to_host, int64_t dma_min_bytes, void* after_stream, int32_t sync) {
+  return swap_impl(dev_k, dev_v, num_layers, host, page_bytes, num_dev_blocks, num_host_blocks, src, dst, n, to_host,
+                   dma_min_bytes, after_stream, sync, nullptr, nullptr, INT64_MAX);
+}
+
+int fkv_cuda_swap_landed(void* const* dev_k, void* const* dev_v, int64_t num_layers, void* host, int64_t page_bytes,
+                         int64_t num_dev_blocks, int64_t num_host_blocks, const int32_t* src, const int32_t* dst,
+                         int64_t n, int64_t dma_min_bytes, void* after_stream, int64_t unit_bytes,
+                         fkv_landed_fn landed, void* ctx) {
+  if (landed == nullptr) return fail("swap_landed needs a callback");
+  const int64_t block = 2 * num_layers * page_bytes;
+  const int64_t unit_pairs = block > 0 ? std::max<int64_t>(1, unit_bytes / block) : 1;
+  return swap_impl(dev_k, dev_v, num_layers, host, page_bytes, num_dev_blocks, num_host_blocks, src, dst, n, 1,
+                   dma_min_bytes, after_stream, 1, landed, ctx, unit_pairs);
 }
 
 int fkv_cuda_wait(void) {

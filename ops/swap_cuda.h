@@ -24,6 +24,17 @@ int fkv_cuda_swap(void* const* dev_k, void* const* dev_v, int64_t num_layers, vo
                   int64_t num_dev_blocks, int64_t num_host_blocks, const int32_t* src, const int32_t* dst, int64_t n,
                   int32_t to_host, int64_t dma_min_bytes, void* after_stream, int32_t sync);
 
+// A SWAP_OUT (device -> host) as fkv_cuda_swap's, synchronous, that reports its pairs as they
+// land: the pairs go in units of about unit_bytes (at least one pair), each followed by an
+// event, and landed(ctx, pairs, count) is called on the calling thread with each unit's pair
+// indices (into src/dst) once the unit's bytes are in host memory, while the stream copies the
+// next units. The Paddle op hashes a unit's host blocks there (host checksums, block_digest.h).
+typedef void (*fkv_landed_fn)(void* ctx, const int32_t* pairs, int64_t count);
+int fkv_cuda_swap_landed(void* const* dev_k, void* const* dev_v, int64_t num_layers, void* host, int64_t page_bytes,
+                         int64_t num_dev_blocks, int64_t num_host_blocks, const int32_t* src, const int32_t* dst,
+                         int64_t n, int64_t dma_min_bytes, void* after_stream, int64_t unit_bytes,
+                         fkv_landed_fn landed, void* ctx);
+
 // Waits for the last swap issued on the current device.
 int fkv_cuda_wait(void);
 

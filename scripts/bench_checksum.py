@@ -4,7 +4,7 @@ the synthetic runner's oracle per decode step against the step's simulated compu
 
 Host checksums (``spec.host_checksums``): the checksum of one host block (xxh3 per page,
 ``tiers.block_checksum``) as the transfer process computes it (the ops kernel; the block is
-in the cache here. SWAP_IN, STORE and LOAD pay it; a CPU SWAP_OUT hashes each page as it copies it, see
+in the cache here. SWAP_IN, STORE and LOAD pay it; a CPU SWAP_OUT hashes each page in its copy's pass, see
 bench_swap), against one memcpy of the block (what the CPU swap op does per block).
 Oracle: ``SyntheticRunner`` reads one header per context position of
 every sampled sequence each step. Prints a table, then one JSON line:

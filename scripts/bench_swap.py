@@ -11,18 +11,25 @@ turns: other processes share the cores, and the best run is the one they disturb
 
 Task round trip: one transfer process (spawned as the supervisor starts it) on tiers of the
 same shape; the engine side submits one task through ``TransferClient`` and blocks on its
-inbox until the ack completes it, again and again. ``task_rtt_us`` is the median round trip
-of a 1-block SWAP_OUT (``block_bytes`` moved), ``empty_task_rtt_us`` that of an empty task
-(the transfer layer's own cost), and ``ipc_rtt_us`` the median round trip of one task message
-through a pair of fastkv channels and an echo process (bench_ipc's fastkv backend): the floor
-the transfer path runs on, measured in the same run.
+inbox until the ack completes it, again and again. ``task_rtt_us`` holds the median round
+trips: ``swap_out_1block`` of a 1-block SWAP_OUT (``block_bytes`` moved, host checksums
+written as the run's default ``host_checksums`` has it: ``checksums`` in the JSON),
+``empty_task`` of an empty task (the transfer layer's own cost), ``ipc`` of one task message
+through a pair of fastkv channels and an echo process (bench_ipc's fastkv backend: the floor
+the transfer path runs on), their p99s, ``copy_at_op_1t`` the block's copy time at the op's
+1-thread speed and ``swap_out_extra`` what the SWAP_OUT takes beyond the empty task and that
+copy (goal: at most 30 us). ``empty_task_rtt_us`` and ``ipc_rtt_us`` repeat two of them.
+``gbps.swap_out_sums_fused_1t`` / ``swap_out_sums_separate_1t``: the op's 1-thread SWAP_OUT
+writing host checksums, each page hashed in the copy's pass or after its copy, beside
+``swap_out_1t`` writing none.
 
 Lanes: ``lane_p99_ratio`` is the p99 of a 1-block SWAP_IN while a 64 MiB STORE to a
 throttled backend (LMDB behind a 256 MB/s limit, as a remote store is slow) runs in the
 same rank, over the p99 of the same SWAP_IN alone, in rounds that take turns (``lane_p99``).
 With one loop per rank a SWAP_IN waits for the whole STORE; with lanes it runs beside it.
 
-Stages: where an empty task's round trip goes, from ``perf_counter_ns`` stamps taken in
+Stages: where the round trip of an empty task and of a 1-block SWAP_OUT goes, taken in turns
+through one transfer process, from ``perf_counter_ns`` stamps taken in
 both processes (one clock): ``submit`` (the engine's call), ``to loop`` (submit's start to the
 transfer loop taking the task up: the wake-up), ``execute`` (to the start of the ack's send),
 ``to engine`` (to the engine's inbox returning the ack: the other wake-up; the engine may run
@@ -265,17 +272,20 @@ def wait_for(spec: RunSpec, ends, client: TransferClient, task_id: int, on_other
                 on_other(res)
 
 
-def task_rtt(layout: KVLayout, reps: int) -> dict[str, float]:
+def task_rtt(layout: KVLayout, reps: int) -> tuple[dict[str, float], bool]:
     """Round trips (us) of tasks through one real transfer process: p50/p99 of a 1-block
     SWAP_OUT and of an empty task, and of a bare IPC round trip (``EchoPeer``), taken in
-    turns so that load from other processes hits all three alike."""
+    turns so that load from other processes hits all three alike; and whether the rank
+    wrote host checksums (its spec's ``host_checksums``)."""
     echo = EchoPeer()
     try:
         with transfer_rank(layout) as (spec, ends, client):
+            checksums = spec.host_checksums
             ids = iter(range(1, 1 << 62))
 
             def one(blocks: int) -> float:
-                p = CopyPlan(next(ids), CopyKind.SWAP_OUT, np.arange(blocks), np.arange(blocks)[::-1])
+                i = next(ids)  # blocks in turn: no copy finds its source in the cache from the last
+                p = CopyPlan(i, CopyKind.SWAP_OUT, (np.arange(blocks) + i) % 8, (np.arange(blocks) + 3 * i) % 8)
                 t0 = time.perf_counter()
                 client.submit(p)
                 wait_for(spec, ends, client, p.plan_id)
@@ -295,32 +305,40 @@ def task_rtt(layout: KVLayout, reps: int) -> dict[str, float]:
     for name, got in samples.items():
         out[f"{name} p50"] = float(np.percentile(got, 50))
         out[f"{name} p99"] = float(np.percentile(got, 99))
-    return out
+    return out, checksums
 
 
-def empty_task_stages(layout: KVLayout, reps: int) -> dict[str, tuple[float, float]]:
-    """(min, p50) in us of each stage of an empty task's round trip (module docstring)."""
+def task_stages(layout: KVLayout, reps: int) -> dict[str, dict[str, tuple[float, float]]]:
+    """(min, p50) in us of each stage of the round trip (module docstring) of an empty task and
+    of a 1-block SWAP_OUT, taken in turns through one stamped transfer process."""
     clock = time.perf_counter_ns
+    kinds = {"empty task": 0, "1-block SWAP_OUT": 1}
     with tempfile.TemporaryDirectory(prefix="fkvstages") as tmp:
         path = os.path.join(tmp, "stamps.npy")
-        engine = []
+        engine: dict[str, list[tuple[int, ...]]] = {kind: [] for kind in kinds}
         with transfer_rank(layout, stamps_to=path) as (spec, ends, client):
-            for task_id in range(1, reps + 1):
-                plan = CopyPlan(task_id, CopyKind.SWAP_OUT, np.arange(0), np.arange(0))
+            for task_id in range(1, 2 * reps + 1):
+                kind = list(kinds)[task_id % 2]
+                blocks = kinds[kind]
+                plan = CopyPlan(task_id, CopyKind.SWAP_OUT, np.arange(blocks) + task_id % 8,
+                                np.arange(blocks) + task_id * 3 % 8)
                 t0 = clock()
                 client.submit(plan)
                 t1 = clock()
                 msgs = ends.inbox.recv_many(16, timeout=spec.task_timeout_s)
                 t2 = clock()
                 done = [r for m in msgs for r in client.on_done(m)]
-                engine.append((task_id, t0, t1, t2, clock()))
+                engine[kind].append((task_id, t0, t1, t2, clock()))
                 assert [r.plan.plan_id for r in done] == [task_id] and done[0].ok, done
-        far = np.load(path)  # written as the transfer process exited
-    e = np.array(engine, np.int64)[reps // 5:]  # the first fifth warms up
-    far = far[np.searchsorted(far[:, 0], e[:, 0])]
-    stages = {"submit": e[:, 2] - e[:, 1], "to loop": far[:, 1] - e[:, 1], "execute": far[:, 2] - far[:, 1],
-              "to engine": e[:, 3] - far[:, 2], "complete": e[:, 4] - e[:, 3], "round trip": e[:, 4] - e[:, 1]}
-    return {name: (float(ns.min()) / 1e3, float(np.percentile(ns, 50)) / 1e3) for name, ns in stages.items()}
+        far_all = np.load(path)  # written as the transfer process exited
+    out = {}
+    for kind, rows in engine.items():
+        e = np.array(rows, np.int64)[reps // 5:]  # the first fifth warms up
+        far = far_all[np.searchsorted(far_all[:, 0], e[:, 0])]
+        stages = {"submit": e[:, 2] - e[:, 1], "to loop": far[:, 1] - e[:, 1], "execute": far[:, 2] - far[:, 1],
+                  "to engine": e[:, 3] - far[:, 2], "complete": e[:, 4] - e[:, 3], "round trip": e[:, 4] - e[:, 1]}
+        out[kind] = {name: (float(ns.min()) / 1e3, float(np.percentile(ns, 50)) / 1e3) for name, ns in stages.items()}
+    return out
 
 
 def lane_p99(layout: KVLayout, reps: int, store_bytes: int = 64 << 20, bytes_per_s: float = 256e6,
@@ -417,6 +435,18 @@ def main() -> None:
         for threads in (1, 2):
             fns[f"op swap_out {threads}t"] = op(True, threads)
             fns[f"op swap_in {threads}t"] = op(False, threads)
+        # A SWAP_OUT writing host checksums as the transfer process's does, each page hashed in
+        # the copy's pass (fused) or after its copy (separate).
+        bound, sums = ops.BoundSwap(device.k, device.v, host.tensor), np.zeros((num_host, 16), np.uint8)
+
+        def sealed(mode: int):
+            def run():
+                ops.set_fused_checksums(mode)
+                bound.swap(dev_ids, host_ids, to_host=True, num_threads=1, sums=sums)
+            return run
+
+        fns["op swap_out 1t, sums fused"] = sealed(1)
+        fns["op swap_out 1t, sums separate"] = sealed(0)
         fns.update(copy_ceilings(lib, dev_base, host_base, nbytes))
         fns["per-(layer, block) loop 1t"] = lambda: copy_loop(device, host, dev_ids, host_ids)
         best = best_seconds(fns, reps)
@@ -429,6 +459,10 @@ def main() -> None:
             gbps[f"memcpy_{threads}t"] = round(nbytes / best[f"contiguous memcpy {threads}t"] / 1e9, 2)
             gbps[f"stream_{threads}t"] = round(nbytes / best[f"contiguous stream copy {threads}t"] / 1e9, 2)
         gbps["loop_1t"] = round(nbytes / best["per-(layer, block) loop 1t"] / 1e9, 2)
+        gbps["swap_out_1t"] = round(nbytes / best["op swap_out 1t"] / 1e9, 2)
+        gbps["swap_out_sums_fused_1t"] = round(nbytes / best["op swap_out 1t, sums fused"] / 1e9, 2)
+        gbps["swap_out_sums_separate_1t"] = round(nbytes / best["op swap_out 1t, sums separate"] / 1e9, 2)
+        ops.set_fused_checksums(1)
 
         print(f"swap of {n} scattered blocks ({runs} runs), {layout.describe()}, {nbytes / 2**20:.0f} MiB per call, "
               f"best of {reps}, cores available: {len(os.sched_getaffinity(0))}")
@@ -442,27 +476,36 @@ def main() -> None:
                   f"op / contiguous stream copy {op_gbps / gbps[f'stream_{threads}t']:.2f}, "
                   f"op / better contiguous copy {op_gbps / ceiling:.2f}")
         print(f"op 1t / loop 1t: {gbps['op_1t'] / gbps['loop_1t']:.2f}")
+        fused, separate = (gbps[f"swap_out_sums_{how}_1t"] / gbps["swap_out_1t"] for how in ("fused", "separate"))
+        print(f"swap_out 1t with host checksums / without (GB/s): fused {fused:.2f}, separate {separate:.2f}")
     finally:
         device.unlink()
         host.unlink()
-    rtt = task_rtt(layout, rtt_reps)
+    rtt, checksums = task_rtt(layout, rtt_reps)
     print(f"task round trip through a transfer process ({rtt_reps} each; engine submit -> ack completes it):")
     for name, us in rtt.items():
         print(f"  {name:<24} {us:>9.1f} us")
     empty_us, task_us, ipc_us = rtt["empty task p50"], rtt["1-block SWAP_OUT p50"], rtt["IPC round trip p50"]
     copy_us = layout.block_bytes / (gbps["op_1t"] * 1e9) * 1e6
-    print(f"empty task / IPC RTT {empty_us / ipc_us:.2f} (goal <= 3); 1-block swap - empty task - copy at op_1t "
-          f"({copy_us:.0f} us) = {task_us - empty_us - copy_us:.0f} us (goal <= 30)")
-    print("empty task stages (us; min, p50):")
-    for name, (low, p50) in empty_task_stages(layout, rtt_reps).items():
-        print(f"  {name:<24} {low:>9.1f} {p50:>9.1f}")
+    extra_us = task_us - empty_us - copy_us
+    print(f"empty task / IPC RTT {empty_us / ipc_us:.2f} (goal <= 3); 1-block swap (host checksums "
+          f"{'on' if checksums else 'off'}) - empty task - copy at op_1t ({copy_us:.0f} us) = {extra_us:.0f} us "
+          "(goal <= 30)")
+    stages = task_stages(layout, rtt_reps)
+    print(f"stages (us; min, p50): {'':<14}" + "".join(f"{kind:>24}" for kind in stages))
+    for name in stages["empty task"]:
+        print(f"  {name:<34}" + "".join(f"{got[name][0]:>12.1f}{got[name][1]:>12.1f}" for got in stages.values()))
     lanes = lane_p99(layout, lane_reps)
     ratio = lanes["SWAP_IN beside the STORE p99"] / lanes["SWAP_IN alone p99"]
     print(f"lanes ({lane_reps} SWAP_INs each; a 64 MiB STORE to LMDB throttled to 256 MB/s beside them):")
     for name, us in lanes.items():
         print(f"  {name:<34} {us:>9.1f}{' us' if name.startswith('SWAP_IN') else ''}")
     print(f"  lane_p99_ratio {ratio:.2f} (at most 2)")
-    print(json.dumps({"bench": "swap", "gbps": gbps, "task_rtt_us": round(task_us, 1),
+    rtts = {"swap_out_1block": task_us, "empty_task": empty_us, "ipc": ipc_us,
+            "swap_out_1block_p99": rtt["1-block SWAP_OUT p99"], "empty_task_p99": rtt["empty task p99"],
+            "copy_at_op_1t": copy_us, "swap_out_extra": extra_us}
+    print(json.dumps({"bench": "swap", "gbps": gbps, "checksums": checksums,
+                      "task_rtt_us": {name: round(us, 1) for name, us in rtts.items()},
                       "empty_task_rtt_us": round(empty_us, 1), "ipc_rtt_us": round(ipc_us, 1),
                       "block_bytes": layout.block_bytes, "lane_p99_ratio": round(ratio, 2)}))
 

@@ -34,7 +34,7 @@ wait for the GIL no longer than one part.
 
 Host checksums (``spec.host_checksums``, default on). A block that lands in the host tier
 (SWAP_OUT, LOAD) gets a checksum of its bytes beside it (``tiers.block_checksum``: xxh3 per
-page; a CPU SWAP_OUT's from each source page right after its copy, while it is cached); SWAP_IN and
+page; a CPU SWAP_OUT's in the same pass over each page's bytes as its copy); SWAP_IN and
 STORE recheck them (STORE before writing: storage never gets bad bytes under a good
 checksum). Host memory that changed meanwhile fails the task: the engine treats it like any
 failed copy (the request recomputes from that block; a failed STORE leaves storage without
@@ -267,12 +267,12 @@ class TaskExecutor:
             self.holds.wait(host_ids[p], out, self._task.progress, self.spec.heartbeat_s)
             if not out:  # host bytes that changed since they landed never reach the device
                 self._check_host(plan.src[p].tolist(), hold_gil=True)
-            # a SWAP_OUT's checksums come from its source pages as they are copied (ops/block_digest.h)
+            # a SWAP_OUT's checksums come from its pages in the copy's pass (ops/block_digest.h)
             if not swap(plan.src[p], plan.dst[p], to_host=out, num_threads=threads, sums=sums) and sums is not None:
                 unsealed.extend(plan.dst[p].tolist())
 
         self._in_parts(len(plan.src), part, SWAP_PART_S)
-        if unsealed:  # a GPU swap: sealed from the host bytes once they are there
+        if unsealed:  # a swap that wrote no checksums: sealed from the host bytes
             host.seal(unsealed)
         return len(plan.src) * self.block_bytes, ""
 

@@ -353,7 +353,7 @@ class DeviceTier:
 def block_checksum(block: np.ndarray) -> bytes:
     """A host block's checksum: xxh3-128 of the xxh3-64 digests of its pages (its [layers, 2]
     K and V pages in host order), 8 little-endian bytes each. Per page, so that a SWAP_OUT
-    hashes each page from its source right after copying it, while it is in the cache
+    hashes each page in the same pass over its bytes as the copy
     (ops/block_digest.h, the kernel's version; this one is its reference)."""
     pages = np.ascontiguousarray(block).reshape(block.shape[0] * block.shape[1], -1)
     return xxhash.xxh3_128_digest(b"".join(xxhash.xxh3_64_intdigest(p).to_bytes(8, "little") for p in pages))

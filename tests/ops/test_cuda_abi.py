@@ -2,6 +2,8 @@
 on a GPU it matches the numpy reference byte for byte (skipped without one)."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -18,8 +20,8 @@ def lib(tmp_path_factory):
 
 
 def test_cuda_sources_compile_and_export_the_abi(lib):
-    for name in ("fkv_cuda_swap", "fkv_cuda_wait", "fkv_cuda_last_error", "fkv_cuda_host_register",
-                 "fkv_cuda_time_memcpy"):
+    for name in ("fkv_cuda_swap", "fkv_cuda_swap_landed", "fkv_cuda_wait", "fkv_cuda_last_error",
+                 "fkv_cuda_host_register", "fkv_cuda_time_memcpy"):
         assert hasattr(lib.lib, name), f"{name} is not exported"
 
 
@@ -108,6 +110,39 @@ def test_gpu_swap_matches_reference(gpu, mode, to_host, page_align):
         got = tiers.download()
         for i, (g, want) in enumerate(zip(got, [*expected_k, *expected_v, expected_h], strict=True)):
             assert np.array_equal(g, want), f"array {i} differs from the reference"
+    finally:
+        tiers.free()
+
+
+@pytest.mark.parametrize("mode", ["all-dma", "all-kernel", "mixed"])
+@pytest.mark.parametrize("unit_blocks", [1, 3, 100])
+def test_a_landed_swap_out_reports_every_pair_once_after_its_bytes_are_in_host_memory(gpu, mode, unit_blocks):
+    """fkv_cuda_swap_landed: the same bytes as fkv_cuda_swap; each pair reported once, in units
+    of at most unit_bytes (at least one pair), and its host block holds its device block's
+    bytes when it is reported (the op hashes it there: host checksums)."""
+    layout = KVLayout(num_layers=3, kv_heads=2, block_size=16, head_dim=64, dtype="uint8")
+    dma_min_bytes = {"all-dma": 0, "all-kernel": 1 << 62, "mixed": 3 * layout.page_bytes}[mode]
+    num_dev, num_host = 24, 20
+    rng = np.random.default_rng(unit_blocks)
+    dst = np.concatenate([np.arange(2, 7), rng.permutation(np.arange(7, num_host))[:8]])
+    src = np.concatenate([np.arange(10, 15), rng.permutation(num_dev)[:8]])
+    tiers = GpuTiers(gpu, layout, num_dev, num_host, seed=7)
+    host = np.ctypeslib.as_array(ctypes.cast(tiers.hp, ctypes.POINTER(ctypes.c_uint8)), shape=tiers.host.shape)
+    try:
+        expected_k, expected_v, expected_h = [a.copy() for a in tiers.k], [a.copy() for a in tiers.v], tiers.host.copy()
+        ops.swap_blocks_ref(expected_k, expected_v, expected_h, src, dst, to_host=True)
+        units, wrong = [], []
+
+        def on_landed(pairs):
+            units.append(pairs)
+            wrong.extend(i for i in pairs if not np.array_equal(host[dst[i]], expected_h[dst[i]]))
+
+        gpu.swap_landed(tiers.dk, tiers.dv, tiers.hp, layout.page_bytes, num_dev, num_host, src, dst,
+                        unit_bytes=unit_blocks * layout.block_bytes, on_landed=on_landed, dma_min_bytes=dma_min_bytes)
+        assert sorted(i for u in units for i in u) == list(range(len(src))), units
+        assert all(1 <= len(u) <= unit_blocks for u in units), units
+        assert not wrong, f"pairs {wrong} were reported before their bytes landed"
+        assert np.array_equal(tiers.download()[-1], expected_h)
     finally:
         tiers.free()
 

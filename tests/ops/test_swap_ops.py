@@ -111,7 +111,8 @@ def test_paddle_surfaces_op_checks_as_oserror(paddle_ops):
     tiers = Tiers(layout, 2, 2, np.random.default_rng(1))
     ids = from_dlpack(np.array([9], np.int32))
     with pytest.raises(OSError, match="out of range"):
-        paddle_ops._C_ops._run_custom_op("fastkv_swap_blocks", tiers.k_t, tiers.v_t, tiers.host_t, ids, ids, True, 1, 0)
+        paddle_ops._C_ops._run_custom_op("fastkv_swap_blocks", tiers.k_t, tiers.v_t, tiers.host_t, ids, ids, True, 1, 0,
+                                         0)
 
 
 def test_paddle_copies_strided_inputs_of_custom_ops(paddle_ops):
@@ -125,7 +126,7 @@ def test_paddle_copies_strided_inputs_of_custom_ops(paddle_ops):
     view = wide[:, :, :, :4]
     assert not view.is_contiguous()
     ids = from_dlpack(np.array([0], np.int32))
-    paddle_ops._C_ops._run_custom_op("fastkv_swap_blocks", [view], tiers.v_t, tiers.host_t, ids, ids, False, 1, 0)
+    paddle_ops._C_ops._run_custom_op("fastkv_swap_blocks", [view], tiers.v_t, tiers.host_t, ids, ids, False, 1, 0, 0)
     assert float(wide.abs().sum()) == 0.0, "Paddle now writes strided inputs in place: the wrapper check can go"
 
 
