@@ -3,7 +3,14 @@
 One thread drives it. ``step()`` plans a step (``Scheduler.step``), hands its copy plans to
 the transfer client (which never waits for a copy), sends the step's ``PlanMsg`` to every
 worker rank and blocks on the inbox doorbell until rank 0's ``OutputMsg`` arrives, feeding
-every copy completion that arrives meanwhile to the scheduler. When nothing can run but
+every copy completion that arrives meanwhile to the scheduler. With async scheduling
+(``RunSpec.async_scheduling``, on by default) it plans and sends the next step before it
+waits, so the workers start step N+1 as soon as step N is done: each ``step()`` then
+applies one step's output while the next one runs (``Scheduler.step(overlap=True)`` says
+what such a plan may do; tokens of a request that stopped one step earlier are discarded,
+so outputs are exactly the synchronous ones). Weight updates and a preemption that needs a
+request of the step in flight plan synchronously; the decode role always does (it reserves
+blocks between steps). When nothing can run but
 copies are in flight it blocks on the inbox instead (timeout ``heartbeat_s``, then
 ``TransferClient.check()`` fails tasks of dead ranks and tasks past ``task_timeout_s``).
 A transfer rank that dies fails its tasks (their requests recompute) and is used again
@@ -161,6 +168,11 @@ class Engine:
         self._release: list[int] = []  # finished since the last plan: the runners may forget them
         self._params: dict[int, str] = {}  # requests not yet in a plan -> their PlanMsg.params entry
         self._tokens: dict[str, list[int]] = {}  # sampled in the step being run, by the caller's id
+        # async scheduling: plans sent whose output is not in yet (oldest first), with their send time
+        self.async_scheduling = spec.async_scheduling and spec.role != "decode"
+        self._flight: list[tuple[StepPlan, float]] = []
+        self._last_output = 0.0  # when the last step's output came in: the next step's wall time starts there
+        self._held: dict[str, list[int]] = {}  # tokens of requests that stopped, kept for their result's update
         # add_request/abort from other threads: queued under this, taken by the driving thread
         self._cond = threading.Condition(threading.RLock())
         self._incoming: list[tuple[Request, str]] = []
@@ -429,31 +441,51 @@ class Engine:
         self._prefilled_from_store()
         if self.exporter:
             self.exporter.poll()
-        out = self.sched.step()
-        self._arrived += [rid for rid in out.kv_writable if rid in self._from_store]
-        for plan in out.copies:
-            if plan.kind is CopyKind.CLEAR and self._free_memory:
-                plan = CopyPlan(plan.plan_id, CopyKind.CLEAR, keys=(FREE,))
-            self.transfer.submit(plan)
-        results = [self._result(r) for r in out.finished]
-        if out.plan.seqs:
-            self._idle = 0
-            self._run(out.plan)
+        results: list[RequestResult] = []
+        if not self._flight:
+            out = self._plan(results)
+            if out.plan.seqs:
+                self._idle = 0
+                self._send(out.plan)
+            elif self._release:  # idle: the workers forget the finished requests now, not at the next plan
+                self._run(StepPlan(0, []))
+            elif self.transfer.pending:
+                self._idle = 0
+                self._pump(self.spec.heartbeat_s if self.lookups is None
+                           else self.lookups.wait_s(self.spec.heartbeat_s))
+            elif self.sched.requests and not out.copies and not out.finished:
+                self._idle += 1
+                assert self._idle < _STALL_STEPS, f"scheduler stalled with no copy in flight: {self.sched.counts()}"
+        if self._overlaps():  # the next step goes out before this one's output is in
+            out = self._plan(results, overlap=True)
+            if out.plan.seqs:
+                self._send(out.plan)
+        if self._flight:
+            self._apply(self._output(self._flight[0][0]))
             results += [self._result(r) for r in self.sched.take_finished()]  # with their last token
-        elif self._release:  # idle: the workers forget the finished requests now, not at the next plan
-            self._run(StepPlan(0, []))
-        elif self.transfer.pending:
-            self._idle = 0
-            self._pump(self.spec.heartbeat_s if self.lookups is None else self.lookups.wait_s(self.spec.heartbeat_s))
-        elif self.sched.requests and not out.copies and not out.finished:
-            self._idle += 1
-            assert self._idle < _STALL_STEPS, f"scheduler stalled with no copy in flight: {self.sched.counts()}"
         if self.events is not None:
             self.events.flush()
         if self.check:
             self.sched.check_integrity()
             self.cache.check_integrity()
         return results
+
+    def _plan(self, results: list[RequestResult], overlap: bool = False) -> Any:
+        out = self.sched.step(overlap)
+        self._arrived += [rid for rid in out.kv_writable if rid in self._from_store]
+        for plan in out.copies:
+            if plan.kind is CopyKind.CLEAR and self._free_memory:
+                plan = CopyPlan(plan.plan_id, CopyKind.CLEAR, keys=(FREE,))
+            self.transfer.submit(plan)
+        results += [self._result(r) for r in out.finished]
+        return out
+
+    def _overlaps(self) -> bool:
+        """Whether the next plan may go out while the one in flight runs: async scheduling on,
+        one step in flight, no weight update under way, and the last plan left no preemption
+        waiting on the step in flight."""
+        return (self.async_scheduling and len(self._flight) == 1 and not self.sched.sync_next
+                and self.sched.weight_update_state is WeightUpdate.NONE)
 
     def run(self) -> list[RequestResult]:
         """Step until every request has finished and no copy is in flight."""
@@ -521,8 +553,17 @@ class Engine:
             self._pump(self.spec.heartbeat_s)  # blocks on the doorbell: nothing else to do yet
 
     def _run(self, plan: StepPlan, timeout: float | None = None, control: PlanMsg | None = None) -> None:
-        """One step (or ``control``, a request to every rank) through the workers."""
-        t0 = time.perf_counter()
+        """One step (or ``control``, a request to every rank) through the workers, with no
+        other step in flight."""
+        assert not self._flight, f"step {self._flight[0][0].step_id} still in flight"
+        self._send(plan, control)
+        out = self._output(plan, timeout, control is not None)
+        if plan.step_id:
+            self._apply(out)
+        else:
+            self._flight.clear()
+
+    def _send(self, plan: StepPlan, control: PlanMsg | None = None) -> None:
         new = {s.request_id: self._params.pop(s.request_id) for s in plan.seqs if s.request_id in self._params}
         try:
             self._broadcast.send(control or protocol.plan_to_msg(plan, self._release, new),
@@ -531,6 +572,12 @@ class Engine:
             raise EngineError(f"cannot send step {plan.step_id}: {exc}") from exc
         if control is None:
             self._release = []
+        self._flight.append((plan, time.perf_counter()))
+
+    def _output(self, plan: StepPlan, timeout: float | None = None, control: bool = False) -> OutputMsg:
+        """Block until rank 0's output of ``plan`` (the oldest in flight) arrives, handling
+        copy completions meanwhile."""
+        t0 = time.perf_counter()
         out: OutputMsg | None = None
         while out is None:
             if timeout is not None and time.perf_counter() - t0 > timeout:
@@ -549,15 +596,25 @@ class Engine:
                     raise EngineError(f"{'weight update' if control else f'step {plan.step_id}'} failed: {msg.error}")
                 assert msg.step_id == plan.step_id, f"output of step {msg.step_id} while step {plan.step_id} runs"
                 out = msg
-        if plan.step_id:
-            output = protocol.msg_to_output(out)
-            for rid, tok in output.sampled.items():
-                self._tokens.setdefault(self._ext[rid], []).append(tok)
-                seen = self._sampled_by.setdefault(rid, [])
-                if not seen or seen[-1] != self.weights_version:
-                    seen.append(self.weights_version)
-            self.sched.on_step_output(output)
-            self.metrics.observe_step(time.perf_counter() - t0, len(out.tokens))
+        return out
+
+    def _apply(self, out: OutputMsg) -> None:
+        """The oldest step in flight is done: its tokens go to the scheduler and the caller.
+        Its wall time runs from when it was sent, or from the output before it if that came
+        later (the workers ran the steps back to back)."""
+        _, sent = self._flight.pop(0)
+        now = time.perf_counter()
+        applied = self.sched.on_step_output(protocol.msg_to_output(out))
+        for rid, tok in applied.items():
+            ext = self._ext[rid]
+            req = self.sched.requests.get(rid)
+            held = req is not None and req.finish_pending is not None  # its result comes with the next output
+            (self._held if held else self._tokens).setdefault(ext, []).append(tok)
+            seen = self._sampled_by.setdefault(rid, [])
+            if not seen or seen[-1] != self.weights_version:
+                seen.append(self.weights_version)
+        self.metrics.observe_step(now - max(sent, self._last_output), len(applied))
+        self._last_output = now
 
     def _pump(self, timeout: float) -> None:
         msgs = self._recv(timeout)
@@ -631,6 +688,9 @@ class Engine:
             del self._ids[ext]
             self._params.pop(req.request_id, None)
         self._release.append(req.request_id)
+        held = self._held.pop(ext, None)
+        if held:  # a request's last token comes in the update that lists it finished
+            self._tokens.setdefault(ext, []).extend(held)
         finish = FINISH[req.state]
         self.metrics.observe_finished(finish)
         self._sig.add("engine.finished", 1)
