@@ -173,6 +173,8 @@ class Engine:
         self._flight: list[tuple[StepPlan, float]] = []
         self._last_output = 0.0  # when the last step's output came in: the next step's wall time starts there
         self._held: dict[str, list[int]] = {}  # tokens of requests that stopped, kept for their result's update
+        self.overlapped_steps = 0  # steps sent while the one before was still running
+        self._early: list[OutputMsg] = []  # outputs of later steps that came in one batch with an earlier one
         # add_request/abort from other threads: queued under this, taken by the driving thread
         self._cond = threading.Condition(threading.RLock())
         self._incoming: list[tuple[Request, str]] = []
@@ -460,6 +462,7 @@ class Engine:
             out = self._plan(results, overlap=True)
             if out.plan.seqs:
                 self._send(out.plan)
+                self.overlapped_steps += 1
         if self._flight:
             self._apply(self._output(self._flight[0][0]))
             results += [self._result(r) for r in self.sched.take_finished()]  # with their last token
@@ -578,7 +581,7 @@ class Engine:
         """Block until rank 0's output of ``plan`` (the oldest in flight) arrives, handling
         copy completions meanwhile."""
         t0 = time.perf_counter()
-        out: OutputMsg | None = None
+        out: OutputMsg | None = self._early.pop(0) if self._early else None
         while out is None:
             if timeout is not None and time.perf_counter() - t0 > timeout:
                 raise EngineError(f"no output for step {plan.step_id} within {timeout} s")
@@ -593,9 +596,12 @@ class Engine:
                     self._on_done(msg)
                     continue
                 if msg.error:
-                    raise EngineError(f"{'weight update' if control else f'step {plan.step_id}'} failed: {msg.error}")
-                assert msg.step_id == plan.step_id, f"output of step {msg.step_id} while step {plan.step_id} runs"
+                    raise EngineError(f"{'weight update' if control else f'step {msg.step_id}'} failed: {msg.error}")
+                if out is not None:  # the next step's: it ran right after this one
+                    self._early.append(msg)
+                    continue
                 out = msg
+        assert out.step_id == plan.step_id, f"output of step {out.step_id} while step {plan.step_id} runs"
         return out
 
     def _apply(self, out: OutputMsg) -> None:
