@@ -127,11 +127,15 @@ def mixed_workload(path: Path, seed: int = 0) -> Path:
     return write_workload(reqs, path)
 
 
+SYNC = "/sync"  # a label's suffix: the run with --async-scheduling off
+
+
 def run_config(base: JobConfig, label: str, out: Path) -> JobConfig:
     """The job of run ``label``: the base settings, its preemption mode and its tiers."""
-    mode, host = RUNS[label]
+    mode, host = RUNS[label.removesuffix(SYNC)]
     try:
-        return JobConfig(**{**base.__dict__, "preemption": mode, "host_blocks": base.host_blocks if host else 0,
+        return JobConfig(**{**base.__dict__, "preemption": mode, "async_scheduling": "off" if label.endswith(SYNC)
+                            else base.async_scheduling, "host_blocks": base.host_blocks if host else 0,
                             "storage": base.storage if host else "none",
                             "storage_write": base.storage_write if host else JobConfig.storage_write, "out": str(out)})
     except ValueError as exc:
@@ -209,6 +213,9 @@ def main() -> int:
                    help="rounds of every run, interleaved; each mode reports its fastest run (default 5, --smoke 1)")
     p.add_argument("--out", help="keep each run's output here (default: a temporary directory, removed)")
     p.add_argument("--entry", action="append", default=[], metavar="ROLE=MODULE:FUNC", help="as fastkv-supervisor")
+    p.add_argument("--async-scheduling", choices=("on", "off", "both"), default="on",
+                   help=f"the engine's async scheduling in every run; both: each mode also runs with it off "
+                   f"(labelled MODE{SYNC}), interleaved (default on)")
     args = p.parse_args()
     if args.verify and args.runner != "synthetic":
         p.error(f"--verify is the synthetic runner's; --runner {args.runner} has no byte checks to set")
@@ -228,7 +235,8 @@ def main() -> int:
     if args.verify:
         options["verify"] = args.verify
     rounds = args.rounds or (1 if args.smoke else 5)
-    runs: dict[str, list[dict]] = {label: [] for label in RUNS}
+    labels = [*RUNS, *(label + SYNC for label in RUNS)] if args.async_scheduling == "both" else list(RUNS)
+    runs: dict[str, list[dict]] = {label: [] for label in labels}
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fastkv-bench-e2e-"))
     try:
         workload = str(mixed_workload(root / "mixed.jsonl")) if args.workload == "mixed" else args.workload
@@ -237,9 +245,10 @@ def main() -> int:
                              dtype=args.dtype, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
                              cache_policy=args.cache_policy, storage=args.storage, storage_write=args.storage_write,
                              quick=args.quick or args.smoke,
+                             async_scheduling="off" if args.async_scheduling == "off" else "on",
                              demo=SMOKE_DEMO if args.smoke else {}, workload=workload, runner_options=options)
             num_requests, block_bytes = len(base.requests()), base.layout().block_bytes
-            for label in RUNS:  # each run's own settings too, before any of them runs
+            for label in labels:  # each run's own settings too, before any of them runs
                 run_config(base, label, root / label)
         except (ValueError, OSError) as exc:
             raise SystemExit(f"bench_e2e: {exc}") from None
@@ -249,7 +258,7 @@ def main() -> int:
               f"{options.get('cost_model', 'flat')} at {options.get('copy_gbps', '-')} GB/s of copies here",
               flush=True)
         for r in range(rounds):
-            for label in RUNS:
+            for label in labels:
                 print(f"running {label} (round {r + 1} of {rounds}) ...", flush=True)
                 runs[label].append(run_one(base, label, root / f"{label}.{r}", entries))
     finally:
@@ -294,6 +303,8 @@ def main() -> int:
         "copy_gbps": options.get("copy_gbps", 0.0),
         "tokens_per_s": tps,
         "recomputed_tokens": {m: d["recomputed_tokens"] for m, d in results.items()},
+        # steps sent while the one before ran, the steps' wall time and the workers' (modelled) time
+        "async_scheduling": {m: d.get("async_scheduling") for m, d in results.items()},
         "outputs_identical": identical,
         "outputs_correct": correct,
         "verified": {m: d.get("verified") for m, d in results.items()},

@@ -174,6 +174,9 @@ class Engine:
         self._last_output = 0.0  # when the last step's output came in: the next step's wall time starts there
         self._held: dict[str, list[int]] = {}  # tokens of requests that stopped, kept for their result's update
         self.overlapped_steps = 0  # steps sent while the one before was still running
+        # steps' wall time (each from its send, or from the output before it when that came later)
+        # and the time the workers reported for them (a cost model's modelled compute)
+        self.step_wall_s = self.step_worker_s = 0.0
         self._early: list[OutputMsg] = []  # outputs of later steps that came in one batch with an earlier one
         # add_request/abort from other threads: queued under this, taken by the driving thread
         self._cond = threading.Condition(threading.RLock())
@@ -619,7 +622,10 @@ class Engine:
             seen = self._sampled_by.setdefault(rid, [])
             if not seen or seen[-1] != self.weights_version:
                 seen.append(self.weights_version)
-        self.metrics.observe_step(now - max(sent, self._last_output), len(applied))
+        wall = now - max(sent, self._last_output)
+        self.step_wall_s += wall
+        self.step_worker_s += out.seconds
+        self.metrics.observe_step(wall, len(applied))
         self._last_output = now
 
     def _pump(self, timeout: float) -> None:

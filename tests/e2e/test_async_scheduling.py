@@ -24,5 +24,5 @@ def test_sync_and_async_give_identical_outputs_in_every_mode(tmp_path, tp):
     for summary in (s_off, s_on):
         assert sum(summary["preemptions"].values()) > 0, f"no preemption under pressure: {summary}"
         assert summary["verified"]["kv_requests_verified"] > 0, summary
-    assert s_off["async_scheduling"] == {"on": False, "overlapped_steps": 0}
+    assert not s_off["async_scheduling"]["on"] and s_off["async_scheduling"]["overlapped_steps"] == 0
     assert s_on["async_scheduling"]["on"] and s_on["async_scheduling"]["overlapped_steps"] > 0, s_on
