@@ -106,6 +106,7 @@ class Request:
     abort_requested: bool = field(default=False, init=False)  # abort once its step / remote KV is done
     # async scheduling: it stopped, but a later step in flight still computes for it (discarded)
     finish_pending: RequestState | None = field(default=None, init=False)
+    block_ahead: bool = field(default=False, init=False)  # holds the block of a token not sampled yet
     num_preemptions: int = field(default=0, init=False)
     num_recomputed_tokens: int = field(default=0, init=False)
     num_offloads: int = field(default=0, init=False)

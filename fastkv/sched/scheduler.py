@@ -178,18 +178,26 @@ class Scheduler:
         return SchedulerOutput(plan, copies, self.table.take_finished(), writable)
 
     def _follow(self, batch: StepBatch, req: Request, seq: SeqWork) -> None:
-        """Async scheduling: ``req`` goes on where its step in flight ends, if that needs no
-        new block (a slot in a new block would need the placeholder's token to key it: the
-        request waits one step then) and it is not sure to stop there."""
+        """Async scheduling: ``req`` goes on where its step in flight ends, unless it is sure
+        to stop there. Its next slot may need a block: taken now, ahead of the token (the
+        token is appended when the step in flight's output is in); when none is free, or the
+        block taken must first be written back, it waits a step."""
         if req.abort_requested or req.finish_pending is not None:
             return
         if not seq.sample:  # a prefill chunk: its next one, slotted at admission
             batch.schedule(req, seq.end_pos)
             return
         pos = seq.end_pos
-        if (pos % self.block_size == 0 or len(req.output_token_ids) + 1 >= req.max_new_tokens
-                or req.num_tokens + 1 >= self.max_model_len):
+        if len(req.output_token_ids) + 1 >= req.max_new_tokens or req.num_tokens + 1 >= self.max_model_len:
             return
+        if pos % self.block_size == 0:
+            g = self.cache.append_slots(req.request_id, (), ahead=1)
+            if g is None:
+                return
+            req.block_ahead = True
+            self.outbox.emit(g.plans)
+            if not g.ready:  # the block's old content is being written back first
+                return
         batch.placeholder(req, pos)
 
     def on_step_output(self, output: StepOutput) -> dict[int, int]:
@@ -240,18 +248,23 @@ class Scheduler:
                 applied[req.request_id] = tok
                 if req.first_token_time is None:
                     req.first_token_time = now
+                nxt = later.get(req.request_id)
+                ready = True
+                if req.block_ahead or (nxt is not None and nxt.start_pos == req.num_tokens - 1):
+                    # its slot was taken ahead of the token (async scheduling): the token is known now
+                    g = self.cache.append_slots(req.request_id, req.token_span(req.num_slotted, req.num_tokens))
+                    assert g is not None and not g.new_blocks and not g.plans, \
+                        f"request {req.request_id}: a placeholder's slot needed a block"
+                    req.num_slotted, req.block_ahead, ready = req.num_tokens, False, g.ready
                 if tok == req.eos_token_id or tok in req.stop_token_ids:
                     self._finish_after(req, S.FINISHED_STOPPED, later)
                     continue
                 if len(req.output_token_ids) >= req.max_new_tokens or req.num_tokens >= self.max_model_len:
                     self._finish_after(req, S.FINISHED_LENGTH, later)
                     continue
-                nxt = later.get(req.request_id)
-                if nxt is not None and nxt.start_pos == req.num_tokens - 1:  # its placeholder: the token is known
-                    g = self.cache.append_slots(req.request_id, req.token_span(req.num_slotted, req.num_tokens))
-                    assert g is not None and not g.new_blocks and not g.plans, \
-                        f"request {req.request_id}: a placeholder's slot needed a block"
-                    req.num_slotted = req.num_tokens
+                if not ready and not req.abort_requested:  # the block it took ahead is still being written back
+                    self.table.wait_for_write_back(req)
+                    continue
             if req.abort_requested:
                 self._finish_after(req, S.FINISHED_ABORTED, later)
         self.stats.prefill_tokens += prefill

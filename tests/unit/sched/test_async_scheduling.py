@@ -92,12 +92,13 @@ def run(r: AsyncRig, shuffle: random.Random | None = None, max_steps: int = 3000
 MODES = [(M.RECOMPUTE, False), (M.OFFLOAD, False), (M.STORAGE, True), (M.AUTO, False)]
 
 
+@pytest.mark.parametrize("policy", [CachePolicy.WRITE_BACK, CachePolicy.WRITE_THROUGH], ids=["back", "through"])
 @pytest.mark.parametrize("mode,storage", MODES, ids=[m.name.lower() for m, _ in MODES])
 @pytest.mark.parametrize("seed", range(4))
-def test_async_outputs_equal_sync_under_preemption(mode, storage, seed):
+def test_async_outputs_equal_sync_under_preemption(mode, storage, seed, policy):
     outs, rigs = [], []
     for overlap in (False, True):
-        r = make(overlap, mode, dev=6, storage=storage, vocab=8)
+        r = make(overlap, mode, dev=6, storage=storage, vocab=8, policy=policy, host=24 if storage else 12)
         workload(r, seed, n=10, eos=None if seed % 2 else 3)  # some requests stop on a token, some by length
         outs.append(run(r, random.Random(seed)))
         rigs.append(r)
