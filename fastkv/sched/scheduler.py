@@ -376,6 +376,8 @@ class Scheduler:
     # ================================================================== internals
     def _loaded(self, ready: Ready) -> None:
         req = self.requests[ready.request_id]
+        if req.state is S.RUNNING and req.block_ahead:
+            return  # the write-back of the block it took ahead is done before its step's output (async)
         n = ready.num_computed_tokens
         if req.prefilled:
             req.local_computed = n
