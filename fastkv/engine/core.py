@@ -174,6 +174,7 @@ class Engine:
         self._last_output = 0.0  # when the last step's output came in: the next step's wall time starts there
         self._held: dict[str, list[int]] = {}  # tokens of requests that stopped, kept for their result's update
         self.overlapped_steps = 0  # steps sent while the one before was still running
+        self.sync_plans = 0  # plans made after the step in flight because a preemption waited on it
         # steps' wall time (each from its send, or from the output before it when that came later)
         # and the time the workers reported for them (a cost model's modelled compute)
         self.step_wall_s = self.step_worker_s = 0.0
@@ -466,6 +467,7 @@ class Engine:
             if out.plan.seqs:
                 self._send(out.plan)
                 self.overlapped_steps += 1
+            self.sync_plans += self.sched.sync_next
         if self._flight:
             self._apply(self._output(self._flight[0][0]))
             results += [self._result(r) for r in self.sched.take_finished()]  # with their last token

@@ -162,6 +162,7 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         "weight_updates": engine.weight_updates,
         # steps planned and sent while the one before ran (async scheduling; 0 when off)
         "async_scheduling": {"on": engine.async_scheduling, "overlapped_steps": engine.overlapped_steps,
+                             "steps": engine.sched.stats.steps, "sync_plans": engine.sync_plans,
                              "step_wall_s": round(engine.step_wall_s, 4),
                              "step_worker_s": round(engine.step_worker_s, 4)},
         # KV computed under older weights that a request read (the synthetic runner checks): must be 0
