@@ -322,7 +322,12 @@ class Engine:
         (``fastkv.engine.handoff``); it is LOADed here and the request decodes once it is in,
         recomputing only what the store no longer holds. Otherwise the caller writes the KV of
         ``[first_position, last_position)`` into the reserved blocks and calls ``on_prefilled``.
-        Call it between steps. RequestRejected if the request can never run."""
+        Call it between steps, with no step in flight: the decode role runs with async scheduling
+        off, and so must an embedding engine that calls it (``RunSpec.async_scheduling``).
+        RequestRejected if the request can never run."""
+        if self._flight:
+            raise ValueError("reserve_for_prefilled while a step is in flight: it needs async scheduling off "
+                             "(RunSpec.async_scheduling=False; the decode role has it off)")
         req, ext, params = self._new_request(prompt, max_new_tokens, request_id, preemption, eos_token_id,
                                              stop_token_ids, arrival_time, sampling)
         tail = None
