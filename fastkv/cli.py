@@ -75,6 +75,7 @@ class JobConfig:
     storage_write: str = "through"
     eviction: str = "lru"  # the order cached blocks leave a tier: lru | lfu
     host_checksums: bool = True  # checksum host blocks (a corrupt one is recomputed, never served)
+    async_scheduling: str = "on"  # "on": the engine sends step N+1 while the workers run step N; "off"
     runner: str = "synthetic"
     workload: str = "demo"  # demo | trace | trace:N | path to a workload.jsonl
     seed: int = 0
@@ -126,6 +127,8 @@ class JobConfig:
                 raise ValueError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
         if self.cache_policy not in CACHE_POLICIES:
             raise ValueError(f"setting 'cache_policy' must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
+        if self.async_scheduling not in ("on", "off"):
+            raise ValueError(f"setting 'async_scheduling' must be 'on' or 'off', got {self.async_scheduling!r}")
         if self.storage_write not in STORAGE_WRITES:
             raise ValueError(f"setting 'storage_write' must be one of {STORAGE_WRITES}, got {self.storage_write!r}")
         if self.eviction not in POLICIES:
@@ -377,7 +380,7 @@ class JobConfig:
             num_host_blocks=self.host_blocks, storage_url=self.storage_url(out_dir), runner=self.runner,
             runner_options=self.full_runner_options(),
             cache_policy=self.cache_policy, storage_writes=self.storage_write, eviction=self.eviction,
-            host_checksums=self.host_checksums,
+            host_checksums=self.host_checksums, async_scheduling=self.async_scheduling == "on",
             scheduler=dict(self.scheduler),
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
@@ -461,6 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="which blocks are written to the storage tier: 'through' every block once it is on the host "
       "(the most writes; restarts and other engines hit everything), 'preempted' only preempted requests' "
       "(the fewest), 'back' host blocks about to be evicted (one write per host eviction) (default through)")
+    a("--async-scheduling", choices=("on", "off"), help="on (default): the engine plans and sends each step "
+      "while the workers run the one before; off: one step at a time (outputs are the same)")
     a("--eviction", choices=sorted(POLICIES), help="the order cached blocks leave a tier (default lru)")
     a("--runner", choices=RUNNERS, help="reference model runner (default synthetic)")
     a("--workload", help="demo | trace | trace:N | path to a workload.jsonl (default demo)")

@@ -56,6 +56,8 @@ class RunSpec:
     storage_writes: str = "through"  # fastkv.cache.write_policy.StorageWrites name: which blocks are stored
     eviction: str = "lru"  # fastkv.cache.eviction.POLICIES name
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig keyword arguments
+    # plan and send step N+1 while the workers run step N (fastkv.engine.core); False: one step at a time
+    async_scheduling: bool = True
     ops_threads: int = 1  # CPU swap-op threads per transfer process
     host_checksums: bool = True  # checksum host blocks on arrival, check before they leave (a mismatch: recompute)
     heartbeat_s: float = 0.5  # each process beats at least this often

@@ -137,11 +137,15 @@ def mixed_workload(path: Path, seed: int = 0) -> Path:
     return write_workload(reqs, path)
 
 
+SYNC = "/sync"  # a label's suffix: the run with --async-scheduling off
+
+
 def run_config(base: JobConfig, label: str, out: Path) -> JobConfig:
     """The job of run ``label``: the base settings, its preemption mode and its tiers."""
-    mode, host = RUNS[label]
+    mode, host = RUNS[label.removesuffix(SYNC)]
     try:
-        return JobConfig(**{**base.__dict__, "preemption": mode, "host_blocks": base.host_blocks if host else 0,
+        return JobConfig(**{**base.__dict__, "preemption": mode, "async_scheduling": "off" if label.endswith(SYNC)
+                            else base.async_scheduling, "host_blocks": base.host_blocks if host else 0,
                             "storage": base.storage if host else "none",
                             "storage_write": base.storage_write if host else JobConfig.storage_write, "out": str(out)})
     except ValueError as exc:
@@ -192,15 +196,21 @@ def paired_ratios(runs: dict[str, list[dict]]) -> dict[str, dict]:
     ratio's median and spread, and whether the spread resolves it (``RATIO_SPREAD``)."""
     rounds = len(next(iter(runs.values())))
     per: dict[str, list[float]] = {}
+    suffixes = [x for x in ("", SYNC) if f"recompute_device_only{x}" in runs]
     for r in range(rounds):
-        t = {m: ds[r]["tokens_per_s"] for m, ds in runs.items()}
-        pairs = {f"{m}/recompute_device_only": (t[m], t["recompute_device_only"])
-                 for m in ("recompute", "offload", "storage", "auto")}
-        pairs["offload/recompute"] = (t["offload"], t["recompute"])
-        pairs["offload/best"] = (t["offload"], max(t.values()))
-        pairs["auto/best_fixed"] = (t["auto"], max(v for m, v in t.items() if m != "auto"))
-        for name, (a, b) in pairs.items():
-            per.setdefault(name, []).append(a / max(b, 1e-9))
+        for x in suffixes:  # async and sync runs each against their own kind
+            t = {m: runs[m + x][r]["tokens_per_s"] for m in RUNS}
+            pairs = {f"{m}/recompute_device_only": (t[m], t["recompute_device_only"])
+                     for m in ("recompute", "offload", "storage", "auto")}
+            pairs["offload/recompute"] = (t["offload"], t["recompute"])
+            pairs["offload/best"] = (t["offload"], max(t.values()))
+            pairs["auto/best_fixed"] = (t["auto"], max(v for m, v in t.items() if m != "auto"))
+            for name, (a, b) in pairs.items():
+                per.setdefault(name + x, []).append(a / max(b, 1e-9))
+        if len(suffixes) == 2:
+            for m in RUNS:
+                per.setdefault(f"{m}: async/sync", []).append(
+                    runs[m][r]["tokens_per_s"] / max(runs[m + SYNC][r]["tokens_per_s"], 1e-9))
     out = {}
     for name, values in per.items():
         s = spread(values, 3)
@@ -269,6 +279,9 @@ def main() -> int:
                    f"--quick {QUICK_ROUNDS}, --smoke 1)")
     p.add_argument("--out", help="keep each run's output here (default: a temporary directory, removed)")
     p.add_argument("--entry", action="append", default=[], metavar="ROLE=MODULE:FUNC", help="as fastkv-supervisor")
+    p.add_argument("--async-scheduling", choices=("on", "off", "both"), default="on",
+                   help=f"the engine's async scheduling in every run; both: each mode also runs with it off "
+                   f"(labelled MODE{SYNC}), interleaved (default on)")
     args = p.parse_args()
     if args.verify and args.runner != "synthetic":
         p.error(f"--verify is the synthetic runner's; --runner {args.runner} has no byte checks to set")
@@ -288,7 +301,8 @@ def main() -> int:
     if args.verify:
         options["verify"] = args.verify
     rounds = args.rounds or (1 if args.smoke else QUICK_ROUNDS if args.quick else 5)
-    runs: dict[str, list[dict]] = {label: [] for label in RUNS}
+    labels = [*RUNS, *(label + SYNC for label in RUNS)] if args.async_scheduling == "both" else list(RUNS)
+    runs: dict[str, list[dict]] = {label: [] for label in labels}
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fastkv-bench-e2e-"))
     try:
         workload = str(mixed_workload(root / "mixed.jsonl")) if args.workload == "mixed" else args.workload
@@ -297,10 +311,11 @@ def main() -> int:
                              dtype=args.dtype, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
                              cache_policy=args.cache_policy, storage=args.storage, storage_write=args.storage_write,
                              quick=args.quick or args.smoke,
+                             async_scheduling="off" if args.async_scheduling == "off" else "on",
                              demo=SMOKE_DEMO if args.smoke else QUICK_E2E if args.quick else {}, workload=workload,
                              runner_options=options)
             num_requests, block_bytes = len(base.requests()), base.layout().block_bytes
-            for label in RUNS:  # each run's own settings too, before any of them runs
+            for label in labels:  # each run's own settings too, before any of them runs
                 run_config(base, label, root / label)
         except (ValueError, OSError) as exc:
             raise SystemExit(f"bench_e2e: {exc}") from None
@@ -309,7 +324,7 @@ def main() -> int:
               f"{block_bytes >> 10} KiB; cost model "
               f"{options.get('cost_model', 'flat')} at {options.get('copy_gbps', '-')} GB/s of copies here",
               flush=True)
-        order = list(RUNS)
+        order = list(labels)
         for r in range(rounds):  # paired: every mode once per round, the order rotated
             for label in order[r % len(order):] + order[:r % len(order)]:
                 print(f"running {label} (round {r + 1} of {rounds}) ...", flush=True)
@@ -361,6 +376,8 @@ def main() -> int:
         "ratios": ratios,
         "gpu_busy": {m: spread([d.get("gpu_busy") or 0.0 for d in ds], 3) for m, ds in runs.items()},
         "recomputed_tokens": {m: max(d["recomputed_tokens"] for d in ds) for m, ds in runs.items()},
+        # steps sent while the one before ran, the steps' wall time and the workers' (modelled) time
+        "async_scheduling": {m: d.get("async_scheduling") for m, d in results.items()},
         "outputs_identical": identical,
         "outputs_correct": correct,
         "verified": {m: d.get("verified") for m, d in results.items()},

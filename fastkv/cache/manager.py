@@ -325,13 +325,15 @@ class CacheManager:
         self.state.reserved += need
         return True
 
-    def append_slots(self, request_id: object, tokens: object) -> Growth | None:
+    def append_slots(self, request_id: object, tokens: object, ahead: int = 0) -> Growth | None:
         """Slots for tokens fed to the next step (decode): the sequence grows by ``tokens``.
-        None (and nothing changed) when a new block is needed and none can be had."""
+        None (and nothing changed) when a new block is needed and none can be had. ``ahead``:
+        also the blocks of that many tokens not known yet (async scheduling: a step in flight
+        samples them); the caller appends those tokens before anything else reads the record."""
         req = self.state.get(request_id, ReqState.RUNNING)
         toks = as_tokens(tokens)
         bs = self.block_size
-        need = cdiv(req.num_tokens + len(toks), bs) - len(req.table)
+        need = cdiv(req.num_tokens + len(toks) + ahead, bs) - len(req.table)
         plans: tuple[CopyPlan, ...] = ()
         new: list[int] = []
         if need > 0:

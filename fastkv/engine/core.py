@@ -3,7 +3,14 @@
 One thread drives it. ``step()`` plans a step (``Scheduler.step``), hands its copy plans to
 the transfer client (which never waits for a copy), sends the step's ``PlanMsg`` to every
 worker rank and blocks on the inbox doorbell until rank 0's ``OutputMsg`` arrives, feeding
-every copy completion that arrives meanwhile to the scheduler. When nothing can run but
+every copy completion that arrives meanwhile to the scheduler. With async scheduling
+(``RunSpec.async_scheduling``, on by default) it plans and sends the next step before it
+waits, so the workers start step N+1 as soon as step N is done: each ``step()`` then
+applies one step's output while the next one runs (``Scheduler.step(overlap=True)`` says
+what such a plan may do; tokens of a request that stopped one step earlier are discarded,
+so outputs are exactly the synchronous ones). Weight updates and a preemption that needs a
+request of the step in flight plan synchronously; the decode role always does (it reserves
+blocks between steps). When nothing can run but
 copies are in flight it blocks on the inbox instead (timeout ``heartbeat_s``, then
 ``TransferClient.check()`` fails tasks of dead ranks and tasks past ``task_timeout_s``).
 A transfer rank that dies fails its tasks (their requests recompute) and is used again
@@ -163,6 +170,17 @@ class Engine:
         self._release: list[int] = []  # finished since the last plan: the runners may forget them
         self._params: dict[int, str] = {}  # requests not yet in a plan -> their PlanMsg.params entry
         self._tokens: dict[str, list[int]] = {}  # sampled in the step being run, by the caller's id
+        # async scheduling: plans sent whose output is not in yet (oldest first), with their send time
+        self.async_scheduling = spec.async_scheduling and spec.role != "decode"
+        self._flight: list[tuple[StepPlan, float]] = []
+        self._last_output = 0.0  # when the last step's output came in: the next step's wall time starts there
+        self._held: dict[str, list[int]] = {}  # tokens of requests that stopped, kept for their result's update
+        self.overlapped_steps = 0  # steps sent while the one before was still running
+        self.sync_plans = 0  # plans made after the step in flight because a preemption waited on it
+        # steps' wall time (each from its send, or from the output before it when that came later)
+        # and the time the workers reported for them (a cost model's modelled compute)
+        self.step_wall_s = self.step_worker_s = 0.0
+        self._early: list[OutputMsg] = []  # outputs of later steps that came in one batch with an earlier one
         # add_request/abort from other threads: queued under this, taken by the driving thread
         self._cond = threading.Condition(threading.RLock())
         self._incoming: list[tuple[Request, str]] = []
@@ -306,7 +324,12 @@ class Engine:
         (``fastkv.engine.handoff``); it is LOADed here and the request decodes once it is in,
         recomputing only what the store no longer holds. Otherwise the caller writes the KV of
         ``[first_position, last_position)`` into the reserved blocks and calls ``on_prefilled``.
-        Call it between steps. RequestRejected if the request can never run."""
+        Call it between steps, with no step in flight: the decode role runs with async scheduling
+        off, and so must an embedding engine that calls it (``RunSpec.async_scheduling``).
+        RequestRejected if the request can never run."""
+        if self._flight:
+            raise ValueError("reserve_for_prefilled while a step is in flight: it needs async scheduling off "
+                             "(RunSpec.async_scheduling=False; the decode role has it off)")
         req, ext, params = self._new_request(prompt, max_new_tokens, request_id, preemption, eos_token_id,
                                              stop_token_ids, arrival_time, sampling)
         tail = None
@@ -432,26 +455,35 @@ class Engine:
         self._prefilled_from_store()
         if self.exporter:
             self.exporter.poll()
-        out = self.sched.step()
-        self._arrived += [rid for rid in out.kv_writable if rid in self._from_store]
-        copies = [CopyPlan(p.plan_id, CopyKind.CLEAR, keys=(FREE,)) if p.kind is CopyKind.CLEAR and self._free_memory
-                  else p for p in out.copies]
-        if not out.plan.seqs:
+        results: list[RequestResult] = []
+        if not self._flight:
+            out, copies = self._plan(results)
+            if out.plan.seqs:
+                self._idle = 0
+                self._send(out.plan)
+                self._submit(copies)
+            else:
+                self._submit(copies)
+                if self._release:  # idle: the workers forget the finished requests now, not at the next plan
+                    self._run(StepPlan(0, []))
+                elif self.transfer.pending:
+                    self._idle = 0
+                    self.gpu_clock.enter("copies")
+                    self._pump(self.spec.heartbeat_s if self.lookups is None
+                               else self.lookups.wait_s(self.spec.heartbeat_s))
+                elif self.sched.requests and not out.copies and not out.finished:
+                    self._idle += 1
+                    assert self._idle < _STALL_STEPS, f"scheduler stalled with no copy in flight: {self.sched.counts()}"
+        if self._overlaps():  # the next step goes out before this one's output is in
+            out, copies = self._plan(results, overlap=True)
+            if out.plan.seqs:
+                self._send(out.plan)
+                self.overlapped_steps += 1
             self._submit(copies)
-        results = [self._result(r) for r in out.finished]
-        if out.plan.seqs:
-            self._idle = 0
-            self._run(out.plan, copies=copies)
+            self.sync_plans += self.sched.sync_next
+        if self._flight:
+            self._apply(self._output(self._flight[0][0]))
             results += [self._result(r) for r in self.sched.take_finished()]  # with their last token
-        elif self._release:  # idle: the workers forget the finished requests now, not at the next plan
-            self._run(StepPlan(0, []))
-        elif self.transfer.pending:
-            self._idle = 0
-            self.gpu_clock.enter("copies")
-            self._pump(self.spec.heartbeat_s if self.lookups is None else self.lookups.wait_s(self.spec.heartbeat_s))
-        elif self.sched.requests and not out.copies and not out.finished:
-            self._idle += 1
-            assert self._idle < _STALL_STEPS, f"scheduler stalled with no copy in flight: {self.sched.counts()}"
         if self.events is not None:
             self.events.flush()
         if self.check:
@@ -459,6 +491,22 @@ class Engine:
             self.cache.check_integrity()
         self.gpu_clock.enter("other")
         return results
+
+    def _plan(self, results: list[RequestResult], overlap: bool = False) -> tuple[Any, list[CopyPlan]]:
+        """The scheduler's next step and its copies (for ``_submit`` once the step is sent)."""
+        out = self.sched.step(overlap)
+        self._arrived += [rid for rid in out.kv_writable if rid in self._from_store]
+        copies = [CopyPlan(p.plan_id, CopyKind.CLEAR, keys=(FREE,)) if p.kind is CopyKind.CLEAR and self._free_memory
+                  else p for p in out.copies]
+        results += [self._result(r) for r in out.finished]
+        return out, copies
+
+    def _overlaps(self) -> bool:
+        """Whether the next plan may go out while the one in flight runs: async scheduling on,
+        one step in flight, no weight update under way, and the last plan left no preemption
+        waiting on the step in flight."""
+        return (self.async_scheduling and len(self._flight) == 1 and not self.sched.sync_next
+                and self.sched.weight_update_state is WeightUpdate.NONE)
 
     def run(self) -> list[RequestResult]:
         """Step until every request has finished and no copy is in flight."""
@@ -528,19 +576,26 @@ class Engine:
             self._pump(self.spec.heartbeat_s)  # blocks on the doorbell: nothing else to do yet
 
     def _submit(self, copies: list[CopyPlan]) -> None:
+        """Copies go to the transfer processes once the step is on its way: waking a transfer
+        process can cost the engine its core for milliseconds on a busy host, which must not
+        come between two steps (invariant 3 keeps copies off the blocks a step writes)."""
         for plan in copies:
             self.transfer.submit(plan)
 
-    def _run(self, plan: StepPlan, timeout: float | None = None, control: PlanMsg | None = None,
-             copies: list[CopyPlan] = ()) -> None:
-        """One step (or ``control``, a request to every rank) through the workers. ``copies``
-        go to the transfer processes once the step is on its way: waking a transfer process
-        can cost the engine its core for milliseconds on a busy host, which must not come
-        between two steps. Copies ran beside the step before too (invariant 3 keeps them off
-        the blocks it writes): only the order of the sends changes."""
-        t0 = time.perf_counter()
-        new = {s.request_id: self._params.pop(s.request_id) for s in plan.seqs if s.request_id in self._params}
+    def _run(self, plan: StepPlan, timeout: float | None = None, control: PlanMsg | None = None) -> None:
+        """One step (or ``control``, a request to every rank) through the workers, with no
+        other step in flight."""
+        assert not self._flight, f"step {self._flight[0][0].step_id} still in flight"
+        self._send(plan, control)
+        out = self._output(plan, timeout, control is not None)
         if plan.step_id:
+            self._apply(out)
+        else:
+            self._flight.clear()
+
+    def _send(self, plan: StepPlan, control: PlanMsg | None = None) -> None:
+        new = {s.request_id: self._params.pop(s.request_id) for s in plan.seqs if s.request_id in self._params}
+        if plan.step_id and control is None:
             self.gpu_clock.sent()
         try:
             self._broadcast.send(control or protocol.plan_to_msg(plan, self._release, new),
@@ -549,8 +604,13 @@ class Engine:
             raise EngineError(f"cannot send step {plan.step_id}: {exc}") from exc
         if control is None:
             self._release = []
-        self._submit(copies)
-        out: OutputMsg | None = None
+        self._flight.append((plan, time.perf_counter()))
+
+    def _output(self, plan: StepPlan, timeout: float | None = None, control: bool = False) -> OutputMsg:
+        """Block until rank 0's output of ``plan`` (the oldest in flight) arrives, handling
+        copy completions meanwhile."""
+        t0 = time.perf_counter()
+        out: OutputMsg | None = self._early.pop(0) if self._early else None
         while out is None:
             if timeout is not None and time.perf_counter() - t0 > timeout:
                 raise EngineError(f"no output for step {plan.step_id} within {timeout} s")
@@ -565,20 +625,37 @@ class Engine:
                     self._on_done(msg)
                     continue
                 if msg.error:
-                    raise EngineError(f"{'weight update' if control else f'step {plan.step_id}'} failed: {msg.error}")
-                assert msg.step_id == plan.step_id, f"output of step {msg.step_id} while step {plan.step_id} runs"
+                    raise EngineError(f"{'weight update' if control else f'step {msg.step_id}'} failed: {msg.error}")
+                if msg.step_id and not control:
+                    self.gpu_clock.received(msg.seconds)
+                if out is not None:  # the next step's: it ran right after this one
+                    self._early.append(msg)
+                    continue
                 out = msg
-        if plan.step_id:
-            self.gpu_clock.received(out.seconds)
-            self.gpu_clock.enter("schedule")
-            output = protocol.msg_to_output(out)
-            for rid, tok in output.sampled.items():
-                self._tokens.setdefault(self._ext[rid], []).append(tok)
-                seen = self._sampled_by.setdefault(rid, [])
-                if not seen or seen[-1] != self.weights_version:
-                    seen.append(self.weights_version)
-            self.sched.on_step_output(output)
-            self.metrics.observe_step(time.perf_counter() - t0, len(out.tokens))
+        assert out.step_id == plan.step_id, f"output of step {out.step_id} while step {plan.step_id} runs"
+        return out
+
+    def _apply(self, out: OutputMsg) -> None:
+        """The oldest step in flight is done: its tokens go to the scheduler and the caller.
+        Its wall time runs from when it was sent, or from the output before it if that came
+        later (the workers ran the steps back to back)."""
+        _, sent = self._flight.pop(0)
+        self.gpu_clock.enter("schedule")
+        now = time.perf_counter()
+        applied = self.sched.on_step_output(protocol.msg_to_output(out))
+        for rid, tok in applied.items():
+            ext = self._ext[rid]
+            req = self.sched.requests.get(rid)
+            held = req is not None and req.finish_pending is not None  # its result comes with the next output
+            (self._held if held else self._tokens).setdefault(ext, []).append(tok)
+            seen = self._sampled_by.setdefault(rid, [])
+            if not seen or seen[-1] != self.weights_version:
+                seen.append(self.weights_version)
+        wall = now - max(sent, self._last_output)
+        self.step_wall_s += wall
+        self.step_worker_s += out.seconds
+        self.metrics.observe_step(wall, len(applied))
+        self._last_output = now
 
     def _pump(self, timeout: float) -> None:
         msgs = self._recv(timeout)
@@ -652,6 +729,9 @@ class Engine:
             del self._ids[ext]
             self._params.pop(req.request_id, None)
         self._release.append(req.request_id)
+        held = self._held.pop(ext, None)
+        if held:  # a request's last token comes in the update that lists it finished
+            self._tokens.setdefault(ext, []).extend(held)
         finish = FINISH[req.state]
         self.metrics.observe_finished(finish)
         self._sig.add("engine.finished", 1)

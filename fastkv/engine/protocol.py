@@ -10,6 +10,11 @@ sampling parameters of each request come once, in ``PlanMsg.params`` of the firs
 carries it (``fastkv.engine.worker_api`` maps them back). These functions are all a
 deployment's own worker needs besides its model (see ``fastkv.engine.core`` for the
 embedding example).
+
+Async scheduling: the engine sends step N+1 before step N's output is in. A request that
+samples in step N and decodes in step N+1 gets ``PLACEHOLDER`` (-1) as its input token there;
+the worker fills it in with the token it sampled for that request in step N
+(``fill_placeholders``), so every rank must keep its own sampled tokens of the last step.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from fastkv.ipc import OutputMsg, PlanMsg
-from fastkv.sched.output import SeqWork, StepOutput, StepPlan
+from fastkv.sched.output import PLACEHOLDER, SeqWork, StepOutput, StepPlan
 
 
 def plan_to_msg(plan: StepPlan, release: Iterable[int] = (), params: dict[int, str] | None = None) -> PlanMsg:
@@ -48,6 +53,25 @@ def msg_to_plan(msg: PlanMsg) -> StepPlan:
         for rid, tok, table, start, smp in zip(msg.request_ids, msg.token_ids, msg.block_tables, msg.num_computed,
                                                sample, strict=True)
     ])
+
+
+def placeholder_error(step_id: int, request_id: object) -> str:
+    return (f"step {step_id}: request {request_id} decodes on the token this rank sampled for it in the step "
+            f"before, and it sampled none (every rank keeps its sampled tokens; or run with --async-scheduling off)")
+
+
+def fill_placeholders(plan: StepPlan, last: dict[int, int]) -> StepPlan:
+    """Async scheduling: a seq whose input token is ``PLACEHOLDER`` decodes on the token this
+    rank sampled for it in the step before (``last``, that step's ``StepOutput.sampled``).
+    Every rank fills it from its own sample, which tp keeps equal on every rank. ValueError
+    (naming the step and request) when there is none."""
+    for seq in plan.seqs:
+        if len(seq.token_ids) == 1 and seq.token_ids[0] == PLACEHOLDER:
+            tok = last.get(seq.request_id)
+            if tok is None:
+                raise ValueError(placeholder_error(plan.step_id, seq.request_id))
+            seq.token_ids = np.array([tok], np.int32)
+    return plan
 
 
 def released(msg: PlanMsg) -> list[int]:

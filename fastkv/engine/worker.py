@@ -7,7 +7,9 @@ named by ``spec.runner`` and loops:
 
 1. wait for a ``PlanMsg`` on ``plan.{rank}`` (blocking, timeout ``heartbeat_s``: beat, look
    at ``stop``, wait again);
-2. ``runner.step`` on it; forget the requests the plan releases;
+2. ``runner.step`` on it, its placeholders filled in with this rank's tokens of the step
+   before (async scheduling: ``protocol.fill_placeholders``); forget the requests the plan
+   releases;
 3. with tp > 1, every rank joins one all-gather of its error text (empty when fine) on the
    run's ``ShmCollective``: rank 0 answers only after every rank has written the step's
    KV. Without that, a copy the engine plans right after rank 0's answer could read a block
@@ -169,6 +171,7 @@ def _loop(spec: RunSpec, rank: int, ends, runner, coll: ShmCollective | None,
           load_weights: Callable[[protocol.LoadWeights], None]) -> int:
     me, sig = f"worker{rank}", ends.signals
     beat = f"{me}.beat"
+    last: dict[int, int] = {}  # sampled in the last step: the next plan's placeholders (protocol)
     while True:
         sig[beat] = time.monotonic_ns()
         try:
@@ -188,7 +191,10 @@ def _loop(spec: RunSpec, rank: int, ends, runner, coll: ShmCollective | None,
                 load_weights(protocol.weights_request(msg))
                 reply = OutputMsg(msg.step_id)
             else:
-                out = runner.step(protocol.msg_to_plan(msg))
+                plan = protocol.fill_placeholders(protocol.msg_to_plan(msg), last)
+                out = runner.step(plan)
+                if plan.seqs:
+                    last = out.sampled
                 reply = protocol.output_to_msg(out, sum(len(t) for t in msg.token_ids))
         except Exception as exc:  # reported to the engine, which fails the run loudly
             what = "loading weights" if msg.control else f"step {msg.step_id}"

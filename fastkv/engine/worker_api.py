@@ -21,6 +21,11 @@ One ``WorkerPort`` per tensor-parallel rank, in the deployment's worker process:
   token after the last one) and ``sampling`` (``fastkv.engine.sampling.Sampling``, as given).
   Write each new token's K/V at ``k[layer][block_table[pos // block_size], :, pos %
   block_size]`` and nothing else: other slots may be in flight to another tier.
+- Async scheduling: the engine sends a plan before the previous one's answer is in. A seq
+  that decodes on the token its previous step samples arrives with that token filled in
+  from the ``sampled`` this rank passed to ``answer``: so every rank passes its sampled
+  tokens (at tp > 1 they must be the same on every rank, as greedy sampling of the same
+  logits is). A deployment whose ranks > 0 do not sample runs ``--async-scheduling off``.
 - ``Plan.release``: requests finished (or aborted) since the last plan; the engine also
   sends them in an empty plan when it idles, and before it closes.
 - Heartbeats: ``plans()`` beats ``worker{r}.beat`` whenever it waits; a step longer than
@@ -92,6 +97,7 @@ class WorkerPort:
                                               slice_s=spec.heartbeat_s,
                                               check=lambda peer: _check_peer(self.signals, rank, peer))
         self._msg = None
+        self._last: dict[str, int] = {}  # wire id -> token this rank sampled in the last step
 
     def beat(self) -> None:
         self.signals[f"{self.me}.beat"] = time.monotonic_ns()
@@ -126,11 +132,20 @@ class WorkerPort:
                 doc = json.loads(params)
                 self._known[wire] = (doc["id"], Sampling.from_json(doc["sampling"]))
         sample = msg.sample if len(msg.sample) else np.ones(len(msg.request_ids), np.int32)
-        seqs = [Seq(self._known[wire][0], tok, int(start), table, bool(smp), self._known[wire][1])
+        seqs = [Seq(self._known[wire][0], self._filled(msg.step_id, wire, tok), int(start), table, bool(smp),
+                    self._known[wire][1])
                 for wire, tok, table, start, smp in zip(msg.request_ids, msg.token_ids, msg.block_tables,
                                                         msg.num_computed, sample, strict=True)]
         release = [self._known.pop(wire)[0] for wire in msg.release if wire in self._known]
         return Plan(msg.step_id, seqs, release, None)
+
+    def _filled(self, step_id: int, wire: str, tok: np.ndarray) -> np.ndarray:
+        """``tok``, its placeholder (async scheduling) replaced by this rank's last sample."""
+        if len(tok) != 1 or tok[0] != protocol.PLACEHOLDER:
+            return tok
+        if wire not in self._last:
+            raise ValueError(f"{self.me}: {protocol.placeholder_error(step_id, self._known[wire][0])}")
+        return np.array([self._last[wire]], np.int32)
 
     def answer(self, plan: Plan, sampled: dict[str, int] | None = None, error: str = "", seconds: float = 0.0) -> None:
         """Ends ``plan`` on this rank: ``sampled`` maps the caller's id of every seq with
@@ -140,6 +155,9 @@ class WorkerPort:
         msg, self._msg = self._msg, None
         if msg is None or msg.step_id != plan.step_id:
             raise ValueError(f"{self.me}: answer for step {plan.step_id}, which is not the plan in hand")
+        if plan.seqs and not error:  # the next plan's placeholders are these tokens
+            by_caller = {self._known[w][0]: w for w in msg.request_ids}
+            self._last = {by_caller[i]: int(t) for i, t in (sampled or {}).items() if i in by_caller}
         if self._coll is not None:
             from fastkv.engine.worker import _agree
 

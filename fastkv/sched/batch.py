@@ -8,9 +8,11 @@ prefills held back, shortest rest first. A long prompt therefore progresses ever
 budget when it runs alone, and a short prompt arriving beside it is admitted in the next step."""
 from __future__ import annotations
 
+import numpy as np
+
 from fastkv.cache.manager import CacheManager
 from fastkv.sched.config import SchedulerConfig
-from fastkv.sched.output import SeqWork
+from fastkv.sched.output import PLACEHOLDER, SeqWork
 from fastkv.sched.request import Request
 
 
@@ -23,14 +25,23 @@ class StepBatch:
         self.stalled: list[Request] = []
         self.share = config.prefill_share
         self.held_back: list[Request] = []  # prefills cut to their share, in schedule order
+        # async scheduling: where a request in the step in flight goes on from (its KV below is being computed)
+        self.starts: dict[int, int] = {}
+        self.need_sync = False  # a preemption had to wait for the step in flight: plan the next one after it
 
     @property
     def full(self) -> bool:
         return self.budget <= 0 or len(self.seqs) >= self.config.max_num_seqs
 
-    def schedule(self, req: Request) -> None:
-        """Put RUNNING ``req``'s next chunk in this step, as far as the budget allows."""
-        n = req.num_new_tokens
+    def _rest(self, req: Request) -> int:
+        return req.num_tokens - self.starts.get(req.request_id, req.num_computed_tokens)
+
+    def schedule(self, req: Request, start: int | None = None) -> None:
+        """Put RUNNING ``req``'s next chunk in this step, as far as the budget allows.
+        ``start``: the step in flight computes its tokens below (async scheduling)."""
+        if start is not None:
+            self.starts[req.request_id] = start
+        n = self._rest(req)
         assert n > 0, f"request {req.request_id} is RUNNING with nothing to compute"
         cfg = self.config
         if n > self.budget and not cfg.chunked_prefill and n <= cfg.max_num_batched_tokens:
@@ -44,20 +55,27 @@ class StepBatch:
     def top_up(self) -> None:
         """Give the budget nobody else took to the prefills cut to their share, the one nearest
         its first token first (a short prompt's TTFT is decided by it, a long one's hardly)."""
-        for req in sorted(self.held_back, key=lambda r: r.num_new_tokens):
+        for req in sorted(self.held_back, key=self._rest):
             if self.budget <= 0:
                 return
             seq = self.seqs.get(req.request_id)
             if seq is None:  # unscheduled (preempted) after it was cut
                 continue
             n = len(seq.token_ids)
-            more = min(req.num_new_tokens - n, self.budget)
+            more = min(self._rest(req) - n, self.budget)
             if more > 0:
                 self.budget += n
                 self._put(req, n + more)
 
+    def placeholder(self, req: Request, pos: int) -> None:
+        """Decode ``req`` at ``pos`` on the token the step in flight samples for it (async
+        scheduling): the worker fills the placeholder in from its own sample."""
+        self.seqs[req.request_id] = SeqWork(req.request_id, np.array([PLACEHOLDER], np.int32), pos,
+                                            self.cache.block_table(req.request_id), True)
+        self.budget -= 1
+
     def _put(self, req: Request, n: int) -> None:
-        start = req.num_computed_tokens
+        start = self.starts.get(req.request_id, req.num_computed_tokens)
         self.seqs[req.request_id] = SeqWork(
             req.request_id, req.token_span(start, start + n), start, self.cache.block_table(req.request_id),
             start + n == req.num_tokens)

@@ -19,8 +19,8 @@ _CACHE_STATE = {S.LOADING: ReqState.RUNNING, S.RUNNING: ReqState.RUNNING, S.OFFL
                 S.OFFLOADED: ReqState.OFFLOADED}
 
 
-def check(p: SchedulerParts, inflight: StepPlan | None, update: WeightUpdate) -> None:
-    """``inflight``: the step plan out to the workers; ``update``: the weight update's state."""
+def check(p: SchedulerParts, inflight: list[StepPlan], update: WeightUpdate) -> None:
+    """``inflight``: the step plans out to the workers; ``update``: the weight update's state."""
     cache, bs, table = p.cache, p.block_size, p.table
     cache.check_integrity()
     groups = {S.LOADING: table.loading, S.RUNNING: table.running, S.OFFLOADING: table.offloading}
@@ -71,9 +71,13 @@ def check(p: SchedulerParts, inflight: StepPlan | None, update: WeightUpdate) ->
     open_copies = cache.copies_in_flight()
     assert set(plans) == open_copies, f"plans in flight {sorted(plans)} != the cache's open copies " \
                                       f"{sorted(open_copies)}"
-    if inflight is not None:
-        for seq in inflight.seqs:
+    for plan in inflight:
+        for seq in plan.seqs:
             req = table.requests.get(seq.request_id)
             assert req is not None and req.state is S.RUNNING, f"request {seq.request_id} left its in-flight step"
+    for req in table.requests.values():
+        assert req.finish_pending is None or any(req.request_id in {s.request_id for s in plan.seqs}
+                                                 for plan in inflight), \
+            f"request {req.request_id}: stopped, but no step in flight holds it back"
     if update in (WeightUpdate.CLEARING, WeightUpdate.READY):
         assert not in_cache, f"weight update {update.name} with requests in the cache: {in_cache}"

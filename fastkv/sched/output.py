@@ -16,6 +16,8 @@ import numpy as np
 from fastkv.cache.plan import CopyPlan
 from fastkv.sched.request import Request
 
+PLACEHOLDER = -1  # an input token the step before (in flight) samples: the worker fills it in
+
 
 @dataclass(slots=True)
 class SeqWork:

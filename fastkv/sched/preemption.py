@@ -11,6 +11,7 @@ to OFFLOADED with no copy: its host copies still hold its KV.
 """
 from __future__ import annotations
 
+from collections.abc import Container
 from itertools import chain
 from typing import TYPE_CHECKING
 
@@ -105,9 +106,12 @@ def grow_reserved(p: SchedulerParts, req: Request) -> bool:
     return _grown(p, req, g)
 
 
-def ensure_slots(p: SchedulerParts, batch: StepBatch, req: Request, updating: bool) -> bool:
+def ensure_slots(p: SchedulerParts, batch: StepBatch, req: Request, updating: bool,
+                 pinned: Container[int] = ()) -> bool:
     """Device slots for every known token of RUNNING ``req``. False: it cannot run this step
-    (it stalls, waits for a write-back, or was itself preempted)."""
+    (it stalls, waits for a write-back, or was itself preempted). ``pinned``: requests in the
+    step in flight (async scheduling), whose blocks the workers are writing: when one of them
+    is the victim, ``req`` waits and ``batch.need_sync`` asks for a step planned after it."""
     if req.num_slotted == req.num_tokens:
         return True
     cache, table, bs, rid, policy = p.cache, p.table, p.block_size, req.request_id, p.config.policy
@@ -124,6 +128,9 @@ def ensure_slots(p: SchedulerParts, batch: StepBatch, req: Request, updating: bo
             return False
         candidates = chain(table.running.values(), (r for r in table.loading.values() if not r.remote_pending))
         victim = pick_victim(policy, candidates, exclude=req)
+        if victim is not None and victim.request_id in pinned and victim_key(policy, victim) >= victim_key(policy, req):
+            batch.need_sync = True
+            return False
         if victim is None or victim_key(policy, victim) < victim_key(policy, req):
             preempt(p, batch, req, updating, force_recompute=not patient)
             return False

@@ -104,6 +104,9 @@ class Request:
     prefilled: bool = field(default=False, init=False)  # admitted by reserve_for_prefilled
     load_target: int = field(default=0, init=False)  # LOADING: tokens valid once its copies succeed
     abort_requested: bool = field(default=False, init=False)  # abort once its step / remote KV is done
+    # async scheduling: it stopped, but a later step in flight still computes for it (discarded)
+    finish_pending: RequestState | None = field(default=None, init=False)
+    block_ahead: bool = field(default=False, init=False)  # holds the block of a token not sampled yet
     num_preemptions: int = field(default=0, init=False)
     num_recomputed_tokens: int = field(default=0, init=False)
     num_offloads: int = field(default=0, init=False)

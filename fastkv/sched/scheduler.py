@@ -11,7 +11,15 @@ It does no I/O and never waits. The engine drives it::
     respond(out.finished)
 
 One step plan is in flight at a time: ``step()`` refuses to run before the previous plan's
-``on_step_output``. Copy completions may arrive whenever; a request waits for its own copies
+``on_step_output``, except ``step(overlap=True)`` (async scheduling): it plans the next step
+while one is in flight. A request of the step in flight then goes on from where that step
+ends; one that samples there decodes on a placeholder (``output.PLACEHOLDER``) the workers
+fill in from their own sample, and the token reaches the scheduler with that step's output.
+Requests in a step in flight are never preempted nor freed: a preemption that needs one
+waits, and ``sync_next`` asks the engine to plan the step after next once nothing is in
+flight; a request that stops in a step is finished when the steps in flight that still
+compute for it are done (their work and tokens are discarded), so outputs are exactly the
+synchronous ones. Copy completions may arrive whenever; a request waits for its own copies
 in LOADING or OFFLOADING while the others keep running. A transfer layer that never answers
 stalls only the requests whose copies it holds (those can still be aborted, and LOADING ones
 preempted).
@@ -30,7 +38,7 @@ from fastkv.sched.config import SchedulerConfig
 from fastkv.sched.cost import CostModel
 from fastkv.sched.integrity import check
 from fastkv.sched.outbox import CopyOutbox
-from fastkv.sched.output import SchedulerOutput, StepOutput, StepPlan
+from fastkv.sched.output import SchedulerOutput, SeqWork, StepOutput, StepPlan
 from fastkv.sched.parts import SchedulerParts
 from fastkv.sched.request import PreemptionMode, Request, RequestState
 from fastkv.sched.reservation import Refusal, Reservation
@@ -76,8 +84,9 @@ class Scheduler:
         self.weight_update_state = WeightUpdate.NONE
         self._drain = True
         self._kv_writable: list[int] = []
-        self._inflight: StepPlan | None = None
+        self._flight: list[StepPlan] = []  # out to the workers, oldest first (two with async scheduling)
         self._inflight_ids: set[int] = set()
+        self.sync_next = False  # the last overlapped plan left a preemption waiting on the step in flight
         self._completed_since_step = 0  # copies completed since the last step()
         self._step_id = 0
 
@@ -120,29 +129,39 @@ class Scheduler:
         self._finish(req, S.FINISHED_ABORTED)
         return True
 
-    def step(self) -> SchedulerOutput:
+    def step(self, overlap: bool = False) -> SchedulerOutput:
         """Plan the next step: grow running requests (preempting when blocks run out), admit
-        waiting ones, and hand out every copy plan produced since the last call."""
-        if self._inflight is not None:
-            raise ValueError(f"step() while step {self._inflight.step_id} is in flight: call on_step_output first")
+        waiting ones, and hand out every copy plan produced since the last call. ``overlap``:
+        one step is in flight and this plan follows it (module docstring)."""
+        if self._flight and not (overlap and len(self._flight) == 1):
+            raise ValueError(f"step() while step {self._flight[-1].step_id} is in flight: call on_step_output first")
+        if overlap and self.weight_update_state is not WeightUpdate.NONE:
+            raise ValueError("step(overlap=True) during a weight update: plan it after the step in flight")
         self._step_id += 1
         parts, batch = self._parts, StepBatch(self.cache, self.config)
         if self.weight_update_state is WeightUpdate.DRAINING and weights.progress(parts, batch, self._drain):
             self.weight_update_state = WeightUpdate.CLEARING
         updating = self.weight_update_state is not WeightUpdate.NONE
+        pinned = {s.request_id: s for s in self._flight[-1].seqs} if self._flight else {}
         for req in list(self.running.values()):
             if batch.full:
                 break
-            if req.state is S.RUNNING and preemption.ensure_slots(parts, batch, req, updating):
+            if req.state is not S.RUNNING:
+                continue
+            seq = pinned.get(req.request_id)
+            if seq is not None:
+                self._follow(batch, req, seq)
+            elif preemption.ensure_slots(parts, batch, req, updating, pinned):
                 batch.schedule(req)
         if not updating:
             admission.admit(parts, batch)
         batch.top_up()
         seqs = list(batch.seqs.values())
         plan = StepPlan(self._step_id, seqs)
+        self.sync_next = batch.need_sync
         if seqs:
-            self._inflight = plan
-            self._inflight_ids = {s.request_id for s in seqs}
+            self._flight.append(plan)
+            self._inflight_ids.update(s.request_id for s in seqs)
             self.stats.steps += 1
             reservation.decay_watermarks(self.table, self.config)
         elif self._completed_since_step:
@@ -158,12 +177,36 @@ class Scheduler:
         writable, self._kv_writable = self._kv_writable, []
         return SchedulerOutput(plan, copies, self.table.take_finished(), writable)
 
-    def on_step_output(self, output: StepOutput) -> None:
-        """The workers computed the plan: KV of the scheduled tokens is on the device; append
-        sampled tokens and finish requests that stop."""
-        plan = self._inflight
-        if plan is None:
+    def _follow(self, batch: StepBatch, req: Request, seq: SeqWork) -> None:
+        """Async scheduling: ``req`` goes on where its step in flight ends, unless it is sure
+        to stop there. Its next slot may need a block: taken now, ahead of the token (the
+        token is appended when the step in flight's output is in); when none is free, or the
+        block taken must first be written back, it waits a step."""
+        if req.abort_requested or req.finish_pending is not None:
+            return
+        if not seq.sample:  # a prefill chunk: its next one, slotted at admission
+            batch.schedule(req, seq.end_pos)
+            return
+        pos = seq.end_pos
+        if len(req.output_token_ids) + 1 >= req.max_new_tokens or req.num_tokens + 1 >= self.max_model_len:
+            return
+        if pos % self.block_size == 0:
+            g = self.cache.append_slots(req.request_id, (), ahead=1)
+            if g is None:
+                return
+            req.block_ahead = True
+            self.outbox.emit(g.plans)
+            if not g.ready:  # the block's old content is being written back first
+                return
+        batch.placeholder(req, pos)
+
+    def on_step_output(self, output: StepOutput) -> dict[int, int]:
+        """The workers computed the oldest plan in flight: KV of the scheduled tokens is on the
+        device; append sampled tokens and finish requests that stop. Returns the tokens
+        appended (a request finished in an earlier step gets none)."""
+        if not self._flight:
             raise ValueError("on_step_output without a step in flight")
+        plan = self._flight[0]
         if not isinstance(output, StepOutput):
             raise TypeError(f"expected a StepOutput, got {type(output).__name__}")
         if output.step_id != plan.step_id:
@@ -171,12 +214,18 @@ class Scheduler:
         missing = [s.request_id for s in plan.seqs if s.sample and s.request_id not in output.sampled]
         if missing:
             raise ValueError(f"step {plan.step_id}: no sampled token for requests {missing[:8]}")
-        self._inflight = None
-        self._inflight_ids = set()
+        self._flight.pop(0)
+        later = {s.request_id: s for s in self._flight[0].seqs} if self._flight else {}
+        self._inflight_ids = set(later)
         now = self.clock()
         prefill = decode = 0
+        applied: dict[int, int] = {}
         for seq in plan.seqs:
             req = self.requests[seq.request_id]
+            if req.finish_pending is not None:  # stopped in the step before: this one's work is discarded
+                if seq.request_id not in later:
+                    self._finish(req, req.finish_pending)
+                continue
             assert req.state is S.RUNNING and req.num_computed_tokens == seq.start_pos, \
                 f"request {req.request_id} changed ({req.state.name}) while its step was in flight"
             end = seq.end_pos
@@ -196,19 +245,39 @@ class Scheduler:
                 if not isinstance(tok, int) or tok < 0:
                     raise ValueError(f"request {req.request_id}: sampled token {tok!r} is not an int >= 0")
                 req.append_output(tok)
+                applied[req.request_id] = tok
                 if req.first_token_time is None:
                     req.first_token_time = now
+                nxt = later.get(req.request_id)
+                ready = True
+                if req.block_ahead or (nxt is not None and nxt.start_pos == req.num_tokens - 1):
+                    # its slot was taken ahead of the token (async scheduling): the token is known now
+                    g = self.cache.append_slots(req.request_id, req.token_span(req.num_slotted, req.num_tokens))
+                    assert g is not None and not g.new_blocks and not g.plans, \
+                        f"request {req.request_id}: a placeholder's slot needed a block"
+                    req.num_slotted, req.block_ahead, ready = req.num_tokens, False, g.ready
                 if tok == req.eos_token_id or tok in req.stop_token_ids:
-                    self._finish(req, S.FINISHED_STOPPED)
+                    self._finish_after(req, S.FINISHED_STOPPED, later)
                     continue
                 if len(req.output_token_ids) >= req.max_new_tokens or req.num_tokens >= self.max_model_len:
-                    self._finish(req, S.FINISHED_LENGTH)
+                    self._finish_after(req, S.FINISHED_LENGTH, later)
+                    continue
+                if not ready and not req.abort_requested:  # the block it took ahead is still being written back
+                    self.table.wait_for_write_back(req)
                     continue
             if req.abort_requested:
-                self._finish(req, S.FINISHED_ABORTED)
+                self._finish_after(req, S.FINISHED_ABORTED, later)
         self.stats.prefill_tokens += prefill
         self.stats.decode_tokens += decode
         self.cost.observe_step(prefill, decode, output.seconds)
+        return applied
+
+    def _finish_after(self, req: Request, state: RequestState, later: dict[int, SeqWork]) -> None:
+        """Finish ``req`` now, or once the step in flight that still computes for it is done."""
+        if req.request_id in later:
+            req.finish_pending = state
+        else:
+            self._finish(req, state)
 
     def on_copy_complete(self, plan: CopyPlan | int, ok: bool, nbytes: int = 0, seconds: float = 0.0) -> None:
         """A copy plan finished on every rank (``ok``) or failed. ``nbytes``/``seconds`` (per
@@ -253,10 +322,10 @@ class Scheduler:
     def has_work(self) -> bool:
         """Requests unfinished, copies to hand out or in flight, or a step to report."""
         return bool(self.requests or self.outbox or self.table.finished or self._kv_writable
-                    or self._inflight is not None)
+                    or self._flight)
 
     def check_integrity(self) -> None:
-        check(self._parts, self._inflight, self.weight_update_state)
+        check(self._parts, self._flight, self.weight_update_state)
 
     # ================================================================== disaggregated decode
     def reserve_for_prefilled(self, request: Request, tail_key: bytes | None = None) -> Reservation | Refusal:
@@ -264,7 +333,7 @@ class Scheduler:
         ``tail_key``: its KV is in the storage tier, the partial block under that key
         (``fastkv.cache.handoff``); what storage holds is loaded here, so the remote part shrinks."""
         req = self._validate(request)
-        if self._inflight is not None:
+        if self._flight:
             raise ValueError("reserve_for_prefilled while a step is in flight: call it between steps")
         if req.arrival_time is None:
             req.arrival_time = self.clock()
@@ -307,6 +376,8 @@ class Scheduler:
     # ================================================================== internals
     def _loaded(self, ready: Ready) -> None:
         req = self.requests[ready.request_id]
+        if req.state is S.RUNNING and req.block_ahead:
+            return  # the write-back of the block it took ahead is done before its step's output (async)
         n = ready.num_computed_tokens
         if req.prefilled:
             req.local_computed = n

@@ -53,14 +53,15 @@ def workload() -> list[dict]:
             for rid, p in PROMPTS.items()]
 
 
-def run_tiny(tp: int, mode: str, out_dir, storage_url: str = "") -> tuple[dict, dict]:
+def run_tiny(tp: int, mode: str, out_dir, storage_url: str = "", async_scheduling: bool = True) -> tuple[dict, dict]:
     pressure = mode != "none"
     # Storage mode: a small host tier, so that host copies are evicted and resumes LOAD from storage.
     spec = RunSpec(new_run_id(), layout(tp), num_device_blocks=20 if pressure else 128,
                    num_host_blocks=8 if storage_url else 48,
                    storage_url=storage_url, runner="tiny", runner_options={"config": CFG},
                    scheduler={"preemption": mode if pressure else "recompute", "max_num_batched_tokens": 48},
-                   heartbeat_s=0.2, out_dir=str(out_dir), slot_size=256, nslots=256)
+                   heartbeat_s=0.2, out_dir=str(out_dir), slot_size=256, nslots=256,
+                   async_scheduling=async_scheduling)
     with Run(spec, workload()) as run:
         assert run.wait(120) == 0, "engine failed (see its stderr above)"
         results, summary = run.results(), run.summary()
@@ -73,15 +74,16 @@ MODES = ["none", "recompute", "offload", "storage-lmdb", "storage-redis"]
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("mode", MODES)
-def test_outputs_identical_in_every_mode(tp, mode, tmp_path, request):
+def test_outputs_identical_in_every_mode(tp, mode, async_scheduling, tmp_path, request):
     url = ""
     if mode == "storage-lmdb":
         url = f"lmdb://{tmp_path}/lmdb?max_bytes=64M"
     elif mode == "storage-redis":
         url = request.getfixturevalue("redis_url") + f"?prefix={new_run_id()}"
-    results, summary = run_tiny(tp, mode.split("-")[0], tmp_path / "out", url)
+    results, summary = run_tiny(tp, mode.split("-")[0], tmp_path / "out", url, async_scheduling)
     want = reference()
     assert sorted(results) == sorted(want)
     for rid, row in results.items():
@@ -108,7 +110,9 @@ def test_outputs_identical_in_every_mode(tp, mode, tmp_path, request):
         # blocks on the host (test_coalesced_loads.py pins that accounting).
         assert hits["storage"] == 0 or tasks.get("load", 0) > 0, summary
         assert summary["storage_errors"] == 0 and summary["recomputed_because_storage"] == 0, summary
-    if mode == "recompute":
+    if mode == "recompute" and not async_scheduling:
+        # (with async scheduling a victim is never one in the step in flight: which requests are
+        # preempted, and where in their blocks, depends on timing, and may recompute nothing)
         assert summary["recomputed_tokens"] > 0
 
 
