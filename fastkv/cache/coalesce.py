@@ -40,13 +40,12 @@ def split(state: CacheState, keys: list[bytes]) -> tuple[list[tuple[int, int]], 
 
 
 def join(state: CacheState, req: CacheRecord, joins: list[tuple[int, int]], first_slot: int) -> int:
-    """``req`` waits for the LOADs in ``joins``; their blocks fill its swap_src from
+    """``req`` waits for the LOADs in ``joins``; their blocks fill its load.swap_src from
     ``first_slot``. Returns how many plans it now waits for."""
     slots: dict[int, dict[int, int]] = {}
     for s, (pid, i) in enumerate(joins, first_slot):
         slots.setdefault(pid, {})[i] = s
-    records = state.copies.records
     for pid, mine in slots.items():
-        records[pid].waiters.append((req, mine))
+        state.copies.join_load(pid, req, mine)
     state.stats.joined_load_blocks += len(joins)
     return len(slots)

@@ -21,6 +21,8 @@ class Purpose(IntEnum):
 
 @dataclass(slots=True, eq=False)
 class CopyRecord:
+    FIXED = ("plan", "purpose", "src", "dst", "keys", "positions")  # set at open, never rebound
+
     plan: CopyPlan
     purpose: Purpose
     src: list[int]
@@ -41,6 +43,30 @@ class CopyRecord:
     # the parent keys of the keys it brings to the host: their host blocks wait for these children
     expected: list[bytes] | None = None
 
+    def holds_chain(self, chain: list[bytes], held: list[int]) -> None:
+        """WRITE_THROUGH of no request: it holds its chain's other host copies until it lands."""
+        self.chain = chain
+        self.held = held
+
+    def owned_by(self, owner: CacheRecord, chain_end: int) -> None:
+        """WRITE_THROUGH of a request holding its chain: its blocks join that hold as they land."""
+        self.owner = owner
+        self.chain_end = chain_end
+
+    def orphaned(self, chain: list[bytes], held: list[int]) -> None:
+        """WRITE_THROUGH whose owner let go of its chain hold: it holds its parents itself now."""
+        self.owner = None
+        self.chain = chain
+        self.held = held
+
+    def hold_landed(self, host_block: int) -> None:
+        """A parent key it awaited landed: it holds that host block too."""
+        self.held.append(host_block)
+
+    def forsake(self) -> None:
+        """Its request no longer waits for it (an offload cancelled the restore it was for)."""
+        self.req = None
+
 
 class CopyBook:
     def __init__(self, host: BlockPool | None = None) -> None:
@@ -48,20 +74,21 @@ class CopyBook:
         self.records: dict[int, CopyRecord] = {}
         self.inflight: dict[bytes, int] = {}  # key -> plan id, for keys a SWAP_OUT brings to the host
         self.loading: dict[bytes, tuple[int, int]] = {}  # key -> (plan id, index), for keys a PREFIX_LOAD brings
-        # in-flight key -> write-throughs (plan ids) and request chain holds (request, CacheRecord.chain_gen)
+        # in-flight key -> write-throughs (plan ids) and request chain holds (request, ChainHold.gen)
         # that hold its host block once it lands (a parent of theirs)
         self.awaited: dict[bytes, list[int | tuple[CacheRecord, int]]] = {}
         self._next_id = 1
 
     def open(self, kind: CopyKind, purpose: Purpose, src: list[int] = (), dst: list[int] = (),
-             keys: list[bytes] = (), req: CacheRecord | None = None, positions: list[int] | None = None) -> CopyPlan:
+             keys: list[bytes] = (), req: CacheRecord | None = None, positions: list[int] | None = None,
+             waiters: list[tuple[CacheRecord, dict[int, int]]] | None = None) -> CopyPlan:
         pid = self._next_id
         self._next_id += 1
         # STORE / LOAD name their storage keys; RESTORE names the new weights version
         carried = kind in (CopyKind.STORE, CopyKind.LOAD, CopyKind.RESTORE)
         storage_keys = tuple(keys) if carried else ()
         plan = CopyPlan(pid, kind, src, dst, storage_keys)
-        rec = self.records[pid] = CopyRecord(plan, purpose, list(src), list(dst), list(keys), req, positions)
+        rec = self.records[pid] = CopyRecord(plan, purpose, list(src), list(dst), list(keys), req, positions, waiters)
         if self.host is not None and keys and kind in (CopyKind.SWAP_OUT, CopyKind.LOAD):
             rec.expected = self.host.expect(keys)
         if purpose is Purpose.WRITE_BACK or purpose is Purpose.WRITE_THROUGH:
@@ -71,6 +98,18 @@ class CopyBook:
             for i, k in enumerate(keys):
                 self.loading[k] = (pid, i)
         return plan
+
+    def await_parent(self, key: bytes, holder: int | tuple[CacheRecord, int]) -> None:
+        """``holder`` (a write-through's plan id, or a request's chain hold) holds ``key``'s host
+        block once the copy bringing it lands."""
+        self.awaited.setdefault(key, []).append(holder)
+
+    def take_awaiting(self, key: bytes) -> list[int | tuple[CacheRecord, int]]:
+        return self.awaited.pop(key, ())
+
+    def join_load(self, plan_id: int, req: CacheRecord, slots: dict[int, int]) -> None:
+        """``req`` waits for the PREFIX_LOAD ``plan_id`` too: plan index -> its load.swap_src slot."""
+        self.records[plan_id].waiters.append((req, slots))
 
     def close(self, plan: CopyPlan) -> CopyRecord:
         if not isinstance(plan, CopyPlan):

@@ -249,9 +249,9 @@ class ManagerMachine(RuleBasedStateMachine):
         if plans is None:
             return
         req = self.m._reqs[rid]
-        if req.private_key is not None and req.num_computed % BS:
+        if req.resume.private_key is not None and req.num_computed % BS:
             last = -(-req.num_computed // BS) - 1
-            self.private[req.private_key] = self.content(rid, last, req.num_computed)
+            self.private[req.resume.private_key] = self.content(rid, last, req.num_computed)
         self.add(plans)
 
     @precondition(lambda self: any(r.state is ReqState.OFFLOADED for r in self.m._reqs.values()))
@@ -295,8 +295,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 for holder in m.copies.awaited.get(k, ()):
                     if type(holder) is tuple:
                         req, gen = holder
-                        reached("a chain hold joins a parent as it lands" if req.chain_gen == gen
-                                and req.host_chain is not None else "a chain hold let go before its parent landed")
+                        reached("a chain hold joins a parent as it lands" if req.chain.gen == gen
+                                and req.chain.held else "a chain hold let go before its parent landed")
         purpose, rid = self.purpose.pop(plan.plan_id)
         if purpose is not Purpose.CONTROL:
             reached(f"{purpose.name} {'freed during' if rid in self.freed else 'done' if ok else 'failed'}")
