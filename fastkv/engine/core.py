@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from fastkv.cache import handoff as cache_handoff
 from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind, CopyPlan
@@ -314,7 +313,7 @@ class Engine:
             tokens, cache = req.token_ids[:req.num_prompt_tokens], self.cache
             keys = cache.keys_for(tokens)
             cache.confirm_stored(keys[:(len(tokens) - 1) // cache.block_size])  # the handoff record says so
-            tail = cache_handoff.tail_key(cache.state, keys, cache.state.root, ext, tokens.tolist())
+            tail = cache.tail_key(tokens, ext, keys)
         try:
             got = self.sched.reserve_for_prefilled(req, tail)
         except (TypeError, ValueError) as exc:

@@ -217,7 +217,7 @@ def test_scheduler_uses_only_the_cache_facade():
     assert past == []
 
 
-@pytest.mark.parametrize("package", ["fastkv.sched"])
+@pytest.mark.parametrize("package", ["fastkv.sched", "fastkv.engine"])
 def test_package_uses_only_the_cache_facade(package):
     """The facade rule for the engine too: it reaches the cache through CacheManager's methods
     (and its counters), never the state behind it, nor a role module of fastkv.cache."""
