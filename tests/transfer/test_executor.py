@@ -304,8 +304,8 @@ def best_us(fn, n: int = 2000) -> float:
 
 
 def test_an_empty_swap_costs_a_few_plan_builds(ex):
-    # Every task pays the executor's fixed cost on the transfer path (issue 15: the empty task
-    # within 3x the IPC round trip). Measured against building the task's CopyPlan, which
+    # Every task pays the executor's fixed cost on the transfer path (the empty task within 3x
+    # the IPC round trip). Measured against building the task's CopyPlan, which
     # every task pays too, so the bound holds on any machine: numpy's fixed cost per call
     # (range and uniqueness checks of no ids) made it 5.5 plan builds, 2.4 without (4.2 once
     # on a loaded CI machine, hence the bound of 5).
