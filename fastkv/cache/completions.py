@@ -38,7 +38,7 @@ def finish(state: CacheState, rec: CopyRecord, ok: bool) -> Completion:
         _loaded(state, rec, ok)
         for req, _ in rec.waiters:
             _progress(state, req, plans, ready)
-    elif p is Purpose.SWAP_IN:
+    elif p is Purpose.FILL:
         for b in reversed(rec.src):
             state.host.unpin(b)
         for b in reversed(rec.dst):

@@ -1,10 +1,11 @@
 """The book of copies in flight: which plan moves what, for whom, and which keys it brings."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.plan import ClearTask, CopyKind, CopyPlan, RestoreTask
 from fastkv.cache.pool import BlockPool
 from fastkv.cache.requests import CacheRecord
 
@@ -13,7 +14,7 @@ class Purpose(IntEnum):
     WRITE_BACK = 1  # SWAP_OUT of device victims to the host (their owner waits)
     WRITE_THROUGH = 2  # SWAP_OUT of full device blocks to the host (nobody waits)
     PREFIX_LOAD = 3  # LOAD of a prefix hit from storage into host staging blocks
-    SWAP_IN = 4  # SWAP_IN of a prefix hit or of a restored request
+    FILL = 4  # SWAP_IN into a request's table: a prefix hit's host blocks, or a restored request's
     OFFLOAD = 5  # SWAP_OUT of a preempted request's blocks
     STORE = 6  # STORE of host blocks to storage
     CONTROL = 7  # CLEAR / RESTORE around a weight update
@@ -23,7 +24,7 @@ class Purpose(IntEnum):
 class CopyRecord:
     FIXED = ("plan", "purpose", "src", "dst", "keys", "positions")  # set at open, never rebound
 
-    plan: CopyPlan
+    plan: CopyPlan | ClearTask | RestoreTask
     purpose: Purpose
     src: list[int]
     dst: list[int]
@@ -84,9 +85,7 @@ class CopyBook:
              waiters: list[tuple[CacheRecord, dict[int, int]]] | None = None) -> CopyPlan:
         pid = self._next_id
         self._next_id += 1
-        # STORE / LOAD name their storage keys; RESTORE names the new weights version
-        carried = kind in (CopyKind.STORE, CopyKind.LOAD, CopyKind.RESTORE)
-        storage_keys = tuple(keys) if carried else ()
+        storage_keys = tuple(keys) if kind is CopyKind.STORE or kind is CopyKind.LOAD else ()
         plan = CopyPlan(pid, kind, src, dst, storage_keys)
         rec = self.records[pid] = CopyRecord(plan, purpose, list(src), list(dst), list(keys), req, positions, waiters)
         if self.host is not None and keys and kind in (CopyKind.SWAP_OUT, CopyKind.LOAD):
@@ -111,9 +110,17 @@ class CopyBook:
         """``req`` waits for the PREFIX_LOAD ``plan_id`` too: plan index -> its load.swap_src slot."""
         self.records[plan_id].waiters.append((req, slots))
 
-    def close(self, plan: CopyPlan) -> CopyRecord:
-        if not isinstance(plan, CopyPlan):
-            raise TypeError(f"complete() takes a CopyPlan, got {type(plan).__name__}")
+    def open_control(self, make: Callable[[int], ClearTask | RestoreTask]) -> ClearTask | RestoreTask:
+        """A control task under the next plan id (``make(plan_id)``), completed like a copy."""
+        pid = self._next_id
+        self._next_id += 1
+        task = make(pid)
+        self.records[pid] = CopyRecord(task, Purpose.CONTROL, [], [], [], None, None)
+        return task
+
+    def close(self, plan: CopyPlan | ClearTask | RestoreTask) -> CopyRecord:
+        if not isinstance(plan, CopyPlan | ClearTask | RestoreTask):
+            raise TypeError(f"complete() takes a CopyPlan or a control task, got {type(plan).__name__}")
         rec = self.records.get(plan.plan_id)
         if rec is None or rec.plan is not plan:
             raise ValueError(f"plan {plan.plan_id} is not in flight (completed twice, or not from this manager)")

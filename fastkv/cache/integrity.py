@@ -19,7 +19,7 @@ _PINS = {
     Purpose.WRITE_BACK: ("src", "dst"),
     Purpose.WRITE_THROUGH: ("src", "dst"),
     Purpose.OFFLOAD: ("src", "dst"),
-    Purpose.SWAP_IN: ("dst", "src"),
+    Purpose.FILL: ("dst", "src"),
     Purpose.PREFIX_LOAD: (None, "dst"),
     Purpose.STORE: (None, "src"),
     Purpose.CONTROL: (None, None),

@@ -40,7 +40,7 @@ from fastkv.cache.keys import BlockKey, ExtraKeys, KeyNamespace, ResumeKey, Tail
 from fastkv.cache.offload import offload as offload_request
 from fastkv.cache.offload import preemption_work
 from fastkv.cache.offload import restore as restore_request
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.plan import ClearTask, CopyKind, CopyPlan, RestoreTask
 from fastkv.cache.pool import BlockState
 from fastkv.cache.release import release_host_refs, release_table
 from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
@@ -497,7 +497,7 @@ class CacheManager:
         handoff.release(self.state, keys)
 
     # ================================================================== weight updates
-    def begin_weight_update(self) -> CopyPlan:
+    def begin_weight_update(self) -> ClearTask:
         """Drop every cached block (its KV belongs to the old weights) and pause admission.
         Needs no request and no copy in flight."""
         if self._reqs:
@@ -515,9 +515,9 @@ class CacheManager:
             self.state.residency.cleared()
         self.state.through.forget_all()
         self.state.weights.begin_update()
-        return self.copies.open(CopyKind.CLEAR, Purpose.CONTROL)
+        return self.copies.open_control(ClearTask)
 
-    def finish_weight_update(self, weights_version: str) -> CopyPlan:
+    def finish_weight_update(self, weights_version: str) -> RestoreTask:
         """New weights are loaded: switch to their namespace and accept requests again."""
         if not self.state.paused:
             raise ValueError("finish_weight_update without begin_weight_update")
@@ -525,8 +525,8 @@ class CacheManager:
         if any(ns.weights_version == version for ns in self.state.retired[-1:]):
             raise ValueError(f"weights version {version!r} is the one being replaced")
         self.state.weights.finish_update(version)
-        # the transfer processes reopen storage under this version's namespace (keys[0])
-        return self.copies.open(CopyKind.RESTORE, Purpose.CONTROL, keys=[version.encode()])
+        # the transfer processes reopen storage under this version's namespace
+        return self.copies.open_control(lambda plan_id: RestoreTask(plan_id, version))
 
     # ================================================================== KV events
     def watch_residency(self, log: ResidencyLog) -> ResidencyLog:

@@ -289,7 +289,7 @@ def swap_in(state: CacheState, req: CacheRecord) -> CopyPlan:
     for b in dst:
         state.device.pin(b)
     req.pending += 1
-    return state.copies.open(CopyKind.SWAP_IN, Purpose.SWAP_IN, src=src, dst=dst, req=req, positions=positions)
+    return state.copies.open(CopyKind.SWAP_IN, Purpose.FILL, src=src, dst=dst, req=req, positions=positions)
 
 
 def store(state: CacheState, blocks: list[int], keys: list[bytes]) -> list[CopyPlan]:

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.plan import ClearTask, CopyKind
 from fastkv.cache.write_policy import StorageWrites
 from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.engine import protocol
@@ -51,7 +51,6 @@ from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, Sched
 from fastkv.sched.output import StepPlan
 from fastkv.sched.queues import QueuePolicy
 from fastkv.sched.reservation import Refusal, Reservation
-from fastkv.transfer.protocol import FREE
 
 FINISH = {RequestState.FINISHED_LENGTH: "length", RequestState.FINISHED_STOPPED: "stop",
           RequestState.FINISHED_ABORTED: "aborted"}
@@ -432,7 +431,7 @@ class Engine:
         self._arrived += [rid for rid in out.kv_writable if rid in self._from_store]
         for plan in out.copies:
             if plan.kind is CopyKind.CLEAR and self._free_memory:
-                plan = CopyPlan(plan.plan_id, CopyKind.CLEAR, keys=(FREE,))
+                plan = ClearTask(plan.plan_id, free_memory=True)
             self.transfer.submit(plan)
         results = [self._result(r) for r in out.finished]
         if out.plan.seqs:

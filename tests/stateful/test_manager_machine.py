@@ -48,7 +48,7 @@ BS = 2
 # prompts are prefixes of a few conversations, so that they share prefixes often
 CONVERSATIONS = ((0, 1, 2, 3), (0, 1, 4, 5), (6, 7, 2, 3), (0, 6, 8), (9, 10, 11), (0, 1, 2, 12))
 LABELS = st.builds(lambda c, n: CONVERSATIONS[c][:n], st.integers(0, len(CONVERSATIONS) - 1), st.integers(0, 4))
-OWNED = (Purpose.WRITE_BACK, Purpose.PREFIX_LOAD, Purpose.SWAP_IN, Purpose.OFFLOAD)  # a request waits for these
+OWNED = (Purpose.WRITE_BACK, Purpose.PREFIX_LOAD, Purpose.FILL, Purpose.OFFLOAD)  # a request waits for these
 CASES = frozenset(
     {f"{p.name} {how}" for p in (*OWNED, Purpose.WRITE_THROUGH, Purpose.STORE) for how in ("done", "failed")}
     | {f"{p.name} freed during" for p in (*OWNED, Purpose.WRITE_THROUGH)} | {"storage lost a key of a LOAD in flight"}
