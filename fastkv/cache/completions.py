@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from fastkv.cache.copies import CopyRecord, Purpose
 from fastkv.cache.index import Cause
-from fastkv.cache.plan import CopyPlan
+from fastkv.cache.plan import Completion, CopyPlan, Ready
 from fastkv.cache.pool import BlockState
 from fastkv.cache.release import release_host_refs, release_table
 from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
-from fastkv.cache.results import Completion, Ready
 from fastkv.cache.state import CacheState
 from fastkv.cache.storage_writes import landed_stores, offload_stores
 from fastkv.cache.tiering import swap_in

@@ -21,7 +21,7 @@ tiers: "not now" is None, a broken contract is ValueError, an internal bug is an
 The manager is the facade over ``CacheState`` (state.py), which the role modules take:
 tiering.py (fresh blocks, evictions, the plans that move keyed blocks), release.py (letting go
 of a request's blocks), offload.py (offload / restore), completions.py (what a finished copy
-changes), integrity.py (check_integrity). Results are in results.py.
+changes), integrity.py (check_integrity). What its calls return is in plan.py.
 """
 from __future__ import annotations
 
@@ -40,12 +40,11 @@ from fastkv.cache.keys import BlockKey, ExtraKeys, KeyNamespace, ResumeKey, Tail
 from fastkv.cache.offload import offload as offload_request
 from fastkv.cache.offload import preemption_work
 from fastkv.cache.offload import restore as restore_request
-from fastkv.cache.plan import ClearTask, CopyKind, CopyPlan, RestoreTask
+from fastkv.cache.plan import Allocation, ClearTask, Completion, CopyKind, CopyPlan, Growth, PreemptionWork, RestoreTask
 from fastkv.cache.pool import BlockState
 from fastkv.cache.release import release_host_refs, release_table
 from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
 from fastkv.cache.residency import ResidencyLog, watch
-from fastkv.cache.results import Allocation, Completion, Growth, PreemptionWork
 from fastkv.cache.state import CacheConfig, CacheState
 from fastkv.cache.storage_writes import deferred, partial_resume_key
 from fastkv.cache.tiering import (

@@ -13,10 +13,9 @@ from __future__ import annotations
 from fastkv.cache.completions import finish_offload, make_ready
 from fastkv.cache.copies import Purpose
 from fastkv.cache.keys import private_key
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.plan import Allocation, CopyKind, CopyPlan, PreemptionWork
 from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
-from fastkv.cache.results import Allocation, PreemptionWork
 from fastkv.cache.state import CacheState
 from fastkv.cache.storage_writes import offload_stores, partial_resume_key, partial_tokens
 from fastkv.cache.tiering import make_host_room, swap_in, take_device, take_host

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -136,3 +136,38 @@ def wire_fields(task: Task) -> tuple[np.ndarray | tuple, np.ndarray | tuple, tup
     if type(task) is LookupTask:
         return task.chain_lengths, (), task.keys
     raise TypeError(f"not a task: {type(task).__name__}")
+
+
+# ---- what CacheManager's calls return to the scheduler
+class Allocation(NamedTuple):
+    block_table: tuple[int, ...]
+    num_cached_tokens: int  # valid on the device now (device prefix hit)
+    num_pending_tokens: int  # arriving by copies (host / storage hit); valid once ready
+    plans: tuple[CopyPlan, ...]
+    ready: bool  # False: wait for Completion.ready before running a step
+
+
+class Growth(NamedTuple):
+    new_blocks: tuple[int, ...]
+    plans: tuple[CopyPlan, ...]  # write-back of evicted blocks
+    ready: bool
+
+
+class Ready(NamedTuple):
+    request_id: object
+    num_computed_tokens: int  # tokens whose KV is valid: compute from here (a failed copy lowers it)
+
+
+class Completion(NamedTuple):
+    plans: tuple[CopyPlan, ...] = ()  # follow-ups to dispatch now
+    ready: tuple[Ready, ...] = ()
+    offloaded: tuple[object, ...] = ()  # offload finished: device blocks released
+    offload_failed: tuple[object, ...] = ()  # offload failed: still RUNNING on its device blocks
+
+
+class PreemptionWork(NamedTuple):
+    copy_blocks: int  # blocks an offload would copy out (and back in)
+    recompute_tokens: int  # tokens a recompute would compute again, if its host copies last
+    # Tokens a recompute counts on finding in host copies that it does not hold: an offload pins
+    # them until the restore; after a recompute they are only cached, and evicted as any other.
+    unheld_tokens: int

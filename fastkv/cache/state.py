@@ -5,7 +5,7 @@ small books below live here. Each piece changes only through its own class's met
 role modules (tiering.py, release.py, offload.py, completions.py, storage_writes.py,
 handoff.py) take a ``CacheState`` and call them, and never rebind or mutate its attributes
 themselves (tests/unit/test_architecture.py checks this on the source). ``CacheManager`` is
-the facade the scheduler and the engine call. Imports run one way: state and results -> role
+the facade the scheduler and the engine call. Imports run one way: state and plan -> role
 modules -> manager.
 """
 from __future__ import annotations
