@@ -38,7 +38,7 @@ from fastkv.cache.index import Cause, MatchResult, MissExplanation, MissReason
 from fastkv.cache.integrity import check
 from fastkv.cache.keys import BlockKey, ExtraKeys, KeyNamespace, ResumeKey, TailKey, as_tokens, block_keys, root_key
 from fastkv.cache.offload import offload as offload_request
-from fastkv.cache.offload import preemption_work
+from fastkv.cache.offload import partial_resume_key, preemption_work
 from fastkv.cache.offload import restore as restore_request
 from fastkv.cache.plan import Allocation, ClearTask, Completion, CopyKind, CopyPlan, Growth, PreemptionWork, RestoreTask
 from fastkv.cache.pool import BlockState
@@ -46,7 +46,7 @@ from fastkv.cache.release import release_host_refs, release_table
 from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
 from fastkv.cache.residency import ResidencyLog, watch
 from fastkv.cache.state import CacheConfig, CacheState
-from fastkv.cache.storage_writes import deferred, partial_resume_key
+from fastkv.cache.storage_writes import deferred
 from fastkv.cache.tiering import (
     count_hits,
     make_host_room,

@@ -10,14 +10,16 @@ finishes the copies.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from fastkv.cache.completions import finish_offload, make_ready
 from fastkv.cache.copies import Purpose
-from fastkv.cache.keys import private_key
+from fastkv.cache.keys import private_key, resume_key
 from fastkv.cache.plan import Allocation, CopyKind, CopyPlan, PreemptionWork
 from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
 from fastkv.cache.state import CacheState
-from fastkv.cache.storage_writes import offload_stores, partial_resume_key, partial_tokens
+from fastkv.cache.storage_writes import offload_stores
 from fastkv.cache.tiering import make_host_room, swap_in, take_device, take_host
 from fastkv.config import cdiv
 
@@ -156,3 +158,23 @@ def restore(state: CacheState, request_id: object, reserve_tokens: int = 0) -> A
             make_ready(state, req)
     return Allocation(tuple(req.table), len(reused) * bs, (n_blocks - len(reused)) * bs, tuple(plans),
                       req.pending == 0)
+
+
+# ---- resume keys: a storage-mode preemption's partial block (keys.resume_key)
+def partial_resume_key(state: CacheState, rid: object, root: bytes, keys: list[bytes], block: list[int] | None,
+                       computed: int) -> bytes | None:
+    """The resume key of a request whose first ``computed`` tokens hold KV, ``block`` the tokens
+    of the block they end in (None: no partial block, or its tokens are not known)."""
+    nf, r = divmod(computed, state.block_size)
+    if not r or block is None:
+        return None
+    return resume_key(state.namespace, keys[nf - 1] if nf else root, state.run, rid,
+                      np.asarray(block[:r], np.int32).tobytes())
+
+
+def partial_tokens(req: CacheRecord, block_size: int) -> list[int] | None:
+    """Tokens of the block its computed KV ends in, if the record still knows them."""
+    nf = req.num_computed // block_size
+    if nf == len(req.keys):
+        return req.tail
+    return req.resume.last_block if nf == len(req.keys) - 1 else None

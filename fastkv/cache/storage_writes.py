@@ -32,9 +32,6 @@ from __future__ import annotations
 
 from itertools import islice
 
-import numpy as np
-
-from fastkv.cache.keys import resume_key
 from fastkv.cache.plan import CopyPlan
 from fastkv.cache.requests import CacheRecord
 from fastkv.cache.state import CacheState
@@ -91,22 +88,3 @@ def offload_stores(state: CacheState, req: CacheRecord, copied: list[tuple[int, 
         if resume.to_storage and resume.private_key is not None and resume.private_block is None:
             pairs.append((req.host_refs[n_full], resume.private_key))
     return store(state, [b for b, _ in pairs], [k for _, k in pairs])
-
-
-def partial_resume_key(state: CacheState, rid: object, root: bytes, keys: list[bytes], block: list[int] | None,
-                       computed: int) -> bytes | None:
-    """The resume key of a request whose first ``computed`` tokens hold KV, ``block`` the tokens
-    of the block they end in (None: no partial block, or its tokens are not known)."""
-    nf, r = divmod(computed, state.block_size)
-    if not r or block is None:
-        return None
-    return resume_key(state.namespace, keys[nf - 1] if nf else root, state.run, rid,
-                      np.asarray(block[:r], np.int32).tobytes())
-
-
-def partial_tokens(req: CacheRecord, block_size: int) -> list[int] | None:
-    """Tokens of the block its computed KV ends in, if the record still knows them."""
-    nf = req.num_computed // block_size
-    if nf == len(req.keys):
-        return req.tail
-    return req.resume.last_block if nf == len(req.keys) - 1 else None
