@@ -169,7 +169,7 @@ def _refresh_chain(state: CacheState, chain: list[bytes], host_too: bool = True,
 
 
 def _loaded(state: CacheState, rec: CopyRecord, ok: bool) -> None:
-    """A PREFIX_LOAD landed for its owner and every request that joined it (coalesce.py)."""
+    """A PREFIX_LOAD landed for its owner and every request that joined it (copies.join)."""
     host = state.host
     if ok:
         state.stats.load_blocks += len(rec.dst)

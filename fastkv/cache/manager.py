@@ -30,10 +30,10 @@ from collections import OrderedDict
 import numpy as np
 
 from fastkv.cache import handoff
-from fastkv.cache.coalesce import join as join_loads
-from fastkv.cache.coalesce import split as split_loads
 from fastkv.cache.completions import finish
 from fastkv.cache.copies import Purpose
+from fastkv.cache.copies import join as join_loads
+from fastkv.cache.copies import split as split_loads
 from fastkv.cache.index import Cause, MatchResult, MissExplanation, MissReason
 from fastkv.cache.integrity import check
 from fastkv.cache.keys import BlockKey, ExtraKeys, KeyNamespace, ResumeKey, TailKey, as_tokens, block_keys, root_key

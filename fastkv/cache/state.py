@@ -89,7 +89,7 @@ class CacheStats:
     swap_in_blocks: int = 0
     store_blocks: int = 0
     load_blocks: int = 0
-    joined_load_blocks: int = 0  # blocks an admission took from another's LOAD in flight (coalesce.py)
+    joined_load_blocks: int = 0  # blocks an admission took from another's LOAD in flight (copies.join)
     failed_copies: int = 0  # plans completed with ok=False
     load_misses: int = 0  # blocks of failed LOADs
     skipped_copies: int = 0  # host copies not made when due: no host block free
