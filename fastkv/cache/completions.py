@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from fastkv.cache.copies import CopyRecord, Purpose
 from fastkv.cache.index import Cause
-from fastkv.cache.plan import CopyPlan
+from fastkv.cache.plan import Completion, CopyPlan, Ready
 from fastkv.cache.pool import BlockState
 from fastkv.cache.release import release_host_refs, release_table
-from fastkv.cache.requests import NEVER, CacheRecord, ReqState
-from fastkv.cache.results import Completion, Ready
+from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
 from fastkv.cache.state import CacheState
 from fastkv.cache.storage_writes import landed_stores, offload_stores
 from fastkv.cache.tiering import swap_in
@@ -38,20 +37,19 @@ def finish(state: CacheState, rec: CopyRecord, ok: bool) -> Completion:
         _loaded(state, rec, ok)
         for req, _ in rec.waiters:
             _progress(state, req, plans, ready)
-    elif p is Purpose.SWAP_IN:
+    elif p is Purpose.FILL:
         for b in reversed(rec.src):
             state.host.unpin(b)
         for b in reversed(rec.dst):
             state.device.unpin(b)
         if not ok and rec.req is not None and rec.req.alive:
-            rec.req.fail_block = min(rec.req.fail_block, rec.positions[0])
+            rec.req.load.failed_at(rec.positions[0])
         _progress(state, rec.req, plans, ready)
     elif p is Purpose.OFFLOAD:
         plans += _offloaded(state, rec, ok, offloaded, failed)
     elif p is Purpose.STORE:
         for b in rec.src:
             state.host.unpin(b)
-        state.store_backlog -= len(rec.src)
         state.stats.store_blocks += len(rec.src) if ok else 0
         if ok:
             for k in rec.keys:
@@ -69,10 +67,12 @@ def _progress(state: CacheState, req: CacheRecord | None, plans: list[CopyPlan],
     assert req.pending >= 0, f"request {req.rid!r}: more completions than plans"
     if req.pending:
         return
-    if req.swap_src and req.swap_src[0] >= 0 and req.state is ReqState.RUNNING:
+    load = req.load
+    if load is not None and load.swappable() and req.state is ReqState.RUNNING:
         plans.append(swap_in(state, req))
     else:
-        req.swap_pos = []
+        if load is not None:
+            load.drop_swap()
         ready.append(make_ready(state, req))
 
 
@@ -87,17 +87,17 @@ def _set_host_keys(state: CacheState, rec: CopyRecord) -> list[tuple[int, bytes]
 
 def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPlan]:
     """A write-back or write-through SWAP_OUT finished."""
-    dev, host, st = state.device, state.host, state.stats
+    dev, host, stats = state.device, state.host, state.stats
     for b in rec.src:
         dev.unpin(b)
     keyed = _set_host_keys(state, rec) if ok else []
     _hand_to_waiting_children(state, rec, keyed)
     owner = rec.owner
     if owner is not None:  # it holds its chain (tiering.request_copies): these join the hold, unqueued
-        owner.wt_plans.remove(rec.plan.plan_id)
+        owner.chain.landed(rec.plan.plan_id)
         for hb, _ in keyed:
             host.incref(hb)
-            owner.host_chain.append(hb)
+            owner.chain.join(hb)
     # children first: a batch enters the host LRU queue leaves before parents
     order = rec.dst if rec.purpose is Purpose.WRITE_BACK else rec.dst[::-1]
     for hb in order:
@@ -108,7 +108,7 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
         _refresh_chain(state, rec.chain, host_too=not _queued_in_order(state, rec, keyed),
                        device_too=any(dev.state[b] == _CACHED for b in rec.src))
     if ok:
-        st.swap_out_blocks += len(rec.src)
+        stats.swap_out_blocks += len(rec.src)
     elif rec.purpose is Purpose.WRITE_BACK:
         for k in rec.keys:
             state.gone_if_last(k, Tier.DEVICE, Cause.COPY_FAILED, skip=Tier.STORAGE)
@@ -117,12 +117,13 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
 
 def _hand_to_waiting_children(state: CacheState, rec: CopyRecord, keyed: list[tuple[int, bytes]]) -> None:
     """Write-throughs of this plan's children hold the blocks it landed (tiering._hold_parents)."""
-    awaited, records, host = state.copies.awaited, state.copies.records, state.host
-    if not awaited:
+    copies, host = state.copies, state.host
+    if not copies.awaited:
         return
+    records = copies.records
     landed = {k: hb for hb, k in keyed}
     for k in rec.keys:
-        waiting, hb = awaited.pop(k, ()), landed.get(k)
+        waiting, hb = copies.take_awaiting(k), landed.get(k)
         if hb is None:
             continue  # it failed to land: nothing to hold
         for holder in waiting:
@@ -130,12 +131,12 @@ def _hand_to_waiting_children(state: CacheState, rec: CopyRecord, keyed: list[tu
                 child = records.get(holder)
                 if child is not None:
                     host.incref(hb)
-                    child.held.append(hb)
+                    child.hold_landed(hb)
                 continue
             req, gen = holder
-            if req.chain_gen == gen and req.host_chain is not None:
+            if req.chain.gen == gen and req.chain.held:
                 host.incref(hb)
-                req.host_chain.append(hb)
+                req.chain.join(hb)
 
 
 def _queued_in_order(state: CacheState, rec: CopyRecord, keyed: list[tuple[int, bytes]]) -> bool:
@@ -168,7 +169,7 @@ def _refresh_chain(state: CacheState, chain: list[bytes], host_too: bool = True,
 
 
 def _loaded(state: CacheState, rec: CopyRecord, ok: bool) -> None:
-    """A PREFIX_LOAD landed for its owner and every request that joined it (coalesce.py)."""
+    """A PREFIX_LOAD landed for its owner and every request that joined it (copies.join)."""
     host = state.host
     if ok:
         state.stats.load_blocks += len(rec.dst)
@@ -176,20 +177,21 @@ def _loaded(state: CacheState, rec: CopyRecord, ok: bool) -> None:
     for req, slots in rec.waiters:
         if not req.alive:
             continue
+        load = req.load
         if not ok:
-            req.fail_block = min(req.fail_block, req.swap_pos[min(slots.values())])
+            load.failed_at(load.swap_pos[min(slots.values())])
             continue
         for i, slot in slots.items():  # each holds the staged block until its swap-in is done
             hb = rec.dst[i]
             host.incref(hb)
             req.host_refs.append(hb)
-            req.swap_src[slot] = hb
+            load.landed(slot, hb)
     for hb in reversed(rec.dst):
         host.unpin(hb)
     if not ok:
         state.stats.load_misses += len(rec.dst)
         for k in rec.keys:
-            state.index.stored.pop(k, None)
+            state.index.forget_stored(k)
             state.gone_if_last(k, Tier.STORAGE, Cause.STORAGE_MISS, skip=Tier.STORAGE)
 
 
@@ -199,7 +201,7 @@ def _offloaded(state: CacheState, rec: CopyRecord, ok: bool, offloaded: list, fa
     if ok:
         state.stats.swap_out_blocks += len(rec.src)
         for hb, k in zip(rec.dst, rec.keys, strict=True):
-            private = k == req.private_key
+            private = k == req.resume.private_key
             if (req.alive or not private) and host.set_key(hb, k) and not private:
                 keyed.append((hb, k))
     for b in reversed(rec.src):
@@ -221,12 +223,12 @@ def _offloaded(state: CacheState, rec: CopyRecord, ok: bool, offloaded: list, fa
 def make_ready(state: CacheState, req: CacheRecord) -> Ready:
     """All copies ``req`` waited for are done. After a load or restore, key the blocks that
     arrived, up to the first failed one, and let go of the host copies."""
-    if not req.loading:
+    load = req.load
+    if load is None:
         return Ready(req.rid, req.num_computed)
-    req.loading = req.restoring = False
+    req.load = None
     bs = state.block_size
-    valid = min(req.target_computed, req.fail_block * bs)
-    req.fail_block = NEVER
+    valid = load.valid_tokens(bs)
     n_full = min(valid // bs, len(req.keys))
     dev = state.device
     todo = [i for i in range(req.num_keyed, n_full) if dev.key[req.table[i]] is None]
@@ -234,7 +236,7 @@ def make_ready(state: CacheState, req: CacheRecord) -> Ready:
     dups = dev.insert_many([req.table[i] for i in todo], [req.keys[i] for i in todo])
     req.dup_pos += [todo[j] for j in dups]
     state.stats.duplicate_blocks += len(dups)
-    _count_served_hits(state, req, valid)
+    _count_served_hits(state, req, load, valid)
     req.num_keyed = max(req.num_keyed, n_full)
     req.num_computed = valid
     refs = req.host_refs
@@ -248,26 +250,24 @@ def make_ready(state: CacheState, req: CacheRecord) -> Ready:
     return Ready(req.rid, valid)
 
 
-def _count_served_hits(state: CacheState, req: CacheRecord, valid: int) -> None:
+def _count_served_hits(state: CacheState, req: CacheRecord, load: LoadProgress, valid: int) -> None:
     """Credits the host and storage hits of a prefix load with the tokens that arrived: they
     follow the device hits in that order, and ``valid`` ends at the first failed block."""
-    nh, ns = req.planned_hits
-    if not nh and not ns:
+    host_hits, storage_hits = load.planned_hits
+    if not host_hits and not storage_hits:
         return
-    req.planned_hits = (0, 0)
-    bs, st = state.block_size, state.stats
+    bs, stats, target = state.block_size, state.stats, load.target_computed
     served = max(0, valid - req.num_keyed * bs)
-    host = min(served, nh * bs)
-    planned = req.target_computed - min(req.target_computed, (req.num_keyed + nh) * bs)  # ends at a resumed partial
+    host = min(served, host_hits * bs)
+    planned = target - min(target, (req.num_keyed + host_hits) * bs)  # ends at a resumed partial
     storage = min(served - host, planned)
-    st.host_hit_tokens += host
-    st.storage_hit_tokens += storage
-    st.storage_lost_tokens += planned - storage
+    stats.host_hit_tokens += host
+    stats.storage_hit_tokens += storage
+    stats.storage_lost_tokens += planned - storage
 
 
 def finish_offload(state: CacheState, req: CacheRecord) -> None:
     """The offload copy landed (or nothing needed copying): the device blocks go back."""
     release_table(state, req, True)
-    state.reserved -= req.reserved
-    req.reserved = 0
+    state.reservations.take_back(req)
     req.state = ReqState.OFFLOADED

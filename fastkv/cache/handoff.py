@@ -12,7 +12,7 @@ only this handoff can name it.
 path: host copies are keyed, then STOREd); ``exported`` says when all of it is stored; ``retry``
 copies what found no host block then (copies in flight pin them all), or whose copy failed, from
 the device blocks ``export`` holds until ``release``: every one of them, since a full block left
-in the prefix cache can be evicted before its retry (a loaded machine lost one that way), and the
+in the prefix cache can be evicted before its retry, and the
 partial block has no key, so it would be freed with its request. Exports that share a prefix
 share its holds (counted).
 ``CacheManager.allocate(tail_key=...)`` is the decode side's load.
@@ -22,15 +22,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fastkv.cache.copies import Purpose
-from fastkv.cache.keys import private_key
+from fastkv.cache.keys import BlockKey, TailKey, private_key
 from fastkv.cache.plan import CopyPlan
 from fastkv.cache.requests import ReqState
 from fastkv.cache.state import CacheState
 from fastkv.cache.tiering import host_copies, store
 
 
-def tail_key(state: CacheState, keys: Sequence[bytes], root: bytes, handoff_id: str,
-             tokens: Sequence[int]) -> bytes | None:
+def tail_key(state: CacheState, keys: Sequence[BlockKey], root: bytes, handoff_id: str,
+             tokens: Sequence[int]) -> TailKey | None:
     """The key of the partial block before the last of ``tokens`` (None: it has none).
     ``keys``/``root``: the prompt's chained keys and root, as ``CacheManager`` computes them."""
     bs = state.block_size
@@ -38,10 +38,11 @@ def tail_key(state: CacheState, keys: Sequence[bytes], root: bytes, handoff_id: 
     if not tail:
         return None
     parent = keys[full - 1] if full else root
-    return private_key(state.namespace, parent, f"handoff/{handoff_id}", 0, tokens[full * bs:full * bs + tail])
+    return TailKey(private_key(state.namespace, parent, f"handoff/{handoff_id}", 0, tokens[full * bs:full * bs + tail]))
 
 
-def export(state: CacheState, request_id: object, upto: int, tail: bytes | None) -> tuple[list[bytes], list[CopyPlan]]:
+def export(state: CacheState, request_id: object, upto: int,
+           tail: TailKey | None) -> tuple[list[bytes], list[CopyPlan]]:
     """Copy the KV of positions ``[0, upto)`` of a computed request to storage (its partial
     block under ``tail``); call it before the request is freed (the copies pin its device
     blocks). Returns the keys the decode side needs and the plans. Keys already stored, or on
@@ -58,45 +59,33 @@ def export(state: CacheState, request_id: object, upto: int, tail: bytes | None)
         pairs.insert(0, (req.table[full], tail))
         keys.append(tail)
     for b, k in pairs:
-        _hold(state, b, k)
+        state.handoff_holds.hold(b, k)
     return keys, _copy(state, pairs)
-
-
-def _hold(state: CacheState, block: int, key: bytes) -> None:
-    held = state.handoff_holds.get(key)
-    if held is None:
-        state.device.incref(block)
-        state.handoff_holds[key] = [block, 1]
-    else:
-        held[1] += 1
 
 
 def retry(state: CacheState, keys: Sequence[bytes]) -> list[CopyPlan]:
     """Copy again what of ``keys`` is neither stored nor moving but still cached on the device
     or the host (the export found no host block for it)."""
     moving, held = _moving(state), state.handoff_holds
-    return _copy(state, [(held[k][0] if k in held else state.device.lookup.get(k, -1), k)
+    return _copy(state, [(held[k][0] if k in held else state.device.lookup.get(k), k)
                          for k in keys if k not in moving])
 
 
 def release(state: CacheState, keys: Sequence[bytes]) -> None:
     """The export of ``keys`` is over (stored, or given up): let go of the blocks it held (a full
     one stays in the prefix cache, keyed as before)."""
-    holds = state.handoff_holds
     for k in keys:
-        held = holds[k]
-        held[1] -= 1
-        if not held[1]:
-            del holds[k]
-            state.device.release(held[0])
+        state.handoff_holds.release(k)
 
 
-def _copy(state: CacheState, pairs: list[tuple[int, bytes]]) -> list[CopyPlan]:
+def _copy(state: CacheState, pairs: list[tuple[int | None, bytes]]) -> list[CopyPlan]:
+    """STORE what is on the host, copy to the host (then STORE) what is only on the device
+    (a block of None: on neither, nothing to copy)."""
     stored, hlookup = state.index.stored, state.host.lookup
     pairs = [(b, k) for b, k in pairs if k not in stored]
     on_host = [(hlookup[k], k) for _, k in pairs if k in hlookup]
     plans = store(state, [hb for hb, _ in on_host], [k for _, k in on_host]) if on_host else []
-    return plans + host_copies(state, [(b, k) for b, k in pairs if b >= 0 and k not in hlookup])
+    return plans + host_copies(state, [(b, k) for b, k in pairs if b is not None and k not in hlookup])
 
 
 def _moving(state: CacheState) -> set[bytes]:

@@ -175,6 +175,13 @@ class PrefixIndex:
             if old not in self.device.lookup and old not in self.host.lookup:
                 self.parents.pop(old, None)
 
+    def forget_stored(self, key: bytes) -> None:
+        """Storage no longer holds ``key`` (a LOAD missed), or nothing may load it again."""
+        self.stored.pop(key, None)
+
+    def forget_all_stored(self) -> None:
+        self.stored.clear()
+
     def gone(self, key: bytes, tier: Tier, cause: Cause) -> None:
         """``key`` left its last tier: remember why, for ``explain_miss`` (bounded history)."""
         if self.history_size:

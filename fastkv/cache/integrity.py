@@ -19,7 +19,7 @@ _PINS = {
     Purpose.WRITE_BACK: ("src", "dst"),
     Purpose.WRITE_THROUGH: ("src", "dst"),
     Purpose.OFFLOAD: ("src", "dst"),
-    Purpose.SWAP_IN: ("dst", "src"),
+    Purpose.FILL: ("dst", "src"),
     Purpose.PREFIX_LOAD: (None, "dst"),
     Purpose.STORE: (None, "src"),
     Purpose.CONTROL: (None, None),
@@ -57,16 +57,16 @@ def check(state: CacheState) -> None:
             k = dev.key[b]
             if k is not None and i < len(req.keys):
                 assert k == req.keys[i], f"request {rid!r}: block {b} at {i} carries another key"
-            if i < req.num_keyed and not req.loading:
+            if i < req.num_keyed and req.load is None:
                 assert k is None or k == req.keys[i], f"request {rid!r}: keyed block {i} lost its key"
         for b in req.host_refs:
             host_refs[b] += 1
-        if req.host_chain is not None:
+        if req.chain.held:
             assert req.table, f"request {rid!r} holds its chain's host copies without its device table"
-            host_refs.update(req.host_chain)
+            host_refs.update(req.chain.blocks)
         else:
-            assert not req.wt_plans and req.chain_upto == 0, f"request {rid!r}: write-throughs owned without a hold"
-        for pid in req.wt_plans:
+            assert not req.chain.plans and req.chain.upto == 0, f"request {rid!r}: write-throughs owned without a hold"
+        for pid in req.chain.plans:
             rec = state.copies.records.get(pid)
             assert rec is not None and rec.owner is req, f"request {rid!r}: owned write-through {pid} not in flight"
         assert len(set(req.table)) == len(req.table), f"request {rid!r}: a block twice in its table"
@@ -74,7 +74,8 @@ def check(state: CacheState) -> None:
         dev_refs[b] += 1
     for rec in state.copies.records.values():
         host_refs.update(rec.held or ())
-    assert reserved == state.reserved, f"reserved {state.reserved} != sum over requests {reserved}"
+    total = state.reservations.total
+    assert reserved == total, f"reserved {total} != sum over requests {reserved}"
     for pool, refs in ((dev, dev_refs), (host, host_refs)):
         for b in range(pool.capacity):
             assert pool.ref[b] == refs[b], f"{pool.tier} block {b}: refcount {pool.ref[b]} but {refs[b]} holders"
@@ -107,12 +108,12 @@ def check(state: CacheState) -> None:
         assert k in inflight, "a write-through waits for a parent key no copy brings"
         for p in holders:  # a plan that landed first stays listed until the key lands: ids are never reused
             if type(p) is not int:
-                continue  # a request's chain hold (void if it let go since: CacheRecord.chain_gen)
+                continue  # a request's chain hold (void if it let go since: ChainHold.gen)
             rec = state.copies.records.get(p)
             assert rec is None or rec.purpose is Purpose.WRITE_THROUGH, "a parent key awaited by a non-write-through"
     for pid, rec in state.copies.records.items():
         if rec.owner is not None:
-            assert rec.owner.alive and pid in rec.owner.wt_plans, f"write-through {pid}: its owner does not list it"
+            assert rec.owner.alive and pid in rec.owner.chain.plans, f"write-through {pid}: its owner does not list it"
     for pool, pins in ((dev, dev_pins), (host, host_pins)):
         for b in range(pool.capacity):
             assert pool.pins[b] == pins[b], f"{pool.tier} block {b}: {pool.pins[b]} pins but {pins[b]} copies"
@@ -125,8 +126,9 @@ def _no_key_stranded_by_eviction(state: CacheState) -> None:
     lost: a failed or skipped copy, a key dropped, reset or lost by storage, or a parent a tier had
     to evict with children left (only parents of held or in-flight blocks were cached) strands
     children by design (index.py); eviction alone never does (pool.py)."""
-    dev, host, st = state.device, state.host, state.stats
-    if st.failed_copies or st.skipped_copies or st.load_misses or dev.forced_evictions or host.forced_evictions:
+    dev, host, stats = state.device, state.host, state.stats
+    if (stats.failed_copies or stats.skipped_copies or stats.load_misses or dev.forced_evictions
+            or host.forced_evictions):
         return
     if any(cause is not Cause.EVICTED for _, cause in state.index.history.values()):
         return

@@ -28,11 +28,18 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NewType
 
 import numpy as np
 from blake3 import blake3
 
 from fastkv.config import KVLayout
+
+# Raw bytes stand for several kinds of key; these types tell them apart (NewType: no runtime cost).
+BlockKey = NewType("BlockKey", bytes)  # chained key of a full block: every request with the prefix names it
+PrivateKey = NewType("PrivateKey", bytes)  # an offloaded request's partial block: only it can name it
+ResumeKey = NewType("ResumeKey", bytes)  # storage-mode preemption's partial block, scoped to this cache's run
+TailKey = NewType("TailKey", bytes)  # a prefill handoff's partial block before the prompt's last token
 
 KEY_BYTES = 32
 _NS_CTX = "fastkv 2025 namespace v1"
@@ -148,7 +155,7 @@ def as_tokens(tokens: object, what: str = "tokens") -> np.ndarray:
 
 
 def block_keys(tokens: np.ndarray, block_size: int, parent: bytes, first: int = 0,
-               extras: dict[int, bytes] | None = None) -> list[bytes]:
+               extras: dict[int, bytes] | None = None) -> list[BlockKey]:
     """Keys of the full blocks of ``tokens`` from block index ``first`` on.
 
     ``tokens`` is the whole sequence (validated int32, see ``as_tokens``); ``parent`` is the
@@ -171,14 +178,15 @@ def block_keys(tokens: np.ndarray, block_size: int, parent: bytes, first: int = 
     return keys
 
 
-def private_key(ns: KeyNamespace, parent: bytes, request_id: object, epoch: int, tokens: Sequence[int]) -> bytes:
+def private_key(ns: KeyNamespace, parent: bytes, request_id: object, epoch: int,
+                tokens: Sequence[int]) -> PrivateKey:
     """A key only its request can name: for the partial last block of a preempted request."""
     data = (ns.fingerprint + parent + _field(b"rid", _text(request_id)) + struct.pack("<q", epoch)
             + np.asarray(tokens, dtype=np.int32).tobytes())
     return blake3(data, derive_key_context=_PRIVATE_CTX).digest()
 
 
-def resume_key(ns: KeyNamespace, parent: bytes, run: bytes, request_id: object, computed: bytes) -> bytes:
+def resume_key(ns: KeyNamespace, parent: bytes, run: bytes, request_id: object, computed: bytes) -> ResumeKey:
     """The request-scoped storage key of a preempted request's partial last block: ``computed``
     is the int32 bytes of its tokens that hold KV, ``run`` a nonce of the cache that stored it.
     Engines number their requests from 0, so without ``run`` a restart or a second engine on

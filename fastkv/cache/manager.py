@@ -21,7 +21,7 @@ tiers: "not now" is None, a broken contract is ValueError, an internal bug is an
 The manager is the facade over ``CacheState`` (state.py), which the role modules take:
 tiering.py (fresh blocks, evictions, the plans that move keyed blocks), release.py (letting go
 of a request's blocks), offload.py (offload / restore), completions.py (what a finished copy
-changes), integrity.py (check_integrity). Results are in results.py.
+changes), integrity.py (check_integrity). What its calls return is in plan.py.
 """
 from __future__ import annotations
 
@@ -29,24 +29,24 @@ from collections import OrderedDict
 
 import numpy as np
 
-from fastkv.cache.coalesce import join as join_loads
-from fastkv.cache.coalesce import split as split_loads
+from fastkv.cache import handoff
 from fastkv.cache.completions import finish
 from fastkv.cache.copies import Purpose
+from fastkv.cache.copies import join as join_loads
+from fastkv.cache.copies import split as split_loads
 from fastkv.cache.index import Cause, MatchResult, MissExplanation, MissReason
 from fastkv.cache.integrity import check
-from fastkv.cache.keys import ExtraKeys, KeyNamespace, as_tokens, block_keys, root_key
+from fastkv.cache.keys import BlockKey, ExtraKeys, KeyNamespace, ResumeKey, TailKey, as_tokens, block_keys, root_key
 from fastkv.cache.offload import offload as offload_request
-from fastkv.cache.offload import preemption_work
+from fastkv.cache.offload import partial_resume_key, preemption_work
 from fastkv.cache.offload import restore as restore_request
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.plan import Allocation, ClearTask, Completion, CopyKind, CopyPlan, Growth, PreemptionWork, RestoreTask
 from fastkv.cache.pool import BlockState
 from fastkv.cache.release import release_host_refs, release_table
-from fastkv.cache.requests import CacheRecord, ReqState
+from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
 from fastkv.cache.residency import ResidencyLog, watch
-from fastkv.cache.results import Allocation, Completion, Growth, PreemptionWork
 from fastkv.cache.state import CacheConfig, CacheState
-from fastkv.cache.storage_writes import deferred, partial_resume_key
+from fastkv.cache.storage_writes import deferred
 from fastkv.cache.tiering import (
     count_hits,
     make_host_room,
@@ -68,11 +68,12 @@ WAITING_KEYS = 1024  # requests whose keys allocate keeps while they wait (an ab
 
 class CacheManager:
     def __init__(self, config: CacheConfig) -> None:
-        self.state = st = CacheState(config)
+        self.state = state = CacheState(config)
         # the parts of the state callers read directly (the same objects, never rebound)
-        self.config, self.block_size, self.policy = st.config, st.block_size, st.policy
-        self.device, self.host, self.index, self.copies, self.stats = st.device, st.host, st.index, st.copies, st.stats
-        self._reqs = st.reqs
+        self.config, self.block_size, self.policy = state.config, state.block_size, state.policy
+        self.device, self.host, self.index, self.copies = state.device, state.host, state.index, state.copies
+        self.stats = state.stats
+        self._reqs = state.reqs  # read only: CacheState.admit / let_go change it
         # request id -> (root, extras, token bytes, keys): a waiting request's keys, hashed once
         self._waiting_keys: OrderedDict[object, tuple[bytes, dict[int, bytes] | None, bytes, list[bytes]]] = \
             OrderedDict()
@@ -90,7 +91,7 @@ class CacheManager:
             raise TypeError(f"extra must be an ExtraKeys, got {type(extra).__name__}")
         return root_key(self.namespace, extra), (extra.block_extras(self.block_size) or None)
 
-    def keys_for(self, tokens: object, extra: ExtraKeys | None = None) -> list[bytes]:
+    def keys_for(self, tokens: object, extra: ExtraKeys | None = None) -> list[BlockKey]:
         """Chained keys of the full blocks of ``tokens`` under the current namespace."""
         root, extras = self._chain(extra)
         toks = as_tokens(tokens)
@@ -102,9 +103,9 @@ class CacheManager:
     def _keys_of_waiting(self, request_id: object, toks: np.ndarray, root: bytes,
                          extras: dict[int, bytes] | None) -> list[bytes]:
         """Keys of the full blocks of a request being admitted. Admission retries the head of
-        the queue every step until the device has room, and hashed its whole context each time:
-        on the quick demo in recompute mode, 2966 allocations for 38 admissions, the hashing
-        ~60 % of their time. Kept per request while it waits (the most recent WAITING_KEYS)."""
+        the queue every step until the device has room, and hashing its whole context each time
+        would dominate those retries. Kept per request while it waits (the most recent
+        WAITING_KEYS)."""
         data = toks.tobytes()
         memo = self._waiting_keys.get(request_id)
         if memo is not None and memo[0] == root and memo[1] == extras and memo[2] == data:
@@ -143,7 +144,7 @@ class CacheManager:
     @property
     def num_free_device_blocks(self) -> int:
         """Device blocks allocatable now: free + evictable, minus reservations."""
-        return self.device.num_available - self.state.reserved
+        return self.device.num_available - self.state.reservations.total
 
     @property
     def has_host_tier(self) -> bool:
@@ -165,6 +166,9 @@ class CacheManager:
     def copies_in_flight(self) -> set[int]:
         """Ids of the plans handed out and not yet completed."""
         return set(self.copies.records)
+
+    def has_copies_in_flight(self) -> bool:
+        return bool(self.copies.records)
 
     def _get(self, request_id: object, *states: ReqState) -> CacheRecord:
         return self.state.get(request_id, *states)
@@ -192,7 +196,7 @@ class CacheManager:
 
     # ================================================================== admission
     def allocate(self, request_id: object, tokens: object, extra: ExtraKeys | None = None,
-                 reserve_tokens: int = 0, tail_key: bytes | None = None) -> Allocation | None:
+                 reserve_tokens: int = 0, tail_key: TailKey | None = None) -> Allocation | None:
         """Blocks for a prompt, reusing its longest cached prefix. None when the device lacks room.
 
         ``reserve_tokens`` also reserves blocks for that many generated tokens, so that
@@ -213,18 +217,18 @@ class CacheManager:
         bs = self.block_size
         root, extras = self._chain(extra)
         keys = self._keys_of_waiting(request_id, toks, root, extras)
-        dev_hits, host_hits, sto_keys = self.index.match(keys, (n - 1) // bs)
-        rk = self.state.resumes.get(request_id)
-        partial = -1  # a host block holding its resumed partial block
+        dev_hits, host_hits, storage_keys = self.index.match(keys, (n - 1) // bs)
+        resume_key = self.state.preemptions.resume_key(request_id)
+        partial = None  # a host block holding its resumed partial block
         # a partial block (before the last token) is of use only behind a complete prefix; as the
         # last key it is the first to go when the host lacks room to stage the loads
-        if len(dev_hits) + len(host_hits) + len(sto_keys) == (n - 1) // bs:
-            if rk is not None:
-                partial = self._resume_partial(rk, request_id, root, keys, toks, host_hits, sto_keys)
+        if len(dev_hits) + len(host_hits) + len(storage_keys) == (n - 1) // bs:
+            if resume_key is not None:
+                partial = self._resume_partial(resume_key, request_id, root, keys, toks, host_hits, storage_keys)
             elif tail_key is not None and (n - 1) % bs:
-                sto_keys.append(tail_key)
+                storage_keys.append(tail_key)
         dev, host = self.device, self.host
-        nd, nh = len(dev_hits), len(host_hits)
+        num_device_hits, num_host_hits = len(dev_hits), len(host_hits)
         n_blocks = cdiv(n, bs)
         n_res = cdiv(n + reserve_tokens, bs) - n_blocks
         dstate = dev.state
@@ -232,84 +236,90 @@ class CacheManager:
         for b in dev_hits:
             if dstate[b] == _CACHED:
                 cached_hits += 1
-        if dev.num_available - cached_hits - self.state.reserved < n_blocks - nd + n_res:
+        if dev.num_available - cached_hits - self.state.reservations.total < n_blocks - num_device_hits + n_res:
             return None
         del self._waiting_keys[request_id]
         if self.state.residency is not None:  # the tokens its blocks' events carry, once admitted
             self.state.residency.register(keys, toks.tobytes(), bs)
         joins: list[tuple[int, int]] = []
-        if sto_keys:  # join LOADs in flight; stage the others in host blocks, what finds no room is recomputed
-            self.index.learn(sto_keys, keys[nd + nh - 1] if nd + nh else None)  # they are keyed on the host
-            joins, sto_keys = split_loads(self.state, sto_keys)
-            room = make_host_room(self.state, len(sto_keys), host_hits)
-            del sto_keys[max(room, 0):]
-        nj, ns = len(joins), len(sto_keys)
+        if storage_keys:  # join LOADs in flight; stage the others in host blocks, what finds no room is recomputed
+            hits = num_device_hits + num_host_hits
+            self.index.learn(storage_keys, keys[hits - 1] if hits else None)  # they are keyed on the host
+            joins, storage_keys = split_loads(self.state, storage_keys)
+            room = make_host_room(self.state, len(storage_keys), host_hits)
+            del storage_keys[max(room, 0):]
+        num_joined, num_loaded = len(joins), len(storage_keys)
 
-        if rk is not None:  # resumed once: no later admission may load its partial block again
-            del self.state.resumes[request_id]
-            self.index.stored.pop(rk, None)
-        st = self.stats
-        st.requests += 1
-        st.prompt_tokens += n
-        st.prompt_blocks += len(keys)
-        st.device_hit_tokens += nd * bs
+        if resume_key is not None:  # resumed once: no later admission may load its partial block again
+            self.state.preemptions.forget_resume(request_id)
+            self.index.forget_stored(resume_key)
+        stats = self.stats
+        stats.requests += 1
+        stats.prompt_tokens += n
+        stats.prompt_blocks += len(keys)
+        stats.device_hit_tokens += num_device_hits * bs
 
         req = CacheRecord(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n)
         if keys:
-            req.last_block = toks[(len(keys) - 1) * bs:len(keys) * bs].tolist()
-        self._reqs[request_id] = req
+            req.resume.saw_block(toks[(len(keys) - 1) * bs:len(keys) * bs].tolist())
+        self.state.admit(req)
         # Hits leave the LRU queues first, so the fresh blocks taken below cannot evict them.
         for b in dev_hits:
             dev.incref(b)
         for b in host_hits:
             host.incref(b)
         req.host_refs = host_hits
-        req.private_block = partial  # resumed once: let go of uncached, nothing else may match it
+        req.resume.resumed_on(partial)  # resumed once: let go of uncached, nothing else may match it
         plans: list[CopyPlan] = []
-        if sto_keys:
-            staged = take_host(self.state, len(sto_keys), pinned=True, keys=sto_keys)
-            plans.append(self.copies.open(CopyKind.LOAD, Purpose.PREFIX_LOAD, dst=staged, keys=sto_keys, req=req,
-                                          positions=list(range(nd + nh + nj, nd + nh + nj + ns))))
-            self.copies.records[plans[-1].plan_id].waiters = [(req, {i: nh + nj + i for i in range(ns)})]
-        fresh, wb = take_device(self.state, n_blocks - nd, req)
-        if wb is not None:
-            plans.append(wb)
+        first_load = num_device_hits + num_host_hits + num_joined  # table position of its first own LOAD
+        if storage_keys:
+            staged = take_host(self.state, len(storage_keys), pinned=True, keys=storage_keys)
+            plans.append(self.copies.open(CopyKind.LOAD, Purpose.PREFIX_LOAD, dst=staged, keys=storage_keys, req=req,
+                                          positions=list(range(first_load, first_load + num_loaded)),
+                                          waiters=[(req, {i: first_load - num_device_hits + i
+                                                          for i in range(num_loaded)})]))
+        fresh, write_back = take_device(self.state, n_blocks - num_device_hits, req)
+        if write_back is not None:
+            plans.append(write_back)
         req.table = dev_hits + fresh
-        req.num_keyed = nd
-        req.num_computed = nd * bs
-        req.target_computed = min((nd + nh + nj + ns) * bs, n - 1)  # a resumed partial block ends at n - 1
-        req.swap_src = host_hits + [-1] * (nj + ns)  # loaded blocks fill their slots as they land
-        req.swap_pos = list(range(nd, nd + nh + nj + ns))
-        req.planned_hits = (nh + nj, ns)  # a joined load is served from the host, where it lands
-        req.reserved = n_res
-        self.state.reserved += n_res
-        req.pending = len(plans) + join_loads(self.state, req, joins, nh)
-        req.loading = True
+        req.num_keyed = num_device_hits
+        req.num_computed = num_device_hits * bs
+        loaded_upto = first_load + num_loaded
+        target = min(loaded_upto * bs, n - 1)  # a resumed partial block ends at n - 1
+        # loaded blocks fill their slots as they land; a joined load is served from the host, where it lands
+        load = LoadProgress(target, [*host_hits, *[None] * (num_joined + num_loaded)],
+                            list(range(num_device_hits, loaded_upto)),
+                            planned_hits=(num_host_hits + num_joined, num_loaded))
+        self.state.reservations.promise(req, n_res)
+        req.pending = len(plans) + join_loads(self.state, req, joins, num_host_hits)
+        req.load = load
         if req.pending == 0:
-            if req.swap_pos:
+            if load.swap_pos:
                 plans.append(swap_in(self.state, req))
             else:
-                req.loading = False
-        if self.policy.copies_on_hit and nd and self.host.capacity:
-            plans += count_hits(self.state, req, nd)
+                req.load = None
+        if self.policy.copies_on_hit and num_device_hits and self.host.capacity:
+            plans += count_hits(self.state, req, num_device_hits)
         plans += deferred(self.state)
-        return Allocation(tuple(req.table), nd * bs, req.target_computed - nd * bs, tuple(plans), req.pending == 0)
+        return Allocation(tuple(req.table), num_device_hits * bs, target - num_device_hits * bs, tuple(plans),
+                          req.pending == 0)
 
-    def _resume_partial(self, rk: bytes, rid: object, root: bytes, keys: list[bytes], toks: np.ndarray,
-                        host_hits: list[int], sto_keys: list[bytes]) -> int:
-        """A request this cache preempted in storage mode (its resume key ``rk``) comes back with
+    def _resume_partial(self, resume_key: ResumeKey, rid: object, root: bytes, keys: list[BlockKey], toks: np.ndarray,
+                        host_hits: list[int], storage_keys: list[bytes]) -> int | None:
+        """A request this cache preempted in storage mode (its ``resume_key``) comes back with
         every full block matched: its partial last block, if these tokens are the ones it
-        held KV for, is a host hit (returns the host block) or else a storage hit (-1)."""
-        nf = (len(toks) - 1) // self.block_size
-        if rk != partial_resume_key(self.state, rid, root, keys, toks[nf * self.block_size:].tolist(), len(toks) - 1):
-            return -1
-        hb = self.host.lookup.get(rk)
-        if hb is not None and not sto_keys:
+        held KV for, is a host hit (returns the host block) or else a storage hit (None)."""
+        n_full = (len(toks) - 1) // self.block_size
+        if resume_key != partial_resume_key(self.state, rid, root, keys, toks[n_full * self.block_size:].tolist(),
+                                            len(toks) - 1):
+            return None
+        hb = self.host.lookup.get(resume_key)
+        if hb is not None and not storage_keys:
             host_hits.append(hb)
             return hb
-        if rk in self.index.stored:
-            sto_keys.append(rk)
-        return -1
+        if resume_key in self.index.stored:
+            storage_keys.append(resume_key)
+        return None
 
     def reserve(self, request_id: object, num_tokens: int) -> bool:
         """Reserve device blocks so the request can grow by ``num_tokens``; False: not now."""
@@ -319,10 +329,9 @@ class CacheManager:
         need = cdiv(req.num_tokens + num_tokens, self.block_size) - len(req.table) - req.reserved
         if need <= 0:
             return True
-        if self.device.num_available - self.state.reserved < need:
+        if self.device.num_available - self.state.reservations.total < need:
             return False
-        req.reserved += need
-        self.state.reserved += need
+        self.state.reservations.promise(req, need)
         return True
 
     def append_slots(self, request_id: object, tokens: object, ahead: int = 0) -> Growth | None:
@@ -338,15 +347,14 @@ class CacheManager:
         new: list[int] = []
         if need > 0:
             own = min(need, req.reserved)
-            if self.device.num_available - self.state.reserved + own < need:
+            if self.device.num_available - self.state.reservations.total + own < need:
                 return None
-            req.reserved -= own
-            self.state.reserved -= own
-            new, wb = take_device(self.state, need, req)
+            self.state.reservations.take_back(req, own)
+            new, write_back = take_device(self.state, need, req)
             req.table += new
-            if wb is not None:
+            if write_back is not None:
                 req.pending += 1
-                plans = (wb,)
+                plans = (write_back,)
             plans += tuple(deferred(self.state))
         req.num_tokens += len(toks)
         tail = req.tail
@@ -362,7 +370,7 @@ class CacheManager:
             if self.state.residency is not None:
                 self.state.residency.register(new_keys, chunk.tobytes(), bs, 0, req.keys[-1] if req.keys else None)
             req.keys += new_keys
-            req.last_block = tail[(full - 1) * bs:full * bs]
+            req.resume.saw_block(tail[(full - 1) * bs:full * bs])
             del tail[:full * bs]
         return Growth(tuple(new), plans, req.pending == 0)
 
@@ -410,12 +418,11 @@ class CacheManager:
     def free(self, request_id: object, cache: bool = True) -> None:
         """The request is done (or aborted, or preempted for recompute). Its full computed
         blocks stay cached unless ``cache`` is False; copies still in flight finish first."""
-        req = self._reqs.pop(request_id, None)
+        req = self.state.let_go(request_id)
         if req is None:
             raise ValueError(f"free of unknown request {request_id!r} (double free?)")
-        req.alive = False
-        self.state.reserved -= req.reserved
-        req.reserved = 0
+        req.state = ReqState.FREED
+        self.state.reservations.take_back(req)
         release_table(self.state, req, cache)
         release_host_refs(self.state, req, cache)
 
@@ -454,19 +461,44 @@ class CacheManager:
         dropped = 0
         for pool, tier in ((self.device, Tier.DEVICE), (self.host, Tier.HOST)):
             keys = [pool.evict(b) for b in list(pool.evictable)]
-            for k in keys:
-                self.state.hits.pop(k, None)
+            self.state.through.forget_hits(keys)
             self.index.gone_many(keys, tier, Cause.RESET)
             dropped += len(keys)
         self.index.gone_many(self.index.stored, Tier.STORAGE, Cause.RESET)
         dropped += len(self.index.stored)
-        self.index.stored.clear()
+        self.index.forget_all_stored()
         if self.state.residency is not None:
             self.state.residency.cleared()
         return dropped
 
+    # ================================================================== prefill handoff
+    def tail_key(self, tokens: object, handoff_id: str, keys: list[BlockKey] | None = None) -> TailKey | None:
+        """The storage key of the partial block before the last of ``tokens`` in a prefill handoff
+        named ``handoff_id`` (None: it has none). ``keys``: the prompt's ``keys_for``, if known."""
+        toks = as_tokens(tokens)
+        if keys is None:
+            keys = self.keys_for(toks)
+        return handoff.tail_key(self.state, keys, self.state.root, handoff_id, toks.tolist())
+
+    def export(self, request_id: object, upto: int, tail: TailKey | None) -> tuple[list[bytes], list[CopyPlan]]:
+        """Copy the KV of the request's first ``upto`` tokens to storage, for a decode engine
+        (``fastkv.cache.handoff.export``): the keys it will find them under, and the plans."""
+        return handoff.export(self.state, request_id, upto, tail)
+
+    def exported(self, keys: list[bytes]) -> bool | None:
+        """True: storage holds every key of an export; None: some are on their way; False: lost."""
+        return handoff.exported(self.state, keys)
+
+    def retry_export(self, keys: list[bytes]) -> list[CopyPlan]:
+        """Copy again what of an export is neither stored nor moving (``fastkv.cache.handoff.retry``)."""
+        return handoff.retry(self.state, keys)
+
+    def release_export(self, keys: list[bytes]) -> None:
+        """The export of ``keys`` is over: let go of the device blocks it held."""
+        handoff.release(self.state, keys)
+
     # ================================================================== weight updates
-    def begin_weight_update(self) -> CopyPlan:
+    def begin_weight_update(self) -> ClearTask:
         """Drop every cached block (its KV belongs to the old weights) and pause admission.
         Needs no request and no copy in flight."""
         if self._reqs:
@@ -482,25 +514,20 @@ class CacheManager:
             self.index.gone(k, Tier.DEVICE, Cause.WEIGHT_UPDATE)
         if self.state.residency is not None:
             self.state.residency.cleared()
-        self.state.hits.clear()
-        self.state.skipped_through.clear()
-        self.state.retired.append(self.namespace)
-        del self.state.retired[:-4]
-        self.state.paused = True
-        return self.copies.open(CopyKind.CLEAR, Purpose.CONTROL)
+        self.state.through.forget_all()
+        self.state.weights.begin_update()
+        return self.copies.open_control(ClearTask)
 
-    def finish_weight_update(self, weights_version: str) -> CopyPlan:
+    def finish_weight_update(self, weights_version: str) -> RestoreTask:
         """New weights are loaded: switch to their namespace and accept requests again."""
         if not self.state.paused:
             raise ValueError("finish_weight_update without begin_weight_update")
         version = str(weights_version)
         if any(ns.weights_version == version for ns in self.state.retired[-1:]):
             raise ValueError(f"weights version {version!r} is the one being replaced")
-        self.state.namespace = self.namespace.with_weights(version)
-        self.state.root = root_key(self.namespace)
-        self.state.paused = False
-        # the transfer processes reopen storage under this version's namespace (keys[0])
-        return self.copies.open(CopyKind.RESTORE, Purpose.CONTROL, keys=[version.encode()])
+        self.state.weights.finish_update(version)
+        # the transfer processes reopen storage under this version's namespace
+        return self.copies.open_control(lambda plan_id: RestoreTask(plan_id, version))
 
     # ================================================================== KV events
     def watch_residency(self, log: ResidencyLog) -> ResidencyLog:

@@ -10,15 +10,16 @@ finishes the copies.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from fastkv.cache.completions import finish_offload, make_ready
 from fastkv.cache.copies import Purpose
-from fastkv.cache.keys import private_key
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.keys import private_key, resume_key
+from fastkv.cache.plan import Allocation, CopyKind, CopyPlan, PreemptionWork
 from fastkv.cache.pool import BlockState
-from fastkv.cache.requests import NEVER, CacheRecord, ReqState
-from fastkv.cache.results import Allocation, PreemptionWork
+from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
 from fastkv.cache.state import CacheState
-from fastkv.cache.storage_writes import offload_stores, partial_resume_key, partial_tokens, remember_resume
+from fastkv.cache.storage_writes import offload_stores
 from fastkv.cache.tiering import make_host_room, swap_in, take_device, take_host
 from fastkv.config import cdiv
 
@@ -44,17 +45,16 @@ def offload(state: CacheState, request_id: object, to_storage: bool = False) -> 
         raise ValueError("offload needs a host tier (num_host_blocks > 0)")
     host_table, n_full = _host_copies(state, req)
     n_blocks = len(host_table)
-    copy = [i for i in range(n_blocks) if host_table[i] < 0]
-    if make_host_room(state, len(copy), [hb for hb in host_table if hb >= 0], keep=req) < len(copy):
+    copy = [i for i in range(n_blocks) if host_table[i] is None]
+    have = [hb for hb in host_table if hb is not None]
+    if make_host_room(state, len(copy), have, keep=req) < len(copy):
         return None
-    for hb in host_table:
-        if hb >= 0:
-            host.incref(hb)
+    for hb in have:
+        host.incref(hb)
     fresh = take_host(state, len(copy), pinned=False, keys=[req.keys[i] for i in copy if i < n_full])
     keys: list[bytes] = []
-    state.epoch += 1
-    req.private_key = None
-    req.to_storage = to_storage
+    epoch = state.preemptions.next_epoch()
+    req.resume.begin_offload(to_storage)
     for i, hb in zip(copy, fresh, strict=True):
         host_table[i] = hb
         host.pin(hb)
@@ -63,14 +63,14 @@ def offload(state: CacheState, request_id: object, to_storage: bool = False) -> 
             keys.append(req.keys[i])
         elif to_storage and (rk := partial_resume_key(state, req.rid, req.root, req.keys,
                                                        partial_tokens(req, state.block_size), req.num_computed)):
-            req.private_key = rk  # request-scoped: only its own re-admission can match it, so it stays cached
-            remember_resume(state, req.rid, rk)
+            req.resume.keyed(rk)  # request-scoped: only its own re-admission can match it, so it stays cached
+            state.preemptions.remember_resume(req.rid, rk)
             keys.append(rk)
         else:
             parent = req.keys[i - 1] if i else req.root
-            req.private_key = private_key(state.namespace, parent, req.rid, state.epoch, [i])
-            req.private_block = hb
-            keys.append(req.private_key)
+            key = private_key(state.namespace, parent, req.rid, epoch, [i])
+            req.resume.keyed(key, hb)
+            keys.append(key)
     req.host_refs = host_table
     req.state = ReqState.OFFLOADING
     state.stats.offloads += 1
@@ -82,16 +82,14 @@ def offload(state: CacheState, request_id: object, to_storage: bool = False) -> 
     return (state.copies.open(CopyKind.SWAP_OUT, Purpose.OFFLOAD, src=src, dst=fresh, keys=keys, req=req),)
 
 
-def _host_copies(state: CacheState, req: CacheRecord) -> tuple[list[int], int]:
-    """The host block holding each of the request's computed blocks (-1: none), and how many
+def _host_copies(state: CacheState, req: CacheRecord) -> tuple[list[int | None], int]:
+    """The host block holding each of the request's computed blocks (None: none), and how many
     of them are full (only full blocks have shared keys a host copy can be found by)."""
     n_full = min(req.num_computed // state.block_size, len(req.keys))
     hget = state.host.lookup.get
-    table = [-1] * cdiv(req.num_computed, state.block_size)
+    table: list[int | None] = [None] * cdiv(req.num_computed, state.block_size)
     for i in range(n_full):
-        hb = hget(req.keys[i])
-        if hb is not None:
-            table[i] = hb
+        table[i] = hget(req.keys[i])
     return table, n_full
 
 
@@ -104,10 +102,10 @@ def preemption_work(state: CacheState, request_id: object) -> PreemptionWork:
     req = state.get(request_id, ReqState.RUNNING)
     table, _ = _host_copies(state, req)
     landing = state.copies.inflight
-    lead = next((i for i, hb in enumerate(table) if hb < 0 and (i >= len(req.keys) or req.keys[i] not in landing)),
-                len(table))
+    lead = next((i for i, hb in enumerate(table)
+                 if hb is None and (i >= len(req.keys) or req.keys[i] not in landing)), len(table))
     kept = min(req.num_computed, lead * state.block_size)
-    return PreemptionWork(sum(1 for hb in table if hb < 0), req.num_computed - kept, kept)
+    return PreemptionWork(sum(1 for hb in table if hb is None), req.num_computed - kept, kept)
 
 
 def _cancel_restore(state: CacheState, req: CacheRecord) -> None:
@@ -115,12 +113,9 @@ def _cancel_restore(state: CacheState, req: CacheRecord) -> None:
     and nothing is recomputed. Its copies in flight finish for nobody, on blocks it let go of."""
     for rec in state.copies.records.values():
         if rec.req is req:
-            rec.req = None
+            rec.forsake()
     req.pending = 0
-    req.loading = req.restoring = False
-    req.swap_src = []
-    req.swap_pos = []
-    req.fail_block = NEVER
+    req.load = None
     finish_offload(state, req)
 
 
@@ -135,36 +130,51 @@ def restore(state: CacheState, request_id: object, reserve_tokens: int = 0) -> A
     n_res = cdiv(req.num_tokens + reserve_tokens, bs) - n_blocks
     n_full = min(req.num_computed // bs, len(req.keys))
     dev = state.device
-    table = [-1] * n_blocks
+    table: list[int | None] = [None] * n_blocks
     dget = dev.lookup.get
     for i in range(n_full):
-        b = dget(req.keys[i])
-        if b is not None:
-            table[i] = b
-    reused = [b for b in table if b >= 0]
+        table[i] = dget(req.keys[i])
+    reused = [b for b in table if b is not None]
     cached = sum(1 for b in reused if dev.state[b] == _CACHED)
-    if dev.num_available - cached - state.reserved < n_blocks - len(reused) + n_res:
+    if dev.num_available - cached - state.reservations.total < n_blocks - len(reused) + n_res:
         return None
     for b in reused:
         dev.incref(b)
-    fresh, wb = take_device(state, n_blocks - len(reused), req)
+    fresh, write_back = take_device(state, n_blocks - len(reused), req)
     it = iter(fresh)
-    req.table = [b if b >= 0 else next(it) for b in table]
-    req.swap_pos = [i for i in range(len(req.host_refs)) if table[i] < 0]
-    req.swap_src = [req.host_refs[i] for i in req.swap_pos]
-    req.target_computed = req.num_computed
+    req.table = [b if b is not None else next(it) for b in table]
+    positions = [i for i in range(len(req.host_refs)) if table[i] is None]
+    req.load = LoadProgress(req.num_computed, [req.host_refs[i] for i in positions], positions, restoring=True)
     req.num_keyed = 0
-    req.loading = req.restoring = True
     req.state = ReqState.RUNNING
-    req.reserved = n_res
-    state.reserved += n_res
+    state.reservations.promise(req, n_res)
     state.stats.restores += 1
-    plans = [wb] if wb is not None else []
+    plans = [write_back] if write_back is not None else []
     req.pending = len(plans)
     if not plans:
-        if req.swap_pos:
+        if positions:
             plans.append(swap_in(state, req))
         else:
             make_ready(state, req)
     return Allocation(tuple(req.table), len(reused) * bs, (n_blocks - len(reused)) * bs, tuple(plans),
                       req.pending == 0)
+
+
+# ---- resume keys: a storage-mode preemption's partial block (keys.resume_key)
+def partial_resume_key(state: CacheState, rid: object, root: bytes, keys: list[bytes], block: list[int] | None,
+                       computed: int) -> bytes | None:
+    """The resume key of a request whose first ``computed`` tokens hold KV, ``block`` the tokens
+    of the block they end in (None: no partial block, or its tokens are not known)."""
+    nf, r = divmod(computed, state.block_size)
+    if not r or block is None:
+        return None
+    return resume_key(state.namespace, keys[nf - 1] if nf else root, state.run, rid,
+                      np.asarray(block[:r], np.int32).tobytes())
+
+
+def partial_tokens(req: CacheRecord, block_size: int) -> list[int] | None:
+    """Tokens of the block its computed KV ends in, if the record still knows them."""
+    nf = req.num_computed // block_size
+    if nf == len(req.keys):
+        return req.tail
+    return req.resume.last_block if nf == len(req.keys) - 1 else None

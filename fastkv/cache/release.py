@@ -8,18 +8,18 @@ from fastkv.cache.tiering import release_chain
 from fastkv.cache.write_policy import Tier
 
 
-def release_table(st: CacheState, req: CacheRecord, cache: bool) -> None:
+def release_table(state: CacheState, req: CacheRecord, cache: bool) -> None:
     """Release device blocks last to first, so children enter the eviction queue before parents,
     and the host copies of the chain the request held (``tiering.release_chain``)."""
-    host_done = release_chain(st, req, touch=cache)  # its walk refreshed the host copies too
-    dev = st.device
-    if cache and not req.dup_pos and (host_done or not st.touch_host):
+    host_done = release_chain(state, req, touch=cache)  # its walk refreshed the host copies too
+    dev = state.device
+    if cache and not req.dup_pos and (host_done or not state.touch_host):
         dev.release_many(req.table[::-1])
         req.table = []
         return
     dkey, lookup, release, touch = dev.key, dev.lookup, dev.release, dev.touch
     keys, table, nk = req.keys, req.table, req.num_keyed
-    hlookup = st.host.lookup if st.touch_host and not host_done else None
+    hlookup = state.host.lookup if state.touch_host and not host_done else None
     for i in range(len(table) - 1, -1, -1):
         b = table[i]
         if i < nk and cache:
@@ -27,7 +27,7 @@ def release_table(st: CacheState, req: CacheRecord, cache: bool) -> None:
             if dkey[b] is None:  # a duplicate: refresh the block that holds the key
                 c = lookup.get(k)
                 if c is None:  # that block is gone: this copy keeps the key alive
-                    st.index.learn_at(keys, [i])
+                    state.index.learn_at(keys, [i])
                     dev.set_key(b, k)
                 release(b)
                 if c is not None:
@@ -37,17 +37,17 @@ def release_table(st: CacheState, req: CacheRecord, cache: bool) -> None:
             if hlookup is not None:
                 hb = hlookup.get(k)
                 if hb is not None:
-                    st.host.touch(hb)
+                    state.host.touch(hb)
         else:
             if not cache and dkey[b] is not None and dev.ref[b] == 1:
-                st.gone_if_last(dkey[b], Tier.DEVICE, Cause.DROPPED, skip=Tier.DEVICE)
+                state.gone_if_last(dkey[b], Tier.DEVICE, Cause.DROPPED, skip=Tier.DEVICE)
             release(b, cache)
     req.table = []
 
 
-def release_host_refs(st: CacheState, req: CacheRecord, cache: bool = True) -> None:
-    host = st.host
+def release_host_refs(state: CacheState, req: CacheRecord, cache: bool = True) -> None:
+    host = state.host
     for b in reversed(req.host_refs):
-        host.release(b, cache and b != req.private_block)
+        host.release(b, cache and b != req.resume.private_block)
     req.host_refs = []
-    req.private_block = -1
+    req.resume.let_go_block()

@@ -228,7 +228,7 @@ def watch(state, log: ResidencyLog) -> ResidencyLog:
     state.host.lookup = ObservedMap(state.host.lookup, log, Tier.HOST)
     state.index.stored = ObservedOrderedMap(state.index.stored, log, Tier.STORAGE)
     log.maps = {Tier.DEVICE: state.device.lookup, Tier.HOST: state.host.lookup, Tier.STORAGE: state.index.stored}
-    state.residency = log
+    state.watch(log)
     # keys wait there from admission until computed: room for every block the tiers can take
     log.pending_size = max(log.pending_size, 2 * (state.device.capacity + state.host.capacity))
     return log

@@ -38,9 +38,6 @@ from __future__ import annotations
 
 from itertools import islice
 
-import numpy as np
-
-from fastkv.cache.keys import resume_key
 from fastkv.cache.plan import CopyPlan
 from fastkv.cache.requests import CacheRecord
 from fastkv.cache.state import CacheState
@@ -51,14 +48,13 @@ from fastkv.cache.write_policy import StorageWrites
 def deferred(state: CacheState) -> list[CopyPlan]:
     """The BACK flush's STOREs, handed out with the next plans the manager returns (host
     evictions happen deep inside calls that return other plans)."""
-    return _flush_back(state) if state.evicted_since_flush else []
+    return _flush_back(state) if state.flush.evicted else []
 
 
 def _flush_back(state: CacheState) -> list[CopyPlan]:
     """BACK: STORE as many unstored blocks at the host's eviction end as it evicted since the
     last flush (at most ``flush_window``)."""
-    n = min(state.evicted_since_flush, state.config.flush_window)
-    state.evicted_since_flush = 0
+    n = min(state.flush.take(), state.config.flush_window)
     if state.config.storage_writes is not StorageWrites.BACK or not state.index.storage:
         return []
     host, stored, inflight = state.host, state.index.stored, state.copies.inflight
@@ -83,7 +79,7 @@ def optional_store(state: CacheState, blocks: list[int], keys: list[bytes]) -> l
     if any(k in stored for k in keys):  # those need no STORE, and skip none
         pairs = [(b, k) for b, k in zip(blocks, keys, strict=True) if k not in stored]
         blocks, keys = [b for b, _ in pairs], [k for _, k in pairs]
-    room = state.config.storage_backlog_blocks - state.store_backlog
+    room = state.config.storage_backlog_blocks - state.copies.stores_in_flight
     if room < len(blocks):
         room = max(room, 0)
         state.stats.skipped_stores += len(blocks) - room
@@ -105,40 +101,13 @@ def offload_stores(state: CacheState, req: CacheRecord, copied: list[tuple[int, 
     if not state.index.storage:
         return []
     sw = state.config.storage_writes
-    if req.alive and (req.to_storage or sw is StorageWrites.PREEMPTED):
+    resume = req.resume
+    if req.alive and (resume.to_storage or sw is StorageWrites.PREEMPTED):
         n_full = min(req.num_computed // state.block_size, len(req.keys))
         pairs = [(req.host_refs[i], req.keys[i]) for i in range(n_full)]
-        if req.to_storage and req.private_key is not None and req.private_block < 0:
-            pairs.append((req.host_refs[n_full], req.private_key))
+        if resume.to_storage and resume.private_key is not None and resume.private_block is None:
+            pairs.append((req.host_refs[n_full], resume.private_key))
         return store(state, [b for b, _ in pairs], [k for _, k in pairs])
     if sw is StorageWrites.THROUGH:
         return optional_store(state, [b for b, _ in copied], [k for _, k in copied])
     return []
-
-
-def partial_resume_key(state: CacheState, rid: object, root: bytes, keys: list[bytes], block: list[int] | None,
-                       computed: int) -> bytes | None:
-    """The resume key of a request whose first ``computed`` tokens hold KV, ``block`` the tokens
-    of the block they end in (None: no partial block, or its tokens are not known)."""
-    nf, r = divmod(computed, state.block_size)
-    if not r or block is None:
-        return None
-    return resume_key(state.namespace, keys[nf - 1] if nf else root, state.run, rid,
-                      np.asarray(block[:r], np.int32).tobytes())
-
-
-def remember_resume(state: CacheState, rid: object, key: bytes) -> None:
-    """``rid`` was preempted in storage mode with its partial block under ``key``. Bounded: a
-    request aborted before it resumed leaves its entry, which ages out."""
-    resumes = state.resumes
-    resumes[rid] = key
-    if len(resumes) > state.config.history:
-        resumes.popitem(last=False)
-
-
-def partial_tokens(req: CacheRecord, block_size: int) -> list[int] | None:
-    """Tokens of the block its computed KV ends in, if the record still knows them."""
-    nf = req.num_computed // block_size
-    if nf == len(req.keys):
-        return req.tail
-    return req.last_block if nf == len(req.keys) - 1 else None

@@ -35,15 +35,13 @@ def take_device(state: CacheState, n: int, owner: CacheRecord) -> tuple[list[int
         state.stats.dropped_keys += len(victims)
         state.index.gone_many([k for _, k in victims], Tier.DEVICE, Cause.EVICTED)
         if state.policy.copies_on_hit:
-            for _, k in victims:
-                state.hits.pop(k, None)
+            state.through.forget_hits([k for _, k in victims])
         return blocks, None
     src: list[int] = []
     keys: list[bytes] = []
-    selective = state.hits if state.policy.copies_on_hit else None
+    if state.policy.copies_on_hit:
+        state.through.forget_hits([k for _, k in victims])
     for b, k in victims:
-        if selective is not None:
-            selective.pop(k, None)
         if k in hlookup or k in inflight:  # on the host, or on its way there (a second copy would race it)
             continue
         if state.write_back or k in host_kids:  # a parent of host blocks leaves the device for the host
@@ -83,7 +81,7 @@ def take_host(state: CacheState, n: int, pinned: bool, partial: bool = False, ke
     assert all(b >= 0 for b in blocks), "host take ran out after the availability check"
     if victims:
         state.stats.host_evictions += len(victims)
-        state.evicted_since_flush += len(victims)
+        state.flush.count(len(victims))
         dlookup, stored = state.device.lookup, state.index.stored
         for _, k in victims:
             if k not in stored:
@@ -105,8 +103,7 @@ def host_copies(state: CacheState, pairs: list[tuple[int, bytes]], chain: list[b
         return []
     if chain:
         rec = state.copies.records[plan.plan_id]
-        rec.chain = chain
-        rec.held = _hold_parents(state, plan.plan_id, chain, set(rec.keys))
+        rec.holds_chain(chain, _hold_parents(state, plan.plan_id, chain, set(rec.keys)))
     return [plan]
 
 
@@ -120,9 +117,8 @@ def request_copies(state: CacheState, req: CacheRecord, pairs: list[tuple[int, b
     plan = _write_through(state, pairs, lambda: req.keys[:end])
     if plan is None:
         return []
-    rec = state.copies.records[plan.plan_id]
-    rec.owner, rec.chain_end = req, end
-    req.wt_plans.append(plan.plan_id)
+    state.copies.records[plan.plan_id].owned_by(req, end)
+    req.chain.own(plan.plan_id)
     return [plan]
 
 
@@ -152,25 +148,20 @@ def _skip(state: CacheState, pairs: list[tuple[int, bytes]], chain: list[bytes])
     """Remember write-throughs the host had no free block for (``retry_skipped`` makes them).
     Skipped for good, a block never reaches the host, nor the storage tier under THROUGH: a
     restart or another engine on the same store would miss it."""
-    skipped = state.skipped_through
-    for _, k in pairs:
-        skipped[k] = chain
-        skipped.move_to_end(k)
-    while len(skipped) > state.device.capacity:  # the oldest are the likeliest gone from the device
-        skipped.popitem(last=False)
+    state.through.skip([k for _, k in pairs], chain, state.device.capacity)
 
 
 def retry_skipped(state: CacheState) -> list[CopyPlan]:
     """The skipped write-throughs whose keys are still on the device only, oldest first, as many
     as the host has blocks for now."""
-    skipped = state.skipped_through
-    room = state.host.num_available if skipped else 0
+    through = state.through
+    room = state.host.num_available if through.skipped else 0
     if not room:
         return []
     dlookup, hlookup, inflight = state.device.lookup, state.host.lookup, state.copies.inflight
     batches: dict[int, tuple[list[bytes], list[tuple[int, bytes]]]] = {}  # by chain: one plan each
-    while skipped and room:
-        k, chain = skipped.popitem(last=False)
+    while through.skipped and room:
+        k, chain = through.oldest_skipped()
         b = dlookup.get(k)
         if b is None or k in hlookup or k in inflight:
             continue  # evicted (or written back), or copied by another request's write-through
@@ -186,11 +177,11 @@ def _hold_parents(state: CacheState, pid: int, chain: list[bytes], own: set[byte
     cannot see children in flight to the host, and a parent it evicted meanwhile would strand
     them there and their device sources. A parent still in flight to the host is held when it
     lands (``CopyBook.awaited``, settled in completions.py)."""
-    inflight, awaited = state.copies.inflight, state.copies.awaited
+    copies = state.copies
     held, missing = state.host.hold_keys(chain, own)
     for k in missing:
-        if k in inflight:
-            awaited.setdefault(k, []).append(pid)
+        if k in copies.inflight:
+            copies.await_parent(k, pid)
     return held
 
 
@@ -201,24 +192,19 @@ def hold_chain(state: CacheState, req: CacheRecord, end: int) -> None:
     queue, so neither can a parent be evicted under a child in flight (the reason a plan holds
     its chain), nor do its copies age while it runs, and a block fill does not walk the whole
     chain to refresh it. Each key is looked at once per hold: the keys up to
-    ``chain_upto`` were, and its own copies join as they land. A key still in flight to the
+    ``chain.upto`` were, and its own copies join as they land. A key still in flight to the
     host is held when it lands; one that comes later by another way (another request's copy)
     is not held, only ordered when the request lets go (``release_chain``)."""
-    start = req.chain_upto
+    chain = req.chain
+    start = chain.upto
     if end <= start:
         return
     held, missing = state.host.hold_keys(req.keys[start:end], ())
-    if req.host_chain is None:
-        req.host_chain = held
-        state.chain_holders[req.rid] = req
-    else:
-        req.host_chain += held
-        state.chain_holders.move_to_end(req.rid)
-    inflight, awaited = state.copies.inflight, state.copies.awaited
+    state.through.holding(req, chain.extend(held, end))
+    copies = state.copies
     for k in missing:
-        if k in inflight:
-            awaited.setdefault(k, []).append((req, req.chain_gen))
-    req.chain_upto = end
+        if k in copies.inflight:
+            copies.await_parent(k, (req, chain.gen))
 
 
 def release_chain(state: CacheState, req: CacheRecord, touch: bool = False) -> bool:
@@ -229,20 +215,15 @@ def release_chain(state: CacheState, req: CacheRecord, touch: bool = False) -> b
     contract of fastkv.cache.eviction), with ``touch`` its other host copies too (a request's
     release refreshes them: ``release.release_table``). The walk is the chain's length, once
     per hold. False: it held nothing, and walked nothing."""
-    held = req.host_chain
-    if held is None:
+    if not req.chain.held:
         return False
+    held, plans = req.chain.let_go()
+    state.through.let_go(req)
     records = state.copies.records
-    for pid in req.wt_plans:
+    for pid in plans:
         rec = records[pid]
-        rec.owner = None
-        rec.chain = req.keys[:rec.chain_end]
-        rec.held = _hold_parents(state, pid, rec.chain, set(rec.keys))
-    req.wt_plans = []
-    req.host_chain = None
-    req.chain_upto = 0
-    del state.chain_holders[req.rid]
-    req.chain_gen += 1  # its entries in CopyBook.awaited are void
+        chain = req.keys[:rec.chain_end]
+        rec.orphaned(chain, _hold_parents(state, pid, chain, set(rec.keys)))
     host = state.host
     mine = set(held)
     assert len(mine) == len(held), f"request {req.rid!r} holds a host block of its chain twice"
@@ -278,7 +259,7 @@ def make_host_room(state: CacheState, n: int, holding: Sequence[int] = (), keep:
 
     left = room()
     if left < n:
-        for req in [r for r in state.chain_holders.values() if r is not keep]:
+        for req in [r for r in state.through.holders.values() if r is not keep]:
             release_chain(state, req)
             state.stats.chain_spills += 1
             left = room()
@@ -287,40 +268,28 @@ def make_host_room(state: CacheState, n: int, holding: Sequence[int] = (), keep:
     return left
 
 
-def count_hits(state: CacheState, req: CacheRecord, nd: int) -> list[CopyPlan]:
-    hits, threshold, hot = state.hits, state.config.selective_hits, []
-    for i in range(nd):
+def count_hits(state: CacheState, req: CacheRecord, num_device_hits: int) -> list[CopyPlan]:
+    """WRITE_THROUGH_SELECTIVE: a device hit's block is copied to the host on its
+    ``selective_hits``-th hit."""
+    count, threshold, hot = state.through.count_hit, state.config.selective_hits, []
+    for i in range(num_device_hits):
         k = req.keys[i]
-        c = hits.get(k, 0) + 1
-        hits[k] = c
-        if c == threshold:
+        if count(k) == threshold:
             hot.append((req.table[i], k))
-    return request_copies(state, req, hot, nd) if hot else []
+    return request_copies(state, req, hot, num_device_hits) if hot else []
 
 
 def swap_in(state: CacheState, req: CacheRecord) -> CopyPlan:
     """Phase two of a prefix hit or a restore: host -> device, once loads and write-backs
     of this request are done (its SWAP_IN may overwrite a block a write-back was reading)."""
-    src = ready_run(req.swap_src)
-    dst = [req.table[i] for i in req.swap_pos[:len(src)]]
+    src, positions = req.load.take_swap()
+    dst = [req.table[i] for i in positions]
     for b in src:
         state.host.pin(b)
     for b in dst:
         state.device.pin(b)
     req.pending += 1
-    plan = state.copies.open(CopyKind.SWAP_IN, Purpose.SWAP_IN, src=src, dst=dst, req=req,
-                            positions=req.swap_pos[:len(dst)])
-    req.swap_src = []
-    req.swap_pos = []
-    return plan
-
-
-def ready_run(swap_src: list[int]) -> list[int]:
-    """The leading host blocks of ``swap_src`` that are there (-1: a load that failed)."""
-    for i, b in enumerate(swap_src):
-        if b < 0:
-            return swap_src[:i]
-    return swap_src
+    return state.copies.open(CopyKind.SWAP_IN, Purpose.FILL, src=src, dst=dst, req=req, positions=positions)
 
 
 def store(state: CacheState, blocks: list[int], keys: list[bytes]) -> list[CopyPlan]:
@@ -330,6 +299,5 @@ def store(state: CacheState, blocks: list[int], keys: list[bytes]) -> list[CopyP
         return []
     for b, _ in pairs:
         state.host.pin(b)
-    state.store_backlog += len(pairs)
     return [state.copies.open(CopyKind.STORE, Purpose.STORE, src=[b for b, _ in pairs],
                              keys=[k for _, k in pairs])]

@@ -32,10 +32,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from fastkv.cache import handoff as cache_handoff
 from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.plan import ClearTask, CopyKind, CopyPlan
 from fastkv.cache.write_policy import StorageWrites
 from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.engine import protocol
@@ -60,7 +59,6 @@ from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, Sched
 from fastkv.sched.output import StepPlan
 from fastkv.sched.queues import QueuePolicy
 from fastkv.sched.reservation import Refusal, Reservation
-from fastkv.transfer.protocol import FREE
 
 FINISH = {RequestState.FINISHED_LENGTH: "length", RequestState.FINISHED_STOPPED: "stop",
           RequestState.FINISHED_ABORTED: "aborted"}
@@ -339,7 +337,7 @@ class Engine:
             tokens, cache = req.token_ids[:req.num_prompt_tokens], self.cache
             keys = cache.keys_for(tokens)
             cache.confirm_stored(keys[:(len(tokens) - 1) // cache.block_size])  # the handoff record says so
-            tail = cache_handoff.tail_key(cache.state, keys, cache.state.root, ext, tokens.tolist())
+            tail = cache.tail_key(tokens, ext, keys)
         try:
             got = self.sched.reserve_for_prefilled(req, tail)
         except (TypeError, ValueError) as exc:
@@ -496,7 +494,7 @@ class Engine:
         """The scheduler's next step and its copies (for ``_submit`` once the step is sent)."""
         out = self.sched.step(overlap)
         self._arrived += [rid for rid in out.kv_writable if rid in self._from_store]
-        copies = [CopyPlan(p.plan_id, CopyKind.CLEAR, keys=(FREE,)) if p.kind is CopyKind.CLEAR and self._free_memory
+        copies = [ClearTask(p.plan_id, free_memory=True) if p.kind is CopyKind.CLEAR and self._free_memory
                   else p for p in out.copies]
         results += [self._result(r) for r in out.finished]
         return out, copies

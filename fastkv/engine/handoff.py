@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastkv.cache import handoff
 from fastkv.cache.manager import CacheManager
 from fastkv.cache.plan import CopyPlan
 from fastkv.engine.handoff_stream import Announcer
@@ -63,31 +62,30 @@ class Exporter:
 
     def before_free(self, req: Request) -> list[CopyPlan]:
         ext, cache = self.name(req.request_id), self.cache
-        prompt = req.token_ids[:req.num_prompt_tokens]
-        tail = handoff.tail_key(cache.state, cache.keys_for(prompt), cache.state.root, ext, prompt.tolist())
-        keys, plans = handoff.export(cache.state, req.request_id, req.num_prompt_tokens - 1, tail)
+        tail = cache.tail_key(req.token_ids[:req.num_prompt_tokens], ext)
+        keys, plans = cache.export(req.request_id, req.num_prompt_tokens - 1, tail)
         self._pending[ext] = (keys, time.monotonic())
         return plans
 
     def poll(self) -> None:
         """Record the exports that are complete (or lost); call after copy completions."""
         lines = []
-        state = self.cache.state
+        cache = self.cache
         for ext, (keys, t0) in list(self._pending.items()):
-            ok = handoff.exported(state, keys)
+            ok = cache.exported(keys)
             if ok is False and self._retries.get(ext, 0) < RETRIES:
                 # a block found no host room (copies in flight held it all), or its copy failed: again
-                plans = handoff.retry(state, keys)
+                plans = cache.retry_export(keys)
                 if plans:
                     self._retries[ext] = self._retries.get(ext, 0) + 1
                     self.emit(plans)
-                if plans or state.copies.records:
+                if plans or cache.has_copies_in_flight():
                     continue
             if ok is None:
                 continue
             del self._pending[ext]
             self._retries.pop(ext, None)
-            handoff.release(state, keys)
+            cache.release_export(keys)
             st, seconds = self.stats, time.monotonic() - t0
             st.requests += 1
             st.failed += not ok

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fastkv.cache.manager import CacheManager
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.plan import LookupTask
 from fastkv.ipc import DoneMsg
 from fastkv.sched.request import Request
 from fastkv.storage.lookup import confirmed
@@ -110,7 +110,7 @@ class StorageLookup:
         return task_id in self._waves
 
     # ------------------------------------------------------------------ the wave
-    def wave(self) -> list[CopyPlan]:
+    def wave(self) -> list[LookupTask]:
         """LOOKUP plans for every parked request not asked yet (usually one plan)."""
         chains: list[tuple[_Parked, list[bytes]]] = []
         for p in self._parked:
@@ -140,7 +140,7 @@ class StorageLookup:
         keys = self.cache.keys_for(tokens, req.extra)[:(len(tokens) - 1) // self.cache.block_size]
         return keys[m.num_blocks:]
 
-    def _send(self, chains: list[tuple[_Parked, list[bytes]]]) -> CopyPlan:
+    def _send(self, chains: list[tuple[_Parked, list[bytes]]]) -> LookupTask:
         task_id = self._next_id
         self._next_id += 1
         lengths = np.array([len(keys) for _, keys in chains], np.int32)
@@ -149,7 +149,7 @@ class StorageLookup:
         self.stats.lookups += 1
         self.stats.requests += len(chains)
         self.stats.keys_asked += len(keys)
-        return CopyPlan(task_id, CopyKind.LOOKUP, src=lengths, keys=keys)
+        return LookupTask(task_id, lengths, keys)
 
     # ------------------------------------------------------------------ answers
     def on_ack(self, msg: DoneMsg) -> None:

@@ -20,7 +20,7 @@ from fastkv.sched.queues import pick_victim, victim_key
 from fastkv.sched.request import PreemptionMode, Request, RequestState
 
 if TYPE_CHECKING:
-    from fastkv.cache.results import Growth
+    from fastkv.cache.plan import Growth
     from fastkv.sched.batch import StepBatch
     from fastkv.sched.parts import SchedulerParts
     from fastkv.sched.table import RequestTable

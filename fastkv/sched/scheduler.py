@@ -30,8 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from fastkv.cache.manager import CacheManager
-from fastkv.cache.plan import CopyKind, CopyPlan
-from fastkv.cache.results import Ready
+from fastkv.cache.plan import CopyKind, CopyPlan, Ready
 from fastkv.sched import admission, preemption, reservation, weights
 from fastkv.sched.batch import StepBatch
 from fastkv.sched.config import SchedulerConfig

@@ -60,7 +60,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.plan import CopyKind, RestoreTask, Task
 from fastkv.ipc import (
     BadMessage,
     ChannelClosed,
@@ -80,7 +80,7 @@ STORAGE_KINDS = frozenset((CopyKind.STORE, CopyKind.LOAD, CopyKind.LOOKUP))
 
 
 class CopyResult(NamedTuple):
-    plan: CopyPlan
+    plan: Task
     ok: bool
     error: str  # "rank r: <why>; ..." for every failed rank, "" when ok
     nbytes: int  # summed over ranks
@@ -109,7 +109,7 @@ class TransferClient:
         self._ranks = [_Rank() for _ in range(self.tp)]
         for r in range(self.tp):
             self._gather.fail_rank(r, self._ranks[r].why)
-        self._plans: dict[int, tuple[CopyPlan, float]] = {}  # pending, in submit order
+        self._plans: dict[int, tuple[Task, float]] = {}  # pending, in submit order
         self._storage_pending = 0  # of them, tasks on the storage tier (the ranks' storage lanes run them)
         self._ready: list[CopyResult] = []  # completed inside submit, handed out by the next call
         self._next_liveness = 0.0
@@ -130,11 +130,11 @@ class TransferClient:
         """Adopts every rank whose transfer process is attached; True once all are UP."""
         return all(self._ranks[r].owner is not None or self._try_adopt(r) for r in range(self.tp))
 
-    def submit(self, plan: CopyPlan) -> None:
+    def submit(self, plan: Task) -> None:
         """Sends ``plan`` to every rank under its plan id; never waits for the copy (a full
         task ring fails that rank's share at once). ValueError if the id is pending."""
-        if not isinstance(plan, CopyPlan):
-            raise TypeError(f"submit takes a CopyPlan, got {type(plan).__name__}")
+        if not isinstance(plan, Task):
+            raise TypeError(f"submit takes a CopyPlan or a control task, got {type(plan).__name__}")
         task_id = plan.plan_id
         if task_id in self._plans:
             raise ValueError(f"task {task_id} is already pending")
@@ -145,8 +145,8 @@ class TransferClient:
                              f"ring of {ring.capacity_bytes} bytes: split the plan or raise spec.nslots")
         for r in range(self.tp):
             self._ready += self._refresh(r)
-        if plan.kind is CopyKind.RESTORE and plan.keys:
-            self.weights_version = plan.keys[0].decode("utf-8")
+        if type(plan) is RestoreTask:
+            self.weights_version = plan.weights_version
         self._plans[task_id] = (plan, time.monotonic())
         if plan.kind in STORAGE_KINDS:
             self._storage_pending += 1

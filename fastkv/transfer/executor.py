@@ -53,13 +53,14 @@ then sends RESTORE.
   tier: on a GPU build the worker owns the device tensors and this process holds CUDA IPC
   mappings of them, and dropping those is what lets the worker really free the GPU memory
   for the new weights (FastDeploy frees its caches there). The engine dropped every cached
-  key, so the contents of both tiers are dead. ``keys == (b"free",)`` (the engine's
-  ``free_memory``): the host tier's memory goes back to the OS too (``HostTier.release``,
-  unpinned first; FastDeploy's FD_ENABLE_SWAP_SPACE_CLEARING); without it the host tier
-  stays mapped and pinned, ready for the next swap.
-* RESTORE: ``keys[0]`` is the new weights version (UTF-8). The executor re-attaches the
-  device tier (the worker may have re-allocated it) and the host tier (pinning it again),
-  and reopens the storage backend under ``storage_namespace(spec, version)``: values
+  key, so the contents of both tiers are dead. ``ClearTask.free_memory`` (the engine's
+  ``free_memory``; ``keys == (b"free",)`` on the wire): the host tier's memory goes back to
+  the OS too (``HostTier.release``, unpinned first; FastDeploy's
+  FD_ENABLE_SWAP_SPACE_CLEARING); without it the host tier stays mapped and pinned, ready
+  for the next swap.
+* RESTORE: ``RestoreTask.weights_version`` (``keys[0]``, UTF-8, on the wire). The executor
+  re-attaches the device tier (the worker may have re-allocated it) and the host tier
+  (pinning it again), and reopens the storage backend under ``storage_namespace(spec, version)``: values
   written under the old weights fail verification (a miss), never load as KV of the new
   ones. RESTORE also works without a preceding CLEAR (a plain version switch).
 """
@@ -73,13 +74,13 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.plan import CopyKind, CopyPlan, LookupTask, RestoreTask
 from fastkv.ipc import DoneMsg, TaskMsg
 from fastkv.run import RunSpec
 from fastkv.storage import StorageBackend, open_store
 from fastkv.storage.lookup import found_prefixes
 from fastkv.transfer.lanes import Hold, HostHolds
-from fastkv.transfer.protocol import FREE, storage_namespace, task_plan
+from fastkv.transfer.protocol import storage_namespace, task_plan
 from fastkv.transfer.tiers import DeviceTier, HostTier, resident_bytes
 
 log = logging.getLogger(__name__)
@@ -216,20 +217,18 @@ class TaskExecutor:
             done.found = found.astype(np.int32).tobytes()
         return done
 
-    def _lookup(self, plan: CopyPlan) -> np.ndarray:
+    def _lookup(self, plan: LookupTask) -> np.ndarray:
         if self.cleared or self.store is None:
             raise TaskRefused("LOOKUP refused: " + (self.store_error or "no storage tier open (not configured, "
                                                     "or cleared for a weight update)"))
         with self._faults_of(self.store):
-            return found_prefixes(self.store, plan.keys, plan.src)
+            return found_prefixes(self.store, plan.keys, plan.chain_lengths)
 
     def _run(self, msg: TaskMsg) -> tuple[int, str]:
-        plan = task_plan(msg)  # CopyPlan checks src/dst/keys counts
+        plan = task_plan(msg)  # each task type checks its fields
         kind = plan.kind
         if kind is CopyKind.CLEAR:
-            if plan.keys not in ((), (FREE,)):
-                raise ValueError(f"CLEAR takes no keys or {FREE!r}, got {plan.keys[:2]!r}")
-            return self._clear(free=plan.keys == (FREE,))
+            return self._clear(free=plan.free_memory)
         if kind is CopyKind.RESTORE:
             return self._restore(plan)
         if self.cleared:
@@ -385,12 +384,8 @@ class TaskExecutor:
         self.cleared = True
         return 0, ""
 
-    def _restore(self, plan: CopyPlan) -> tuple[int, str]:
-        if not plan.keys:
-            raise ValueError("RESTORE needs the new weights version in keys[0]")
-        version = plan.keys[0].decode("utf-8")
-        if not version:
-            raise ValueError("RESTORE: the weights version in keys[0] is empty")
+    def _restore(self, plan: RestoreTask) -> tuple[int, str]:
+        version = plan.weights_version  # task_of refused a RESTORE without one
         self._clear()  # until this RESTORE succeeds, nothing runs under either version
         self._attach_device()  # raises (the task fails, still cleared) if the worker has not re-created it
         self._attach_host()  # pinned again if CLEAR released it

@@ -34,7 +34,8 @@ are discarded when its successor is adopted, before its fence is sent.
 """
 from __future__ import annotations
 
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.plan import FREE as FREE  # CLEAR's only key on the wire: free_memory (executor.py)
+from fastkv.cache.plan import CopyKind, Task, task_of, wire_fields
 from fastkv.ipc import Peer, TaskMsg
 from fastkv.run import RunSpec
 from fastkv.storage import namespace_fingerprint
@@ -42,23 +43,23 @@ from fastkv.storage import namespace_fingerprint
 FENCE = 0  # TaskMsg.kind of a fence (CopyKind starts at 1)
 FENCE_ID = -1
 BAD_TASK_ID = -2  # DoneMsg.task_id of the ack of a task message that could not be read
-FREE = b"free"  # CLEAR's only key: release the host tier's memory as well (``fastkv.transfer.executor``)
 
 
-def task_msg(plan: CopyPlan) -> TaskMsg:
-    """The copy task carrying ``plan`` to every rank."""
-    return TaskMsg(plan.plan_id, int(plan.kind), plan.src, plan.dst, tuple(plan.keys))
+def task_msg(plan: Task) -> TaskMsg:
+    """The task carrying ``plan`` (a copy plan or a control task) to every rank."""
+    src, dst, keys = wire_fields(plan)
+    return TaskMsg(plan.plan_id, int(plan.kind), src, dst, tuple(keys))
 
 
 KINDS = {int(kind): kind for kind in CopyKind}  # a dict look-up, where CopyKind(n) costs microseconds per task
 
 
-def task_plan(msg: TaskMsg) -> CopyPlan:
-    """The CopyPlan of a copy task (validated by CopyPlan itself: ValueError on inconsistent ids)."""
+def task_plan(msg: TaskMsg) -> Task:
+    """The task a message carries (validated by its type: ValueError on inconsistent ids)."""
     kind = KINDS.get(msg.kind)
     if kind is None:
         raise ValueError(f"unknown task kind {msg.kind}")
-    return CopyPlan(msg.task_id, kind, msg.src, msg.dst, tuple(msg.keys))
+    return task_of(msg.task_id, kind, msg.src, msg.dst, tuple(msg.keys))
 
 
 def fence_for(peer: Peer, weights_version: str) -> TaskMsg:

@@ -109,8 +109,8 @@ def test_run_completes_writes_report_and_leaves_nothing(tmp_path):
 
 def test_ranks_still_cleaning_up_when_the_engine_exits_are_left_to_finish(tmp_path):
     # Real ranks release their tiers and channels after the engine closed them; the supervisor's
-    # shutdown used to take their cleared ready flag for "still starting" and SIGTERM them there
-    # (Paddle's SIGTERM dump in every worker log; once a transfer process hung 15 s until SIGKILL).
+    # shutdown must not take their cleared ready flag for "still starting" and SIGTERM them there
+    # (Paddle's SIGTERM dump in every worker log, or a transfer process hung until SIGKILL).
     rid = run_id()
     code, out, err = finish(start_cli(tmp_path, rid, standin_cleanup_s=1.5, standin_linger_s=0.05))
     assert code == 0, err

@@ -59,7 +59,7 @@ def test_requests_that_can_never_run_are_rejected_alone(tmp_path):
         request("good-1", [5, 6, 7, 8, 9], max_new=6),
         request("too-long", list(range(1, 40))),  # 39 prompt tokens: more than the device holds
         request("good-2", [5, 6, 7, 11], max_new=8, arrival=0.05),
-        request("huge-output", [1, 2, 3], max_new=10**9),  # used to be cut to what fits and called "length"
+        request("huge-output", [1, 2, 3], max_new=10**9),  # refused, not cut to what fits and called "length"
         request("twenty", [1, 2, 3], max_new=30),  # 33 tokens: one more than fits
     ]) + "\n")
     rc, out, err, _, rid = cli(tmp_path, "--workload", str(path), *SMALL)

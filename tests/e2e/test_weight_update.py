@@ -1,4 +1,4 @@
-"""Weight updates across processes (issue 14): the engine, workers and transfer processes of a
+"""Weight updates across processes: the engine, workers and transfer processes of a
 real run switch weights mid-run under offload pressure.
 
 Every request whose output was sampled entirely under the new weights must be token-identical

@@ -6,7 +6,7 @@ all but ``max_missed`` of them. Hypothesis derives the fixed examples from the t
 so a checkout in another directory, or any edit of the machine, draws other examples: the
 machines steer into the rare cases with targeted rules so that the bound holds under any seed
 (check with a few ``@seed``s, not only the CI one). Both the manager and the scheduler machine
-reach every case (issue 16).
+reach every case.
 """
 from __future__ import annotations
 

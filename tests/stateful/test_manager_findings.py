@@ -80,11 +80,11 @@ def test_write_through_parent_reaching_the_host_first_is_not_evicted_before_its_
 
 
 def test_write_through_child_of_an_offloaded_request_is_not_stranded_behind_its_evicted_parent():
-    """Found by a long randomized run (HYPOTHESIS_PROFILE=long) on 2026-11-24. The chain's root
+    """Found by a long randomized run (HYPOTHESIS_PROFILE=long). The chain's root
     lands on the host first; its three children fly there in a second write-through. Two floods
     evict the root from the device (the host has it), and another request's write-through takes
     the 4-block host tier's one evictable block: the root. The children then landed behind a
-    parent no tier had. An in-flight write-through now holds its chain's host copies."""
+    parent no tier had. An in-flight write-through holds its chain's host copies."""
     machine = ManagerMachine()
     m = checked_by(machine, "integrity", "keys_point_at_their_bytes", "ready_requests_hold_their_tokens",
                    "no_strands_without_losses")

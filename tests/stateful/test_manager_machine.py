@@ -48,7 +48,7 @@ BS = 2
 # prompts are prefixes of a few conversations, so that they share prefixes often
 CONVERSATIONS = ((0, 1, 2, 3), (0, 1, 4, 5), (6, 7, 2, 3), (0, 6, 8), (9, 10, 11), (0, 1, 2, 12))
 LABELS = st.builds(lambda c, n: CONVERSATIONS[c][:n], st.integers(0, len(CONVERSATIONS) - 1), st.integers(0, 4))
-OWNED = (Purpose.WRITE_BACK, Purpose.PREFIX_LOAD, Purpose.SWAP_IN, Purpose.OFFLOAD)  # a request waits for these
+OWNED = (Purpose.WRITE_BACK, Purpose.PREFIX_LOAD, Purpose.FILL, Purpose.OFFLOAD)  # a request waits for these
 CASES = frozenset(
     {f"{p.name} {how}" for p in (*OWNED, Purpose.WRITE_THROUGH, Purpose.STORE) for how in ("done", "failed")}
     | {f"{p.name} freed during" for p in (*OWNED, Purpose.WRITE_THROUGH)} | {"storage lost a key of a LOAD in flight"}
@@ -249,9 +249,9 @@ class ManagerMachine(RuleBasedStateMachine):
         if plans is None:
             return
         req = self.m._reqs[rid]
-        if req.private_key is not None and req.num_computed % BS:
+        if req.resume.private_key is not None and req.num_computed % BS:
             last = -(-req.num_computed // BS) - 1
-            self.private[req.private_key] = self.content(rid, last, req.num_computed)
+            self.private[req.resume.private_key] = self.content(rid, last, req.num_computed)
         self.add(plans)
 
     @precondition(lambda self: any(r.state is ReqState.OFFLOADED for r in self.m._reqs.values()))
@@ -295,8 +295,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 for holder in m.copies.awaited.get(k, ()):
                     if type(holder) is tuple:
                         req, gen = holder
-                        reached("a chain hold joins a parent as it lands" if req.chain_gen == gen
-                                and req.host_chain is not None else "a chain hold let go before its parent landed")
+                        reached("a chain hold joins a parent as it lands" if req.chain.gen == gen
+                                and req.chain.held else "a chain hold let go before its parent landed")
         purpose, rid = self.purpose.pop(plan.plan_id)
         if purpose is not Purpose.CONTROL:
             reached(f"{purpose.name} {'freed during' if rid in self.freed else 'done' if ok else 'failed'}")

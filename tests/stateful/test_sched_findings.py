@@ -2,13 +2,13 @@
 """Falsifying examples of the scheduler machine, replayed as plain tests: its rules in the
 shrunk order, every invariant checked after each (see test_manager_findings.py).
 
-Both were found by CI's derandomized profile on 2026-11-24 (the examples it generates depend
-on keys that differ between runs, so a local run had passed): under write-through with a
+Both were found by CI's derandomized profile (the examples it generates depend on keys that
+differ between runs, so a local run can pass): under write-through with a
 storage tier, a storage-mode preemption whose blocks were all on the host already copied
 nothing, so ``CacheManager.offload`` returned no plans (which told the scheduler "OFFLOADED
 now") and kept the victim's STOREs for "the next call that returns plans"; when none came
 before the check, the cache had a copy open that the scheduler had never handed out ("plans in
-flight [...] != the cache's open copies"). Now ``offload`` returns its STOREs, and the scheduler
+flight [...] != the cache's open copies"). ``offload`` returns its STOREs, and the scheduler
 asks ``CacheManager.is_offloaded`` instead of reading an empty tuple."""
 from __future__ import annotations
 

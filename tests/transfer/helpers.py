@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.plan import CopyKind, Task, task_of
 from fastkv.config import KVLayout
 from fastkv.ipc import DoneMsg, Namespace, PeerDied
 from fastkv.run import RunSpec, attach_engine, create_run
@@ -59,8 +59,9 @@ class SlowStore:
         self.store.close()
 
 
-def plan(kind: CopyKind, src: Iterable[int] = (), dst: Iterable[int] = (), keys: Iterable[bytes] = ()) -> CopyPlan:
-    return CopyPlan(next(_ids), kind, np.asarray(list(src), np.int32), np.asarray(list(dst), np.int32), tuple(keys))
+def plan(kind: CopyKind, src: Iterable[int] = (), dst: Iterable[int] = (), keys: Iterable[bytes] = ()) -> Task:
+    """A copy plan, or a control task given as its wire fields (``task_of``)."""
+    return task_of(next(_ids), kind, np.asarray(list(src), np.int32), np.asarray(list(dst), np.int32), tuple(keys))
 
 
 def key(i: int, salt: str = "") -> bytes:
@@ -163,7 +164,7 @@ def pump(sup: Supervisor, client: TransferClient, ids: Iterable[int], timeout: f
     return got
 
 
-def run_tasks(sup: Supervisor, client: TransferClient, *plans: CopyPlan, timeout: float = 30.0) -> list[CopyResult]:
+def run_tasks(sup: Supervisor, client: TransferClient, *plans: Task, timeout: float = 30.0) -> list[CopyResult]:
     for p in plans:
         client.submit(p)
     got = pump(sup, client, [p.plan_id for p in plans], timeout)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 import time
 
@@ -13,14 +14,19 @@ from fastkv.config import KVLayout
 from fastkv.ipc import DoneMsg, TaskMsg
 from fastkv.storage import open_store
 from fastkv.transfer.executor import TaskExecutor
-from fastkv.transfer.protocol import storage_namespace, task_msg, task_plan
-from tests.transfer.helpers import Supervisor, device_blocks, fill_random, key, plan
+from fastkv.transfer.protocol import storage_namespace, task_plan
+from tests.transfer.helpers import Supervisor, device_blocks, fill_random, key
 
 pytest.importorskip("paddle")
 
 
 def task(kind, src=(), dst=(), keys=()) -> TaskMsg:
-    return task_msg(plan(kind, src, dst, keys))
+    """A task message as the wire carries it (a malformed control task too: the executor refuses it)."""
+    return TaskMsg(next(_task_ids), int(kind), np.asarray(list(src), np.int32), np.asarray(list(dst), np.int32),
+                   tuple(keys))
+
+
+_task_ids = itertools.count(1 << 20)
 
 
 @pytest.fixture
@@ -304,8 +310,8 @@ def best_us(fn, n: int = 2000) -> float:
 
 
 def test_an_empty_swap_costs_a_few_plan_builds(ex):
-    # Every task pays the executor's fixed cost on the transfer path (issue 15: the empty task
-    # within 3x the IPC round trip). Measured against building the task's CopyPlan, which
+    # Every task pays the executor's fixed cost on the transfer path (the empty task within 3x
+    # the IPC round trip). Measured against building the task's CopyPlan, which
     # every task pays too, so the bound holds on any machine: numpy's fixed cost per call
     # (range and uniqueness checks of no ids) made it 5.5 plan builds, 2.4 without (4.2 once
     # on a loaded CI machine, hence the bound of 5).

@@ -45,7 +45,7 @@ def test_a_tensor_parallel_rank_holds_and_computes_its_share():
 
 def test_prefill_is_compute_bound_and_decode_bandwidth_bound():
     per_prefill_token = D.step_seconds([(0, 2048)]) / 2048
-    assert 25e-6 < per_prefill_token < 40e-6  # the ~30 us issue 15 quotes for an 8B GQA model on an H100
+    assert 25e-6 < per_prefill_token < 40e-6  # ~30 us: an 8B GQA model's prefill token on an H100
     # A decode step reads every weight: batch 1 and batch 8 cost about the same, weights / HBM.
     one = D.step_seconds([(999, 1000)])
     eight = D.step_seconds([(999, 1000)] * 8)

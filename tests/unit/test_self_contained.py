@@ -1,5 +1,5 @@
 """The repository is self-contained: no file reads or links to anything beside or above the
-checkout (the trace and the design document used to live in a directory beside it)."""
+checkout (the trace and the design document live inside it)."""
 from __future__ import annotations
 
 import re

@@ -36,7 +36,7 @@ def test_one_wave_and_the_prefix_every_rank_confirms():
     lk.park(b)
     plans = lk.wave()
     assert len(plans) == 1 and plans[0].kind is CopyKind.LOOKUP  # one task for the whole wave
-    assert plans[0].src.tolist() == [4, 2]  # full blocks before the last token: 16//4, 8//4
+    assert plans[0].chain_lengths.tolist() == [4, 2]  # full blocks before the last token: 16//4, 8//4
     assert lk.release() == [] and lk.wave() == []  # nobody asked twice; both wait for the answer
     tid = plans[0].plan_id
     lk.on_ack(ack(tid, 0, [4, 1]))
@@ -68,7 +68,7 @@ def test_arrival_order_holds_and_aborts_while_parked_are_reported():
     lk.park(slow)
     lk.park(known)
     (plan,) = lk.wave()
-    assert plan.src.tolist() == [2]  # only the unknown request is asked about
+    assert plan.chain_lengths.tolist() == [2]  # only the unknown request is asked about
     assert lk.abort(1) and not lk.abort(7)
     assert lk.release() == []  # the known one waits behind the earlier arrival
     lk.complete(plan.plan_id, True, 0)

@@ -45,7 +45,7 @@ def test_a_running_requests_host_copies_are_held_and_queued_leaves_first_when_it
 
 def test_a_block_fill_holds_only_the_keys_it_has_not_held_before(monkeypatch):
     """The hold over the chain is extended, not taken again: a fill at any context length looks
-    up its new keys only (each write-through used to hold its whole chain)."""
+    up its new keys only, not its whole chain."""
     m = manager(dev=64, host=64)
     asked: list[int] = []
     real = BlockPool.hold_keys

@@ -1,5 +1,5 @@
 """Admissions whose prefix another request is already LOADing from storage join that LOAD
-instead of loading their own copy (fastkv.cache.coalesce)."""
+instead of loading their own copy (fastkv.cache.copies, coalesced storage loads)."""
 from fastkv.cache.plan import CopyKind
 from fastkv.cache.write_policy import WritePolicy
 from tests.unit.cache.test_manager import BS, drain, mk, toks

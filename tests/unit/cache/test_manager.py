@@ -305,7 +305,7 @@ def test_weight_update_changes_the_namespace():
         m.allocate("c", toks(1))
     drain(m, [clear])
     restore = m.finish_weight_update("v2")
-    assert restore.kind is CopyKind.RESTORE and restore.keys == (b"v2",)  # the transfer side's new namespace
+    assert restore.kind is CopyKind.RESTORE and restore.weights_version == "v2"  # the transfer side's new namespace
     drain(m, [restore])
     e = m.explain_miss(toks(1, 2, extra=1))
     assert e.reason is MissReason.OTHER_NAMESPACE and "v2" in e.detail

@@ -4,7 +4,7 @@ does not hold (auto preemption, ``fastkv.sched.cost``)."""
 from __future__ import annotations
 
 from fastkv.cache.manager import CacheConfig, CacheManager
-from fastkv.cache.results import PreemptionWork
+from fastkv.cache.plan import PreemptionWork
 from fastkv.cache.write_policy import WritePolicy
 
 BS = 2

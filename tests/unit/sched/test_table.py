@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastkv.cache.plan import CopyKind, CopyPlan
+from fastkv.cache.plan import ClearTask
 from fastkv.sched.outbox import CopyOutbox
 from fastkv.sched.queues import QueuePolicy
 from fastkv.sched.request import Request, RequestState
@@ -72,7 +72,7 @@ def test_a_prefilled_request_is_admitted_straight_into_loading():
 
 def test_the_outbox_hands_each_plan_out_once_and_completes_it_once():
     box = CopyOutbox()
-    plans = [CopyPlan(plan_id=i, kind=CopyKind.CLEAR) for i in (3, 4)]
+    plans = [ClearTask(plan_id=i) for i in (3, 4)]
     box.emit(plans)
     assert box and box.plan_ids() == [3, 4] and not box.in_flight
     out = box.hand_out()
