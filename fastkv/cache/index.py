@@ -160,6 +160,12 @@ class PrefixIndex:
                 parents[k] = parent
             parent = k
 
+    def learn_span(self, keys: list[bytes], first: int, stop: int) -> None:
+        """``learn_at(keys, range(first, stop))`` in one dict update (the path of every compute)."""
+        first = max(first, 1)
+        if first < stop:
+            self.parents.update(zip(keys[first:stop], keys[first - 1:stop - 1], strict=True))
+
     def learn_at(self, keys: list[bytes], positions: list[int]) -> None:
         """The parents of ``keys[i]`` for each ``i`` in ``positions`` (a request's chain, about to
         be keyed in a tier: the entry may have gone with an earlier copy of the key)."""
@@ -191,9 +197,7 @@ class PrefixIndex:
         if not self.history_size:
             return
         h = self.history
-        rec = self._records[tier, cause]  # shared: nothing allocated per key
-        for k in keys:
-            h[k] = rec
+        h.update(dict.fromkeys(keys, self._records[tier, cause]))  # one shared tuple: nothing per key
         if len(h) > 2 * self.history_size:
             self.history = dict(islice(h.items(), len(h) - self.history_size, None))
 

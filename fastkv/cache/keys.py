@@ -160,8 +160,8 @@ def block_keys(tokens: np.ndarray, block_size: int, parent: bytes, first: int = 
     """
     if extras:
         return block_keys_reference(tokens, block_size, parent, first, extras)
-    return _chain.chain_keys(tokens.tobytes(), parent, block_size * 4, first,
-                             max(len(tokens) // block_size - first, 0))
+    data = tokens if tokens.flags.c_contiguous else tokens.tobytes()  # hashed in place: no copy
+    return _chain.chain_keys(data, parent, block_size * 4, first, max(len(tokens) // block_size - first, 0))
 
 
 def block_keys_reference(tokens: np.ndarray, block_size: int, parent: bytes, first: int = 0,

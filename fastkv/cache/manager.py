@@ -259,10 +259,8 @@ class CacheManager:
             req.last_block = toks[(len(keys) - 1) * bs:len(keys) * bs].tolist()
         self._reqs[request_id] = req
         # Hits leave the LRU queues first, so the fresh blocks taken below cannot evict them.
-        for b in dev_hits:
-            dev.incref(b)
-        for b in host_hits:
-            host.incref(b)
+        dev.incref_many(dev_hits)
+        host.incref_many(host_hits)
         req.host_refs = host_hits
         req.private_block = partial  # resumed once: let go of uncached, nothing else may match it
         plans: list[CopyPlan] = []
@@ -381,8 +379,8 @@ class CacheManager:
             self._repair_dups(req)
         blocks = req.table[first:full]
         keys = req.keys[first:full]
-        self.index.learn_at(req.keys, range(first, full))
-        dups = self.device.insert_many(blocks, keys)
+        self.index.learn_span(req.keys, first, full)
+        dups = self.device.insert_many(blocks, keys, req.keys[first - 1:full - 1] if first else [None, *keys[:-1]])
         req.num_keyed = full
         if dups:
             req.dup_pos += [first + i for i in dups]

@@ -144,6 +144,8 @@ class BlockPool:
         each ``(block, key)`` is appended to ``evicted``."""
         queue, kids, key, lookup, parent = self.evictable, self.kids, self.key, self.lookup, self.parent
         out: list[int] = []
+        append = out.append
+        report = evicted.append if evicted is not None else None
         skips = 0
         while len(out) < n:
             for b in queue.popleft_many(n - len(out)):
@@ -161,14 +163,12 @@ class BlockPool:
                 pk = parent[b]
                 if pk is not None:
                     parent[b] = None
-                    c = kids[pk] - 1
+                    c = kids.pop(pk) - 1  # one probe: a parent's last child goes first, as a rule
                     if c:
                         kids[pk] = c
-                    else:
-                        del kids[pk]
-                out.append(b)
+                append(b)
                 if evicted is not None:
-                    evicted.append((b, k))
+                    report((b, k))
         return out
 
     # ------------------------------------------------------------------ handing out
@@ -239,6 +239,19 @@ class BlockPool:
         elif st == _FREE:
             raise ValueError(f"{self.tier} block {block} is FREE: take() it, do not incref it")
         self.ref[block] += 1
+
+    def incref_many(self, blocks: list[int]) -> None:
+        """``incref`` each block, inline (a prefix hit's whole run: one call, not one per block)."""
+        state, ref, queued = self.state, self.ref, self.evictable
+        for b in blocks:
+            st = state[b]
+            if st == _CACHED:
+                queued.remove(b)
+                state[b] = _ALLOCATED
+                self.num_allocated += 1
+            elif st == _FREE:
+                raise ValueError(f"{self.tier} block {b} is FREE: take() it, do not incref it")
+            ref[b] += 1
 
     def hold_keys(self, keys: list[bytes], skip: set[bytes]) -> tuple[list[int], list[bytes]]:
         """``incref`` the block of each key in ``keys`` (not in ``skip``) this tier has, inline
@@ -337,15 +350,21 @@ class BlockPool:
         self._key(block, key)
         return True
 
-    def insert_many(self, blocks: list[int], keys: list[bytes]) -> list[int]:
+    def insert_many(self, blocks: list[int], keys: list[bytes], parents: list[bytes | None] | None = None) -> list[int]:
         """``set_key`` for held, unkeyed blocks (after compute). A key another block already has
         moves to the held block when that other one is only CACHED (same bytes, and the held
         copy is the one its request's children will follow); when it is held too, the new block
-        stays an unkeyed duplicate. Returns the indices (into ``blocks``) of the duplicates."""
+        stays an unkeyed duplicate. ``parents``: each key's parent key (None under the root), as
+        ``self.parents`` has them, when the caller knows them (a request's own chain: no probe
+        per block). Returns the indices (into ``blocks``) of the duplicates."""
         setdefault, key, state = self.lookup.setdefault, self.key, self.state
-        parents, parent, kids = self.parents.get, self.parent, self.kids
+        parent, kids = self.parent, self.kids
+        if parents is None:
+            parents = [self.parents.get(k) for k in keys]
+        elif len(parents) != len(keys):
+            raise ValueError(f"{self.tier} insert_many: {len(keys)} keys but {len(parents)} parents")
         dups = []
-        for i, (b, k) in enumerate(zip(blocks, keys, strict=True)):
+        for i, (b, k, pk) in enumerate(zip(blocks, keys, parents, strict=True)):
             holder = setdefault(k, b)  # one dict probe: inserted, or another block has k
             if holder is not b:
                 if state[holder] != _CACHED:
@@ -354,7 +373,6 @@ class BlockPool:
                 self.drop_key(holder)  # it becomes FREE
                 self.lookup[k] = b
             key[b] = k
-            pk = parents(k)
             if pk is not None:
                 parent[b] = pk
                 kids[pk] = kids.get(pk, 0) + 1
