@@ -34,6 +34,9 @@ from __future__ import annotations
 from enum import IntEnum
 
 from fastkv.cache.eviction import EvictionPolicy, make_policy
+from fastkv.compiled import load
+
+_pool = load("_pool")
 
 
 class BlockState(IntEnum):
@@ -356,13 +359,18 @@ class BlockPool:
         copy is the one its request's children will follow); when it is held too, the new block
         stays an unkeyed duplicate. ``parents``: each key's parent key (None under the root), as
         ``self.parents`` has them, when the caller knows them (a request's own chain: no probe
-        per block). Returns the indices (into ``blocks``) of the duplicates."""
-        setdefault, key, state = self.lookup.setdefault, self.key, self.state
-        parent, kids = self.parent, self.kids
+        per block). Returns the indices (into ``blocks``) of the duplicates.
+
+        The loop is C (``fastkv._pool``: every computed block passes through it);
+        ``_insert_many_reference`` defines it."""
         if parents is None:
             parents = [self.parents.get(k) for k in keys]
-        elif len(parents) != len(keys):
-            raise ValueError(f"{self.tier} insert_many: {len(keys)} keys but {len(parents)} parents")
+        return _pool.insert_keys(self.lookup, self.key, self.state, self.parent, self.kids, list(blocks), list(keys),
+                                 list(parents), _CACHED, self.drop_key)
+
+    def _insert_many_reference(self, blocks: list[int], keys: list[bytes], parents: list[bytes | None]) -> list[int]:
+        setdefault, key, state = self.lookup.setdefault, self.key, self.state
+        parent, kids = self.parent, self.kids
         dups = []
         for i, (b, k, pk) in enumerate(zip(blocks, keys, parents, strict=True)):
             holder = setdefault(k, b)  # one dict probe: inserted, or another block has k

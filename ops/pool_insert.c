@@ -1,0 +1,101 @@
+/* fastkv._pool: the block pool's insertion of computed keys (BlockPool.insert_many), in C.
+ *
+ * Why C: every computed block of every request passes through this loop (a key per block,
+ * its parent's child count), and in Python its bytecode cost about as much as the dict
+ * operations it does. This is the same loop over the pool's own lists and dicts, with the
+ * rare case (the key is cached on another block) handed back to the pool's drop_key.
+ * BlockPool._insert_many_reference is the definition; a property test compares the two.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* A pool's list at a block id, or NULL (IndexError) past its end. */
+static PyObject *at(PyObject *list, PyObject *block, Py_ssize_t *index) {
+    Py_ssize_t i = PyLong_AsSsize_t(block);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    if (i < 0 || i >= PyList_GET_SIZE(list)) {
+        PyErr_Format(PyExc_IndexError, "block id %zd out of range [0, %zd)", i, PyList_GET_SIZE(list));
+        return NULL;
+    }
+    *index = i;
+    return PyList_GET_ITEM(list, i);
+}
+
+static int set_at(PyObject *list, Py_ssize_t i, PyObject *value) {
+    Py_INCREF(value);
+    return PyList_SetItem(list, i, value); /* steals the reference, even on error */
+}
+
+/* insert_keys(lookup, key, state, parent, kids, blocks, keys, parents, cached, drop_key) -> dups */
+static PyObject *insert_keys(PyObject *self, PyObject *args) {
+    PyObject *lookup, *key, *state, *parent, *kids, *blocks, *keys, *parents, *drop_key;
+    long cached;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O!lO", &PyDict_Type, &lookup, &PyList_Type, &key, &PyList_Type, &state,
+                          &PyList_Type, &parent, &PyDict_Type, &kids, &PyList_Type, &blocks, &PyList_Type, &keys,
+                          &PyList_Type, &parents, &cached, &drop_key))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    if (PyList_GET_SIZE(keys) != n || PyList_GET_SIZE(parents) != n) {
+        PyErr_Format(PyExc_ValueError, "insert_keys: %zd blocks, %zd keys, %zd parents", n, PyList_GET_SIZE(keys),
+                     PyList_GET_SIZE(parents));
+        return NULL;
+    }
+    PyObject *dups = PyList_New(0);
+    if (dups == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyList_GET_ITEM(blocks, i), *k = PyList_GET_ITEM(keys, i), *pk = PyList_GET_ITEM(parents, i);
+        Py_ssize_t bi;
+        if (at(key, b, &bi) == NULL) goto fail;
+        PyObject *holder = PyDict_SetDefault(lookup, k, b); /* borrowed: inserted, or another block has k */
+        if (holder == NULL) goto fail;
+        if (holder != b) {
+            Py_ssize_t hi;
+            PyObject *hs = at(state, holder, &hi);
+            if (hs == NULL) goto fail;
+            long st = PyLong_AsLong(hs);
+            if (st == -1 && PyErr_Occurred()) goto fail;
+            if (st != cached) {
+                PyObject *pos = PyLong_FromSsize_t(i);
+                if (pos == NULL || PyList_Append(dups, pos) < 0) {
+                    Py_XDECREF(pos);
+                    goto fail;
+                }
+                Py_DECREF(pos);
+                continue;
+            }
+            Py_INCREF(holder); /* drop_key removes it from lookup */
+            PyObject *r = PyObject_CallOneArg(drop_key, holder);
+            Py_DECREF(holder);
+            if (r == NULL) goto fail;
+            Py_DECREF(r);
+            if (PyDict_SetItem(lookup, k, b) < 0) goto fail;
+        }
+        if (set_at(key, bi, k) < 0) goto fail;
+        if (pk != Py_None) {
+            if (set_at(parent, bi, pk) < 0) goto fail;
+            PyObject *c = PyDict_GetItemWithError(kids, pk); /* borrowed */
+            if (c == NULL && PyErr_Occurred()) goto fail;
+            Py_ssize_t count = c == NULL ? 0 : PyLong_AsSsize_t(c);
+            if (count == -1 && PyErr_Occurred()) goto fail;
+            PyObject *nc = PyLong_FromSsize_t(count + 1);
+            if (nc == NULL) goto fail;
+            int rc = PyDict_SetItem(kids, pk, nc);
+            Py_DECREF(nc);
+            if (rc < 0) goto fail;
+        }
+    }
+    return dups;
+fail:
+    Py_DECREF(dups);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"insert_keys", insert_keys, METH_VARARGS,
+     "insert_keys(lookup, key, state, parent, kids, blocks, keys, parents, cached, drop_key) -> list[int]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pool", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__pool(void) { return PyModule_Create(&module); }
