@@ -114,7 +114,9 @@ class PrefixIndex:
         self.history: dict[bytes, tuple[Tier, Cause]] = {}  # insertion ordered, trimmed by gone_many
         self.history_size = history
         # key -> its parent key, for every chained key a request computed that some tier may still
-        # get or has: the pools count each key's keyed children per tier from it (leaves first)
+        # get or has: the pools count each key's keyed children per tier from it (leaves first).
+        # The device takes a computed key's parent from its request's chain, so without a host tier
+        # computed keys are not entered here.
         self.parents: dict[bytes, bytes] = {}
         device.parents = host.parents = self.parents
         # one shared tuple per (tier, cause): recording a departure allocates nothing

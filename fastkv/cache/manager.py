@@ -379,7 +379,8 @@ class CacheManager:
             self._repair_dups(req)
         blocks = req.table[first:full]
         keys = req.keys[first:full]
-        self.index.learn_span(req.keys, first, full)
+        if self.host.capacity:  # the map serves the host alone (parents of the keys its copies bring)
+            self.index.learn_span(req.keys, first, full)
         dups = self.device.insert_many(blocks, keys, req.keys[first - 1:full - 1] if first else [None, *keys[:-1]])
         req.num_keyed = full
         if dups:
