@@ -90,8 +90,8 @@ setup(
                   define_macros=[(m, "1") for m in ("BLAKE3_NO_SSE2", "BLAKE3_NO_SSE41", "BLAKE3_NO_AVX2",
                                                     "BLAKE3_NO_AVX512")],
                   extra_compile_args=["-O3", "-std=c11"]),
-        # The block pool's insertion of computed keys (fastkv/cache/pool.py insert_many).
-        Extension("fastkv._pool", ["ops/pool_insert.c"], extra_compile_args=["-O2", "-std=c11"]),
+        # The block pool's hot loops (fastkv/cache/pool.py insert_many, release_many).
+        Extension("fastkv._pool", ["ops/block_pool.c"], extra_compile_args=["-O2", "-std=c11"]),
     ],
     entry_points={
         "console_scripts": [

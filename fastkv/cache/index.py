@@ -193,9 +193,10 @@ class PrefixIndex:
     def gone_many(self, keys, tier: Tier, cause: Cause) -> None:
         """One plain dict store per key; the oldest half is cut in one pass once the history
         doubles its size (amortized O(1), and much cheaper than an LRU dict per eviction)."""
-        pop = self.parents.pop
-        for k in keys:
-            pop(k, None)
+        if self.parents:  # empty without a host tier (learn_span)
+            pop = self.parents.pop
+            for k in keys:
+                pop(k, None)
         if not self.history_size:
             return
         h = self.history

@@ -388,7 +388,17 @@ class BlockPool:
 
     def release_many(self, blocks: list[int], keep: bool = True) -> None:
         """``release`` each block in order (callers pass a table last to first). The common case,
-        a keyed block going CACHED, is queued in one ``extend`` (no call per block)."""
+        a keyed block going CACHED, is queued in one ``extend`` (no call per block). The loop is
+        C (``fastkv._pool``); ``_release_many_reference`` defines it."""
+        cached: list[int] = []
+        try:
+            _pool.release_blocks(self.ref, self.state, self.key, list(blocks), keep, cached, _ALLOCATED, _CACHED,
+                                 self.release)
+        finally:
+            self.evictable.extend(cached)
+            self.num_allocated -= len(cached)
+
+    def _release_many_reference(self, blocks: list[int], keep: bool = True) -> None:
         ref, state, key = self.ref, self.state, self.key
         cached: list[int] = []
         queue = cached.append

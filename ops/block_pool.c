@@ -1,10 +1,11 @@
-/* fastkv._pool: the block pool's insertion of computed keys (BlockPool.insert_many), in C.
+/* fastkv._pool: the block pool's two loops that every block of every request passes through,
+ * in C: inserting computed keys (BlockPool.insert_many) and releasing a table (release_many).
  *
- * Why C: every computed block of every request passes through this loop (a key per block,
- * its parent's child count), and in Python its bytecode cost about as much as the dict
- * operations it does. This is the same loop over the pool's own lists and dicts, with the
- * rare case (the key is cached on another block) handed back to the pool's drop_key.
- * BlockPool._insert_many_reference is the definition; a property test compares the two.
+ * Why C: in Python their bytecode cost about as much as the list and dict operations they do.
+ * These are the same loops over the pool's own lists and dicts, with the rare cases (a key
+ * cached on another block; a release that frees, unkeys or waits for a copy) handed back to
+ * the pool's own methods. BlockPool._insert_many_reference and _release_many_reference are
+ * the definitions; property tests compare each pair.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -90,9 +91,55 @@ fail:
     return NULL;
 }
 
+/* release_blocks(ref, state, key, blocks, keep, cached, allocated, cached_state, release): the
+ * common case, the last holder of a keyed ALLOCATED block letting go (keep), turns it CACHED and
+ * appends it to `cached` (the caller queues them, also after an error); the rest go to
+ * release(block, keep), in order. */
+static PyObject *release_blocks(PyObject *self, PyObject *args) {
+    PyObject *ref, *state, *key, *blocks, *cached, *cached_state, *release;
+    int keep;
+    long allocated;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!pO!lOO", &PyList_Type, &ref, &PyList_Type, &state, &PyList_Type, &key,
+                          &PyList_Type, &blocks, &keep, &PyList_Type, &cached, &allocated, &cached_state, &release))
+        return NULL;
+    PyObject *keep_obj = keep ? Py_True : Py_False;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
+        PyObject *b = PyList_GET_ITEM(blocks, i);
+        Py_ssize_t bi;
+        PyObject *rc = at(ref, b, &bi);
+        if (rc == NULL) return NULL;
+        long r = PyLong_AsLong(rc);
+        if (r == -1 && PyErr_Occurred()) return NULL;
+        r -= 1;
+        if (r > 0) {
+            PyObject *nr = PyLong_FromLong(r);
+            if (nr == NULL) return NULL;
+            if (PyList_SetItem(ref, bi, nr) < 0) return NULL;
+            continue;
+        }
+        if (r == 0 && keep && PyList_GET_ITEM(key, bi) != Py_None) {
+            long st = PyLong_AsLong(PyList_GET_ITEM(state, bi));
+            if (st == -1 && PyErr_Occurred()) return NULL;
+            if (st == allocated) {
+                PyObject *zero = PyLong_FromLong(0);
+                if (zero == NULL) return NULL;
+                if (PyList_SetItem(ref, bi, zero) < 0 || set_at(state, bi, cached_state) < 0) return NULL;
+                if (PyList_Append(cached, b) < 0) return NULL;
+                continue;
+            }
+        }
+        PyObject *res = PyObject_CallFunctionObjArgs(release, b, keep_obj, NULL); /* never queues a block */
+        if (res == NULL) return NULL;
+        Py_DECREF(res);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"insert_keys", insert_keys, METH_VARARGS,
      "insert_keys(lookup, key, state, parent, kids, blocks, keys, parents, cached, drop_key) -> list[int]"},
+    {"release_blocks", release_blocks, METH_VARARGS,
+     "release_blocks(ref, state, key, blocks, keep, cached, allocated, cached_state, release) -> None"},
     {NULL, NULL, 0, NULL},
 };
 
