@@ -1,11 +1,12 @@
-/* fastkv._pool: the block pool's two loops that every block of every request passes through,
- * in C: inserting computed keys (BlockPool.insert_many) and releasing a table (release_many).
+/* fastkv._pool: the block pool's loops that every block of every request passes through, in C:
+ * evicting leaves for fresh blocks (BlockPool._evict_leaves), inserting computed keys
+ * (insert_many) and releasing a table (release_many).
  *
  * Why C: in Python their bytecode cost about as much as the list and dict operations they do.
  * These are the same loops over the pool's own lists and dicts, with the rare cases (a key
  * cached on another block; a release that frees, unkeys or waits for a copy) handed back to
- * the pool's own methods. BlockPool._insert_many_reference and _release_many_reference are
- * the definitions; property tests compare each pair.
+ * the pool's own methods. BlockPool._evict_leaves_reference, _insert_many_reference and
+ * _release_many_reference are the definitions; property tests compare each pair.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -135,7 +136,87 @@ static PyObject *release_blocks(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* evict_batch(batch, key, lookup, parent, kids, out, evicted, queue, skips) -> (skips, passed, forced):
+ * one batch the eviction queue dequeued. A block whose key has counted children goes back to the
+ * queue (queue.append) while fewer than a whole turn of the queue were passed over (`skips`),
+ * else it is evicted anyway (forced); the others are unkeyed, appended to `out`, and reported as
+ * (block, key) to `evicted` (None: not reported). */
+static PyObject *evict_batch(PyObject *self, PyObject *args) {
+    PyObject *batch, *key, *lookup, *parent, *kids, *out, *evicted, *queue;
+    Py_ssize_t skips, passed = 0, forced = 0;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OOn", &PyList_Type, &batch, &PyList_Type, &key, &PyDict_Type, &lookup,
+                          &PyList_Type, &parent, &PyDict_Type, &kids, &PyList_Type, &out, &evicted, &queue, &skips))
+        return NULL;
+    if (evicted != Py_None && !PyList_Check(evicted)) {
+        PyErr_SetString(PyExc_TypeError, "evict_batch: evicted must be a list or None");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(batch); i++) {
+        PyObject *b = PyList_GET_ITEM(batch, i);
+        Py_ssize_t bi;
+        PyObject *k = at(key, b, &bi);
+        if (k == NULL) return NULL;
+        int has_kids = PyDict_Contains(kids, k);
+        if (has_kids < 0) return NULL;
+        if (has_kids) {
+            Py_ssize_t queued = PyObject_Length(queue);
+            if (queued < 0) return NULL;
+            if (skips <= queued) { /* behind its children: they go first */
+                PyObject *r = PyObject_CallMethod(queue, "append", "O", b);
+                if (r == NULL) return NULL;
+                Py_DECREF(r);
+                skips++;
+                passed++;
+                continue;
+            }
+            forced++;
+        }
+        skips = 0;
+        Py_INCREF(k);
+        if (PyDict_DelItem(lookup, k) < 0 || set_at(key, bi, Py_None) < 0) goto fail_k;
+        PyObject *pk = PyList_GET_ITEM(parent, bi);
+        if (pk != Py_None) {
+            Py_INCREF(pk);
+            int rc = set_at(parent, bi, Py_None);
+            PyObject *c = rc < 0 ? NULL : PyDict_GetItemWithError(kids, pk); /* borrowed */
+            if (c == NULL) {
+                if (rc == 0 && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pk);
+                Py_DECREF(pk);
+                goto fail_k;
+            }
+            Py_ssize_t count = PyLong_AsSsize_t(c) - 1;
+            if (count == -2 && PyErr_Occurred()) rc = -1;
+            else if (count) {
+                PyObject *nc = PyLong_FromSsize_t(count);
+                rc = nc == NULL ? -1 : PyDict_SetItem(kids, pk, nc);
+                Py_XDECREF(nc);
+            } else {
+                rc = PyDict_DelItem(kids, pk);
+            }
+            Py_DECREF(pk);
+            if (rc < 0) goto fail_k;
+        }
+        if (PyList_Append(out, b) < 0) goto fail_k;
+        if (evicted != Py_None) {
+            PyObject *pair = PyTuple_Pack(2, b, k);
+            if (pair == NULL || PyList_Append(evicted, pair) < 0) {
+                Py_XDECREF(pair);
+                goto fail_k;
+            }
+            Py_DECREF(pair);
+        }
+        Py_DECREF(k);
+        continue;
+    fail_k:
+        Py_DECREF(k);
+        return NULL;
+    }
+    return Py_BuildValue("nnn", skips, passed, forced);
+}
+
 static PyMethodDef methods[] = {
+    {"evict_batch", evict_batch, METH_VARARGS,
+     "evict_batch(batch, key, lookup, parent, kids, out, evicted, queue, skips) -> (skips, passed, forced)"},
     {"insert_keys", insert_keys, METH_VARARGS,
      "insert_keys(lookup, key, state, parent, kids, blocks, keys, parents, cached, drop_key) -> list[int]"},
     {"release_blocks", release_blocks, METH_VARARGS,

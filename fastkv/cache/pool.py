@@ -144,7 +144,19 @@ class BlockPool:
 
     def _evict_leaves(self, n: int, evicted: list[tuple[int, bytes]] | None) -> list[int]:
         """Dequeue and unkey ``n`` CACHED blocks, leaves first (``n <= len(self.evictable)``);
-        each ``(block, key)`` is appended to ``evicted``."""
+        each ``(block, key)`` is appended to ``evicted``. The loop over each dequeued batch is C
+        (``fastkv._pool``); ``_evict_leaves_reference`` defines it."""
+        queue = self.evictable
+        out: list[int] = []
+        skips = 0
+        while len(out) < n:
+            skips, passed, forced = _pool.evict_batch(queue.popleft_many(n - len(out)), self.key, self.lookup,
+                                                      self.parent, self.kids, out, evicted, queue, skips)
+            self.passed_over += passed
+            self.forced_evictions += forced
+        return out
+
+    def _evict_leaves_reference(self, n: int, evicted: list[tuple[int, bytes]] | None) -> list[int]:
         queue, kids, key, lookup, parent = self.evictable, self.kids, self.key, self.lookup, self.parent
         out: list[int] = []
         append = out.append
