@@ -23,6 +23,14 @@ static PyObject *at(PyObject *list, PyObject *block, Py_ssize_t *index) {
     return PyList_GET_ITEM(list, i);
 }
 
+/* The pool's dicts must be plain: a subclass (fastkv.cache.residency's observed maps) reports each
+ * change from the methods this code goes around; the pool takes its Python loops for those. */
+static int plain(PyObject *lookup, PyObject *kids) {
+    if (PyDict_CheckExact(lookup) && PyDict_CheckExact(kids)) return 1;
+    PyErr_SetString(PyExc_TypeError, "fastkv._pool: the lookup and kids maps must be plain dicts");
+    return 0;
+}
+
 static int set_at(PyObject *list, Py_ssize_t i, PyObject *value) {
     Py_INCREF(value);
     return PyList_SetItem(list, i, value); /* steals the reference, even on error */
@@ -36,6 +44,7 @@ static PyObject *insert_keys(PyObject *self, PyObject *args) {
                           &PyList_Type, &parent, &PyDict_Type, &kids, &PyList_Type, &blocks, &PyList_Type, &keys,
                           &PyList_Type, &parents, &cached, &drop_key))
         return NULL;
+    if (!plain(lookup, kids)) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(blocks);
     if (PyList_GET_SIZE(keys) != n || PyList_GET_SIZE(parents) != n) {
         PyErr_Format(PyExc_ValueError, "insert_keys: %zd blocks, %zd keys, %zd parents", n, PyList_GET_SIZE(keys),
@@ -151,6 +160,7 @@ static PyObject *evict_batch(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "evict_batch: evicted must be a list or None");
         return NULL;
     }
+    if (!plain(lookup, kids)) return NULL;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(batch); i++) {
         PyObject *b = PyList_GET_ITEM(batch, i);
         Py_ssize_t bi;

@@ -149,6 +149,8 @@ class BlockPool:
         """Dequeue and unkey ``n`` CACHED blocks, leaves first (``n <= len(self.evictable)``);
         each ``(block, key)`` is appended to ``evicted``. The loop over each dequeued batch is C
         (``fastkv._pool``); ``_evict_leaves_reference`` defines it."""
+        if type(self.lookup) is not dict:  # an observed map (fastkv.cache.residency): its methods report
+            return self._evict_leaves_reference(n, evicted)
         queue = self.evictable
         out: list[int] = []
         skips = 0
@@ -380,6 +382,8 @@ class BlockPool:
         ``_insert_many_reference`` defines it."""
         if parents is None:
             parents = [self.parents.get(k) for k in keys]
+        if type(self.lookup) is not dict:  # an observed map (fastkv.cache.residency): its methods report
+            return self._insert_many_reference(blocks, keys, parents)
         return _pool.insert_keys(self.lookup, self.key, self.state, self.parent, self.kids, list(blocks), list(keys),
                                  list(parents), _CACHED, self.drop_key)
 

@@ -131,3 +131,38 @@ def test_evict_leaves_equals_its_reference(scenario, data):
     assert ev_fast == ev_ref
     assert snapshot(fast) == snapshot(ref)
     assert (fast.passed_over, fast.forced_evictions) == (ref.passed_over, ref.forced_evictions)
+
+
+class CountingMap(dict):
+    """A lookup map whose methods see each change, as fastkv.cache.residency's observed maps do."""
+
+    def __init__(self):
+        super().__init__()
+        self.changes = 0
+
+    def setdefault(self, key, default=None):
+        self.changes += key not in self
+        return dict.setdefault(self, key, default)
+
+    def __delitem__(self, key):
+        self.changes += 1
+        dict.__delitem__(self, key)
+
+
+def test_an_observed_lookup_map_sees_every_insert_and_eviction():
+    p = BlockPool("device", 2)
+    p.lookup = CountingMap()
+    a, b = p.take_many(2)
+    assert p.insert_many([a, b], [b"a", b"b"], [None, b"a"]) == []
+    p.release_many([b, a])
+    evicted = []
+    p.take_many(2, evicted)
+    assert evicted == [(b, b"b"), (a, b"a")] and p.lookup.changes == 4
+    p.check_integrity()
+
+
+def test_the_c_loops_refuse_a_dict_subclass():
+    from fastkv.compiled import load
+
+    with pytest.raises(TypeError, match="plain dicts"):
+        load("_pool").insert_keys(CountingMap(), [None], [1], [None], {}, [0], [b"k"], [None], 2, print)
