@@ -88,9 +88,9 @@ setup(
                                     "ops/third_party/blake3/blake3_dispatch.c", "ops/third_party/blake3/blake3_portable.c"],
                   depends=["ops/third_party/blake3/blake3.h", "ops/third_party/blake3/blake3_impl.h"],
                   define_macros=[(m, "1") for m in ("BLAKE3_NO_SSE2", "BLAKE3_NO_SSE41", "BLAKE3_NO_AVX2",
-                                                    "BLAKE3_NO_AVX512")],
+                                                    "BLAKE3_NO_AVX512")] + [("BLAKE3_USE_NEON", "0")],
                   extra_compile_args=["-O3", "-std=c11"]),
-        # The block pool's hot loops (fastkv/cache/pool.py insert_many, release_many).
+        # The block pool's hot loops (fastkv/cache/pool.py: leaves-first eviction, insert_many, release_many).
         Extension("fastkv._pool", ["ops/block_pool.c"], extra_compile_args=["-O2", "-std=c11"]),
     ],
     entry_points={
