@@ -1,6 +1,7 @@
 /* fastkv._pool: the block pool's loops that every block of every request passes through, in C:
  * evicting leaves for fresh blocks (BlockPool._evict_leaves), inserting computed keys
- * (insert_many) and releasing a table (release_many).
+ * (insert_many), releasing a table (release_many), and the LRU queue's links for the last two
+ * (LRUQueue.popleft_many, extend).
  *
  * Why C: in Python their bytecode cost about as much as the list and dict operations they do.
  * These are the same loops over the pool's own lists and dicts, with the rare cases (a key
@@ -224,7 +225,63 @@ static PyObject *evict_batch(PyObject *self, PyObject *args) {
     return Py_BuildValue("nnn", skips, passed, forced);
 }
 
+/* LRU queue links (fastkv/cache/eviction/lru.py: a doubly linked list over the lists `nxt` and
+ * `prv`, indexed by block id, with `sentinel` at index capacity; -1 marks a block not queued).
+ * lru_popleft(nxt, prv, sentinel, n) unlinks the n oldest blocks and returns them, oldest first;
+ * lru_extend(nxt, prv, sentinel, blocks) links `blocks` in order as the newest. */
+static PyObject *lru_popleft(PyObject *self, PyObject *args) {
+    PyObject *nxt, *prv, *s;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "O!O!On", &PyList_Type, &nxt, &PyList_Type, &prv, &s, &n)) return NULL;
+    PyObject *none = PyLong_FromLong(-1), *out = PyList_New(n < 0 ? 0 : n), *block = NULL;
+    Py_ssize_t si, bi;
+    if (none == NULL || out == NULL || (block = at(nxt, s, &si)) == NULL) goto fail;
+    Py_INCREF(block); /* owned from here on: unlinking drops the lists' references */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *after = at(nxt, block, &bi);
+        if (after == NULL) goto fail;
+        Py_INCREF(after);
+        PyList_SET_ITEM(out, i, block); /* takes our reference */
+        block = after;
+        if (set_at(nxt, bi, none) < 0 || set_at(prv, bi, none) < 0) goto fail;
+    }
+    if (set_at(nxt, si, block) < 0 || at(prv, block, &bi) == NULL || set_at(prv, bi, s) < 0) goto fail;
+    Py_DECREF(block);
+    Py_DECREF(none);
+    return out;
+fail:
+    Py_XDECREF(block);
+    Py_XDECREF(none);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static PyObject *lru_extend(PyObject *self, PyObject *args) {
+    PyObject *nxt, *prv, *s, *blocks;
+    if (!PyArg_ParseTuple(args, "O!O!OO!", &PyList_Type, &nxt, &PyList_Type, &prv, &s, &PyList_Type, &blocks))
+        return NULL;
+    Py_ssize_t si, li, bi;
+    if (at(prv, s, &si) == NULL) return NULL;
+    PyObject *last = PyList_GET_ITEM(prv, si);
+    Py_INCREF(last);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
+        PyObject *b = PyList_GET_ITEM(blocks, i);
+        if (at(nxt, last, &li) == NULL || at(prv, b, &bi) == NULL || set_at(nxt, li, b) < 0 || set_at(prv, bi, last) < 0) {
+            Py_DECREF(last);
+            return NULL;
+        }
+        Py_INCREF(b);
+        Py_SETREF(last, b);
+    }
+    int rc = at(nxt, last, &li) == NULL || set_at(nxt, li, s) < 0 || set_at(prv, si, last) < 0;
+    Py_DECREF(last);
+    if (rc) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"lru_popleft", lru_popleft, METH_VARARGS, "lru_popleft(nxt, prv, sentinel, n) -> list[int]"},
+    {"lru_extend", lru_extend, METH_VARARGS, "lru_extend(nxt, prv, sentinel, blocks) -> None"},
     {"evict_batch", evict_batch, METH_VARARGS,
      "evict_batch(batch, key, lookup, parent, kids, out, evicted, queue, skips) -> (skips, passed, forced)"},
     {"insert_keys", insert_keys, METH_VARARGS,

@@ -166,3 +166,31 @@ def test_the_c_loops_refuse_a_dict_subclass():
 
     with pytest.raises(TypeError, match="plain dicts"):
         load("_pool").insert_keys(CountingMap(), [None], [1], [None], {}, [0], [b"k"], [None], 2, print)
+
+
+@given(st.integers(1, 12), st.lists(st.tuples(st.sampled_from(["extend", "popleft_many", "remove", "append"]),
+                                              st.lists(st.integers(0, 11), max_size=6), st.integers(0, 12)),
+                                    max_size=30))
+def test_lru_links_equal_their_reference(cap, ops):
+    from fastkv.cache.eviction.lru import LRUQueue
+
+    fast, ref = LRUQueue(cap), LRUQueue(cap)
+    for op, blocks, n in ops:
+        queued = set(fast)
+        if op == "extend":
+            new = list(dict.fromkeys(b for b in blocks if b < cap and b not in queued))
+            fast.extend(new)
+            ref._extend_reference(new)
+        elif op == "popleft_many":
+            n = min(n, len(fast))
+            assert fast.popleft_many(n) == ref._popleft_many_reference(n)
+        elif op == "remove" and queued:
+            b = sorted(queued)[n % len(queued)]
+            fast.remove(b)
+            ref.remove(b)
+        elif op == "append" and len(queued) < cap:
+            b = min(set(range(cap)) - queued)
+            fast.append(b)
+            ref.append(b)
+        assert (fast.next, fast.prev, len(fast)) == (ref.next, ref.prev, len(ref))
+        fast.check_integrity()
