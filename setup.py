@@ -81,6 +81,17 @@ setup(
                   extra_compile_args=["-O2", "-std=c11"]),
         # The synthetic runner's KV rows (fastkv/engine/runners/synthetic.py): ~30x numpy.
         Extension("fastkv._synthetic", ["ops/synthetic_rows.c"], extra_compile_args=["-O3", "-std=c11"]),
+        # A request's chained block keys in one call (fastkv/cache/keys.py), with upstream BLAKE3's C
+        # implementation, its portable code only: a key hashes one short chunk, which its SIMD
+        # code (many chunks at once) does not speed up, nor, measured, its SSE4.1 compression.
+        Extension("fastkv._chain", ["ops/block_keys.c", "ops/third_party/blake3/blake3.c",
+                                    "ops/third_party/blake3/blake3_dispatch.c", "ops/third_party/blake3/blake3_portable.c"],
+                  depends=["ops/third_party/blake3/blake3.h", "ops/third_party/blake3/blake3_impl.h"],
+                  define_macros=[(m, "1") for m in ("BLAKE3_NO_SSE2", "BLAKE3_NO_SSE41", "BLAKE3_NO_AVX2",
+                                                    "BLAKE3_NO_AVX512")] + [("BLAKE3_USE_NEON", "0")],
+                  extra_compile_args=["-O3", "-std=c11"]),
+        # The block pool's hot loops (fastkv/cache/pool.py: leaves-first eviction, insert_many, release_many).
+        Extension("fastkv._pool", ["ops/block_pool.c"], extra_compile_args=["-O2", "-std=c11"]),
     ],
     entry_points={
         "console_scripts": [

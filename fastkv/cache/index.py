@@ -114,7 +114,9 @@ class PrefixIndex:
         self.history: dict[bytes, tuple[Tier, Cause]] = {}  # insertion ordered, trimmed by gone_many
         self.history_size = history
         # key -> its parent key, for every chained key a request computed that some tier may still
-        # get or has: the pools count each key's keyed children per tier from it (leaves first)
+        # get or has: the pools count each key's keyed children per tier from it (leaves first).
+        # The device takes a computed key's parent from its request's chain, so without a host tier
+        # computed keys are not entered here.
         self.parents: dict[bytes, bytes] = {}
         device.parents = host.parents = self.parents
         # one shared tuple per (tier, cause): recording a departure allocates nothing
@@ -160,6 +162,12 @@ class PrefixIndex:
                 parents[k] = parent
             parent = k
 
+    def learn_span(self, keys: list[bytes], first: int, stop: int) -> None:
+        """``learn_at(keys, range(first, stop))`` in one dict update (the path of every compute)."""
+        first = max(first, 1)
+        if first < stop:
+            self.parents.update(zip(keys[first:stop], keys[first - 1:stop - 1], strict=True))
+
     def learn_at(self, keys: list[bytes], positions: list[int]) -> None:
         """The parents of ``keys[i]`` for each ``i`` in ``positions`` (a request's chain, about to
         be keyed in a tier: the entry may have gone with an earlier copy of the key)."""
@@ -192,15 +200,14 @@ class PrefixIndex:
     def gone_many(self, keys, tier: Tier, cause: Cause) -> None:
         """One plain dict store per key; the oldest half is cut in one pass once the history
         doubles its size (amortized O(1), and much cheaper than an LRU dict per eviction)."""
-        pop = self.parents.pop
-        for k in keys:
-            pop(k, None)
+        if self.parents:  # empty without a host tier (learn_span)
+            pop = self.parents.pop
+            for k in keys:
+                pop(k, None)
         if not self.history_size:
             return
         h = self.history
-        rec = self._records[tier, cause]  # shared: nothing allocated per key
-        for k in keys:
-            h[k] = rec
+        h.update(dict.fromkeys(keys, self._records[tier, cause]))  # one shared tuple: nothing per key
         if len(h) > 2 * self.history_size:
             self.history = dict(islice(h.items(), len(h) - self.history_size, None))
 

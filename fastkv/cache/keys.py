@@ -20,8 +20,9 @@ to the blocks whose token span they overlap. Every extra is tagged and length-pr
 no two different extra sets encode to the same bytes, and a block with extras is longer than
 one without.
 
-Keys for a long prompt come from one ``tobytes()`` of the int32 token array and one BLAKE3
-call per block on a slice of it: no per-token Python work.
+Keys for a prompt come from one ``tobytes()`` of the int32 token array and one C call for the
+whole chain (``fastkv._chain``, upstream BLAKE3's C code): no per-block Python work. Blocks with
+extras go through the blake3 binding, one call per block (``block_keys_reference``).
 """
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ from typing import NewType
 import numpy as np
 from blake3 import blake3
 
+from fastkv.compiled import load
 from fastkv.config import KVLayout
+
+_chain = load("_chain")
 
 # Raw bytes stand for several kinds of key; these types tell them apart (NewType: no runtime cost).
 BlockKey = NewType("BlockKey", bytes)  # chained key of a full block: every request with the prefix names it
@@ -161,19 +165,23 @@ def block_keys(tokens: np.ndarray, block_size: int, parent: bytes, first: int = 
     ``tokens`` is the whole sequence (validated int32, see ``as_tokens``); ``parent`` is the
     key of block ``first - 1`` (the root when ``first`` is 0).
     """
+    if extras:
+        return block_keys_reference(tokens, block_size, parent, first, extras)
+    data = tokens if tokens.flags.c_contiguous else tokens.tobytes()  # hashed in place: no copy
+    return _chain.chain_keys(data, parent, block_size * 4, first, max(len(tokens) // block_size - first, 0))
+
+
+def block_keys_reference(tokens: np.ndarray, block_size: int, parent: bytes, first: int = 0,
+                         extras: dict[int, bytes] | None = None) -> list[bytes]:
+    """``block_keys`` through the blake3 binding, one call per block: what defines the keys."""
     data = tokens.tobytes()
     step = block_size * 4
     stop = (len(tokens) // block_size) * step
     keys: list[bytes] = []
     append = keys.append
     key = parent
-    if not extras:
-        for off in range(first * step, stop, step):
-            key = blake3(key + data[off:off + step]).digest()
-            append(key)
-        return keys
     for i, off in enumerate(range(first * step, stop, step), start=first):
-        key = blake3(key + data[off:off + step] + extras.get(i, b"")).digest()
+        key = blake3(key + data[off:off + step] + (extras.get(i, b"") if extras else b"")).digest()
         append(key)
     return keys
 

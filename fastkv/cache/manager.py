@@ -264,10 +264,8 @@ class CacheManager:
             req.resume.saw_block(toks[(len(keys) - 1) * bs:len(keys) * bs].tolist())
         self.state.admit(req)
         # Hits leave the LRU queues first, so the fresh blocks taken below cannot evict them.
-        for b in dev_hits:
-            dev.incref(b)
-        for b in host_hits:
-            host.incref(b)
+        dev.incref_many(dev_hits)
+        host.incref_many(host_hits)
         req.host_refs = host_hits
         req.resume.resumed_on(partial)  # resumed once: let go of uncached, nothing else may match it
         plans: list[CopyPlan] = []
@@ -391,8 +389,9 @@ class CacheManager:
             self._repair_dups(req)
         blocks = req.table[first:full]
         keys = req.keys[first:full]
-        self.index.learn_at(req.keys, range(first, full))
-        dups = self.device.insert_many(blocks, keys)
+        if self.host.capacity:  # the map serves the host alone (parents of the keys its copies bring)
+            self.index.learn_span(req.keys, first, full)
+        dups = self.device.insert_many(blocks, keys, req.keys[first - 1:full - 1] if first else [None, *keys[:-1]])
         req.num_keyed = full
         if dups:
             req.dup_pos += [first + i for i in dups]

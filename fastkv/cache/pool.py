@@ -27,13 +27,19 @@ Only when a whole turn of the queue finds no leaf (every child held or in flight
 evicted anyway (``forced_evictions``).
 
 Hot paths (``take``, ``incref``, ``release``) work on preallocated Python lists indexed by
-block id and allocate no objects, except the tuple reporting an eviction.
+block id and allocate no objects, except the tuple reporting an eviction. The three loops every
+block of every request passes through (evicting leaves, inserting computed keys, releasing a
+table) are C (``fastkv._pool``, ops/block_pool.c) over these same lists and dicts; each has its
+Python definition beside it (``_*_reference``), which a property test compares it with.
 """
 from __future__ import annotations
 
 from enum import IntEnum
 
 from fastkv.cache.eviction import EvictionPolicy, make_policy
+from fastkv.compiled import load
+
+_pool = load("_pool")
 
 
 class BlockState(IntEnum):
@@ -141,9 +147,25 @@ class BlockPool:
 
     def _evict_leaves(self, n: int, evicted: list[tuple[int, bytes]] | None) -> list[int]:
         """Dequeue and unkey ``n`` CACHED blocks, leaves first (``n <= len(self.evictable)``);
-        each ``(block, key)`` is appended to ``evicted``."""
+        each ``(block, key)`` is appended to ``evicted``. The loop over each dequeued batch is C
+        (``fastkv._pool``); ``_evict_leaves_reference`` defines it."""
+        if type(self.lookup) is not dict:  # an observed map (fastkv.cache.residency): its methods report
+            return self._evict_leaves_reference(n, evicted)
+        queue = self.evictable
+        out: list[int] = []
+        skips = 0
+        while len(out) < n:
+            skips, passed, forced = _pool.evict_batch(queue.popleft_many(n - len(out)), self.key, self.lookup,
+                                                      self.parent, self.kids, out, evicted, queue, skips)
+            self.passed_over += passed
+            self.forced_evictions += forced
+        return out
+
+    def _evict_leaves_reference(self, n: int, evicted: list[tuple[int, bytes]] | None) -> list[int]:
         queue, kids, key, lookup, parent = self.evictable, self.kids, self.key, self.lookup, self.parent
         out: list[int] = []
+        append = out.append
+        report = evicted.append if evicted is not None else None
         skips = 0
         while len(out) < n:
             for b in queue.popleft_many(n - len(out)):
@@ -161,14 +183,12 @@ class BlockPool:
                 pk = parent[b]
                 if pk is not None:
                     parent[b] = None
-                    c = kids[pk] - 1
+                    c = kids.pop(pk) - 1  # one probe: a parent's last child goes first, as a rule
                     if c:
                         kids[pk] = c
-                    else:
-                        del kids[pk]
-                out.append(b)
+                append(b)
                 if evicted is not None:
-                    evicted.append((b, k))
+                    report((b, k))
         return out
 
     # ------------------------------------------------------------------ handing out
@@ -239,6 +259,19 @@ class BlockPool:
         elif st == _FREE:
             raise ValueError(f"{self.tier} block {block} is FREE: take() it, do not incref it")
         self.ref[block] += 1
+
+    def incref_many(self, blocks: list[int]) -> None:
+        """``incref`` each block, inline (a prefix hit's whole run: one call, not one per block)."""
+        state, ref, queued = self.state, self.ref, self.evictable
+        for b in blocks:
+            st = state[b]
+            if st == _CACHED:
+                queued.remove(b)
+                state[b] = _ALLOCATED
+                self.num_allocated += 1
+            elif st == _FREE:
+                raise ValueError(f"{self.tier} block {b} is FREE: take() it, do not incref it")
+            ref[b] += 1
 
     def hold_keys(self, keys: list[bytes], skip: set[bytes]) -> tuple[list[int], list[bytes]]:
         """``incref`` the block of each key in ``keys`` (not in ``skip``) this tier has, inline
@@ -337,15 +370,28 @@ class BlockPool:
         self._key(block, key)
         return True
 
-    def insert_many(self, blocks: list[int], keys: list[bytes]) -> list[int]:
+    def insert_many(self, blocks: list[int], keys: list[bytes], parents: list[bytes | None] | None = None) -> list[int]:
         """``set_key`` for held, unkeyed blocks (after compute). A key another block already has
         moves to the held block when that other one is only CACHED (same bytes, and the held
         copy is the one its request's children will follow); when it is held too, the new block
-        stays an unkeyed duplicate. Returns the indices (into ``blocks``) of the duplicates."""
+        stays an unkeyed duplicate. ``parents``: each key's parent key (None under the root), as
+        ``self.parents`` has them, when the caller knows them (a request's own chain: no probe
+        per block). Returns the indices (into ``blocks``) of the duplicates.
+
+        The loop is C (``fastkv._pool``: every computed block passes through it);
+        ``_insert_many_reference`` defines it."""
+        if parents is None:
+            parents = [self.parents.get(k) for k in keys]
+        if type(self.lookup) is not dict:  # an observed map (fastkv.cache.residency): its methods report
+            return self._insert_many_reference(blocks, keys, parents)
+        return _pool.insert_keys(self.lookup, self.key, self.state, self.parent, self.kids, list(blocks), list(keys),
+                                 list(parents), _CACHED, self.drop_key)
+
+    def _insert_many_reference(self, blocks: list[int], keys: list[bytes], parents: list[bytes | None]) -> list[int]:
         setdefault, key, state = self.lookup.setdefault, self.key, self.state
-        parents, parent, kids = self.parents.get, self.parent, self.kids
+        parent, kids = self.parent, self.kids
         dups = []
-        for i, (b, k) in enumerate(zip(blocks, keys, strict=True)):
+        for i, (b, k, pk) in enumerate(zip(blocks, keys, parents, strict=True)):
             holder = setdefault(k, b)  # one dict probe: inserted, or another block has k
             if holder is not b:
                 if state[holder] != _CACHED:
@@ -354,7 +400,6 @@ class BlockPool:
                 self.drop_key(holder)  # it becomes FREE
                 self.lookup[k] = b
             key[b] = k
-            pk = parents(k)
             if pk is not None:
                 parent[b] = pk
                 kids[pk] = kids.get(pk, 0) + 1
@@ -362,7 +407,17 @@ class BlockPool:
 
     def release_many(self, blocks: list[int], keep: bool = True) -> None:
         """``release`` each block in order (callers pass a table last to first). The common case,
-        a keyed block going CACHED, is queued in one ``extend`` (no call per block)."""
+        a keyed block going CACHED, is queued in one ``extend`` (no call per block). The loop is
+        C (``fastkv._pool``); ``_release_many_reference`` defines it."""
+        cached: list[int] = []
+        try:
+            _pool.release_blocks(self.ref, self.state, self.key, list(blocks), keep, cached, _ALLOCATED, _CACHED,
+                                 self.release)
+        finally:
+            self.evictable.extend(cached)
+            self.num_allocated -= len(cached)
+
+    def _release_many_reference(self, blocks: list[int], keep: bool = True) -> None:
         ref, state, key = self.ref, self.state, self.key
         cached: list[int] = []
         queue = cached.append

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from fastkv.compiled import load
+
+_pool = load("_pool")  # the links of popleft_many and extend (ops/block_pool.c)
+
 
 class LRUQueue:
     __slots__ = ("capacity", "ids", "prev", "next", "_sentinel", "_len")
@@ -61,7 +65,12 @@ class LRUQueue:
         self._len -= 1
 
     def extend(self, blocks: list[int]) -> None:
-        """``append`` each block in order, inline (one call per released table)."""
+        """``append`` each block in order, in one C call (a released table: the pool's hot path);
+        ``_extend_reference`` defines it."""
+        _pool.lru_extend(self.next, self.prev, self._sentinel, list(blocks))
+        self._len += len(blocks)
+
+    def _extend_reference(self, blocks: list[int]) -> None:
         nxt, prv, s = self.next, self.prev, self._sentinel
         last = prv[s]
         for b in blocks:
@@ -95,7 +104,14 @@ class LRUQueue:
         return block
 
     def popleft_many(self, n: int) -> list[int]:
-        """Dequeue the ``n`` least recently used blocks (oldest first); n <= len(self)."""
+        """Dequeue the ``n`` least recently used blocks (oldest first); n <= len(self). One C call
+        (the eviction of fresh blocks: the pool's hot path); ``_popleft_many_reference`` defines it."""
+        assert 0 <= n <= self._len, f"LRUQueue.popleft_many({n}) with {self._len} queued"
+        out = _pool.lru_popleft(self.next, self.prev, self._sentinel, n)
+        self._len -= n
+        return out
+
+    def _popleft_many_reference(self, n: int) -> list[int]:
         assert 0 <= n <= self._len, f"LRUQueue.popleft_many({n}) with {self._len} queued"
         nxt, prv, s = self.next, self.prev, self._sentinel
         out = []

@@ -2,7 +2,15 @@ import numpy as np
 import pytest
 from blake3 import blake3
 
-from fastkv.cache.keys import ExtraKeys, KeyNamespace, as_tokens, block_keys, private_key, root_key
+from fastkv.cache.keys import (
+    ExtraKeys,
+    KeyNamespace,
+    as_tokens,
+    block_keys,
+    block_keys_reference,
+    private_key,
+    root_key,
+)
 from fastkv.config import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="bfloat16", tp_size=2)
@@ -30,6 +38,28 @@ def test_keys_are_chained_and_match_the_naive_definition():
     assert k2[0] == keys[0] and k2[1] != keys[1] and k2[2] != keys[2]
     # continuing from a parent equals computing the whole chain
     assert block_keys(toks, 4, keys[0], first=1) == keys[1:]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 64, 256])
+def test_the_c_chain_equals_the_blake3_binding(block_size):
+    rng = np.random.default_rng(block_size)
+    root = root_key(NS)
+    for n in (0, block_size - 1, block_size, 7 * block_size + 3, 300 * block_size):  # long: hashed without the GIL
+        toks = as_tokens(rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32))
+        keys = block_keys(toks, block_size, root)
+        assert keys == block_keys_reference(toks, block_size, root) == naive(toks, block_size, root)
+        for first in (1, n // block_size // 2, n // block_size, n // block_size + 2):
+            assert block_keys(toks, block_size, root, first) == block_keys_reference(toks, block_size, root, first)
+
+
+def test_the_c_chain_refuses_what_it_cannot_hash():
+    from fastkv.compiled import load
+
+    chain = load("_chain")
+    with pytest.raises(ValueError, match="parent must be 32 bytes"):
+        chain.chain_keys(bytes(64), b"short", 16, 0, 1)
+    with pytest.raises(ValueError, match="past the 64 bytes"):
+        chain.chain_keys(bytes(64), bytes(32), 16, 2, 3)
 
 
 @pytest.mark.parametrize("change", [
