@@ -18,6 +18,7 @@ from fastkv.cache.requests import NEVER, CacheRecord, ReqState
 from fastkv.cache.results import Completion, Ready
 from fastkv.cache.state import CacheState
 from fastkv.cache.storage_writes import landed_stores, offload_stores
+from fastkv.cache.strands import parent_present
 from fastkv.cache.tiering import swap_in
 from fastkv.cache.write_policy import Tier
 
@@ -75,12 +76,27 @@ def _progress(state: CacheState, req: CacheRecord | None, plans: list[CopyPlan],
         ready.append(make_ready(state, req))
 
 
-def _set_host_keys(state: CacheState, rec: CopyRecord) -> list[tuple[int, bytes]]:
+def _set_host_keys(state: CacheState, rec: CopyRecord, stranded: list[bytes]) -> list[tuple[int, bytes]]:
+    """Key the blocks that landed; a key whose parent left every tier meanwhile is not keyed
+    (it could never be matched) but listed in ``stranded``."""
     host = state.host
     keyed = []
-    for hb, k in zip(rec.dst, rec.keys, strict=True):
-        if host.set_key(hb, k):
-            keyed.append((hb, k))
+    pending = list(zip(rec.dst, rec.keys, strict=True))
+    while pending:  # a parent in the same plan is keyed first (a write-back lands leaves first)
+        later = []
+        landing = {k for _, k in pending}
+        for hb, k in pending:
+            if parent_present(state, k):
+                if host.set_key(hb, k):
+                    keyed.append((hb, k))
+            elif state.index.parents[k] in landing:
+                later.append((hb, k))
+            else:
+                stranded.append(k)
+        if len(later) == len(pending):
+            stranded += [k for _, k in later]
+            break
+        pending = later
     return keyed
 
 
@@ -89,7 +105,8 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
     dev, host, st = state.device, state.host, state.stats
     for b in rec.src:
         dev.unpin(b)
-    keyed = _set_host_keys(state, rec) if ok else []
+    stranded: list[bytes] = []
+    keyed = _set_host_keys(state, rec, stranded) if ok else []
     _hand_to_waiting_children(state, rec, keyed)
     owner = rec.owner
     if owner is not None:  # it holds its chain (tiering.request_copies): these join the hold, unqueued
@@ -111,6 +128,8 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
     elif rec.purpose is Purpose.WRITE_BACK:
         for k in rec.keys:
             state.gone_if_last(k, Tier.DEVICE, Cause.COPY_FAILED, skip=Tier.STORAGE)
+    for k in stranded:
+        state.gone_if_last(k, Tier.HOST, Cause.STRANDED, skip=Tier.STORAGE)
     return landed_stores(state, [hb for hb, _ in keyed], [k for _, k in keyed])
 
 
@@ -169,9 +188,10 @@ def _refresh_chain(state: CacheState, chain: list[bytes], host_too: bool = True,
 def _loaded(state: CacheState, rec: CopyRecord, ok: bool) -> None:
     """A PREFIX_LOAD landed for its owner and every request that joined it (coalesce.py)."""
     host = state.host
+    stranded: list[bytes] = []
     if ok:
         state.stats.load_blocks += len(rec.dst)
-        _set_host_keys(state, rec)
+        _set_host_keys(state, rec, stranded)
     for req, slots in rec.waiters:
         if not req.alive:
             continue
@@ -190,6 +210,8 @@ def _loaded(state: CacheState, rec: CopyRecord, ok: bool) -> None:
         for k in rec.keys:
             state.index.stored.pop(k, None)
             state.gone_if_last(k, Tier.STORAGE, Cause.STORAGE_MISS, skip=Tier.STORAGE)
+    for k in stranded:
+        state.gone_if_last(k, Tier.HOST, Cause.STRANDED, skip=Tier.STORAGE)
 
 
 def _offloaded(state: CacheState, rec: CopyRecord, ok: bool, offloaded: list, failed: list) -> list[CopyPlan]:

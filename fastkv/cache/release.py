@@ -39,15 +39,19 @@ def release_table(st: CacheState, req: CacheRecord, cache: bool) -> None:
                 if hb is not None:
                     st.host.touch(hb)
         else:
-            if not cache and dkey[b] is not None and dev.ref[b] == 1:
-                st.gone_if_last(dkey[b], Tier.DEVICE, Cause.DROPPED, skip=Tier.DEVICE)
+            k = dkey[b] if not cache and dev.ref[b] == 1 else None
             release(b, cache)
+            if k is not None:  # once it left the device: the children it strands go too
+                st.gone_if_last(k, Tier.DEVICE, Cause.DROPPED, skip=Tier.DEVICE)
     req.table = []
 
 
 def release_host_refs(st: CacheState, req: CacheRecord, cache: bool = True) -> None:
     host = st.host
     for b in reversed(req.host_refs):
+        k = host.key[b] if not cache and b != req.private_block else None
         host.release(b, cache and b != req.private_block)
+        if k is not None and k not in host.lookup:
+            st.gone_if_last(k, Tier.HOST, Cause.DROPPED, skip=Tier.HOST)
     req.host_refs = []
     req.private_block = -1

@@ -18,6 +18,7 @@ from fastkv.cache.keys import KeyNamespace, root_key
 from fastkv.cache.pool import BlockPool
 from fastkv.cache.requests import CacheRecord, ReqState
 from fastkv.cache.stats import CacheStats
+from fastkv.cache.strands import drop_children_of
 from fastkv.cache.write_policy import StorageWrites, Tier, WritePolicy
 from fastkv.config import KVLayout
 
@@ -112,6 +113,7 @@ class CacheState:
     def gone(self, key: bytes, tier: Tier, cause: Cause) -> None:
         self.stats.dropped_keys += 1
         self.index.gone(key, tier, cause)
+        drop_children_of(self, key)  # they could never be matched again
 
     def gone_if_last(self, key: bytes, tier: Tier, cause: Cause, skip: Tier) -> None:
         if skip is not Tier.HOST and key in self.host.lookup:

@@ -1,0 +1,64 @@
+"""Dropping the cached children a lost parent would strand.
+
+Matching walks a chain from its root, so a key whose parent is in no tier can never be hit
+again. Eviction never makes one (the pools evict leaves first), but a loss can: a failed or
+skipped copy, a key a storage LOAD missed, a request freed without caching its blocks, a parent
+a tier had to evict with children held or in flight. When a key leaves its last tier, its
+CACHED children (and theirs, in turn) are dropped at once instead of holding blocks they can
+never serve, and so are the keys of blocks only a copy pins (FREE once it is done); a copy
+landing on the host keys a block only if its parent is there to match it (``parent_present``).
+A child a request holds is keyed in its table, which holds the chain's parents as well: the
+release keys them again (``release.release_table``) or drops them all. So "no cached key
+whose parent is in no tier" holds whatever was lost.
+
+Only a parent with counted children (``BlockPool.kids``) costs a scan of the pools; the common
+departure, a leaf's eviction, costs two dict probes.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fastkv.cache.index import Cause
+from fastkv.cache.pool import BlockState
+from fastkv.cache.write_policy import Tier
+
+if TYPE_CHECKING:
+    from fastkv.cache.state import CacheState
+
+_CACHED, _IN_FLIGHT = int(BlockState.CACHED), int(BlockState.IN_FLIGHT)
+
+
+def present(state: CacheState, key: bytes) -> bool:
+    """``key`` is in a tier, or a copy brings it to one."""
+    return (key in state.device.lookup or key in state.host.lookup or key in state.index.stored
+            or key in state.copies.inflight or key in state.copies.loading)
+
+
+def parent_present(state: CacheState, key: bytes) -> bool:
+    """``key`` hangs under nothing, or under a key that is ``present``."""
+    pk = state.index.parents.get(key)
+    return pk is None or present(state, pk)
+
+
+def drop_children_of(state: CacheState, key: bytes) -> None:
+    """``key`` just left its last tier: drop its CACHED descendants in every tier."""
+    dev, host = state.device, state.host
+    if key not in dev.kids and key not in host.kids:
+        return
+    if present(state, key):
+        return
+    lost = {key}
+    while lost:
+        dropped: list[tuple[bytes, Tier]] = []
+        for pool, tier in ((dev, Tier.DEVICE), (host, Tier.HOST)):
+            parent, pstate, ref = pool.parent, pool.state, pool.ref
+            for b in range(pool.capacity):
+                if parent[b] in lost and (pstate[b] == _CACHED or pstate[b] == _IN_FLIGHT and not ref[b]):
+                    dropped.append((pool.drop_key(b), tier))  # an unheld copy's source or target: FREE once done
+        lost = set()
+        for k, tier in dropped:
+            if not present(state, k):
+                state.stats.dropped_keys += 1
+                state.index.gone(k, tier, Cause.STRANDED)
+                if k in dev.kids or k in host.kids:
+                    lost.add(k)
