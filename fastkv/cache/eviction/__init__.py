@@ -70,6 +70,7 @@ def _policy(module: str, cls: str) -> Callable[[int], EvictionPolicy]:
 POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {  # one line per policy: name, module, class
     "lru": _policy("lru", "LRUQueue"),
     "lfu": _policy("lfu", "LFUQueue"),
+    "slru": _policy("slru", "SLRUQueue"),
 }
 
 
