@@ -125,7 +125,7 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
                        device_too=any(dev.state[b] == _CACHED for b in rec.src))
     if ok:
         st.swap_out_blocks += len(rec.src)
-    elif rec.purpose is Purpose.WRITE_BACK:
+    else:  # a write-through's source was its last copy only if a loss had unkeyed it (strands.py)
         for k in rec.keys:
             state.gone_if_last(k, Tier.DEVICE, Cause.COPY_FAILED, skip=Tier.STORAGE)
     for k in stranded:

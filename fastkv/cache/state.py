@@ -18,7 +18,7 @@ from fastkv.cache.keys import KeyNamespace, root_key
 from fastkv.cache.pool import BlockPool
 from fastkv.cache.requests import CacheRecord, ReqState
 from fastkv.cache.stats import CacheStats
-from fastkv.cache.strands import drop_children_of
+from fastkv.cache.strands import note_lost
 from fastkv.cache.write_policy import StorageWrites, Tier, WritePolicy
 from fastkv.config import KVLayout
 
@@ -99,6 +99,7 @@ class CacheState:
         self.write_back = ((config.policy.copies_on_evict or config.policy.copies_on_insert)
                            and config.num_host_blocks > 0)
         self.touch_host = config.policy.host_inclusive and config.num_host_blocks > 0
+        self.lost: list[bytes] = []  # keys gone from every tier with children left (strands.py)
         self.residency = None  # a fastkv.cache.residency.ResidencyLog while KV events are on
 
     def get(self, request_id: object, *states: ReqState) -> CacheRecord:
@@ -112,8 +113,13 @@ class CacheState:
 
     def gone(self, key: bytes, tier: Tier, cause: Cause) -> None:
         self.stats.dropped_keys += 1
+        copies = self.copies
+        flying = key in copies.inflight or key in copies.loading
+        pk = self.index.parents.get(key) if flying else None
         self.index.gone(key, tier, cause)
-        drop_children_of(self, key)  # they could never be matched again
+        if pk is not None:  # a copy lands it yet: only under its parent (strands.parent_present)
+            self.index.parents[key] = pk
+        note_lost(self, key)  # its children could never be matched again: dropped (strands.py)
 
     def gone_if_last(self, key: bytes, tier: Tier, cause: Cause, skip: Tier) -> None:
         if skip is not Tier.HOST and key in self.host.lookup:

@@ -4,19 +4,22 @@ Matching walks a chain from its root, so a key whose parent is in no tier can ne
 again. Eviction never makes one (the pools evict leaves first), but a loss can: a failed or
 skipped copy, a key a storage LOAD missed, a request freed without caching its blocks, a parent
 a tier had to evict with children held or in flight. When a key leaves its last tier, its
-CACHED children (and theirs, in turn) are dropped at once instead of holding blocks they can
-never serve, and so are the keys of blocks only a copy pins (FREE once it is done); a copy
-landing on the host keys a block only if its parent is there to match it (``parent_present``).
-A child a request holds is keyed in its table, which holds the chain's parents as well: the
-release keys them again (``release.release_table``) or drops them all. So "no cached key
-whose parent is in no tier" holds whatever was lost.
+CACHED children (and theirs, in turn) are dropped before the manager's operation returns
+(``settles``) instead of holding blocks they can never serve, and so are the keys of blocks
+only a copy pins (FREE once it is done); a copy landing on the host keys a block only if its
+parent is there to match it (``parent_present``). A child a request holds is keyed in its
+table, which holds the chain's parents as well: the release keys them again
+(``release.release_table``) or drops them all. So "no cached key whose parent is in no tier"
+holds whatever was lost.
 
 Only a parent with counted children (``BlockPool.kids``) costs a scan of the pools; the common
 departure, a leaf's eviction, costs two dict probes.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from functools import wraps
+from typing import TYPE_CHECKING, TypeVar
 
 from fastkv.cache.index import Cause
 from fastkv.cache.pool import BlockState
@@ -25,6 +28,7 @@ from fastkv.cache.write_policy import Tier
 if TYPE_CHECKING:
     from fastkv.cache.state import CacheState
 
+T = TypeVar("T")
 _CACHED, _IN_FLIGHT = int(BlockState.CACHED), int(BlockState.IN_FLIGHT)
 
 
@@ -40,14 +44,31 @@ def parent_present(state: CacheState, key: bytes) -> bool:
     return pk is None or present(state, pk)
 
 
-def drop_children_of(state: CacheState, key: bytes) -> None:
-    """``key`` just left its last tier: drop its CACHED descendants in every tier."""
+def note_lost(state: CacheState, key: bytes) -> None:
+    """``key`` just left its last tier: its children, if any, are dropped at the end of the
+    manager's operation (``settles``), not now: the operation may hold their block ids."""
+    if key in state.device.kids or key in state.host.kids:
+        state.lost.append(key)
+
+
+def settles(method: Callable[..., T]) -> Callable[..., T]:
+    """A CacheManager operation that may take a key from its last tier: it drops the children
+    that strands before it returns."""
+    @wraps(method)
+    def run(self, *args, **kwargs):
+        out = method(self, *args, **kwargs)
+        if self.state.lost:
+            drop_stranded(self.state)
+        return out
+    return run
+
+
+def drop_stranded(state: CacheState) -> None:
+    """Drop the CACHED descendants, in every tier, of the keys ``note_lost`` listed that are
+    still in no tier."""
     dev, host = state.device, state.host
-    if key not in dev.kids and key not in host.kids:
-        return
-    if present(state, key):
-        return
-    lost = {key}
+    lost = {k for k in state.lost if not present(state, k)}
+    state.lost.clear()
     while lost:
         dropped: list[tuple[bytes, Tier]] = []
         for pool, tier in ((dev, Tier.DEVICE), (host, Tier.HOST)):
