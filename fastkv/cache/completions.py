@@ -18,7 +18,7 @@ from fastkv.cache.requests import NEVER, CacheRecord, ReqState
 from fastkv.cache.results import Completion, Ready
 from fastkv.cache.state import CacheState
 from fastkv.cache.storage_writes import landed_stores, offload_stores
-from fastkv.cache.strands import parent_present
+from fastkv.cache.strands import parent_present, present
 from fastkv.cache.tiering import swap_in
 from fastkv.cache.write_policy import Tier
 
@@ -219,9 +219,15 @@ def _offloaded(state: CacheState, rec: CopyRecord, ok: bool, offloaded: list, fa
     keyed: list[tuple[int, bytes]] = []
     if ok:
         state.stats.swap_out_blocks += len(rec.src)
+        chain = None if req.alive else {k: i for i, k in enumerate(req.keys)}
         for hb, k in zip(rec.dst, rec.keys, strict=True):
             private = k == req.private_key
-            if (req.alive or not private) and host.set_key(hb, k) and not private:
+            if chain is not None:  # freed meanwhile: no table holds its chain, so only under a parent
+                i = chain.get(k)
+                if private or i is None or i and not present(state, req.keys[i - 1]):
+                    continue
+                state.index.learn_at(req.keys, [i])
+            if host.set_key(hb, k) and not private:
                 keyed.append((hb, k))
     for b in reversed(rec.src):
         dev.unpin(b)

@@ -6,9 +6,10 @@ skipped copy, a key a storage LOAD missed, a request freed without caching its b
 a tier had to evict with children held or in flight. When a key leaves its last tier, its
 CACHED children (and theirs, in turn) are dropped before the manager's operation returns
 (``settles``) instead of holding blocks they can never serve, and so are the keys of blocks
-only a copy pins (FREE once it is done); a copy landing on the host keys a block only if its
-parent is there to match it (``parent_present``). A child a request holds is keyed in its
-table, which holds the chain's parents as well: the release keys them again
+only a copy pins and of held host blocks (FREE once let go: a chain hold, or an offloaded
+request whose bytes stay valid under its block ids); a copy landing on the host keys a block
+only if its parent is there to match it (``parent_present``). A device child a request holds
+keeps its key: its table holds the chain's parents as well, and the release keys them again
 (``release.release_table``) or drops them all. So "no cached key whose parent is in no tier"
 holds whatever was lost.
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from fastkv.cache.state import CacheState
 
 T = TypeVar("T")
-_CACHED, _IN_FLIGHT = int(BlockState.CACHED), int(BlockState.IN_FLIGHT)
+_CACHED = int(BlockState.CACHED)
 
 
 def present(state: CacheState, key: bytes) -> bool:
@@ -72,10 +73,10 @@ def drop_stranded(state: CacheState) -> None:
     while lost:
         dropped: list[tuple[bytes, Tier]] = []
         for pool, tier in ((dev, Tier.DEVICE), (host, Tier.HOST)):
-            parent, pstate, ref = pool.parent, pool.state, pool.ref
+            parent, pstate, ref, held_too = pool.parent, pool.state, pool.ref, pool is host
             for b in range(pool.capacity):
-                if parent[b] in lost and (pstate[b] == _CACHED or pstate[b] == _IN_FLIGHT and not ref[b]):
-                    dropped.append((pool.drop_key(b), tier))  # an unheld copy's source or target: FREE once done
+                if parent[b] in lost and (held_too or pstate[b] == _CACHED or not ref[b]):
+                    dropped.append((pool.drop_key(b), tier))  # a held or pinned one: FREE once let go
         lost = set()
         for k, tier in dropped:
             if not present(state, k):
