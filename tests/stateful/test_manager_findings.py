@@ -179,6 +179,53 @@ def test_an_offloaded_request_freed_uncached_strands_no_child_of_its_host_blocks
     machine.teardown()
 
 
+def machine_checking_strands() -> tuple[ManagerMachine, object]:
+    machine = ManagerMachine()
+    return machine, checked_by(machine, "integrity", "keys_point_at_their_bytes", "ready_requests_hold_their_tokens",
+                               "no_key_stranded_by_eviction")
+
+
+def test_a_write_through_landing_after_its_request_was_freed_uncached_keys_nothing_under_a_dropped_parent():
+    """Write-through, 4 device and 2 host blocks. A chain's write-through flies when its request
+    is freed without caching: its parent leaves every tier. Landing, the child had lost its
+    parent link with its device key and was keyed on the host as a root nothing could reach.
+    A key gone while a copy brings it keeps its parent link, and lands only under its parent."""
+    machine, m = machine_checking_strands()
+    m.setup(policy=Policy.WRITE_THROUGH, host=2, dev=4, storage=False)
+    m.extend_a_block_in_flight(labels=(0, 6, 8))
+    m.extend_a_block_in_flight(labels=(0, 1, 2, 3))
+    for _ in range(3):
+        m.extend_a_block_in_flight(labels=())
+    m.extend_a_block_in_flight(labels=(0, 1))
+    m.extend_a_block_in_flight(labels=())
+    m.extend_a_block_in_flight(labels=())
+    m.complete(data=Draws(Purpose.WRITE_THROUGH, 0), ok=False)
+    m.free(cache=False, data=Draws(0))
+    m.extend_a_block_in_flight(labels=(0, 1, 2))
+    m.complete(data=Draws(Purpose.WRITE_THROUGH, 0), ok=True)
+    assert stranded_cached(machine) == []
+    machine.teardown()
+
+
+def test_a_failed_write_through_whose_source_lost_its_parent_leaves_no_child_cached_behind_it():
+    """Write-through, 4 device and 2 host blocks. A parent's write-through fails while its
+    source's own parent is gone: the loss unkeyed the source, the failure took the last copy, and
+    its child, the source of a second write-through that fails too, went CACHED on the device
+    behind it. A failed write-through now records its key's departure when it was the last copy."""
+    machine, m = machine_checking_strands()
+    m.setup(policy=Policy.WRITE_THROUGH, dev=4, host=2, storage=False)
+    m.extend_a_block_in_flight(labels=(0, 1, 2))
+    for _ in range(3):
+        m.extend_a_block_in_flight(labels=())
+    m.free(cache=True, data=Draws(0))
+    m.extend_a_block_in_flight(labels=(6, 7, 2))
+    m.complete(data=Draws(Purpose.WRITE_THROUGH, 0), ok=False)
+    m.extend_a_block_in_flight(labels=())
+    m.complete(data=Draws(Purpose.WRITE_THROUGH, 0), ok=False)
+    assert stranded_cached(machine) == []
+    machine.teardown()
+
+
 def stranded_cached(machine: ManagerMachine) -> list[bytes]:
     """CACHED keys, in either tier, whose parent no tier has nor a copy brings (the integrity
     check's ``_no_key_stranded``)."""
