@@ -77,26 +77,36 @@ def _progress(state: CacheState, req: CacheRecord | None, plans: list[CopyPlan],
 
 
 def _set_host_keys(state: CacheState, rec: CopyRecord, stranded: list[bytes]) -> list[tuple[int, bytes]]:
-    """Key the blocks that landed; a key whose parent left every tier meanwhile is not keyed
-    (it could never be matched) but listed in ``stranded``."""
+    """Key the blocks that landed, in ``rec``'s order; a key whose parent left every tier
+    meanwhile is not keyed (it could never be matched) but listed in ``stranded``."""
     host = state.host
+    pairs = list(zip(rec.dst, rec.keys, strict=True))
+    leaves_first = rec.purpose is Purpose.WRITE_BACK
+    if leaves_first:  # parents first, so that each finds its parent keyed
+        pairs.reverse()
     keyed = []
-    pending = list(zip(rec.dst, rec.keys, strict=True))
-    while pending:  # a parent in the same plan is keyed first (a write-back lands leaves first)
-        later = []
-        landing = {k for _, k in pending}
-        for hb, k in pending:
-            if parent_present(state, k):
-                if host.set_key(hb, k):
-                    keyed.append((hb, k))
-            elif state.index.parents[k] in landing:
-                later.append((hb, k))
-            else:
-                stranded.append(k)
-        if len(later) == len(pending):
-            stranded += [k for _, k in later]
+    late = None
+    for hb, k in pairs:
+        if parent_present(state, k):
+            if host.set_key(hb, k):
+                keyed.append((hb, k))
+        elif late is None:
+            late = [(hb, k)]
+        else:
+            late.append((hb, k))
+    while late:  # parents later in the plan (rare): keyed once theirs are
+        left = []
+        for hb, k in late:
+            if not parent_present(state, k):
+                left.append((hb, k))
+            elif host.set_key(hb, k):
+                keyed.append((hb, k))
+        if len(left) == len(late):
+            stranded += [k for _, k in left]
             break
-        pending = later
+        late = left
+    if leaves_first:
+        keyed.reverse()
     return keyed
 
 
