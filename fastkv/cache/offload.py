@@ -154,6 +154,7 @@ def restore(state: CacheState, request_id: object, reserve_tokens: int = 0) -> A
     req.swap_src = [req.host_refs[i] for i in req.swap_pos]
     req.target_computed = req.num_computed
     req.num_keyed = 0
+    req.dup_pos = []  # positions of the old table: make_ready finds the new one's duplicates
     req.loading = req.restoring = True
     req.state = ReqState.RUNNING
     req.reserved = n_res
