@@ -65,8 +65,9 @@ def settles(method: Callable[..., T]) -> Callable[..., T]:
 
 
 def drop_stranded(state: CacheState) -> None:
-    """Drop the CACHED descendants, in every tier, of the keys ``note_lost`` listed that are
-    still in no tier."""
+    """Drop the keys of the descendants, in every tier, of the keys ``note_lost`` listed that
+    are still in no tier: CACHED blocks go FREE, pinned or held ones once let go. A device block
+    a request holds keeps its key (its table holds the parents too)."""
     dev, host = state.device, state.host
     lost = {k for k in state.lost if not present(state, k)}
     state.lost.clear()
