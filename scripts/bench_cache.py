@@ -13,7 +13,9 @@ Every request runs allocate (prefix match + blocks), then every plan completes a
 * prompt-token hit ratios for device-only LRU at the trace README's capacities (1,000 /
   10,000 / 50,000 512-token blocks = 8x that in 64-token blocks), checked against its figures,
   and for a host tier beside the device (write-back) against one device tier of the same
-  total size.
+  total size;
+* the device-only hit ratio of each eviction policy (``fastkv.cache.eviction.POLICIES``) at
+  the headline capacity.
 
 The last line is the issue's JSON. ``--quick`` replays the first requests only; the
 reference figures are then recomputed on that slice with the README's method.
@@ -33,6 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from fastkv.cache.eviction import POLICIES  # noqa: E402
 from fastkv.cache.manager import CacheConfig, CacheManager  # noqa: E402
 from fastkv.cache.write_policy import WritePolicy  # noqa: E402
 from fastkv.cli import at_least  # noqa: E402
@@ -88,9 +91,10 @@ def reference_lru(reqs: list[tuple[list[int], int]], capacity: int) -> float:
     return hit / total
 
 
-def replay_fastkv(reqs, device: int, host: int = 0,
-                  policy: WritePolicy = WritePolicy.WRITE_BACK) -> tuple[float, float, dict]:
-    mgr = CacheManager(CacheConfig(num_device_blocks=device, num_host_blocks=host, block_size=BLOCK, policy=policy))
+def replay_fastkv(reqs, device: int, host: int = 0, policy: WritePolicy = WritePolicy.WRITE_BACK,
+                  eviction: str = "lru") -> tuple[float, float, dict]:
+    mgr = CacheManager(CacheConfig(num_device_blocks=device, num_host_blocks=host, block_size=BLOCK, policy=policy,
+                                   eviction=eviction))
     clock = time.perf_counter
     spent = 0.0
     blocks = 0
@@ -179,6 +183,14 @@ def main() -> None:
     print(f"{'floor: dict+OrderedDict+sha256':<34}{args.capacity:>12,}{8 * args.capacity:>12,}{floor_hit:>9.4f}"
           f"{refs[args.capacity]:>11.4f}{us_floor:>9.2f}")
 
+    print(f"\n{'eviction policy (device only)':<34}{'512-blk cap':>12}{'64-blk cap':>12}{'hit':>9}{'vs lru':>11}")
+    by_eviction = {"lru": device_only[args.capacity]}
+    for name in sorted(POLICIES):
+        if name not in by_eviction:
+            by_eviction[name] = replay_fastkv(reqs, 8 * args.capacity, eviction=name)[1]
+        hit = by_eviction[name]
+        print(f"{name:<34}{args.capacity:>12,}{8 * args.capacity:>12,}{hit:>9.4f}{hit - by_eviction['lru']:>+11.4f}")
+
     total = 8 * args.capacity
     print(f"\n{'device + host (write-back)':<34}{'device':>12}{'host':>12}{'hit':>9}{'1 tier':>11}{'ratio':>9}")
     dev_host = None
@@ -200,7 +212,8 @@ def main() -> None:
           f"host beside device >= 95% of one tier: {dev_host >= 0.95 * single}")
     print(json.dumps({"bench": "cache", "us_per_block": {"fastkv": round(us_fastkv, 3), "floor": round(us_floor, 3)},
                       "hit": {"device_only": round(single, 4), "reference": refs[args.capacity],
-                              "device_plus_host": round(dev_host, 4), "single_tier_same_total": round(single, 4)}}))
+                              "device_plus_host": round(dev_host, 4), "single_tier_same_total": round(single, 4),
+                              "by_eviction": {name: round(h, 4) for name, h in sorted(by_eviction.items())}}}))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from fastkv.cache.release import release_host_refs, release_table
 from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
 from fastkv.cache.state import CacheState
 from fastkv.cache.storage_writes import landed_stores, offload_stores
+from fastkv.cache.strands import parent_present, present
 from fastkv.cache.tiering import swap_in
 from fastkv.cache.write_policy import Tier
 
@@ -76,12 +77,37 @@ def _progress(state: CacheState, req: CacheRecord | None, plans: list[CopyPlan],
         ready.append(make_ready(state, req))
 
 
-def _set_host_keys(state: CacheState, rec: CopyRecord) -> list[tuple[int, bytes]]:
+def _set_host_keys(state: CacheState, rec: CopyRecord, stranded: list[bytes]) -> list[tuple[int, bytes]]:
+    """Key the blocks that landed, in ``rec``'s order; a key whose parent left every tier
+    meanwhile is not keyed (it could never be matched) but listed in ``stranded``."""
     host = state.host
+    pairs = list(zip(rec.dst, rec.keys, strict=True))
+    leaves_first = rec.purpose is Purpose.WRITE_BACK
+    if leaves_first:  # parents first, so that each finds its parent keyed
+        pairs.reverse()
     keyed = []
-    for hb, k in zip(rec.dst, rec.keys, strict=True):
-        if host.set_key(hb, k):
-            keyed.append((hb, k))
+    late = None
+    for hb, k in pairs:
+        if parent_present(state, k):
+            if host.set_key(hb, k):
+                keyed.append((hb, k))
+        elif late is None:
+            late = [(hb, k)]
+        else:
+            late.append((hb, k))
+    while late:  # parents later in the plan (rare): keyed once theirs are
+        left = []
+        for hb, k in late:
+            if not parent_present(state, k):
+                left.append((hb, k))
+            elif host.set_key(hb, k):
+                keyed.append((hb, k))
+        if len(left) == len(late):
+            stranded += [k for _, k in left]
+            break
+        late = left
+    if leaves_first:
+        keyed.reverse()
     return keyed
 
 
@@ -90,7 +116,8 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
     dev, host, stats = state.device, state.host, state.stats
     for b in rec.src:
         dev.unpin(b)
-    keyed = _set_host_keys(state, rec) if ok else []
+    stranded: list[bytes] = []
+    keyed = _set_host_keys(state, rec, stranded) if ok else []
     _hand_to_waiting_children(state, rec, keyed)
     owner = rec.owner
     if owner is not None:  # it holds its chain (tiering.request_copies): these join the hold, unqueued
@@ -109,9 +136,11 @@ def _landed_on_host(state: CacheState, rec: CopyRecord, ok: bool) -> list[CopyPl
                        device_too=any(dev.state[b] == _CACHED for b in rec.src))
     if ok:
         stats.swap_out_blocks += len(rec.src)
-    elif rec.purpose is Purpose.WRITE_BACK:
+    else:  # a write-through's source was its last copy only if a loss had unkeyed it (strands.py)
         for k in rec.keys:
             state.gone_if_last(k, Tier.DEVICE, Cause.COPY_FAILED, skip=Tier.STORAGE)
+    for k in stranded:
+        state.gone_if_last(k, Tier.HOST, Cause.STRANDED, skip=Tier.STORAGE)
     return landed_stores(state, [hb for hb, _ in keyed], [k for _, k in keyed])
 
 
@@ -171,9 +200,10 @@ def _refresh_chain(state: CacheState, chain: list[bytes], host_too: bool = True,
 def _loaded(state: CacheState, rec: CopyRecord, ok: bool) -> None:
     """A PREFIX_LOAD landed for its owner and every request that joined it (copies.join)."""
     host = state.host
+    stranded: list[bytes] = []
     if ok:
         state.stats.load_blocks += len(rec.dst)
-        _set_host_keys(state, rec)
+        _set_host_keys(state, rec, stranded)
     for req, slots in rec.waiters:
         if not req.alive:
             continue
@@ -193,6 +223,8 @@ def _loaded(state: CacheState, rec: CopyRecord, ok: bool) -> None:
         for k in rec.keys:
             state.index.forget_stored(k)
             state.gone_if_last(k, Tier.STORAGE, Cause.STORAGE_MISS, skip=Tier.STORAGE)
+    for k in stranded:
+        state.gone_if_last(k, Tier.HOST, Cause.STRANDED, skip=Tier.STORAGE)
 
 
 def _offloaded(state: CacheState, rec: CopyRecord, ok: bool, offloaded: list, failed: list) -> list[CopyPlan]:
@@ -200,9 +232,15 @@ def _offloaded(state: CacheState, rec: CopyRecord, ok: bool, offloaded: list, fa
     keyed: list[tuple[int, bytes]] = []
     if ok:
         state.stats.swap_out_blocks += len(rec.src)
+        chain = None if req.alive else {k: i for i, k in enumerate(req.keys)}
         for hb, k in zip(rec.dst, rec.keys, strict=True):
             private = k == req.resume.private_key
-            if (req.alive or not private) and host.set_key(hb, k) and not private:
+            if chain is not None:  # freed meanwhile: no table holds its chain, so only under a parent
+                i = chain.get(k)
+                if private or i is None or i and not present(state, req.keys[i - 1]):
+                    continue
+                state.index.learn_at(req.keys, [i])
+            if host.set_key(hb, k) and not private:
                 keyed.append((hb, k))
     for b in reversed(rec.src):
         dev.unpin(b)

@@ -35,11 +35,11 @@ each counts the keyed children of every key in its tier (and those a copy brings
 passes over a parent that has any; a device parent of host blocks leaves the device for the host
 (``tiering.take_device``). So the order above is a matter of LRU accuracy, not of strands.
 
-What remains, accepted and documented: a copy that fails or finds no free host block drops
-its key, and children already on the host are stranded; so does a parent a tier had to evict
-with children held or in flight (nothing else was cached: ``forced_evictions``). A stranded entry is never returned
-(no wrong answer), holds no reference, and ages out through the LRU queue like any other.
-``strand_free`` in the tests checks that without failures there are none.
+A loss can still take a parent from every tier: a copy that fails or finds no free host
+block, a request freed without caching, a key storage lost, a parent a tier had to evict with
+children held or in flight (nothing else was cached: ``forced_evictions``). Its cached children
+are then dropped with it (``fastkv.cache.strands``, Cause.STRANDED), so no cached key is ever
+stranded; ``check_integrity`` asserts it.
 """
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ class Cause(IntEnum):
     STORAGE_MISS = 5  # a LOAD found it gone from storage
     WEIGHT_UPDATE = 6  # cleared by a weight update (the namespace changed)
     RESET = 7  # dropped by reset_prefix_cache
+    STRANDED = 8  # its parent left every tier (a loss upstream): it could never be matched
 
 
 class MissReason(IntEnum):

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections import Counter
 
 from fastkv.cache.copies import Purpose
-from fastkv.cache.index import Cause
 from fastkv.cache.pool import BlockState
 from fastkv.cache.requests import ReqState
 from fastkv.cache.state import CacheState
@@ -31,7 +30,7 @@ def check(state: CacheState) -> None:
     dev.check_integrity()
     host.check_integrity()
     _child_counts(state)
-    _no_key_stranded_by_eviction(state)
+    _no_key_stranded(state)
 
     dev_refs: Counter[int] = Counter()
     host_refs: Counter[int] = Counter()
@@ -121,23 +120,16 @@ def check(state: CacheState) -> None:
     assert len(state.index.history) <= 2 * state.index.history_size
 
 
-def _no_key_stranded_by_eviction(state: CacheState) -> None:
-    """No CACHED key whose parent is in no tier (nor on its way to one), as long as nothing was
-    lost: a failed or skipped copy, a key dropped, reset or lost by storage, or a parent a tier had
-    to evict with children left (only parents of held or in-flight blocks were cached) strands
-    children by design (index.py); eviction alone never does (pool.py)."""
-    dev, host, stats = state.device, state.host, state.stats
-    if (stats.failed_copies or stats.skipped_copies or stats.load_misses or dev.forced_evictions
-            or host.forced_evictions):
-        return
-    if any(cause is not Cause.EVICTED for _, cause in state.index.history.values()):
-        return
+def _no_key_stranded(state: CacheState) -> None:
+    """No CACHED key whose parent is in no tier (nor on its way to one), whatever was lost:
+    eviction goes leaves first (pool.py), and a loss drops the children it strands (strands.py)."""
+    dev, host = state.device, state.host
     present = (dev.lookup, host.lookup, state.index.stored, state.copies.inflight, state.copies.loading)
     for pool in (dev, host):
         for b, pk in enumerate(pool.parent):
             if pk is not None and pool.state[b] == _CACHED:
                 assert any(pk in where for where in present), \
-                    f"{pool.tier} block {b}: a cached key stranded behind a parent evicted from every tier"
+                    f"{pool.tier} block {b}: a cached key stranded behind a parent in no tier"
 
 
 def _child_counts(state: CacheState) -> None:

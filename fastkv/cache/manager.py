@@ -47,6 +47,7 @@ from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
 from fastkv.cache.residency import ResidencyLog, watch
 from fastkv.cache.state import CacheConfig, CacheState
 from fastkv.cache.storage_writes import deferred
+from fastkv.cache.strands import note_lost, settles
 from fastkv.cache.tiering import (
     count_hits,
     make_host_room,
@@ -195,6 +196,7 @@ class CacheManager:
         return self.state.get(request_id).num_computed
 
     # ================================================================== admission
+    @settles
     def allocate(self, request_id: object, tokens: object, extra: ExtraKeys | None = None,
                  reserve_tokens: int = 0, tail_key: TailKey | None = None) -> Allocation | None:
         """Blocks for a prompt, reusing its longest cached prefix. None when the device lacks room.
@@ -332,6 +334,7 @@ class CacheManager:
         self.state.reservations.promise(req, need)
         return True
 
+    @settles
     def append_slots(self, request_id: object, tokens: object, ahead: int = 0) -> Growth | None:
         """Slots for tokens fed to the next step (decode): the sequence grows by ``tokens``.
         None (and nothing changed) when a new block is needed and none can be had. ``ahead``:
@@ -372,6 +375,7 @@ class CacheManager:
             del tail[:full * bs]
         return Growth(tuple(new), plans, req.pending == 0)
 
+    @settles
     def mark_computed(self, request_id: object, num_computed_tokens: int) -> list[CopyPlan]:
         """The KV of the first ``num_computed_tokens`` tokens is on the device: their full blocks
         become cached (prompt and generated tokens alike). Returns write-through copies."""
@@ -414,6 +418,7 @@ class CacheManager:
         req.dup_pos = [pos[j] for j in left]
 
     # ================================================================== release
+    @settles
     def free(self, request_id: object, cache: bool = True) -> None:
         """The request is done (or aborted, or preempted for recompute). Its full computed
         blocks stay cached unless ``cache`` is False; copies still in flight finish first."""
@@ -426,6 +431,7 @@ class CacheManager:
         release_host_refs(self.state, req, cache)
 
     # ================================================================== preemption
+    @settles
     def offload(self, request_id: object, to_storage: bool = False) -> tuple[CopyPlan, ...] | None:
         """Copy the request's computed KV to the host (see fastkv.cache.offload); ``to_storage``:
         and to the storage tier, its partial last block included (storage-mode preemption)."""
@@ -439,11 +445,13 @@ class CacheManager:
         """What offloading or recomputing the request would do now (see fastkv.cache.offload)."""
         return preemption_work(self.state, request_id)
 
+    @settles
     def restore(self, request_id: object, reserve_tokens: int = 0) -> Allocation | None:
         """Bring an OFFLOADED request back onto the device (see fastkv.cache.offload)."""
         return restore_request(self.state, request_id, reserve_tokens)
 
     # ================================================================== copies
+    @settles
     def complete(self, plan: CopyPlan, ok: bool) -> Completion:
         """A copy finished on every rank (``ok``) or failed on one. Returns what follows."""
         rec = self.copies.close(plan)
@@ -453,6 +461,7 @@ class CacheManager:
         more = retry_skipped(self.state) + deferred(self.state)  # the copy may have freed host blocks
         return c._replace(plans=c.plans + tuple(more)) if more else c
 
+    @settles
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds, in every tier (vLLM's reset_prefix_cache):
         CACHED device and host blocks, and every key the index knows in storage. Held and
@@ -463,6 +472,8 @@ class CacheManager:
             self.state.through.forget_hits(keys)
             self.index.gone_many(keys, tier, Cause.RESET)
             dropped += len(keys)
+            for k in keys:  # children held or in flight then, cached later, would be stranded
+                note_lost(self.state, k)
         self.index.gone_many(self.index.stored, Tier.STORAGE, Cause.RESET)
         dropped += len(self.index.stored)
         self.index.forget_all_stored()

@@ -146,6 +146,7 @@ def restore(state: CacheState, request_id: object, reserve_tokens: int = 0) -> A
     positions = [i for i in range(len(req.host_refs)) if table[i] is None]
     req.load = LoadProgress(req.num_computed, [req.host_refs[i] for i in positions], positions, restoring=True)
     req.num_keyed = 0
+    req.dup_pos = []  # positions of the old table: make_ready finds the new one's duplicates
     req.state = ReqState.RUNNING
     state.reservations.promise(req, n_res)
     state.stats.restores += 1

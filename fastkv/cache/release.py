@@ -39,15 +39,19 @@ def release_table(state: CacheState, req: CacheRecord, cache: bool) -> None:
                 if hb is not None:
                     state.host.touch(hb)
         else:
-            if not cache and dkey[b] is not None and dev.ref[b] == 1:
-                state.gone_if_last(dkey[b], Tier.DEVICE, Cause.DROPPED, skip=Tier.DEVICE)
+            k = dkey[b] if not cache and dev.ref[b] == 1 else None
             release(b, cache)
+            if k is not None:  # once it left the device: the children it strands go too
+                state.gone_if_last(k, Tier.DEVICE, Cause.DROPPED, skip=Tier.DEVICE)
     req.table = []
 
 
 def release_host_refs(state: CacheState, req: CacheRecord, cache: bool = True) -> None:
     host = state.host
     for b in reversed(req.host_refs):
+        k = host.key[b] if not cache and b != req.resume.private_block else None
         host.release(b, cache and b != req.resume.private_block)
+        if k is not None and k not in host.lookup:
+            state.gone_if_last(k, Tier.HOST, Cause.DROPPED, skip=Tier.HOST)
     req.host_refs = []
     req.resume.let_go_block()

@@ -21,6 +21,7 @@ from fastkv.cache.index import Cause, PrefixIndex
 from fastkv.cache.keys import BlockKey, KeyNamespace, ResumeKey, root_key
 from fastkv.cache.pool import BlockPool
 from fastkv.cache.requests import CacheRecord, ReqState
+from fastkv.cache.strands import note_lost
 from fastkv.cache.write_policy import StorageWrites, Tier, WritePolicy
 from fastkv.config import KVLayout
 
@@ -328,6 +329,7 @@ class CacheState:
         self.write_back = ((config.policy.copies_on_evict or config.policy.copies_on_insert)
                            and config.num_host_blocks > 0)
         self.touch_host = config.policy.host_inclusive and config.num_host_blocks > 0
+        self.lost: list[bytes] = []  # keys gone from every tier with children left (strands.py)
         self.residency: ResidencyLog | None = None  # set by watch() while KV events are on
 
     @property
@@ -372,7 +374,13 @@ class CacheState:
 
     def gone(self, key: bytes, tier: Tier, cause: Cause) -> None:
         self.stats.dropped_keys += 1
+        copies = self.copies
+        flying = key in copies.inflight or key in copies.loading
+        pk = self.index.parents.get(key) if flying else None
         self.index.gone(key, tier, cause)
+        if pk is not None:  # a copy lands it yet: only under its parent (strands.parent_present)
+            self.index.parents[key] = pk
+        note_lost(self, key)  # its children could never be matched again: dropped (strands.py)
 
     def gone_if_last(self, key: bytes, tier: Tier, cause: Cause, skip: Tier) -> None:
         if skip is not Tier.HOST and key in self.host.lookup:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fastkv.cache.copies import Purpose
+from fastkv.cache.pool import BlockState
 from fastkv.cache.write_policy import WritePolicy as Policy
 from tests.stateful import test_manager_machine
 from tests.stateful.test_manager_machine import ManagerMachine
@@ -123,8 +124,8 @@ def test_a_parent_of_blocks_held_or_in_flight_evicted_for_want_of_any_other_is_c
     """Write-through, 7 device and 3 host blocks, no storage: floods ask the device for every
     cached block while a child's write-through flies, and the host for a block while that child
     is on its way there; the only cached block left is each time the parent. It goes (a take never
-    fails while blocks are cached), counted as a loss that may strand the child it leaves behind. Found by a long
-    randomized run; before leaves-first, the same parent went through plain LRU eviction."""
+    fails while blocks are cached), counted; the children it would strand are dropped, in flight or
+    cached (strands.py). Found by a long randomized run."""
     machine = ManagerMachine()
     m = checked_by(machine, "integrity", "keys_point_at_their_bytes", "ready_requests_hold_their_tokens",
                    "no_key_stranded_by_eviction")
@@ -148,5 +149,89 @@ def test_a_parent_of_blocks_held_or_in_flight_evicted_for_want_of_any_other_is_c
     m.extend_a_block_in_flight(labels=())
     m.complete(data=Draws(Purpose.WRITE_BACK, 1), ok=True)
     m.complete(data=Draws(Purpose.WRITE_THROUGH, 0), ok=True)
-    assert machine.m.device.forced_evictions and machine.m.host.forced_evictions
+    assert machine.m.device.forced_evictions
+    assert stranded_cached(machine) == []
     machine.teardown()
+
+
+def test_an_offloaded_request_freed_uncached_strands_no_child_of_its_host_blocks():
+    """Write-through, 5 device and 4 host blocks, no storage. A request offloaded to the host
+    holds the only copy of a chain's root there; another request's write-through lands a child of
+    it on the host. Freeing the offloaded request without caching its blocks dropped the root
+    from its last tier unrecorded, leaving the child cached behind it. Found by a long randomized
+    run (HYPOTHESIS_PROFILE=long)."""
+    machine = ManagerMachine()
+    m = checked_by(machine, "integrity", "keys_point_at_their_bytes", "ready_requests_hold_their_tokens",
+                   "no_key_stranded_by_eviction")
+    m.setup(policy=Policy.WRITE_THROUGH, dev=5, host=4, storage=False)
+    m.weight_update(go=0)
+    m.extend_a_block_in_flight(labels=(0,))
+    m.complete(data=Draws(Purpose.WRITE_THROUGH, 0), ok=True)
+    m.append(data=Draws(0), n=1)
+    m.offload(data=Draws(0))
+    m.complete(data=Draws(Purpose.WRITE_THROUGH, 0), ok=True)
+    m.compute(data=Draws(1), finish=True)
+    m.flood()
+    m.flood()
+    m.extend_a_block_in_flight(labels=())
+    m.free(cache=False, data=Draws(0))
+    assert stranded_cached(machine) == []
+    machine.teardown()
+
+
+def machine_checking_strands() -> tuple[ManagerMachine, object]:
+    machine = ManagerMachine()
+    return machine, checked_by(machine, "integrity", "keys_point_at_their_bytes", "ready_requests_hold_their_tokens",
+                               "no_key_stranded_by_eviction")
+
+
+def test_a_write_through_landing_after_its_request_was_freed_uncached_keys_nothing_under_a_dropped_parent():
+    """Write-through, 4 device and 2 host blocks. A chain's write-through flies when its request
+    is freed without caching: its parent leaves every tier. Landing, the child had lost its
+    parent link with its device key and was keyed on the host as a root nothing could reach.
+    A key gone while a copy brings it keeps its parent link, and lands only under its parent."""
+    machine, m = machine_checking_strands()
+    m.setup(policy=Policy.WRITE_THROUGH, host=2, dev=4, storage=False)
+    m.extend_a_block_in_flight(labels=(0, 6, 8))
+    m.extend_a_block_in_flight(labels=(0, 1, 2, 3))
+    for _ in range(3):
+        m.extend_a_block_in_flight(labels=())
+    m.extend_a_block_in_flight(labels=(0, 1))
+    m.extend_a_block_in_flight(labels=())
+    m.extend_a_block_in_flight(labels=())
+    m.complete(data=Draws(Purpose.WRITE_THROUGH, 0), ok=False)
+    m.free(cache=False, data=Draws(0))
+    m.extend_a_block_in_flight(labels=(0, 1, 2))
+    m.complete(data=Draws(Purpose.WRITE_THROUGH, 0), ok=True)
+    assert stranded_cached(machine) == []
+    machine.teardown()
+
+
+def test_a_failed_write_through_whose_source_lost_its_parent_leaves_no_child_cached_behind_it():
+    """Write-through, 4 device and 2 host blocks. A parent's write-through fails while its
+    source's own parent is gone: the loss unkeyed the source, the failure took the last copy, and
+    its child, the source of a second write-through that fails too, went CACHED on the device
+    behind it. A failed write-through now records its key's departure when it was the last copy."""
+    machine, m = machine_checking_strands()
+    m.setup(policy=Policy.WRITE_THROUGH, dev=4, host=2, storage=False)
+    m.extend_a_block_in_flight(labels=(0, 1, 2))
+    for _ in range(3):
+        m.extend_a_block_in_flight(labels=())
+    m.free(cache=True, data=Draws(0))
+    m.extend_a_block_in_flight(labels=(6, 7, 2))
+    m.complete(data=Draws(Purpose.WRITE_THROUGH, 0), ok=False)
+    m.extend_a_block_in_flight(labels=())
+    m.complete(data=Draws(Purpose.WRITE_THROUGH, 0), ok=False)
+    assert stranded_cached(machine) == []
+    machine.teardown()
+
+
+def stranded_cached(machine: ManagerMachine) -> list[bytes]:
+    """CACHED keys, in either tier, whose parent no tier has nor a copy brings (the integrity
+    check's ``_no_key_stranded``)."""
+    m = machine.m
+    present = set(m.device.lookup) | set(m.host.lookup) | set(m.index.stored) | set(m.copies.inflight) \
+        | set(m.copies.loading)
+    return [k for pool in (m.device, m.host) for b, k in enumerate(pool.key)
+            if k is not None and pool.state[b] == BlockState.CACHED and k not in machine.private
+            and machine.parent.get(k) not in (None, *present)]

@@ -11,9 +11,11 @@ copy would). After every step:
   at bad bytes), every stored key's storage value is its content;
 * every ready request's blocks hold its tokens' content up to ``num_computed``;
 * a compute step only writes blocks its request alone holds and no copy touches;
-* without failures, skipped copies or dropped keys, no cached key is stranded behind a
-  missing parent (one whose bytes only a running request's duplicate block holds counts as
-  present: that block takes the key on the request's next insert or at its free).
+* no CACHED key whose parent is in no tier nor on its way to one, whatever was lost (a loss
+  drops the children it strands: fastkv.cache.strands); and without failures, skipped copies or
+  dropped keys, no keyed block at all behind a missing parent (one whose bytes only a running
+  request's duplicate block holds counts as present: that block takes the key on the request's
+  next insert or at its free).
 
 ``REACHED`` counts (and ``hypothesis.event`` reports) each copy's purpose by its outcome: done,
 failed, or its request freed while it flew; and LOADs whose storage key was lost meanwhile.
@@ -367,15 +369,12 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def no_key_stranded_by_eviction(self):
         """No cached key whose parent is in no tier (nor on its way to one), copies in flight or
-        not, as long as nothing was lost: a failure, a skipped copy, a dropped key, storage losing
-        one, or a parent a tier had to evict with children left (every other cached block was a
-        parent of held or in-flight ones: ``forced_evictions``)."""
+        not, whatever was lost (a failure, a skipped copy, a dropped key, storage losing one, a
+        parent a tier had to evict with children left): a loss drops the children it strands."""
         m = self.m
         if self.m.host.passed_over > getattr(self, "passed_over", 0):
             self.passed_over = m.host.passed_over
             reached("the host passes over a parent for its child")
-        if self.lossy or m.stats.skipped_copies or m.device.forced_evictions or m.host.forced_evictions:
-            return
         present = set(m.device.lookup) | set(m.host.lookup) | set(m.index.stored) | set(m.copies.inflight) \
             | set(m.copies.loading)
         for pool in (m.device, m.host):

@@ -35,6 +35,7 @@ from hypothesis.stateful import (
 
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
+from fastkv.cache.pool import BlockState
 from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.sched import PreemptionMode, Request, RequestState, Reservation, Scheduler, SchedulerConfig, WeightUpdate
 from fastkv.sched.queues import QueuePolicy as Policy
@@ -563,6 +564,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not stuck, f"requests never finished: {stuck}; {s.counts()}"
         # every request finished (many aborted): none holds a block
         assert not self.cache.request_ids(), f"blocks held for {self.cache.request_ids()}"
+        for pool in (self.cache.device, self.cache.host):  # nor a copy, a hold or a leak
+            busy = [b for b in range(pool.capacity) if pool.state[b] not in (BlockState.FREE, BlockState.CACHED)]
+            assert not busy, f"{pool.tier} blocks {busy} neither free nor cached once every request finished"
         assert set(self.finished) == self.all_ids, f"lost requests: {self.all_ids - set(self.finished)}"
         for rid, r in self.finished.items():
             if r.state is not S.FINISHED_ABORTED:

@@ -1,9 +1,12 @@
 """Eviction policies: the order in which a pool's CACHED blocks are evicted.
 
 A pool keeps its evictable (CACHED) blocks in one ``EvictionPolicy`` queue and never touches
-the queue's internals. To add a policy, write one module here with a class that satisfies
-``EvictionPolicy`` and add one line to ``POLICIES``; select it with ``CacheConfig.eviction``
-(``RunSpec.eviction``, ``--eviction``).
+the queue's internals. To add a policy, write one module here with a class and add one line to
+``POLICIES``; select it with ``CacheConfig.eviction`` (``RunSpec.eviction``, ``--eviction``).
+Most policies are a rank per block (``base.RankedQueue``: say which bucket a block used ``n``
+times goes to, as SGLang's priority keys do; ``lfu.py`` is a few lines);
+a policy of another shape implements ``EvictionPolicy`` itself (``lru.py``, the default, is a
+linked list, the fastest for one bucket).
 
 The leaves-first contract, which the prefix index relies on (see ``fastkv.cache.index``):
 matching walks a chain of keys from its root, so a child whose parent was evicted can never
@@ -18,9 +21,8 @@ because every hit on a child is also a hit on its parent.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from importlib import import_module
 from typing import Protocol, runtime_checkable
-
-from fastkv.cache.eviction import lfu, lru
 
 
 @runtime_checkable
@@ -61,9 +63,14 @@ class EvictionPolicy(Protocol):
     def check_integrity(self) -> None: ...
 
 
-POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
-    "lru": lru.LRUQueue,
-    "lfu": lfu.LFUQueue,
+def _policy(module: str, cls: str) -> Callable[[int], EvictionPolicy]:
+    return getattr(import_module(f"{__name__}.{module}"), cls)
+
+
+POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {  # one line per policy: name, module, class
+    "lru": _policy("lru", "LRUQueue"),
+    "lfu": _policy("lfu", "LFUQueue"),
+    "slru": _policy("slru", "SLRUQueue"),
 }
 
 

@@ -145,3 +145,28 @@ def test_a_write_back_in_flight_keeps_its_parent_on_the_host():
                                             0.001))
         check()
     sched.check_integrity()
+
+
+def test_a_child_whose_parent_is_lost_is_dropped_not_kept_stranded():
+    """Write-through, 7 device and 3 host blocks, no storage; parent P and child C reach the host
+    in separate plans, and P's copy fails. A loss may strand a child, but then the child goes
+    too: once the request is freed without caching, P is in no tier, and C, CACHED on the host,
+    is dropped at once instead of holding a block nothing can match (fastkv.cache.strands)."""
+    m = CacheManager(CacheConfig(num_device_blocks=7, num_host_blocks=3, block_size=BS,
+                                 policy=WritePolicy.WRITE_THROUGH))
+    a = [1, 2, 3, 4, 5]
+    m.test_chains = [a]
+    parent, child = m.keys_for(a)
+    m.allocate("a", a)
+    (p_copy,) = m.mark_computed("a", 2)
+    (c_copy,) = m.mark_computed("a", 4)  # a later plan than its parent's
+    m.complete(p_copy, False)  # P never reaches the host
+    m.complete(c_copy, True)
+    m.check_integrity()
+    assert child in m.host.lookup and parent not in m.host.lookup and parent in m.device.lookup
+    m.free("a", cache=False)  # P leaves its last tier
+    m.check_integrity()
+    assert parent not in m.device.lookup and child not in m.host.lookup
+    assert stranded(m) == []
+    assert m.explain_miss(np.array(a, np.int32)).cause is Cause.DROPPED
+    assert m.index.history[child][1] is Cause.STRANDED
