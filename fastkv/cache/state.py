@@ -357,6 +357,14 @@ class CacheState:
         """Report residency changes to ``log`` from now on (fastkv.cache.residency.watch)."""
         self.residency = log
 
+    def lose(self, key: bytes) -> None:
+        """``key`` left its last tier with children left (strands.note_lost)."""
+        self.lost.append(key)
+
+    def take_lost(self) -> list[bytes]:
+        lost, self.lost = self.lost, []
+        return lost
+
     def admit(self, req: CacheRecord) -> None:
         self.reqs[req.rid] = req
 

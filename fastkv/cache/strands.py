@@ -49,7 +49,7 @@ def note_lost(state: CacheState, key: bytes) -> None:
     """``key`` just left its last tier: its children, if any, are dropped at the end of the
     manager's operation (``settles``), not now: the operation may hold their block ids."""
     if key in state.device.kids or key in state.host.kids:
-        state.lost.append(key)
+        state.lose(key)
 
 
 def settles(method: Callable[..., T]) -> Callable[..., T]:
@@ -69,8 +69,7 @@ def drop_stranded(state: CacheState) -> None:
     are still in no tier: CACHED blocks go FREE, pinned or held ones once let go. A device block
     a request holds keeps its key (its table holds the parents too)."""
     dev, host = state.device, state.host
-    lost = {k for k in state.lost if not present(state, k)}
-    state.lost.clear()
+    lost = {k for k in state.take_lost() if not present(state, k)}
     while lost:
         dropped: list[tuple[bytes, Tier]] = []
         for pool, tier in ((dev, Tier.DEVICE), (host, Tier.HOST)):
