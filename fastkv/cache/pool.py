@@ -192,18 +192,18 @@ class BlockPool:
         return out
 
     # ------------------------------------------------------------------ handing out
-    def take(self, evicted: list[tuple[int, bytes]] | None = None) -> int:
+    def take(self, evicted: list[tuple[int, bytes]] | None = None) -> int | None:
         """Hand out a block with refcount 1: a FREE one, else evict the next CACHED victim.
 
-        An evicted block's ``(block, key)`` is appended to ``evicted``. Returns -1 when every
+        An evicted block's ``(block, key)`` is appended to ``evicted``. Returns None when every
         block is ALLOCATED or IN_FLIGHT.
         """
         if self.free:
             block = self.free.pop()
         else:
             block = self.evictable.popleft()
-            if block < 0:
-                return -1
+            if block is None:
+                return None
             k = self.key[block]
             if k in self.kids:  # a parent first in line: the slow path finds a leaf
                 self.evictable.append(block)
@@ -238,10 +238,10 @@ class BlockPool:
         self.num_allocated += n
         return blocks
 
-    def take_pinned(self, evicted: list[tuple[int, bytes]] | None = None) -> int:
-        """A block for a copy to write into: IN_FLIGHT with refcount 0. -1 when none."""
+    def take_pinned(self, evicted: list[tuple[int, bytes]] | None = None) -> int | None:
+        """A block for a copy to write into: IN_FLIGHT with refcount 0. None when none."""
         block = self.take(evicted)
-        if block >= 0:
+        if block is not None:
             self.ref[block] = 0
             self.num_allocated -= 1
             self.num_in_flight += 1
@@ -471,7 +471,7 @@ class BlockPool:
             raise ValueError(f"{self.tier} pool clear with {self.num_allocated} allocated and "
                              f"{self.num_in_flight} in-flight blocks")
         dropped = list(self.lookup)
-        while (block := self.evictable.popleft()) >= 0:
+        while (block := self.evictable.popleft()) is not None:
             self.key[block] = None
             if (pk := self.parent[block]) is not None:
                 self.unexpect([pk])  # what stays counted is what copies bring

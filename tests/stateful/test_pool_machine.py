@@ -50,12 +50,12 @@ class PoolMachine(RuleBasedStateMachine):
             evicted = (expect, self.key[expect])
             self.key[expect] = None
         else:
-            expect, evicted = -1, None
+            expect, evicted = None, None
         out = []
         got = self.pool.take_pinned(out) if pinned else self.pool.take(out)
         assert got == expect
         assert out == ([evicted] if evicted else [])
-        if got >= 0:
+        if got is not None:
             if pinned:
                 self.pins[got] = 1
             else:

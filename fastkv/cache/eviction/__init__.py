@@ -54,8 +54,8 @@ class EvictionPolicy(Protocol):
         """``block``'s contents are gone (it is FREE, or about to hold new contents): whatever
         the policy learned about it no longer applies. ``block`` is not queued."""
 
-    def popleft(self) -> int:
-        """Dequeue the next victim; -1 when empty."""
+    def popleft(self) -> int | None:
+        """Dequeue the next victim; None when empty."""
 
     def popleft_many(self, n: int) -> list[int]:
         """Dequeue the next ``n`` victims in order; ``n <= len(self)``."""

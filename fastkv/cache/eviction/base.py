@@ -89,9 +89,9 @@ class RankedQueue:
     def forget(self, block: int) -> None:
         self.uses[block] = 0
 
-    def popleft(self) -> int:
+    def popleft(self) -> int | None:
         if not self._len:
-            return -1
+            return None
         block = next(iter(self.buckets[self.low]))
         self._unqueue(block)
         self.uses[block] = 0  # evicted: its next contents start afresh

@@ -89,12 +89,12 @@ class LRUQueue:
     def forget(self, block: int) -> None:
         """LRU keeps nothing about a block once it leaves the queue."""
 
-    def popleft(self) -> int:
-        """Dequeue and return the least recently used block; -1 when empty."""
+    def popleft(self) -> int | None:
+        """Dequeue and return the least recently used block; None when empty."""
         nxt, prv, s = self.next, self.prev, self._sentinel
         block = nxt[s]
         if block == s:
-            return -1
+            return None
         after = nxt[block]
         nxt[s] = after
         prv[after] = s
@@ -128,10 +128,10 @@ class LRUQueue:
         self._len -= n
         return out
 
-    def peek(self) -> int:
-        """The least recently used block without dequeuing it; -1 when empty."""
+    def peek(self) -> int | None:
+        """The least recently used block without dequeuing it; None when empty."""
         block = self.next[self._sentinel]
-        return -1 if block == self._sentinel else block
+        return None if block == self._sentinel else block
 
     def __iter__(self) -> Iterator[int]:
         """Blocks from least to most recently used (for checks and tests, not hot paths)."""

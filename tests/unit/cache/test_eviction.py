@@ -12,7 +12,7 @@ from fastkv.cache.pool import BlockPool
 def test_policy_satisfies_the_protocol(name):
     q = make_policy(name, 4)
     assert isinstance(q, EvictionPolicy) and q.capacity == 4 and len(q) == 0
-    assert q.popleft() == -1
+    assert q.popleft() is None
     q.extend([2, 0])
     q.append(3)
     assert len(q) == 3 and 2 in q and 1 not in q and 99 not in q
@@ -66,7 +66,7 @@ def test_lfu_eviction_order_exact():
     assert q.popleft() == 0  # count 1, queued before 4
     q.forget(0)
     assert q.popleft_many(3) == [4, 1, 3]
-    assert q.popleft() == 2 and q.popleft() == -1
+    assert q.popleft() == 2 and q.popleft() is None
     q.append(2)  # evicted contents do not keep their count: 2 starts afresh
     q.append(0)
     assert list(q) == [2, 0]

@@ -18,7 +18,7 @@ def test_fifo_order_remove_and_touch():
 
 def test_popleft_many_and_empty():
     q = LRUQueue(5)
-    assert q.popleft() == -1 and q.peek() == -1
+    assert q.popleft() is None and q.peek() is None
     for b in range(5):
         q.append(b)
     assert q.popleft_many(3) == [0, 1, 2]
