@@ -144,12 +144,7 @@ class CudaSwapLib:
              num_host_blocks: int, src: np.ndarray, dst: np.ndarray, *, to_host: bool,
              dma_min_bytes: int = 2 << 20, sync: bool = True) -> None:
         """One fkv_cuda_swap call; pointers are ints (device pointers, a pinned host pointer)."""
-        src = np.ascontiguousarray(src, dtype=np.int32)
-        dst = np.ascontiguousarray(dst, dtype=np.int32)
-        if len(src) != len(dst) or len(dev_k) != len(dev_v):
-            raise ValueError(f"need equal lengths: {len(src)} src, {len(dst)} dst, {len(dev_k)} K, {len(dev_v)} V")
-        layers = len(dev_k)
-        k_arr, v_arr = (_P * layers)(*dev_k), (_P * len(dev_v))(*dev_v)
+        src, dst, k_arr, v_arr, layers = _swap_args(dev_k, dev_v, src, dst)
         self._call("fkv_cuda_swap", k_arr, v_arr, layers, host, page_bytes, num_dev_blocks, num_host_blocks,
                    src.ctypes.data, dst.ctypes.data, len(src), int(to_host), dma_min_bytes, None, int(sync))
 
@@ -158,12 +153,7 @@ class CudaSwapLib:
                     on_landed, dma_min_bytes: int = 2 << 20) -> None:
         """One fkv_cuda_swap_landed call (a SWAP_OUT): ``on_landed(pairs)`` gets each unit's pair
         indices (a list) once its bytes are in host memory."""
-        src = np.ascontiguousarray(src, dtype=np.int32)
-        dst = np.ascontiguousarray(dst, dtype=np.int32)
-        if len(src) != len(dst) or len(dev_k) != len(dev_v):
-            raise ValueError(f"need equal lengths: {len(src)} src, {len(dst)} dst, {len(dev_k)} K, {len(dev_v)} V")
-        layers = len(dev_k)
-        k_arr, v_arr = (_P * layers)(*dev_k), (_P * len(dev_v))(*dev_v)
+        src, dst, k_arr, v_arr, layers = _swap_args(dev_k, dev_v, src, dst)
         callback = LANDED_FN(lambda _ctx, pairs, count: on_landed([pairs[i] for i in range(count)]))
         self._call("fkv_cuda_swap_landed", k_arr, v_arr, layers, host, page_bytes, num_dev_blocks, num_host_blocks,
                    src.ctypes.data, dst.ctypes.data, len(src), dma_min_bytes, None, unit_bytes, callback, None)
@@ -186,3 +176,13 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _swap_args(dev_k: list[int], dev_v: list[int], src: np.ndarray, dst: np.ndarray) -> tuple:
+    """The block pairs as contiguous int32 arrays and the per-layer K and V pointer arrays."""
+    src = np.ascontiguousarray(src, dtype=np.int32)
+    dst = np.ascontiguousarray(dst, dtype=np.int32)
+    if len(src) != len(dst) or len(dev_k) != len(dev_v):
+        raise ValueError(f"need equal lengths: {len(src)} src, {len(dst)} dst, {len(dev_k)} K, {len(dev_v)} V")
+    layers = len(dev_k)
+    return src, dst, (_P * layers)(*dev_k), (_P * layers)(*dev_v), layers
