@@ -132,6 +132,7 @@ class TaskExecutor:
         self.checksum_mismatches = 0
         self.released_bytes = 0  # host tier memory given back by CLEAR with FREE
         self._storage_s = storage_time_model(spec)  # None: storage I/O at this machine's speed
+        self._closing = threading.Event()  # cuts a modelled storage wait short at close
         try:
             self._attach_device()
             self._attach_host()
@@ -186,6 +187,7 @@ class TaskExecutor:
 
     def close(self) -> None:
         """Closes the storage backend and drops this process's tier mappings."""
+        self._closing.set()
         self._close_store()
         self._drop_device()
         if self.host is not None:
@@ -329,7 +331,7 @@ class TaskExecutor:
             t0 = time.perf_counter()
             oks = move(plan.keys[p], host, ids[p])
             if self._storage_s is not None:  # the deployment's storage link: its time, waited out
-                time.sleep(max(0.0, t0 + self._storage_s(len(oks) * self.block_bytes) - time.perf_counter()))
+                self._closing.wait(max(0.0, t0 + self._storage_s(len(oks) * self.block_bytes) - time.perf_counter()))
             done.extend(oks)
             if load:  # sealed before a swap waiting for these blocks may read them
                 self._landed(ids[p].tolist(), oks)

@@ -92,26 +92,29 @@ def test_lfu_rejects_double_queue_and_bad_capacity():
         LFUQueue(-1)
 
 
+def hot_tokens_kept(eviction: str, num_device_blocks: int, colds: list[list[int]]) -> int:
+    """A hot prompt computed and freed twice, then a scan of one-off ``colds``: how many of the
+    hot prompt's tokens the device still matches."""
+    m = CacheManager(CacheConfig(num_device_blocks=num_device_blocks, block_size=2, eviction=eviction))
+    hot = [1, 2, 3, 4, 5]
+    for i in range(2):
+        a = m.allocate(f"hot{i}", hot)
+        m.mark_computed(f"hot{i}", len(hot))
+        m.free(f"hot{i}")
+        assert a.ready
+    for i, cold in enumerate(colds):
+        m.allocate(f"cold{i}", cold)
+        m.mark_computed(f"cold{i}", len(cold))
+        m.free(f"cold{i}")
+    m.check_integrity()
+    return m.match(hot).num_device_tokens
+
+
 def test_lfu_keeps_a_hot_prefix_that_lru_evicts():
     """One hot request hit twice, then a stream of one-off requests: LFU keeps the hot blocks,
     LRU evicts them (the oldest)."""
-    def run(eviction):
-        m = CacheManager(CacheConfig(num_device_blocks=4, block_size=2, eviction=eviction))
-        hot = [1, 2, 3, 4, 5]
-        for i in range(2):
-            a = m.allocate(f"hot{i}", hot)
-            m.mark_computed(f"hot{i}", len(hot))
-            m.free(f"hot{i}")
-            assert a.ready
-        for i in range(3):
-            cold = [100 + 10 * i, 101 + 10 * i, 102 + 10 * i]
-            m.allocate(f"cold{i}", cold)
-            m.mark_computed(f"cold{i}", len(cold))
-            m.free(f"cold{i}")
-        m.check_integrity()
-        return m.match(hot).num_device_tokens
-
-    assert run("lfu") == 4 and run("lru") == 0
+    colds = [[100 + 10 * i, 101 + 10 * i, 102 + 10 * i] for i in range(3)]
+    assert hot_tokens_kept("lfu", 4, colds) == 4 and hot_tokens_kept("lru", 4, colds) == 0
 
 
 def test_eviction_is_selected_by_name_and_checked():

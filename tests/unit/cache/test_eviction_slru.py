@@ -2,7 +2,7 @@
 oldest back to probation), and what it is for: a prefix hit before survives a scan of one-off
 prompts that LRU lets evict it. (The protocol and leaves-first contract: test_eviction.py.)"""
 from fastkv.cache.eviction.slru import SLRUQueue
-from fastkv.cache.manager import CacheConfig, CacheManager
+from tests.unit.cache.test_eviction import hot_tokens_kept
 
 
 def test_slru_evicts_probation_first_then_protected_oldest_first():
@@ -32,19 +32,5 @@ def test_a_full_protected_segment_sends_its_oldest_back_to_probation():
 
 
 def test_slru_keeps_a_prefix_hit_before_through_a_scan_that_lru_evicts():
-    def run(eviction):
-        m = CacheManager(CacheConfig(num_device_blocks=6, block_size=2, eviction=eviction))
-        hot = [1, 2, 3, 4, 5]
-        for i in range(2):
-            m.allocate(f"hot{i}", hot)
-            m.mark_computed(f"hot{i}", len(hot))
-            m.free(f"hot{i}")
-        for i in range(4):  # one-off prompts: two full blocks and a partial one each
-            cold = [100 + 10 * i + j for j in range(5)]
-            m.allocate(f"cold{i}", cold)
-            m.mark_computed(f"cold{i}", len(cold))
-            m.free(f"cold{i}")
-        m.check_integrity()
-        return m.match(hot).num_device_tokens
-
-    assert run("slru") == 4 and run("lru") == 0
+    colds = [[100 + 10 * i + j for j in range(5)] for i in range(4)]  # two full blocks and a partial one each
+    assert hot_tokens_kept("slru", 6, colds) == 4 and hot_tokens_kept("lru", 6, colds) == 0
