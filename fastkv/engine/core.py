@@ -175,9 +175,9 @@ class Engine:
         self._held: dict[str, list[int]] = {}  # tokens of requests that stopped, kept for their result's update
         self.overlapped_steps = 0  # steps sent while the one before was still running
         self.sync_plans = 0  # plans made after the step in flight because a preemption waited on it
-        # steps' wall time (each from its send, or from the output before it when that came later)
-        # and the time the workers reported for them (a cost model's modelled compute)
-        self.step_wall_s = self.step_worker_s = 0.0
+        # steps' wall time, each from its send, or from the output before it when that came later
+        # (the time the workers reported for them is gpu_clock.gpu_s)
+        self.step_wall_s = 0.0
         self._early: list[OutputMsg] = []  # outputs of later steps that came in one batch with an earlier one
         # add_request/abort from other threads: queued under this, taken by the driving thread
         self._cond = threading.Condition(threading.RLock())
@@ -459,19 +459,9 @@ class Engine:
             if out.plan.seqs:
                 self._idle = 0
                 self._send(out.plan)
-                self._submit(copies)
-            else:
-                self._submit(copies)
-                if self._release:  # idle: the workers forget the finished requests now, not at the next plan
-                    self._run(StepPlan(0, []))
-                elif self.transfer.pending:
-                    self._idle = 0
-                    self.gpu_clock.enter("copies")
-                    self._pump(self.spec.heartbeat_s if self.lookups is None
-                               else self.lookups.wait_s(self.spec.heartbeat_s))
-                elif self.sched.requests and not out.copies and not out.finished:
-                    self._idle += 1
-                    assert self._idle < _STALL_STEPS, f"scheduler stalled with no copy in flight: {self.sched.counts()}"
+            self._submit(copies)  # once the step is on its way
+            if not out.plan.seqs:
+                self._nothing_to_run(out)
         if self._overlaps():  # the next step goes out before this one's output is in
             out, copies = self._plan(results, overlap=True)
             if out.plan.seqs:
@@ -489,6 +479,18 @@ class Engine:
             self.cache.check_integrity()
         self.gpu_clock.enter("other")
         return results
+
+    def _nothing_to_run(self, out: Any) -> None:
+        """The plan has no step: tell the workers what finished, or wait for copies."""
+        if self._release:  # idle: the workers forget the finished requests now, not at the next plan
+            self._run(StepPlan(0, []))
+        elif self.transfer.pending:
+            self._idle = 0
+            self.gpu_clock.enter("copies")
+            self._pump(self.spec.heartbeat_s if self.lookups is None else self.lookups.wait_s(self.spec.heartbeat_s))
+        elif self.sched.requests and not out.copies and not out.finished:
+            self._idle += 1
+            assert self._idle < _STALL_STEPS, f"scheduler stalled with no copy in flight: {self.sched.counts()}"
 
     def _plan(self, results: list[RequestResult], overlap: bool = False) -> tuple[Any, list[CopyPlan]]:
         """The scheduler's next step and its copies (for ``_submit`` once the step is sent)."""
@@ -651,7 +653,6 @@ class Engine:
                 seen.append(self.weights_version)
         wall = now - max(sent, self._last_output)
         self.step_wall_s += wall
-        self.step_worker_s += out.seconds
         self.metrics.observe_step(wall, len(applied))
         self._last_output = now
 

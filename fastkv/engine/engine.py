@@ -175,7 +175,7 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         "async_scheduling": {"on": engine.async_scheduling, "overlapped_steps": engine.overlapped_steps,
                              "steps": engine.sched.stats.steps, "sync_plans": engine.sync_plans,
                              "step_wall_s": round(engine.step_wall_s, 4),
-                             "step_worker_s": round(engine.step_worker_s, 4)},
+                             "step_worker_s": round(engine.gpu_clock.gpu_s, 4)},
         # KV computed under older weights that a request read (the synthetic runner checks): must be 0
         "stale_hits": sum(sig[f"worker{r}.kv_stale_hits"] for r in ranks),
         # memory the weight updates gave back (free_memory_on_update), measured as each tier's resident bytes
