@@ -63,9 +63,11 @@ def workload() -> list[dict]:
 
 def spec(tp: int, out_dir, mode: str, storage_url: str = "", **kw) -> RunSpec:
     """20 device blocks of 4 tokens for 8 requests of up to 32: preemption under pressure.
-    Storage mode gets a small host tier, so host copies are evicted and resumes LOAD."""
+    Storage mode gets a small host tier, so host copies are evicted and resumes LOAD; recompute
+    mode none, so a preempted request recomputes whatever the timing of write-through copies
+    (with a host tier, its KV may still be there to hit)."""
     kw.setdefault("num_device_blocks", 20)
-    kw.setdefault("num_host_blocks", 8 if mode == "storage" else 48)
+    kw.setdefault("num_host_blocks", {"storage": 8, "recompute": 0}.get(mode, 48))
     return RunSpec(new_run_id(), layout(tp), storage_url=storage_url, runner="paddleformers:llama",
                    runner_options=OPTIONS, scheduler={"preemption": mode, "max_num_batched_tokens": 48},
                    heartbeat_s=0.2, out_dir=str(out_dir), slot_size=256, nslots=256, **kw)
