@@ -131,9 +131,13 @@ def restore(state: CacheState, request_id: object, reserve_tokens: int = 0) -> A
     n_full = min(req.num_computed // bs, len(req.keys))
     dev = state.device
     table: list[int | None] = [None] * n_blocks
+    # only the leading run of blocks still on the device is reused: a failed swap-in then has
+    # nothing but fresh blocks after it, and the recompute from there writes no shared block
     dget = dev.lookup.get
     for i in range(n_full):
-        table[i] = dget(req.keys[i])
+        if (b := dget(req.keys[i])) is None:
+            break
+        table[i] = b
     reused = [b for b in table if b is not None]
     cached = sum(1 for b in reused if dev.state[b] == _CACHED)
     if dev.num_available - cached - state.reservations.total < n_blocks - len(reused) + n_res:

@@ -487,3 +487,32 @@ def test_a_restore_that_failed_forgets_the_duplicates_of_the_table_before_its_of
     m.check_integrity()
     table = m.block_table("b").tolist()
     assert m.device.key[table[2]] is None, "a block keyed before its KV was computed"
+
+
+def test_a_restore_reuses_only_the_leading_blocks_still_on_the_device():
+    """An offloaded request whose first block left the device while later ones stayed (a reset
+    of the prefix cache evicts a parent whose children a copy in flight pins) is restored, and
+    the swap-in of its first block fails: it recomputes from the start. Reusing the later cached
+    blocks made that recompute write blocks other requests and copies read, and key them a
+    second time (a parent's child counted twice). Found by the scheduler machine's long run."""
+    m = mk(dev=8, host=8)
+    t = toks(1, 2, 3, 4)
+    m.allocate("a", t)
+    drain(m, m.mark_computed("a", len(t)))
+    (off,) = m.offload("a")
+    drain(m, [off])
+    keys = m.keys_for(t)
+    m.device.evict(m.device.lookup[keys[0]])  # its copy stays on the host: nothing is stranded
+    m.check_integrity()
+    later = [m.device.lookup[k] for k in keys[1:]]
+    r = m.restore("a")
+    assert not set(r.block_table) & set(later), "a block after one to swap in was reused"
+    assert r.num_cached_tokens == 0
+    (swap,) = r.plans
+    assert swap.kind is CopyKind.SWAP_IN and len(swap.dst) == 4
+    c = m.complete(swap, False)
+    assert c.ready[0].num_computed_tokens == 0
+    m.check_integrity()
+    drain(m, m.mark_computed("a", len(t)))
+    m.check_integrity()
+    assert [m.device.key[b] for b in m.block_table("a").tolist()] == keys
