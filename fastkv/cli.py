@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 from fastkv.cache.eviction import POLICIES
 from fastkv.compiled import NotBuilt
 from fastkv.config import KVLayout
+from fastkv.cpu_policy import CPU_POLICIES
 from fastkv.demo import PREEMPTION_MODES, ConversationConfig
 from fastkv.outdir import OutDir
 from fastkv.sched.config import SchedulerConfig
@@ -76,6 +77,8 @@ class JobConfig:
     eviction: str = "lru"  # the order cached blocks leave a tier: lru | lfu
     host_checksums: bool = True  # checksum host blocks (a corrupt one is recomputed, never served)
     async_scheduling: str = "on"  # "on": the engine sends step N+1 while the workers run step N; "off"
+    # "batch": the engine's wake-ups never preempt the worker that woke it (SCHED_BATCH); "normal"
+    engine_cpu_policy: str = "batch"
     runner: str = "synthetic"
     workload: str = "demo"  # demo | trace | trace:N | path to a workload.jsonl
     seed: int = 0
@@ -129,6 +132,9 @@ class JobConfig:
             raise ValueError(f"setting 'cache_policy' must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
         if self.async_scheduling not in ("on", "off"):
             raise ValueError(f"setting 'async_scheduling' must be 'on' or 'off', got {self.async_scheduling!r}")
+        if self.engine_cpu_policy not in CPU_POLICIES:
+            raise ValueError(f"setting 'engine_cpu_policy' must be one of {CPU_POLICIES}, "
+                             f"got {self.engine_cpu_policy!r}")
         if self.storage_write not in STORAGE_WRITES:
             raise ValueError(f"setting 'storage_write' must be one of {STORAGE_WRITES}, got {self.storage_write!r}")
         if self.eviction not in POLICIES:
@@ -381,6 +387,7 @@ class JobConfig:
             runner_options=self.full_runner_options(),
             cache_policy=self.cache_policy, storage_writes=self.storage_write, eviction=self.eviction,
             host_checksums=self.host_checksums, async_scheduling=self.async_scheduling == "on",
+            engine_cpu_policy=self.engine_cpu_policy,
             scheduler=dict(self.scheduler),
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
@@ -466,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
       "(the fewest), 'back' host blocks about to be evicted (one write per host eviction) (default through)")
     a("--async-scheduling", choices=("on", "off"), help="on (default): the engine plans and sends each step "
       "while the workers run the one before; off: one step at a time (outputs are the same)")
+    a("--engine-cpu-policy", choices=CPU_POLICIES, help="the engine thread's Linux scheduling policy: batch "
+      "(default: a worker's output wakes the engine without the engine preempting that worker) or normal")
     a("--eviction", choices=sorted(POLICIES), help="the order cached blocks leave a tier (default lru)")
     a("--runner", choices=RUNNERS, help="reference model runner (default synthetic)")
     a("--workload", help="demo | trace | trace:N | path to a workload.jsonl (default demo)")

@@ -58,6 +58,9 @@ class RunSpec:
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig keyword arguments
     # plan and send step N+1 while the workers run step N (fastkv.engine.core); False: one step at a time
     async_scheduling: bool = True
+    # the engine thread's Linux scheduling policy (fastkv.cpu_policy): "batch" keeps its
+    # wake-ups from preempting the worker that woke it; "normal" is the default SCHED_OTHER
+    engine_cpu_policy: str = "batch"
     ops_threads: int = 1  # CPU swap-op threads per transfer process
     host_checksums: bool = True  # checksum host blocks on arrival, check before they leave (a mismatch: recompute)
     heartbeat_s: float = 0.5  # each process beats at least this often

@@ -78,6 +78,7 @@ from fastkv.cli import (  # noqa: E402
     parse_entries,
     prepare,
 )
+from fastkv.cpu_policy import CPU_POLICIES  # noqa: E402
 from fastkv.demo import read_workload, write_workload  # noqa: E402
 from fastkv.engine.runners.cost_model import (  # noqa: E402
     DEPLOYMENTS,
@@ -282,6 +283,8 @@ def main() -> int:
     p.add_argument("--async-scheduling", choices=("on", "off", "both"), default="on",
                    help=f"the engine's async scheduling in every run; both: each mode also runs with it off "
                    f"(labelled MODE{SYNC}), interleaved (default on)")
+    p.add_argument("--engine-cpu-policy", choices=CPU_POLICIES, default="batch",
+                   help="as fastkv-supervisor (default batch)")
     args = p.parse_args()
     if args.verify and args.runner != "synthetic":
         p.error(f"--verify is the synthetic runner's; --runner {args.runner} has no byte checks to set")
@@ -312,6 +315,7 @@ def main() -> int:
                              cache_policy=args.cache_policy, storage=args.storage, storage_write=args.storage_write,
                              quick=args.quick or args.smoke,
                              async_scheduling="off" if args.async_scheduling == "off" else "on",
+                             engine_cpu_policy=args.engine_cpu_policy,
                              demo=SMOKE_DEMO if args.smoke else QUICK_E2E if args.quick else {}, workload=workload,
                              runner_options=options)
             num_requests, block_bytes = len(base.requests()), base.layout().block_bytes
@@ -378,6 +382,7 @@ def main() -> int:
         "recomputed_tokens": {m: max(d["recomputed_tokens"] for d in ds) for m, ds in runs.items()},
         # steps sent while the one before ran, the steps' wall time and the workers' (modelled) time
         "async_scheduling": {m: d.get("async_scheduling") for m, d in results.items()},
+        "engine_cpu_policy": {m: d.get("engine_cpu_policy") for m, d in results.items()},
         "outputs_identical": identical,
         "outputs_correct": correct,
         "verified": {m: d.get("verified") for m, d in results.items()},

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from fastkv.cpu_policy import apply as apply_cpu_policy
 from fastkv.demo import arrival_error, prompt_error
 from fastkv.engine.core import Engine, EngineError, EngineStopped, RequestRejected, RequestResult
 from fastkv.engine.decode import drive_decode
@@ -253,6 +254,7 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
     items = read_workload(workload_path)
     if spec.role == "prefill":  # it computes each prompt (and samples once) for a decode engine
         items = [it._replace(max_new_tokens=1) for it in items]
+    cpu_policy = apply_cpu_policy(spec.engine_cpu_policy)  # before Engine starts its threads: they inherit it
     engine = Engine.attach(spec, client_factory, check=check)
     results: list[RequestResult] = []
     timeline: list[list[float]] = [[0.0, 0, 0, 0]]
@@ -290,6 +292,7 @@ def serve_workload(spec: RunSpec, workload_path: str | Path, client_factory: Cal
             if status == "done" and any(r.state == "unfinished" for r in results):
                 status = "stopped"  # drive() returns early only on stop
             summary = summarize(engine, items, results, timeline, seconds, status)
+            summary["engine_cpu_policy"] = cpu_policy
             if engine.exporter is not None:  # a decode run following the file ends with it
                 engine.exporter.stream.end(status)
             handoff = engine.exporter.stats if engine.exporter is not None else engine.handoff_stats
