@@ -178,7 +178,7 @@ class Engine:
         # steps' wall time, each from its send, or from the output before it when that came later
         # (the time the workers reported for them is gpu_clock.gpu_s)
         self.step_wall_s = 0.0
-        self._early: list[OutputMsg] = []  # outputs of later steps that came in one batch with an earlier one
+        self._early: list[OutputMsg] = []  # outputs received, oldest first, not yet taken by _output
         # add_request/abort from other threads: queued under this, taken by the driving thread
         self._cond = threading.Condition(threading.RLock())
         self._incoming: list[tuple[Request, str]] = []
@@ -463,6 +463,7 @@ class Engine:
             if not out.plan.seqs:
                 self._nothing_to_run(out)
         if self._overlaps():  # the next step goes out before this one's output is in
+            self._await_lookups()
             out, copies = self._plan(results, overlap=True)
             if out.plan.seqs:
                 self._send(out.plan)
@@ -610,8 +611,7 @@ class Engine:
         """Block until rank 0's output of ``plan`` (the oldest in flight) arrives, handling
         copy completions meanwhile."""
         t0 = time.perf_counter()
-        out: OutputMsg | None = self._early.pop(0) if self._early else None
-        while out is None:
+        while not self._early:
             if timeout is not None and time.perf_counter() - t0 > timeout:
                 raise EngineError(f"no output for step {plan.step_id} within {timeout} s")
             msgs = self._recv(self.spec.heartbeat_s)
@@ -620,20 +620,34 @@ class Engine:
                 self._check_stop(f"step {plan.step_id} waited for the workers")
                 self.check_workers()
                 self._check_transfers()
-            for msg in msgs:
-                if isinstance(msg, DoneMsg):
-                    self._on_done(msg)
-                    continue
-                if msg.error:
-                    raise EngineError(f"{'weight update' if control else f'step {msg.step_id}'} failed: {msg.error}")
-                if msg.step_id and not control:
-                    self.gpu_clock.received(msg.seconds)
-                if out is not None:  # the next step's: it ran right after this one
-                    self._early.append(msg)
-                    continue
-                out = msg
+            self._take(msgs, control)
+        out = self._early.pop(0)
         assert out.step_id == plan.step_id, f"output of step {out.step_id} while step {plan.step_id} runs"
         return out
+
+    def _take(self, msgs: list[Any], control: bool = False) -> None:
+        """Copy completions are handled; step outputs are kept, in order, for ``_output``."""
+        for msg in msgs:
+            if isinstance(msg, DoneMsg):
+                self._on_done(msg)
+                continue
+            if msg.error:
+                raise EngineError(f"{'weight update' if control else f'step {msg.step_id}'} failed: {msg.error}")
+            if msg.step_id and not control:
+                self.gpu_clock.received(msg.seconds)
+            self._early.append(msg)
+
+    def _await_lookups(self) -> None:
+        """Async scheduling, before the next plan: while the step in flight runs, wait for the
+        storage lookups of the requests that just arrived, so that they join this plan and not
+        the one after it (a step later). Never past that step's output, nor past the lookups'
+        own deadline: the workers wait for none of it."""
+        lookups = self.lookups
+        if lookups is None or not lookups.blocked():
+            return
+        while not self._early and lookups.blocked() and (wait := lookups.wait_s(self.spec.heartbeat_s)) > 0:
+            self._take(self._recv(wait))
+        self._lookup_wave()
 
     def _apply(self, out: OutputMsg) -> None:
         """The oldest step in flight is done: its tokens go to the scheduler and the caller.

@@ -16,7 +16,9 @@ The scheduler never waits on a lookup. A parked request goes to the scheduler on
 lookup is answered, or ``timeout_s`` after it was parked, whichever comes first (it then
 goes with what is confirmed, never worse than without a lookup). Requests leave in the
 order they came, so FCFS holds: a late lookup delays the ones behind it, within the same
-bound. A failed LOOKUP (a rank down, storage unavailable) confirms nothing.
+bound. A failed LOOKUP (a rank down, storage unavailable) confirms nothing. With async
+scheduling the engine waits for a wave's answers before its next plan while the step in flight
+runs (``Engine._await_lookups``): the requests join that plan, not the one after it.
 """
 from __future__ import annotations
 
@@ -189,6 +191,10 @@ class StorageLookup:
             del self._by_id[p.req.request_id]
             out.append((p.req, p.aborted))
         return out
+
+    def blocked(self) -> bool:
+        """The head request waits for its answer (``release`` holds it and those behind it)."""
+        return bool(self._parked) and not self._parked[0].answered
 
     def wait_s(self, limit: float) -> float:
         """How long the engine may block for copies before the head request's deadline."""
