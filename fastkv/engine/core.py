@@ -178,7 +178,7 @@ class Engine:
         # steps' wall time, each from its send, or from the output before it when that came later
         # (the time the workers reported for them is gpu_clock.gpu_s)
         self.step_wall_s = 0.0
-        self._early: list[OutputMsg] = []  # outputs received, oldest first, not yet taken by _output
+        self._outputs: list[OutputMsg] = []  # outputs received, oldest first, not yet taken by _output
         # add_request/abort from other threads: queued under this, taken by the driving thread
         self._cond = threading.Condition(threading.RLock())
         self._incoming: list[tuple[Request, str]] = []
@@ -611,7 +611,7 @@ class Engine:
         """Block until rank 0's output of ``plan`` (the oldest in flight) arrives, handling
         copy completions meanwhile."""
         t0 = time.perf_counter()
-        while not self._early:
+        while not self._outputs:
             if timeout is not None and time.perf_counter() - t0 > timeout:
                 raise EngineError(f"no output for step {plan.step_id} within {timeout} s")
             msgs = self._recv(self.spec.heartbeat_s)
@@ -621,7 +621,7 @@ class Engine:
                 self.check_workers()
                 self._check_transfers()
             self._take(msgs, control)
-        out = self._early.pop(0)
+        out = self._outputs.pop(0)
         assert out.step_id == plan.step_id, f"output of step {out.step_id} while step {plan.step_id} runs"
         return out
 
@@ -635,7 +635,7 @@ class Engine:
                 raise EngineError(f"{'weight update' if control else f'step {msg.step_id}'} failed: {msg.error}")
             if msg.step_id and not control:
                 self.gpu_clock.received(msg.seconds)
-            self._early.append(msg)
+            self._outputs.append(msg)
 
     def _await_lookups(self) -> None:
         """Async scheduling, before the next plan: while the step in flight runs, wait for the
@@ -645,7 +645,8 @@ class Engine:
         lookups = self.lookups
         if lookups is None or not lookups.blocked():
             return
-        while not self._early and lookups.blocked() and (wait := lookups.wait_s(self.spec.heartbeat_s)) > 0:
+        while not self._outputs and lookups.blocked() and (wait := lookups.wait_s(self.spec.heartbeat_s)) > 0:
+            self.beat()
             self._take(self._recv(wait))
         self._lookup_wave()
 
