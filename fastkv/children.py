@@ -50,6 +50,19 @@ def _child_main(target: str, args: tuple, parent_pid: int, log_path: str, title:
     sys.exit(resolve(target)(*args))
 
 
+# Signals that ask a process to stop: a child they killed is not restarted
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+
+
+def last_line(path: Path) -> str:
+    """The last non-empty line of a log, or what stands in for it."""
+    try:
+        lines = path.read_text(errors="replace").rstrip().splitlines()
+    except FileNotFoundError:
+        return "(no log)"
+    return lines[-1].strip() if lines else "(empty log)"
+
+
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"

@@ -48,9 +48,10 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from fastkv.children import Child, _child_main, describe_exit
+from fastkv.children import STOP_SIGNALS, Child, _child_main, describe_exit, last_line
 from fastkv.ipc import Namespace, SignalArray, cleanup_stale
 from fastkv.ipc.namespace import SHM_DIR
+from fastkv.ipc.semwait import clear_stop, raise_stop
 from fastkv.run import READY, STARTING, RunSpec, create_run
 
 TRANSFER = "fastkv.transfer.process:main"  # main(spec_json, rank) -> int
@@ -59,16 +60,14 @@ DEVICE_TIERS = ("auto", "launch", "worker")
 _READY_SLICE_S = 0.05
 
 
+# multiprocessing's spawn imports the serving script again in every child it starts: a launch()
+# at the script's top level would run again there
+SPAWN_TRAP = ('the serving script calls launch() when imported; put the code that launches under '
+              '`if __name__ == "__main__":` (every process fastkv starts imports the script again)')
+
+
 class LaunchError(RuntimeError):
     """The run could not be set up or started (one line: what, where, why)."""
-
-
-def last_line(path: Path) -> str:
-    try:
-        lines = path.read_text(errors="replace").rstrip().splitlines()
-    except FileNotFoundError:
-        return "(no log)"
-    return lines[-1].strip() if lines else "(empty log)"
 
 
 @contextmanager
@@ -98,6 +97,9 @@ class Launch:
                  say: Callable[[str], None] | None = None, mp_context: Any = None) -> None:
         if not isinstance(spec, RunSpec):
             raise TypeError(f"spec must be a RunSpec, got {type(spec).__name__}")
+        if getattr(mp.current_process(), "_inheriting", False):
+            # a spawned child importing the serving script again: a traceback here would say nothing
+            raise SystemExit(f"fastkv: {SPAWN_TRAP}")
         if device_tiers not in DEVICE_TIERS:
             raise ValueError(f"device_tiers must be one of {DEVICE_TIERS}, got {device_tiers!r}")
         if max_restarts < 0 or startup_timeout_s <= 0 or join_timeout_s <= 0:
@@ -171,6 +173,9 @@ class Launch:
         child = Child(name, role, rank, proc, time.monotonic_ns(), old.restarts if old else 0)
         self.children[name] = child
         proc.start()
+        if role == "worker" and self.signals is not None and f"{name}.pid" in self.signals.names:
+            # the engine watches this pid from now on: a worker that dies before it attaches is seen too
+            self.signals[f"{name}.pid"] = proc.pid
         return child
 
     def start_transfers(self, wait: bool = True) -> None:
@@ -207,7 +212,10 @@ class Launch:
         """One line: which process died, how, and the last line of its log."""
         log = self.log_dir / f"{child.name}.log"
         what = f"{child.name} (rank {child.rank}, pid {child.process.pid})"
-        return f"{what} {describe_exit(child.process.exitcode)} {when}".rstrip() + f"; {log}: {last_line(log)}"
+        line = f"{what} {describe_exit(child.process.exitcode)} {when}".rstrip() + f"; {log}: {last_line(log)}"
+        if not log.exists():  # it died before its entry point ran, most often re-importing the script
+            line += f"; it never reached its entry point: if {SPAWN_TRAP.removeprefix('the serving script ')}"
+        return line
 
     # -- watching ----------------------------------------------------------------------
     def restart_transfer(self, child: Child, why: str) -> Child:
@@ -262,12 +270,23 @@ class Launch:
                     child.process.join()
                 if child.process.exitcode == 0:  # the engine closed its end: a clean finish, not a death
                     continue
-                if child.restarts >= self.max_restarts:
-                    self.failure = self.death(child, f"after {child.restarts} restarts")
+                # a stop signal (a group SIGTERM from systemd, a pod stop, `timeout`) is obeyed, not repaired
+                stopped = -(child.process.exitcode or 0) in STOP_SIGNALS
+                if stopped or child.restarts >= self.max_restarts:
+                    self.stop(self.death(child, "(a stop signal: not restarted)" if stopped
+                                         else f"after {child.restarts} restarts"))
                     self.say(self.failure)
-                    self.signals["stop"] = 1
                     break
                 self.restart_transfer(child, why)
+
+    def stop(self, reason: str) -> None:
+        """Ends the run from any thread or signal handler: ``stop`` is set, so the engine raises
+        ``EngineStopped`` at its next wait (within ``spec.heartbeat_s``) and every process exits;
+        ``failure`` says why. For a server with its own SIGTERM handler (``handle_signals=False``)."""
+        if self.failure is None:  # nothing printed: a signal handler may interrupt a print
+            self.failure = reason
+        if self.signals is not None:
+            self.signals["stop"] = 1
 
     # -- teardown ----------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -345,7 +364,9 @@ def launch(spec: RunSpec, *, start_transfers: bool | None = None, watch: bool = 
     old = None
     if handle_signals and threading.current_thread() is threading.main_thread():
         def stop(signum: int, _frame: Any) -> None:
-            raise SystemExit(f"fastkv: stopped by {signal.Signals(signum).name}")
+            why = f"stopped by {signal.Signals(signum).name}"
+            run.stop(why)  # an engine driven from another thread stops too
+            raise_stop(SystemExit(f"fastkv: {why}"))
 
         old = signal.signal(signal.SIGTERM, stop)
     try:
@@ -357,6 +378,7 @@ def launch(spec: RunSpec, *, start_transfers: bool | None = None, watch: bool = 
             run.watch()
         yield run
     finally:
+        clear_stop()  # the stop, if any, has unwound to here
         try:
             run.close()
         finally:

@@ -30,6 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastkv.cache.keys import ExtraKeys
@@ -37,7 +38,8 @@ from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import ClearTask, CopyKind, CopyPlan
 from fastkv.cache.write_policy import StorageWrites
 from fastkv.cache.write_policy import WritePolicy as CachePolicy
-from fastkv.engine import protocol
+from fastkv.children import describe_exit, last_line
+from fastkv.engine import health, protocol
 from fastkv.engine.handoff import Exporter, HandoffStats
 from fastkv.engine.lookup import StorageLookup
 from fastkv.engine.sampling import Sampling, request_params
@@ -53,6 +55,7 @@ from fastkv.ipc import (
     PlanMsg,
     pid_alive,
 )
+from fastkv.ipc.peers import exit_status, wait_exit
 from fastkv.metrics import EngineMetrics
 from fastkv.run import EngineEnds, RunSpec, attach_engine
 from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig, WeightUpdate
@@ -141,6 +144,8 @@ class Engine:
         self.ends = ends
         self.cache = CacheManager(cache_config(spec))
         self.sched = Scheduler(self.cache, scheduler_config(spec))
+        if self.sched.config.preemption is PreemptionMode.STORAGE and not spec.storage_url:
+            raise ValueError("RunSpec.scheduler: preemption 'storage' needs a storage tier (RunSpec.storage_url)")
         if client_factory is None:
             from fastkv.transfer.client import TransferClient as client_factory
         self.transfer = client_factory(ends, spec)
@@ -158,7 +163,7 @@ class Engine:
         if spec.storage_url:  # a LOOKUP's keys take at most a quarter of the task ring
             self.lookups = StorageLookup(self.cache, spec.storage_lookup_timeout_s,
                                          spec.slot_size * spec.nslots // (4 * 40))
-        self.check = check  # check_integrity of scheduler and cache after every step (tests)
+        self.checking = check  # check() after every step (tests)
         self.gpu_clock = GpuClock()  # where the wall goes, from the GPU's side (summary gpu_busy)
         self._broadcast = Broadcast(ends.plans)
         self._sig = ends.signals
@@ -293,6 +298,8 @@ class Engine:
                 raise ValueError(f"prompt {len(tokens)} + max_new_tokens {max_new_tokens} = {need} tokens exceed "
                                  f"max_model_len {cap} ({cap // bs} device blocks of {bs} tokens)")
             mode = None if preemption is None else _enum(PreemptionMode, preemption)
+            if mode is PreemptionMode.STORAGE and not self.spec.storage_url:
+                raise ValueError("preemption 'storage' needs a storage tier (RunSpec.storage_url)")
             # Prefix caching off: keys salted per request, so only its own KV (after a preemption) hits.
             extra = None if self.spec.enable_prefix_caching else ExtraKeys(tenant_salt=f"{self.spec.run_id}/{rid}")
             req = Request(rid, tokens, max_new_tokens, eos_token_id=eos_token_id,
@@ -409,11 +416,14 @@ class Engine:
 
     def wait_for_work(self, timeout: float) -> bool:
         """The driving thread, with nothing to do: block until another thread adds or aborts a
-        request, or ``timeout`` s pass; returns ``has_work()``."""
+        request, or ``timeout`` s pass; returns ``has_work()``. EngineStopped once the run's
+        ``stop`` is set (a signal, ``Launch.stop``, a transfer process that cannot go on)."""
         self.beat()
         with self._cond:
-            self._cond.wait_for(lambda: self._incoming or self._aborts, timeout)
+            self._cond.wait_for(lambda: self._incoming or self._aborts or self._sig["stop"],
+                                min(timeout, self.spec.heartbeat_s))
         self.beat()
+        self._check_stop("waiting for work")
         return self.has_work()
 
     # ================================================================== the loop
@@ -445,6 +455,7 @@ class Engine:
     def _step(self) -> list[RequestResult]:
         self.gpu_clock.enter("schedule")
         self.beat()
+        self._check_stop("between steps")  # a busy engine's waits never time out to look
         if time.monotonic() - self._last_check >= self.spec.heartbeat_s:
             self.check_workers()
         self._check_transfers()  # cheap when nothing is due; adopts restarted transfer processes
@@ -475,9 +486,8 @@ class Engine:
             results += [self._result(r) for r in self.sched.take_finished()]  # with their last token
         if self.events is not None:
             self.events.flush()
-        if self.check:
-            self.sched.check_integrity()
-            self.cache.check_integrity()
+        if self.checking:
+            self.check()
         self.gpu_clock.enter("other")
         return results
 
@@ -525,9 +535,11 @@ class Engine:
         self.gpu_clock.enter("other")
 
     # ================================================================== control
-    def update_weights(self, version: str, *, free_memory: bool = False) -> list[RequestResult]:
-        """Switch the deployment to the weights ``version`` (RL: many times an hour); returns
-        the requests that finished meanwhile. Admission pauses; running requests are
+    def update_weights(self, version: str, *, free_memory: bool = False) -> StepUpdate:
+        """Switch the deployment to the weights ``version`` (RL: many times an hour). Returns
+        what the steps it ran to drain produced, as one ``StepUpdate``: the tokens they sampled
+        and the requests that finished meanwhile; a streaming caller handles it like any
+        ``step_stream()`` update, or those tokens and results are never streamed. Admission pauses; running requests are
         preempted (their KV belongs to the old weights: they re-prefill under the new ones)
         and copies in flight finish; then every transfer rank clears (acks, no barrier: a
         rank's CLEAR ack means its earlier copies are done), the workers load ``version``
@@ -541,17 +553,20 @@ class Engine:
             raise ValueError(f"weights version {version!r} is empty or the one in use")
         self.sched.begin_weight_update(drain=False)
         self._free_memory = bool(free_memory)
-        results: list[RequestResult] = []
+        drained = StepUpdate({}, [])
         try:
             while self.sched.weight_update_state is not WeightUpdate.READY:
-                results += self.step()
+                update = self.step_stream()
+                for rid, tokens in update.tokens.items():
+                    drained.tokens.setdefault(rid, []).extend(tokens)
+                drained.finished.extend(update.finished)
         finally:
             self._free_memory = False
         self._run(StepPlan(0, []), control=protocol.load_weights_msg(version, free_memory))
         self.sched.finish_weight_update(version)  # RESTORE goes out with the next step's copies
         self.weights_version = version
         self.weight_updates += 1
-        return results
+        return drained
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block, in every tier, that no request holds (vLLM's call):
@@ -601,6 +616,8 @@ class Engine:
         try:
             self._broadcast.send(control or protocol.plan_to_msg(plan, self._release, new),
                                  timeout=self.spec.dead_after_s)
+        except ChannelClosed as exc:  # a worker let go of its plans: it is on its way out
+            raise EngineError(self._worker_left(exc)) from exc
         except (PeerDied, PeerTimeout) as exc:
             raise EngineError(f"cannot send step {plan.step_id}: {exc}") from exc
         if control is None:
@@ -683,7 +700,13 @@ class Engine:
     def _recv(self, timeout: float) -> list[Any]:
         try:
             return self.ends.inbox.recv_many(256, timeout)
+        except ChannelClosed as exc:
+            if exc.role != "worker":
+                raise
+            raise EngineError(self._worker_left(exc)) from exc
         except PeerDied as exc:
+            if exc.role == "worker":
+                raise EngineError(self._worker_gone(exc.rank, exc.pid)) from exc
             if exc.role != "transfer":
                 raise EngineError(f"{exc.role}[{exc.rank}] pid {exc.pid} died: {exc}") from exc
             # Its tasks fail (their requests recompute); the client takes its done channel out
@@ -729,12 +752,48 @@ class Engine:
             raise EngineStopped(f"stop requested while {where}")
 
     def check_workers(self) -> None:
-        """EngineError if a worker process is gone (a rank > 0 has no output channel to say so)."""
+        """EngineError if a worker process is gone (a rank > 0 has no output channel to say so),
+        naming it, how it ended and its log's last line. ``fastkv.launch`` records a worker's
+        pid when it spawns it, so one that dies before it attaches is seen too."""
         self._last_check = time.monotonic()
         for r in range(self.spec.tp_size):
             pid = self._sig[f"worker{r}.pid"]
             if pid and not pid_alive(pid):
-                raise EngineError(f"worker{r} pid {pid} died")
+                raise EngineError(self._worker_gone(r, pid))
+
+    def _worker_left(self, exc: ChannelClosed) -> str:
+        """A worker closed its end of a channel (it failed and is exiting): how it ended, once it
+        has (at most ``dead_after_s`` later)."""
+        if exc.role != "worker" or not exc.pid:
+            return str(exc)
+        if not wait_exit(exc.pid, self.spec.dead_after_s):
+            return f"worker{exc.rank} (rank {exc.rank}, pid {exc.pid}) closed its channels and still runs"
+        return self._worker_gone(exc.rank, exc.pid)
+
+    def _worker_gone(self, rank: int, pid: int) -> str:
+        code = exit_status(pid)  # known while the process is a zombie of ours (fastkv.launch)
+        log = Path(self.spec.out_dir) / "logs" / f"worker{rank}.log"
+        return (f"worker{rank} (rank {rank}, pid {pid}) {'died' if code is None else describe_exit(code)}; "
+                f"{log}: {last_line(log)}")
+
+    # ================================================================== health
+    def health(self) -> dict[str, Any]:
+        """What the engine holds and has done, now: ``blocks`` per tier (``device``, ``host``)
+        and state (``free``, ``allocated``, ``cached``, ``in_flight``), ``requests`` per state
+        (``queued``, ``waiting``, ``loading``, ``running``, ``offloading``, ``offloaded``: the
+        unfinished ones), ``copies_in_flight``, ``weights_version`` and ``counters``, the run's
+        counters as summary.json has them (docs/FORMATS.md). Call it from the thread that
+        drives the engine, between steps."""
+        with self._cond:
+            queued = len(self._incoming)
+        return health.snapshot(self, queued + (len(self.lookups.requests()) if self.lookups is not None else 0))
+
+    def check(self) -> None:
+        """AssertionError naming the first broken invariant of the scheduler or the cache (every
+        block's owner, state and tier agree; nothing held that no request or copy holds). From
+        the driving thread, between steps."""
+        self.sched.check_integrity()
+        self.cache.check_integrity()
 
     # ================================================================== results
     def _result(self, req: Request) -> RequestResult:

@@ -21,6 +21,7 @@ from typing import Any
 import posix_ipc
 
 from fastkv.ipc.peers import pid_alive, start_time
+from fastkv.ipc.semwait import acquire
 from fastkv.run import handoff_sem
 
 
@@ -96,11 +97,7 @@ class Follower:
 
     def _posted(self, timeout: float) -> bool:
         """The prefill side posted within ``timeout`` (False: it timed out, a time to check on it)."""
-        try:
-            self._sem.acquire(timeout)
-        except posix_ipc.BusyError:
-            return False
-        return True
+        return acquire(self._sem, timeout)
 
     def wait(self, timeout: float) -> str | None:
         """Block until the prefill side appends (or ``timeout``); None, or on a timeout after

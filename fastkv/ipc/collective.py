@@ -35,6 +35,8 @@ from collections.abc import Callable
 import numpy as np
 import posix_ipc
 
+from fastkv.ipc.semwait import acquire
+
 MAGIC = 0x31_4C_4C_4F_43_56_4B_46  # b"FKVCOLL1" little endian
 HEADER = 64
 _HDR = struct.Struct("<QIIQ")
@@ -168,12 +170,10 @@ class ShmCollective:
             if left <= 0:
                 raise TimeoutError(f"collective {self.prefix}: rank {self.rank} waited {self.timeout_s:.0f}s for "
                                    f"rank {j} (round {self._round - 1})")
-            try:
-                self._sems[j, self.rank].acquire(min(self.slice_s, left))
+            if acquire(self._sems[j, self.rank], min(self.slice_s, left)):
                 return
-            except posix_ipc.BusyError:
-                if self.check is not None:
-                    self.check(j)
+            if self.check is not None:
+                self.check(j)
 
     def all_gather(self, arr: np.ndarray) -> list[np.ndarray]:
         """Every rank's ``arr`` (same shape and dtype on all ranks), in rank order."""

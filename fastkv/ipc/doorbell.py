@@ -52,6 +52,7 @@ import posix_ipc
 
 from fastkv.ipc.namespace import Namespace
 from fastkv.ipc.native import A
+from fastkv.ipc.semwait import acquire
 
 MAGIC = int.from_bytes(b"FKVBELL1", "little")
 SIZE = 64
@@ -172,11 +173,7 @@ class Doorbell:
                     if check is not None and timeout:
                         check()
                     return False
-            try:
-                self._sem.acquire(slice_s)
-            except (posix_ipc.BusyError, posix_ipc.SignalError):
-                # a timed-out slice, or EINTR after a signal whose Python handler returned
-                # normally (a raising handler propagates instead): look again
+            if not acquire(self._sem, slice_s):  # a timed-out slice, or a signal: look again
                 A.store(flag, 0)
                 if check is not None:
                     check()

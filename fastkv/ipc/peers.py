@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 from typing import NamedTuple
 
@@ -49,6 +50,30 @@ def pid_alive(pid: int, started: int = 0) -> bool:
     if fields is None or fields[0] in ("Z", "X", "x"):
         return False
     return not started or int(fields[19]) == started
+
+
+def exit_status(pid: int) -> int | None:
+    """How ``pid`` ended while it is a zombie (its parent has not reaped it yet), as
+    multiprocessing says it: the exit code, or minus the signal that killed it; else None."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] != "Z" or len(fields) < 50:
+        return None
+    status = int(fields[49])  # field 52, exit_code: the status waitpid() would report
+    return -(status & 0x7F) if status & 0x7F else status >> 8
+
+
+def wait_exit(pid: int, timeout: float) -> bool:
+    """Block until ``pid`` has ended (exited or a zombie), at most ``timeout`` s, on its pidfd:
+    no polling. True when it has."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        ended, _, _ = select.select([fd], [], [], timeout)
+        return bool(ended)
+    finally:
+        os.close(fd)
 
 
 class Peer(NamedTuple):
