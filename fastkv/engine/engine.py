@@ -32,8 +32,9 @@ from fastkv.cpu_policy import apply as apply_cpu_policy
 from fastkv.demo import arrival_error, prompt_error
 from fastkv.engine.core import Engine, EngineError, EngineStopped, RequestRejected, RequestResult
 from fastkv.engine.decode import drive_decode
+from fastkv.engine.health import counters
 from fastkv.engine.timeline import Timeline, point
-from fastkv.run import EXITING, READY, VERIFY_COUNTERS, RunSpec
+from fastkv.run import EXITING, READY, RunSpec
 
 MODES = ("recompute", "offload", "storage", "auto")
 
@@ -106,7 +107,7 @@ def drive(engine: Engine, items: list[WorkItem], results: list[RequestResult], t
             break  # the last arrivals were rejected
         results += done
         while updates and sum(r.state == "finished" for r in results) >= updates[0][0]:
-            results += engine.update_weights(updates.pop(0)[1], free_memory=spec.free_memory_on_update)
+            results += engine.update_weights(updates.pop(0)[1], free_memory=spec.free_memory_on_update).finished
         samples.sample(engine, len(results), force=bool(done))
     engine.check_workers()  # a rank that died after its last step must not pass for a clean run
 
@@ -124,8 +125,6 @@ def complete(items: list[WorkItem], results: list[RequestResult]) -> list[Reques
 def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult], timeline: list,
               seconds: float, status: str = "done") -> dict[str, Any]:
     generated = sum(len(r.output) for r in results)
-    sig, ranks = engine.ends.signals, range(engine.spec.tp_size)
-    gpu = engine.gpu_clock.summary(gpu_byte_work_s(engine.spec, sig))
     return {
         "status": status,
         "states": _states(results),
@@ -136,68 +135,9 @@ def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult
         "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
         # when the last token was sampled: what comes after is write-behind copies draining
         "last_token_s": next((row[0] for row in timeline if row[2] >= generated), seconds),
-        **engine.metrics.summary(),
-        # modelled GPU seconds / wall seconds from the first step to the last, and where the
-        # rest went (fastkv.engine.timeline.GpuClock)
-        "gpu_busy": gpu["gpu_busy"],
-        "gpu_time": gpu["gpu_time"],
-        # Storage faults (a tier that fails mid-run degrades to recompute; these say how much).
-        "storage_errors": engine.ends.signals["storage.errors"],
-        "corrupt_values": engine.ends.signals["storage.corrupt"],
-        "recomputed_because_storage": engine.cache.stats.storage_lost_tokens,
-        # device blocks computed or loaded again while another copy of the same prefix block was there
-        "duplicate_blocks": engine.cache.stats.duplicate_blocks,
-        # host copies not made when due for want of a free host block, those of them made later,
-        # and host evictions of blocks the storage tier does not hold: what a shared store misses
-        "host_copies_skipped": engine.cache.stats.skipped_copies,
-        "host_copies_made_late": engine.cache.stats.late_copies,
-        # running requests that let go of their hold on their host copies for a write-back, an
-        # offload or a load (a host tier too small for them: fastkv.cache.tiering.make_host_room)
-        "host_chain_spills": engine.cache.stats.chain_spills,
-        "unstored_host_evictions": engine.cache.stats.unstored_host_evictions,
-        # blocks written to the storage tier, and those a write policy wanted stored but skipped
-        # because the storage tier was behind (fastkv.cache.storage_writes): never a stalled step
-        "storage_blocks_stored": engine.cache.stats.store_blocks,
-        "storage_blocks_skipped": engine.cache.stats.skipped_stores,
-        # what the shared store was asked at admission and what it confirmed (fastkv.engine.lookup)
-        "storage_lookup": {} if engine.lookups is None else {
-            **engine.lookups.stats.to_json(),
-            "bytes_loaded": engine.cache.stats.load_blocks * engine.spec.layout.block_bytes * engine.spec.tp_size,
-            "blocks_loaded": engine.cache.stats.load_blocks,
-            "loads_joined": engine.cache.stats.joined_load_blocks},  # blocks taken from another's LOAD
-        # what the workers' runners verified (summed over ranks; requests: each rank checks the
-        # same requests, so the most any rank checked); a mismatch fails the run
-        "verified": {c: (max if c == "kv_requests_verified" else sum)(sig[f"worker{r}.{c}"] for r in ranks)
-                     for c in VERIFY_COUNTERS},
-        "runner": engine.spec.runner, "tp": engine.spec.tp_size, "role": engine.spec.role,
-        "host_checksum_mismatches": sum(sig[f"transfer{r}.host_checksum_mismatches"] for r in ranks),
-        "weight_updates": engine.weight_updates,
-        # steps planned and sent while the one before ran (async scheduling; 0 when off)
-        "async_scheduling": {"on": engine.async_scheduling, "overlapped_steps": engine.overlapped_steps,
-                             "steps": engine.sched.stats.steps, "sync_plans": engine.sync_plans,
-                             "step_wall_s": round(engine.step_wall_s, 4),
-                             "step_worker_s": round(engine.gpu_clock.gpu_s, 4)},
-        # KV computed under older weights that a request read (the synthetic runner checks): must be 0
-        "stale_hits": sum(sig[f"worker{r}.kv_stale_hits"] for r in ranks),
-        # memory the weight updates gave back (free_memory_on_update), measured as each tier's resident bytes
-        "released_bytes": {"device": sum(sig[f"worker{r}.released_bytes"] for r in ranks),
-                           "host": sum(sig[f"transfer{r}.released_bytes"] for r in ranks)},
-        # KV events (fastkv.events): batches, those dropped from the live stream, replays served;
-        # the namespace fingerprint a router derives block keys from (fastkv.routing.block_hashes)
-        "kv_events": {} if engine.events is None else {
-            **engine.events.stats(), "namespace": engine.cache.namespace.fingerprint.hex(),
-            "resident": engine.events.resident()},
+        **counters(engine),
         "timeline": timeline,
     }
-
-
-def gpu_byte_work_s(spec: RunSpec, sig: Any) -> float:
-    """Under a cost model, the synthetic runner's own byte work (``synthetic_us``, mean over
-    ranks: they do theirs side by side) stands for GPU work inside a step, outside the modelled
-    time a step reports. Without one, a step's reported time already includes it."""
-    if not spec.runner_options.get("cost_model"):
-        return 0.0
-    return sum(sig[f"worker{r}.synthetic_us"] for r in range(spec.tp_size)) / spec.tp_size / 1e6
 
 
 def _states(results: list[RequestResult]) -> dict[str, int]:

@@ -90,7 +90,8 @@ class WorkerPort:
         self.beat()
         self._known: dict[str, tuple[str, Sampling]] = {}  # wire id -> the caller's id, its sampling
         self._coll: ShmCollective | None = None
-        if spec.tp_size > 1 and agree:
+        self._agree = agree
+        if spec.tp_size > 1:
             from fastkv.engine.worker import _check_peer
 
             self._coll = ShmCollective.attach(collective_prefix(spec), rank, timeout_s=spec.task_timeout_s,
@@ -158,7 +159,7 @@ class WorkerPort:
         if plan.seqs and not error:  # the next plan's placeholders are these tokens
             by_caller = {self._known[w][0]: w for w in msg.request_ids}
             self._last = {by_caller[i]: int(t) for i, t in (sampled or {}).items() if i in by_caller}
-        if self._coll is not None:
+        if self._coll is not None and self._agree:
             from fastkv.engine.worker import _agree
 
             try:
@@ -186,6 +187,23 @@ class WorkerPort:
             return
         except PeerDied as exc:
             raise EngineDied(f"{self.me}: {exc}") from None
+
+    # -- the tensor-parallel group's collective ---------------------------------------------
+    def all_gather(self, arr: np.ndarray) -> list[np.ndarray]:
+        """Every rank's ``arr`` (same shape and dtype on every rank), in rank order: fastkv's
+        ``ShmCollective`` over shared memory, for a worker without a collective of its own (its
+        own NCCL is faster on a GPU). Every rank calls the collectives in the same order (and
+        ``answer`` is one too); a dead peer or a stop raises TimeoutError. At tp 1, ``[arr]``."""
+        if self._coll is None:
+            return [np.array(arr)]
+        return self._coll.all_gather(arr)
+
+    def all_reduce_sum(self, arr: np.ndarray) -> np.ndarray:
+        """The sum of every rank's ``arr``, the same bits on every rank (added in rank order):
+        a row-parallel layer's partial sums. At tp 1, a copy of ``arr``."""
+        if self._coll is None:
+            return np.array(arr)
+        return self._coll.all_reduce_sum(arr)
 
     def close(self) -> None:
         self.signals[f"{self.me}.ready"] = EXITING

@@ -43,7 +43,7 @@ def test_twenty_weight_updates_in_a_row_under_load(tmp_path):
                     results += engine.step()
                 if len(versions) <= 20:
                     free = len(versions) % 2 == 0
-                    results += engine.update_weights(f"v{len(versions)}", free_memory=free)
+                    results += engine.update_weights(f"v{len(versions)}", free_memory=free).finished
                     versions.append(f"v{len(versions)}")
                     if free:  # measured before the next step writes anything
                         low.append(max(resident_bytes(device_tier_name(s.tier_prefix, r)) +

@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 from fastkv import metrics, report
-from fastkv.engine import engine
+from fastkv.engine import engine, health
 from fastkv.engine.core import RequestResult
 from fastkv.engine.handoff import HandoffStats
 from fastkv.engine.lookup import LookupStats
@@ -60,7 +60,7 @@ def _dict_keys(fn, name: str | None = None) -> set[str]:
 
 def test_summary_keys_match_the_engine():
     doc = documented("summary.json")
-    written = (_dict_keys(engine.summarize) | _dict_keys(metrics.EngineMetrics.summary)
+    written = (_dict_keys(engine.summarize) | _dict_keys(health.counters) | _dict_keys(metrics.EngineMetrics.summary)
                | _dict_keys(engine.serve_workload, "summary") | _dict_keys(engine.write_missing))
     assert set(report.SUMMARY_KEYS) <= written
     assert _top(doc) == written, (f"undocumented: {sorted(written - _top(doc))}; "
@@ -71,7 +71,7 @@ def test_summary_nested_keys_match_their_producers():
     doc = documented("summary.json")
     assert _nested(doc, "verified") == set(VERIFY_COUNTERS)
     assert _nested(doc, "handoff") == set(HandoffStats("prefill").to_json())
-    lookup = set(LookupStats().to_json()) | {"bytes_loaded", "blocks_loaded", "loads_joined"}  # engine.summarize
+    lookup = set(LookupStats().to_json()) | {"bytes_loaded", "blocks_loaded", "loads_joined"}  # health.counters
     assert _nested(doc, "storage_lookup") == lookup
     for key, names in (("preemptions", report.MODES), ("hit_ratio", report.TIERS)):
         row = re.search(rf"^\| `{key}` \| (.*)$", DOC.read_text(), re.M).group(1)
