@@ -34,3 +34,17 @@ def test_the_readme_embedding_snippet_uses_only_what_exists():
 def test_the_example_file_it_points_to_exists():
     assert "tests/e2e/embed_example.py" in (ROOT / "README.md").read_text()
     assert (ROOT / "tests/e2e/embed_example.py").is_file()
+
+
+def test_worker_api_documents_every_call_a_deployment_makes():
+    """WORKER_API.md names every public method of the worker port and of the engine's embedding
+    surface (the engine process's own helpers aside)."""
+    doc = (ROOT / "docs" / "WORKER_API.md").read_text()
+    engine_own = {"rejected", "check_workers"}  # fastkv's engine process reports with these
+    calls = [(cls.__name__, name) for cls in (WorkerPort, Engine) for name, value in vars(cls).items()
+             if callable(value) and not name.startswith("_") and (cls, name) not in {(Engine, n) for n in engine_own}]
+    assert len(calls) > 20, calls
+    missing = [f"{owner}.{name}" for owner, name in calls if f"{name}(" not in doc]
+    assert not missing, f"docs/WORKER_API.md does not document: {missing}"
+    for name in ("stop", "start", "start_transfers"):
+        assert f"run.{name}(" in doc, name
