@@ -361,14 +361,15 @@ def launch(spec: RunSpec, *, start_transfers: bool | None = None, watch: bool = 
     run = Launch(spec, **options)
     if start_transfers is None:
         start_transfers = not (run.device_tiers == "worker" or (run.device_tiers == "auto" and cuda))
-    old = None
-    if handle_signals and threading.current_thread() is threading.main_thread():
+    handled = handle_signals and threading.current_thread() is threading.main_thread()
+    old: dict[int, Any] = {}
+    if handled:
         def stop(signum: int, _frame: Any) -> None:
             why = f"stopped by {signal.Signals(signum).name}"
             run.stop(why)  # an engine driven from another thread stops too
             raise_stop(SystemExit(f"fastkv: {why}"))
 
-        old = signal.signal(signal.SIGTERM, stop)
+        old[signal.SIGTERM] = signal.signal(signal.SIGTERM, stop)
     try:
         ensure_ops()
         run.setup(cuda)
@@ -379,8 +380,14 @@ def launch(spec: RunSpec, *, start_transfers: bool | None = None, watch: bool = 
         yield run
     finally:
         clear_stop()  # the stop, if any, has unwound to here
+        if handled:  # a second SIGTERM or Ctrl-C must not cut the clean-up short: it only says stop
+            def noted(signum: int, _frame: Any) -> None:
+                run.stop(f"stopped by {signal.Signals(signum).name}")
+
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                old.setdefault(sig, signal.signal(sig, noted))
         try:
             run.close()
         finally:
-            if old is not None:
-                signal.signal(signal.SIGTERM, old)
+            for sig, handler in old.items():
+                signal.signal(sig, handler)

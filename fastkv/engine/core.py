@@ -539,8 +539,8 @@ class Engine:
         """Switch the deployment to the weights ``version`` (RL: many times an hour). Returns
         what the steps it ran to drain produced, as one ``StepUpdate``: the tokens they sampled
         and the requests that finished meanwhile; a streaming caller handles it like any
-        ``step_stream()`` update, or those tokens and results are never streamed. Admission pauses; running requests are
-        preempted (their KV belongs to the old weights: they re-prefill under the new ones)
+        ``step_stream()`` update, or those tokens and results are never streamed. Admission
+        pauses; running requests are preempted (their KV belongs to the old weights: they re-prefill under the new ones)
         and copies in flight finish; then every transfer rank clears (acks, no barrier: a
         rank's CLEAR ack means its earlier copies are done), the workers load ``version``
         (``protocol.load_weights_msg``), and admission resumes under the new storage

@@ -164,3 +164,15 @@ def test_a_script_without_the_main_guard_is_told_in_one_line(tmp_path):
     assert time.monotonic() - t0 < 60
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("fastkv.launch.LaunchError: transfer0") and 'if __name__ == "__main__":' in last, last
+
+
+def test_a_second_sigterm_during_the_clean_up_does_not_cut_it_short(tmp_path):
+    server = Server(tmp_path, "--tp", "2", "--step-ms", "10")
+    server.expect("phase stream")
+    sent = server.signal(signal.SIGTERM, False)
+    for _ in range(5):  # more stop signals while it unwinds: each only says stop again
+        time.sleep(0.1)
+        if server.proc.poll() is None:
+            server.signal(signal.SIGTERM, False)
+            server.signal(signal.SIGINT, False)
+    stops_cleanly(server, sent, tmp_path)
