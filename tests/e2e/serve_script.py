@@ -19,7 +19,7 @@ import time
 import uuid
 
 from fastkv.config import KVLayout
-from fastkv.engine import Engine
+from fastkv.engine import Engine, EngineError
 from fastkv.engine.worker_api import WorkerPort
 from fastkv.launch import launch
 from fastkv.run import RunSpec
@@ -31,7 +31,7 @@ def worker_main(spec_json: str, rank: int, opts_json: str) -> int:
     opts = json.loads(opts_json)
     dies = opts["die"] if opts["die_rank"] == rank else None
     if dies == "startup":
-        raise RuntimeError(f"worker {rank} cannot load its model (on purpose)")
+        raise RuntimeError(f"worker {rank} cannot load its model (on purpose) at {time.monotonic():.3f}")
     time.sleep(opts["start_delay"])
     spec = RunSpec.from_json(spec_json)
     port = WorkerPort(spec, rank)
@@ -48,7 +48,8 @@ def worker_main(spec_json: str, rank: int, opts_json: str) -> int:
             if plan.seqs:
                 steps += 1
                 if dies == "midrun" and steps == 20:
-                    raise RuntimeError(f"worker {rank} lost its device at step {plan.step_id} (on purpose)")
+                    raise RuntimeError(f"worker {rank} lost its device at step {plan.step_id} (on purpose) "
+                                       f"at {time.monotonic():.3f}")
                 time.sleep(opts["step_ms"] / 1e3)
             port.answer(plan, *toy_step(plan, tier.k_arrays, tier.v_arrays, spec.layout.block_size, history))
             for request_id in plan.release:
@@ -85,25 +86,31 @@ def main() -> int:
         engine = Engine.attach(spec)
         try:
             say("phase wait")
-            engine.wait_until_ready(120)
-            for i in range(40):
-                engine.add_request([(7 * i + j) % VOCAB for j in range(8)], 40, request_id=f"r{i}",
-                                   preemption="offload")
-            say("phase stream")
-            steps, updates = 0, 0
-            while engine.has_work():
-                engine.step_stream()
-                steps += 1
-                if updates < args.updates and steps % 25 == 0:
-                    updates += 1
-                    say("phase update")
-                    engine.update_weights(f"v{updates}")
-                    say("phase stream")
+            try:
+                serve(engine, args.updates)
+            except EngineError as exc:  # when the engine saw it; the clean-up and exit come after
+                say(f"engine failed at {time.monotonic():.3f}: {exc}")
+                raise
         finally:
             engine.close()
     say("done")
     return 0
 
+
+def serve(engine: Engine, n_updates: int) -> None:
+    engine.wait_until_ready(120)
+    for i in range(40):
+        engine.add_request([(7 * i + j) % VOCAB for j in range(8)], 40, request_id=f"r{i}", preemption="offload")
+    say("phase stream")
+    steps, updates = 0, 0
+    while engine.has_work():
+        engine.step_stream()
+        steps += 1
+        if updates < n_updates and steps % 25 == 0:
+            updates += 1
+            say("phase update")
+            engine.update_weights(f"v{updates}")
+            say("phase stream")
 
 if __name__ == "__main__":
     sys.exit(main())
