@@ -62,8 +62,8 @@ _READY_SLICE_S = 0.05
 
 # multiprocessing's spawn imports the serving script again in every child it starts: a launch()
 # at the script's top level would run again there
-SPAWN_TRAP = ('the serving script calls launch() when imported; put the code that launches under '
-              '`if __name__ == "__main__":` (every process fastkv starts imports the script again)')
+SPAWN_GUARD = ('put the code that launches under `if __name__ == "__main__":` (every process fastkv starts '
+               'imports the script again)')
 
 
 class LaunchError(RuntimeError):
@@ -99,7 +99,7 @@ class Launch:
             raise TypeError(f"spec must be a RunSpec, got {type(spec).__name__}")
         if getattr(mp.current_process(), "_inheriting", False):
             # a spawned child importing the serving script again: a traceback here would say nothing
-            raise SystemExit(f"fastkv: {SPAWN_TRAP}")
+            raise SystemExit(f"fastkv: the serving script calls launch() when imported; {SPAWN_GUARD}")
         if device_tiers not in DEVICE_TIERS:
             raise ValueError(f"device_tiers must be one of {DEVICE_TIERS}, got {device_tiers!r}")
         if max_restarts < 0 or startup_timeout_s <= 0 or join_timeout_s <= 0:
@@ -214,7 +214,8 @@ class Launch:
         what = f"{child.name} (rank {child.rank}, pid {child.process.pid})"
         line = f"{what} {describe_exit(child.process.exitcode)} {when}".rstrip() + f"; {log}: {last_line(log)}"
         if not log.exists():  # it died before its entry point ran, most often re-importing the script
-            line += f"; it never reached its entry point: if {SPAWN_TRAP.removeprefix('the serving script ')}"
+            line += ("; it never reached its entry point: if the serving script calls launch() when imported, "
+                     + SPAWN_GUARD)
         return line
 
     # -- watching ----------------------------------------------------------------------
