@@ -58,6 +58,9 @@ TRANSFER = "fastkv.transfer.process:main"  # main(spec_json, rank) -> int
 DEVICE_TIERS = ("auto", "launch", "worker")
 # How often start-up looks at the ready flags between process deaths (a death wakes it at once).
 _READY_SLICE_S = 0.05
+# After a stop signal: how long the children get to exit by themselves, then after a SIGTERM
+_SIGNAL_GRACE_S = 2.0
+_TERM_GRACE_S = 1.0
 
 
 # multiprocessing's spawn imports the serving script again in every child it starts: a launch()
@@ -290,9 +293,11 @@ class Launch:
             self.signals["stop"] = 1
 
     # -- teardown ----------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """``stop`` = 1; every process started gets ``join_timeout_s`` in all, then SIGKILL
-        (one still starting is SIGTERMed at once: it holds no work)."""
+    def shutdown(self, grace_s: float | None = None) -> None:
+        """``stop`` = 1; every process started gets ``grace_s`` in all (default
+        ``join_timeout_s``) to exit, then SIGKILL; one still starting is SIGTERMed at once (it
+        holds no work). With ``grace_s`` (a stop signal: the whole run must end within seconds),
+        one still running then gets SIGTERM and ``_TERM_GRACE_S`` more before the SIGKILL."""
         self._closing = True
         if self.signals is not None:
             self.signals["stop"] = 1
@@ -303,11 +308,20 @@ class Launch:
             if child.process.exitcode is None and self.signals is not None \
                     and self.signals[f"{child.name}.ready"] == STARTING:
                 child.process.terminate()
-        deadline = time.monotonic() + self.join_timeout_s
+        wait_s = self.join_timeout_s if grace_s is None else grace_s
+        deadline = time.monotonic() + wait_s
         for child in started:
             child.process.join(max(0.0, deadline - time.monotonic()))
+        late = [c for c in started if c.process.exitcode is None]
+        if late and grace_s is not None:  # a worker deep in a long call (a weight load) gets a signal
+            for child in late:
+                child.process.terminate()
+            deadline = time.monotonic() + _TERM_GRACE_S
+            for child in late:
+                child.process.join(max(0.0, deadline - time.monotonic()))
+        for child in late:
             if child.process.exitcode is None:
-                self.say(f"{child.name} ignored stop for {self.join_timeout_s:.0f} s; killing")
+                self.say(f"{child.name} ignored stop for {wait_s:.0f} s; killing")
                 child.process.kill()
                 child.process.join()
         self._joined.set()
@@ -332,8 +346,8 @@ class Launch:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
 
-    def close(self) -> None:
-        self.shutdown()
+    def close(self, grace_s: float | None = None) -> None:
+        self.shutdown(grace_s)
         self.teardown()
 
 
@@ -388,7 +402,9 @@ def launch(spec: RunSpec, *, start_transfers: bool | None = None, watch: bool = 
             for sig in (signal.SIGTERM, signal.SIGINT):
                 old.setdefault(sig, signal.signal(sig, noted))
         try:
-            run.close()
+            # a stop (a signal, run.stop) or a Ctrl-C: the run ends within seconds, whatever a child is doing
+            stopping = run.failure is not None or isinstance(sys.exc_info()[1], KeyboardInterrupt)
+            run.close(_SIGNAL_GRACE_S if stopping else None)
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)

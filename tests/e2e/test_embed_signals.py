@@ -99,7 +99,7 @@ def test_sigterm_while_streaming_stops_every_time(tmp_path, group):
 
 @pytest.mark.parametrize("group", [False, True], ids=["process", "group"])
 def test_sigterm_while_updating_weights(tmp_path, group):
-    server = Server(tmp_path, "--tp", "2", "--load-s", "3", "--updates", "1")
+    server = Server(tmp_path, "--tp", "2", "--load-s", "8", "--updates", "1")  # a load far longer than 5 s
     server.expect("phase update")
     time.sleep(0.5)
     stops_cleanly(server, server.signal(signal.SIGTERM, group), tmp_path)
