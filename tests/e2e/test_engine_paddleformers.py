@@ -1,4 +1,4 @@
-"""PaddleFormers' own models served through fastkv, one run per model family (Llama):
+"""PaddleFormers' own models served through fastkv, one run per model family (Llama, ERNIE 4.5):
 engine, workers, transfer processes.
 
 The oracle is the library itself: greedy decoding by the model's own no-cache forward (each
@@ -27,7 +27,7 @@ from fastkv.engine.runners.paddleformers_config import settings  # noqa: E402
 from fastkv.run import RunSpec  # noqa: E402
 from tests.e2e.launch import Run, new_run_id  # noqa: E402
 
-FAMILIES = ("llama",)
+FAMILIES = ("llama", "ernie4_5")
 SEED = 3
 OPTIONS = {"config": {"vocab_size": 256, "intermediate_size": 128}, "seed": SEED}
 MAX_NEW = 10

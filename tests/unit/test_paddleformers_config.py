@@ -55,9 +55,20 @@ def test_a_setting_that_disagrees_is_named(family, lay, opts, message):
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
-def test_llama_hidden_size_is_its_heads():
+def test_llama_hidden_size_is_its_heads_and_ernie_maps_back_by_o_proj():
+    """Llama is held to hidden = heads x head_dim; ERNIE 4.5's own configs are not (0.3B: 16 heads
+    of 128 over a hidden size of 1024), its o_proj maps the heads back."""
+    opts = {"config": {"hidden_size": 100, "head_dim": 16}}
     with pytest.raises(ValueError, match="hidden_size 100 must be num_attention_heads x head_dim = 64"):
-        settings("llama", layout(), {"config": {"hidden_size": 100, "head_dim": 16}})
+        settings("llama", layout(), opts)
+    assert settings("ernie4_5", layout(), opts)["hidden_size"] == 100
+
+
+def test_ernie_fused_rope_is_refused():
+    """Its fused RoPE takes no position ids: it would rotate a decode as position 0."""
+    with pytest.raises(ValueError, match="model setting apply_rope_fusion must be False here, got True"):
+        settings("ernie4_5", layout(), {"config": {"apply_rope_fusion": True}})
+    assert settings("ernie4_5", layout(), {})["apply_rope_fusion"] is False
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -12,6 +12,7 @@ RUNNERS = {
     # PaddleFormers' own model code (the optional extra: pip install -e '.[models]'), one adapter
     # per model family in fastkv/engine/runners/paddleformers/
     "paddleformers:llama": "fastkv.engine.runners.paddleformers.llama:PaddleFormersLlamaRunner",
+    "paddleformers:ernie4_5": "fastkv.engine.runners.paddleformers.ernie4_5:PaddleFormersErnie45Runner",
 }
 
 

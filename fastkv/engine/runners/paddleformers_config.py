@@ -2,10 +2,11 @@
 without importing Paddle or PaddleFormers (``fastkv.cli`` checks a job with it before anything
 starts).
 
-The settings are the family's config class's keyword arguments (``LlamaConfig``): runner option
-``config`` (a table), over the ``config.json`` named by runner option ``config_file``, over
-defaults derived from the layout. The layout decides what fastkv allocates (layers, KV heads,
-head_dim), so a setting that disagrees with it is an error rather than a silent second truth.
+The settings are the family's config class's keyword arguments (``LlamaConfig``,
+``Ernie4_5Config``): runner option ``config`` (a table), over the ``config.json`` named by
+runner option ``config_file``, over defaults derived from the layout. The layout decides what
+fastkv allocates (layers, KV heads, head_dim), so a setting that disagrees with it is an error
+rather than a silent second truth.
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ class Family:
 
 FAMILIES = {
     "llama": Family("LlamaConfig", FIXED, hidden_is_heads=True),
+    # The fused RoPE rotates by each forward's own 0..n-1 (it takes no position ids): wrong for a
+    # chunk or a decode over a cache, and a GPU kernel. ERNIE 4.5's configs have
+    # num_attention_heads x head_dim != hidden_size (0.3B: 16 x 128 over 1024): o_proj maps back.
+    "ernie4_5": Family("Ernie4_5Config", {**FIXED, "apply_rope_fusion": False}, hidden_is_heads=False),
 }
 
 

@@ -19,7 +19,7 @@ Linear layers (``Split``). The partial outputs of the row-sharded layers are sum
 workers' ``ShmCollective`` (rank order, so every rank gets the same bits). Embedding, norms and
 the LM head are replicated.
 
-A model family is a subclass (``llama.py``): its config and model classes, its
+A model family is a subclass (``llama.py``, ``ernie4_5.py``): its config and model classes, its
 settings' name in ``fastkv.engine.runners.paddleformers_config.FAMILIES``, and ``shard``, which
 says which of its layers are column or row sharded and which attention attributes count heads
 per rank.
