@@ -65,7 +65,7 @@ setup(
         # hypothesis pinned: the CI profile's derandomized examples, and so the state machines'
         # coverage check (tests/stateful/coverage.py), depend on its version
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis==6.170.15", "ruff>=0.5"],
-        # --runner paddleformers:llama. Its fast_dataindex pins numpy<=1.26.4, so pip downgrades
+        # --runner paddleformers:llama and :ernie4_5. Its fast_dataindex pins numpy<=1.26.4, so pip downgrades
         # numpy for it; .ci/install-models installs it keeping the numpy that is there.
         "models": ["paddleformers==1.2.0"],
     },

@@ -35,7 +35,7 @@ from fastkv.demo import PREEMPTION_MODES, ConversationConfig
 from fastkv.outdir import OutDir
 from fastkv.sched.config import SchedulerConfig
 
-RUNNERS = ("synthetic", "tiny", "paddleformers:llama")
+RUNNERS = ("synthetic", "tiny", "paddleformers:llama", "paddleformers:ernie4_5")
 STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
 ROLES = ("mixed", "prefill", "decode")
 # Per-token compute cost of the synthetic runner (CPU busy work): 300 us, the order of what the
@@ -43,7 +43,7 @@ ROLES = ("mixed", "prefill", "decode")
 # what it would with a real (CPU) model. verify "resumed" checks every block of a request that
 # was restored, preempted or moved, byte for byte, without re-reading every sequence every step.
 DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 300.0, "verify": "resumed"}, "tiny": {},
-                          "paddleformers:llama": {}}
+                          "paddleformers:llama": {}, "paddleformers:ernie4_5": {}}
 CACHE_POLICIES = ("write_back", "write_through", "write_through_selective")
 STORAGE_WRITES = ("preempted", "through", "back")  # fastkv.cache.storage_writes: what each costs
 QUICK_DEMO = {"conversations": 8, "turns": 3}
@@ -175,7 +175,7 @@ class JobConfig:
                 if isinstance(exc, TableError):
                     raise
                 raise ValueError(f"the tiny runner cannot run this shape: {exc}") from None
-        if self.runner == "paddleformers:llama":
+        if self.runner.startswith("paddleformers:"):
             self._check_paddleformers()
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"setting 'metrics_port' must be in [0, 65536), got {self.metrics_port}")
@@ -246,17 +246,17 @@ class JobConfig:
         """The model settings against the layout, and the library's presence, without importing it."""
         import importlib.util
 
-        from fastkv.engine.runners.paddleformers_config import OPTIONS, llama_settings
+        from fastkv.engine.runners.paddleformers_config import OPTIONS, settings
 
         if unknown := set(self.runner_options) - set(OPTIONS):
             raise TableError(f"unknown runner_options {sorted(unknown)} for the {self.runner} runner; "
                              f"known: {sorted(OPTIONS)}")
         try:
-            llama_settings(self.layout(), self.runner_options)
+            settings(self.runner.removeprefix("paddleformers:"), self.layout(), self.runner_options)
         except ValueError as exc:
-            raise ValueError(f"the paddleformers:llama runner cannot run this shape: {exc}") from None
+            raise ValueError(f"the {self.runner} runner cannot run this shape: {exc}") from None
         if importlib.util.find_spec("paddleformers") is None:
-            raise ValueError("the paddleformers:llama runner needs PaddleFormers: pip install -e '.[cpu,models]'")
+            raise ValueError(f"the {self.runner} runner needs PaddleFormers: pip install -e '.[cpu,models]'")
 
     def check_runner_options(self) -> None:
         """TableError for a runner option the reference runner does not take. Only for the
@@ -266,7 +266,7 @@ class JobConfig:
 
             params = inspect.signature(SyntheticRunner).parameters.values()
             known = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
-        elif self.runner == "paddleformers:llama":
+        elif self.runner.startswith("paddleformers:"):
             from fastkv.engine.runners.paddleformers_config import OPTIONS
 
             known = set(OPTIONS)
@@ -297,7 +297,7 @@ class JobConfig:
 
     def vocab(self) -> int:
         """The runner's vocab: every token id of the workload must be below it."""
-        if self.runner == "paddleformers:llama":
+        if self.runner.startswith("paddleformers:"):
             from fastkv.engine.runners.paddleformers_config import vocab_size
 
             return vocab_size(self.runner_options) or RUNNER_VOCAB

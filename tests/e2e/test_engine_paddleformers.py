@@ -1,7 +1,10 @@
-"""PaddleFormers' LlamaForCausalLM served through fastkv: engine, workers, transfer processes.
+"""PaddleFormers' own models served through fastkv, one run per model family (Llama, ERNIE 4.5):
+engine, workers, transfer processes.
 
-The oracle is the library itself: each prompt alone through ``LlamaForCausalLM.generate()``
-(greedy, its own DynamicCache, no fastkv), on the same seeded weights, computed here. Every
+The oracle is the library itself: greedy decoding by the model's own no-cache forward (each
+prompt alone, the argmax of the last position's logits over the whole sequence, recomputed from
+scratch for every new token), on the same seeded weights, computed here; the library's
+``generate()`` (its own DynamicCache) must agree with it, which the first test checks. Every
 request's output must equal it token for token, under memory pressure in every preemption
 mode, after a restart on a warm store, through the prefill -> decode pair, and at tp 2.
 One flipped byte in one swapped-in block changes the output: the check has teeth.
@@ -19,11 +22,12 @@ import paddle  # noqa: E402
 
 from fastkv.cache.plan import CopyKind  # noqa: E402
 from fastkv.config import KVLayout  # noqa: E402
-from fastkv.engine.runners.paddleformers_config import llama_settings  # noqa: E402
-from fastkv.engine.runners.paddleformers_llama import build_model  # noqa: E402
+from fastkv.engine.runners import runner_class  # noqa: E402
+from fastkv.engine.runners.paddleformers_config import settings  # noqa: E402
 from fastkv.run import RunSpec  # noqa: E402
 from tests.e2e.launch import Run, new_run_id  # noqa: E402
 
+FAMILIES = ("llama", "ernie4_5")
 SEED = 3
 OPTIONS = {"config": {"vocab_size": 256, "intermediate_size": 128}, "seed": SEED}
 MAX_NEW = 10
@@ -36,24 +40,53 @@ MIN_MARGIN = 1e-4
 
 
 def layout(tp: int) -> KVLayout:
-    """The tiny Llama: 2 layers, 4 query heads, 2 KV heads, head_dim 16."""
+    """Every family's tiny model: 2 layers, 4 query heads, 2 KV heads, head_dim 16."""
     return KVLayout(num_layers=2, kv_heads=2 // tp, block_size=4, head_dim=16, dtype="float32", tp_size=tp)
 
 
 @cache
-def oracle() -> tuple[dict[str, list[int]], float]:
-    """Each prompt alone through the library's generate(); and the least top-2 margin of the
-    logits behind those tokens (one full forward of prompt + output, no cache)."""
-    model = build_model(llama_settings(layout(1), OPTIONS), SEED)
+def model(family: str):
+    """The whole model (tp 1) of ``family`` on the seeded weights the runners load."""
+    return runner_class(f"paddleformers:{family}").build_model(settings(family, layout(1), OPTIONS), SEED)
+
+
+@cache
+def oracle(family: str) -> tuple[dict[str, list[int]], float]:
+    """Greedy decoding of each prompt alone by the model's no-cache forward: every new token is
+    the argmax of the last position of a full forward over prompt + tokens so far (numpy's
+    argmax takes the lowest id on a tie, as generate()'s paddle.argmax does). And the least
+    top-2 margin of the logits behind those tokens."""
+    m = model(family)
     out, margin = {}, np.inf
     with paddle.no_grad():
         for rid, prompt in PROMPTS.items():
-            ids, _ = model.generate(paddle.to_tensor([prompt]), max_new_tokens=MAX_NEW, decode_strategy="greedy_search")
-            out[rid] = ids.numpy()[0].tolist()
-            logits = model(paddle.to_tensor([prompt + out[rid]]), return_dict=True).logits[0].numpy()
-            top2 = np.sort(logits[len(prompt) - 1 : -1], axis=1)[:, -2:]
-            margin = min(margin, float((top2[:, 1] - top2[:, 0]).min()))
+            seq = list(prompt)
+            for _ in range(MAX_NEW):
+                logits = m(paddle.to_tensor([seq]), return_dict=True).logits[0, -1].numpy()
+                seq.append(int(np.argmax(logits)))
+                top2 = np.sort(logits)[-2:]
+                margin = min(margin, float(top2[1] - top2[0]))
+            out[rid] = seq[len(prompt):]
     return out, margin
+
+
+def generated(family: str) -> dict[str, list[int]]:
+    """Each prompt alone through the library's generate() (greedy, its own DynamicCache)."""
+    m = model(family)
+    with paddle.no_grad():
+        return {rid: m.generate(paddle.to_tensor([p]), max_new_tokens=MAX_NEW,
+                                decode_strategy="greedy_search")[0].numpy()[0].tolist() for rid, p in PROMPTS.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_oracle_no_cache_forward_equals_generate(family):
+    """The two ways the library decodes agree for these families (not for every model: a
+    sliding-window model's cached path may part from its forward), with margins that a batch
+    or chunk shape cannot flip."""
+    want, margin = oracle(family)
+    assert generated(family) == want
+    assert margin > MIN_MARGIN, f"the oracle's logit margin {margin:.2e} is too thin for a token check: pick a seed"
+    assert len({tuple(v) for v in want.values()}) == len(PROMPTS)  # no degenerate model: outputs differ
 
 
 def workload() -> list[dict]:
@@ -61,14 +94,14 @@ def workload() -> list[dict]:
             for rid, p in PROMPTS.items()]
 
 
-def spec(tp: int, out_dir, mode: str, storage_url: str = "", **kw) -> RunSpec:
+def spec(family: str, tp: int, out_dir, mode: str, storage_url: str = "", **kw) -> RunSpec:
     """20 device blocks of 4 tokens for 8 requests of up to 32: preemption under pressure.
     Storage mode gets a small host tier, so host copies are evicted and resumes LOAD; recompute
     mode none, so a preempted request recomputes whatever the timing of write-through copies
     (with a host tier, its KV may still be there to hit)."""
     kw.setdefault("num_device_blocks", 20)
     kw.setdefault("num_host_blocks", {"storage": 8, "recompute": 0}.get(mode, 48))
-    return RunSpec(new_run_id(), layout(tp), storage_url=storage_url, runner="paddleformers:llama",
+    return RunSpec(new_run_id(), layout(tp), storage_url=storage_url, runner=f"paddleformers:{family}",
                    runner_options=OPTIONS, scheduler={"preemption": mode, "max_num_batched_tokens": 48},
                    heartbeat_s=0.2, out_dir=str(out_dir), slot_size=256, nslots=256, **kw)
 
@@ -82,9 +115,9 @@ def serve(s: RunSpec, transfer: str | None = None) -> tuple[dict, dict]:
     return results, summary
 
 
-def mismatches(results: dict) -> dict[str, tuple[list[int], list[int]]]:
-    """Requests whose output is not generate()'s: id -> (fastkv's, the library's)."""
-    want, margin = oracle()
+def mismatches(family: str, results: dict) -> dict[str, tuple[list[int], list[int]]]:
+    """Requests whose output is not the oracle's: id -> (fastkv's, the library's)."""
+    want, margin = oracle(family)
     assert margin > MIN_MARGIN, f"the oracle's logit margin {margin:.2e} is too thin for a token check: pick a seed"
     assert sorted(results) == sorted(want)
     return {rid: (row["output"], want[rid]) for rid, row in results.items()
@@ -108,14 +141,15 @@ def check_preempted(summary: dict, mode: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(("tp", "mode"), [(1, "recompute"), (1, "offload"), (1, "storage"), (1, "auto"),
                                           (2, "offload"), (2, "storage")])
-def test_every_request_equals_generate_under_preemption(tp, mode, tmp_path):
+def test_every_request_equals_the_oracle_under_preemption(family, tp, mode, tmp_path):
     """At tp 2 each rank holds one of the two KV heads, its two query heads and half of every
     projection; the partial sums of o_proj and down_proj meet in the workers' collective."""
     url = f"lmdb://{tmp_path}/store?max_bytes=64M" if mode == "storage" else ""
-    results, summary = serve(spec(tp, tmp_path / "out", mode, url))
-    assert not mismatches(results)
+    results, summary = serve(spec(family, tp, tmp_path / "out", mode, url))
+    assert not mismatches(family, results)
     check_preempted(summary, mode)
 
 
@@ -124,7 +158,7 @@ def corrupting_transfer_main(spec_json: str, rank: int) -> int:
     there just before the copy: the top exponent bit of a key of its first slot whose magnitude
     is in [1, 2), which makes it NaN. A merely scaled value may or may not move an argmax
     (a probe: a x2^128 key or value changed 6 to 8 of 8 requests' outputs); a NaN poisons
-    every score it meets, so a request that reads the block cannot get generate()'s tokens."""
+    every score it meets, so a request that reads the block cannot get the oracle's tokens."""
     from fastkv.transfer import process
     from fastkv.transfer.executor import TaskExecutor
 
@@ -151,12 +185,12 @@ def corrupting_transfer_main(spec_json: str, rank: int) -> int:
 @pytest.mark.parametrize("checksums", [False, True])
 def test_one_flipped_byte_in_a_swapped_in_block_changes_the_output(checksums, tmp_path):
     """Without host checksums the wrong value reaches attention and some request's tokens are no
-    longer generate()'s: the oracle sees one wrong block. With them the swap-in is refused and
+    longer the oracle's: it sees one wrong block. With them the swap-in is refused and
     recomputed, and every output is right again."""
-    s = spec(1, tmp_path / "out", "offload", host_checksums=checksums)
+    s = spec("llama", 1, tmp_path / "out", "offload", host_checksums=checksums)
     results, summary = serve(s, transfer="tests.e2e.test_engine_paddleformers:corrupting_transfer_main")
     assert summary["copy_tasks"].get("swap_in", 0) > 0, summary
-    bad = mismatches(results)
+    bad = mismatches("llama", results)
     if checksums:
         assert not bad and summary["host_checksum_mismatches"] > 0, (bad, summary)
     else:
@@ -165,30 +199,32 @@ def test_one_flipped_byte_in_a_swapped_in_block_changes_the_output(checksums, tm
 
 
 @pytest.mark.slow
-def test_a_restart_on_a_warm_lmdb_store_serves_generate_tokens(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_restart_on_a_warm_lmdb_store_serves_the_oracle_tokens(family, tmp_path):
     """Run A writes every block through to LMDB (a host tier that holds them all, so what is
     stored does not depend on how fast the store keeps up); run B, new processes and empty
     tiers on A's store, loads the prompts' KV from it instead of computing them."""
     url = f"lmdb://{tmp_path}/store?max_bytes=64M"
-    a_results, _ = serve(spec(1, tmp_path / "a", "offload", url, num_host_blocks=96))
-    assert not mismatches(a_results)
-    b_results, b = serve(spec(1, tmp_path / "b", "offload", url, num_host_blocks=16))
-    assert not mismatches(b_results)
+    a_results, _ = serve(spec(family, 1, tmp_path / "a", "offload", url, num_host_blocks=96))
+    assert not mismatches(family, a_results)
+    b_results, b = serve(spec(family, 1, tmp_path / "b", "offload", url, num_host_blocks=16))
+    assert not mismatches(family, b_results)
     assert b["hit_ratio"]["storage"] > 0 and b["copy_tasks"].get("load", 0) > 0, b
     assert b["storage_lookup"]["keys_found"] > 0 and b["corrupt_values"] == 0, b["storage_lookup"]
 
 
 @pytest.mark.slow
-def test_prefill_then_decode_serves_generate_tokens(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_then_decode_serves_the_oracle_tokens(family, tmp_path):
     """A prefill engine computes each prompt and exports its KV to the shared store; a decode
     engine takes every request from its handoff file, loads that KV and decodes: no prompt
-    token recomputed, every output generate()'s."""
+    token recomputed, every output the oracle's."""
     url = f"lmdb://{tmp_path}/store?max_bytes=64M"
-    _, pre = serve(spec(1, tmp_path / "pre", "offload", url, num_device_blocks=24, num_host_blocks=24,
+    _, pre = serve(spec(family, 1, tmp_path / "pre", "offload", url, num_device_blocks=24, num_host_blocks=24,
                         role="prefill"))
-    results, dec = serve(spec(1, tmp_path / "dec", "offload", url, num_device_blocks=24, num_host_blocks=24,
-                              role="decode", handoff=str(tmp_path / "pre" / "handoff.jsonl")))
-    assert not mismatches(results)
+    results, dec = serve(spec(family, 1, tmp_path / "dec", "offload", url, num_device_blocks=24,
+                              num_host_blocks=24, role="decode", handoff=str(tmp_path / "pre" / "handoff.jsonl")))
+    assert not mismatches(family, results)
     assert pre["handoff"]["requests"] == len(PROMPTS) and pre["handoff"]["failed"] == 0, pre["handoff"]
     h = dec["handoff"]
     assert h["requests"] == len(PROMPTS) and h["recomputed_prompt_tokens"] == 0 and h["bytes"] > 0, h

@@ -9,8 +9,10 @@ import importlib
 RUNNERS = {
     "synthetic": "fastkv.engine.runners.synthetic:SyntheticRunner",
     "tiny": "fastkv.engine.runners.tiny_decoder:TinyDecoderRunner",
-    # PaddleFormers' own model code (the optional extra: pip install -e '.[models]')
-    "paddleformers:llama": "fastkv.engine.runners.paddleformers_llama:PaddleFormersLlamaRunner",
+    # PaddleFormers' own model code (the optional extra: pip install -e '.[models]'), one adapter
+    # per model family in fastkv/engine/runners/paddleformers/
+    "paddleformers:llama": "fastkv.engine.runners.paddleformers.llama:PaddleFormersLlamaRunner",
+    "paddleformers:ernie4_5": "fastkv.engine.runners.paddleformers.ernie4_5:PaddleFormersErnie45Runner",
 }
 
 

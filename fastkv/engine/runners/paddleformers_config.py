@@ -1,14 +1,17 @@
-"""The PaddleFormers runner's model settings, checked against the KV layout without importing
-Paddle or PaddleFormers (``fastkv.cli`` checks a job with it before anything starts).
+"""The PaddleFormers runners' model settings, per model family, checked against the KV layout
+without importing Paddle or PaddleFormers (``fastkv.cli`` checks a job with it before anything
+starts).
 
-The settings are ``LlamaConfig`` keyword arguments: runner option ``config`` (a table), over
-the ``config.json`` named by runner option ``config_file``, over defaults derived from the
-layout. The layout decides what fastkv allocates (layers, KV heads, head_dim), so a setting
-that disagrees with it is an error rather than a silent second truth.
+The settings are the family's config class's keyword arguments (``LlamaConfig``,
+``Ernie4_5Config``): runner option ``config`` (a table), over the ``config.json`` named by
+runner option ``config_file``, over defaults derived from the layout. The layout decides what
+fastkv allocates (layers, KV heads, head_dim), so a setting that disagrees with it is an error
+rather than a silent second truth.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +23,28 @@ OPTIONS = ("config", "config_file", "seed")  # the runner's keyword options (bes
 FIXED = {"fuse_rms_norm": False, "tensor_model_parallel_size": 1, "sequence_parallel": False}
 
 
-def llama_settings(layout: KVLayout, options: dict[str, Any]) -> dict[str, Any]:
-    """``LlamaConfig`` keyword arguments for ``layout`` and the runner ``options``; ValueError
-    naming the setting that is unknown or disagrees with the layout."""
+@dataclass(frozen=True)
+class Family:
+    """What the settings check knows of a model family (its runner is ``paddleformers/<name>.py``)."""
+
+    config_class: str  # the library's config class, for messages
+    fixed: dict[str, Any]  # settings fastkv owns or that this build cannot run
+    hidden_is_heads: bool  # hidden_size must be num_attention_heads x head_dim
+
+
+FAMILIES = {
+    "llama": Family("LlamaConfig", FIXED, hidden_is_heads=True),
+    # The fused RoPE rotates by each forward's own 0..n-1 (it takes no position ids): wrong for a
+    # chunk or a decode over a cache, and a GPU kernel. ERNIE 4.5's configs have
+    # num_attention_heads x head_dim != hidden_size (0.3B: 16 x 128 over 1024): o_proj maps back.
+    "ernie4_5": Family("Ernie4_5Config", {**FIXED, "apply_rope_fusion": False}, hidden_is_heads=False),
+}
+
+
+def settings(family: str, layout: KVLayout, options: dict[str, Any]) -> dict[str, Any]:
+    """The config keyword arguments of ``family`` for ``layout`` and the runner ``options``;
+    ValueError naming the setting that is unknown or disagrees with the layout."""
+    fam = FAMILIES[family]
     if unknown := set(options) - set(OPTIONS):
         raise ValueError(f"unknown runner_options {sorted(unknown)} for the paddleformers runner; "
                          f"known: {list(OPTIONS)}")
@@ -37,12 +59,12 @@ def llama_settings(layout: KVLayout, options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"runner_options.config_file {str(path)!r} must hold a JSON object")
     table = options.get("config", {})
     if not isinstance(table, dict):
-        raise ValueError(f"runner_options.config must be a table of LlamaConfig settings, got {table!r}")
+        raise ValueError(f"runner_options.config must be a table of {fam.config_class} settings, got {table!r}")
     given.update(table)
     kv_heads = layout.kv_heads * layout.tp_size
     q_heads = int(given.get("num_attention_heads", 2 * kv_heads))
     hidden = int(given.get("hidden_size", q_heads * layout.head_dim))
-    settings = {
+    out = {
         "vocab_size": 1024,
         "max_position_embeddings": 8192,
         "intermediate_size": 2 * hidden,
@@ -62,22 +84,22 @@ def llama_settings(layout: KVLayout, options: dict[str, Any]) -> dict[str, Any]:
     for name, want, what in (("num_hidden_layers", layout.num_layers, "layers"),
                              ("num_key_value_heads", kv_heads, "kv_heads x tp"),
                              ("head_dim", layout.head_dim, "head_dim")):
-        if settings[name] != want:
-            raise ValueError(f"model setting {name} = {settings[name]} disagrees with the KV layout's {what} = {want}")
+        if out[name] != want:
+            raise ValueError(f"model setting {name} = {out[name]} disagrees with the KV layout's {what} = {want}")
     if q_heads % kv_heads:
         raise ValueError(f"num_attention_heads {q_heads} must be a multiple of the {kv_heads} KV heads")
-    if q_heads * layout.head_dim != hidden:
+    if fam.hidden_is_heads and q_heads * layout.head_dim != hidden:
         raise ValueError(f"hidden_size {hidden} must be num_attention_heads x head_dim = {q_heads * layout.head_dim}")
-    if settings["intermediate_size"] % layout.tp_size:
-        raise ValueError(f"intermediate_size {settings['intermediate_size']} must split evenly over "
+    if out["intermediate_size"] % layout.tp_size:
+        raise ValueError(f"intermediate_size {out['intermediate_size']} must split evenly over "
                          f"tp {layout.tp_size}")
     if layout.dtype != "float32":
         raise ValueError(f"the paddleformers runner computes in float32 on this build: dtype must be 'float32', "
                          f"got {layout.dtype!r}")
-    for name, value in FIXED.items():
+    for name, value in fam.fixed.items():
         if given.get(name, value) != value:
             raise ValueError(f"model setting {name} must be {value!r} here, got {given[name]!r}")
-    return {**settings, **FIXED}
+    return {**out, **fam.fixed}
 
 
 def vocab_size(options: dict[str, Any]) -> int | None:
@@ -89,7 +111,7 @@ def vocab_size(options: dict[str, Any]) -> int | None:
         try:
             doc = json.loads(Path(options["config_file"]).read_text())
         except (OSError, ValueError):
-            return None  # llama_settings names the problem
+            return None  # settings() names the problem
         if isinstance(doc, dict) and "vocab_size" in doc:
             return int(doc["vocab_size"])
     return None

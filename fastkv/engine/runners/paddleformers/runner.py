@@ -1,23 +1,28 @@
-"""PaddleFormers' ``LlamaForCausalLM`` on fastkv's paged device tier (``--runner paddleformers:llama``).
+"""The part of the PaddleFormers runners every model family shares: the library's own model,
+run by its own ``forward``, on fastkv's paged device tier.
 
-The model is the library's own: its embedding, decoder layers (RoPE, grouped-query attention,
-MLP, RMSNorm), LM head and masks, run by its own ``forward``. fastkv replaces only the cache
-object the attention layers call: ``past_key_values.update(k, v, layer_idx)`` writes the new
-tokens' K and V (``[batch, kv_heads, seq, head_dim]``, after RoPE, before GQA repetition) into
-their slots of the device tier through each request's block table, and returns the K and V of
-every position so far, gathered through the same tables. A step's single-token sequences
-(decodes) go through one ``forward`` as a batch, each chunk of several tokens through its own;
-each forward gets its sequences' positions and a 4-D mask (each query sees its own request's
-positions up to its own), which the library's masking takes as given.
+fastkv replaces only the cache object the attention layers call:
+``past_key_values.update(k, v, layer_idx)`` writes the new tokens' K and V (``[batch, kv_heads,
+seq, head_dim]``, after RoPE, before GQA repetition) into their slots of the device tier through
+each request's block table, and returns the K and V of every position so far, gathered through
+the same tables. A step's single-token sequences (decodes) go through one ``forward`` as a batch,
+each chunk of several tokens through its own; each forward gets its sequences' positions and a
+4-D mask (each query sees its own request's positions up to its own), which the library's
+masking takes as given.
 
 Weights are random, drawn from ``seed`` and the weights version per parameter name (no
-download): ``build_model`` is what a test's oracle builds to run ``generate()`` on.
+download): ``build_model`` is what a test's oracle builds to run the library's forward on.
 
-Tensor parallel: rank r of tp keeps KV heads [r*h, (r+1)*h) and their query heads (the
-column shards of q/k/v_proj), the matching rows of o_proj, and 1/tp of the MLP (columns of
-gate/up_proj, rows of down_proj), in the library's own Linear layers. The partial outputs of
-o_proj and down_proj are summed through the workers' ``ShmCollective`` (rank order, so every
-rank gets the same bits). Embedding, norms and the LM head are replicated.
+Tensor parallel: rank r of tp keeps KV heads [r*h, (r+1)*h) and their query heads, the
+matching rows of the attention's output projection, and 1/tp of the MLP, in the library's own
+Linear layers (``Split``). The partial outputs of the row-sharded layers are summed through the
+workers' ``ShmCollective`` (rank order, so every rank gets the same bits). Embedding, norms and
+the LM head are replicated.
+
+A model family is a subclass (``llama.py``, ``ernie4_5.py``): its config and model classes, its
+settings' name in ``fastkv.engine.runners.paddleformers_config.FAMILIES``, and ``shard``, which
+says which of its layers are column or row sharded and which attention attributes count heads
+per rank.
 """
 from __future__ import annotations
 
@@ -29,18 +34,17 @@ from typing import Any
 import numpy as np
 import paddle
 from paddleformers.nn.linear import Linear
-from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
 from paddleformers.transformers.cache_utils import Cache, CacheLayerMixin
 
 from fastkv.config import KVLayout
 from fastkv.engine.runners.base import ModelRunner
-from fastkv.engine.runners.paddleformers_config import llama_settings
+from fastkv.engine.runners.paddleformers_config import settings
 from fastkv.engine.runners.tiny_decoder import weights_seed
 from fastkv.ipc.collective import ShmCollective
 from fastkv.sched.output import StepOutput, StepPlan, validate_plan
 
 
-def random_weights(model: LlamaForCausalLM, seed: int) -> dict[str, np.ndarray]:
+def random_weights(model: paddle.nn.Layer, seed: int) -> dict[str, np.ndarray]:
     """Seeded weights for every parameter of ``model``, each drawn from (seed, its name), so
     the order of parameters does not matter: matrices N(0, 1/fan_in), embeddings N(0, 1),
     norm gains 1 + N(0, 0.1^2), biases N(0, 0.02^2). The library's own initializer (std 0.02)
@@ -53,7 +57,7 @@ def random_weights(model: LlamaForCausalLM, seed: int) -> dict[str, np.ndarray]:
             w = rng.standard_normal(shape)
         elif len(shape) == 2:
             w = rng.standard_normal(shape) / np.sqrt(shape[0])
-        elif "norm" in name:
+        elif name.endswith("norm.weight"):
             w = 1.0 + 0.1 * rng.standard_normal(shape)
         else:
             w = 0.02 * rng.standard_normal(shape)
@@ -61,18 +65,14 @@ def random_weights(model: LlamaForCausalLM, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def build_model(settings: dict[str, Any], seed: int = 0, weights_version: str = "0") -> LlamaForCausalLM:
-    """The whole model (tp 1) with the seeded weights of ``weights_version``, in eval mode."""
-    model = LlamaForCausalLM(LlamaConfig(**settings))
-    weights = random_weights(model, weights_seed(seed, weights_version))
-    model.set_state_dict({name: paddle.to_tensor(w) for name, w in weights.items()})
-    model.eval()
-    return model
+class PaddleFormersRunner(ModelRunner):
+    """One family's ``*ForCausalLM`` on one rank. Options: ``config`` (the family's config
+    settings), ``config_file`` (a config.json), ``seed`` (weights); ``collective`` is required
+    when tp_size > 1. A family sets the class attributes and ``shard``."""
 
-
-class PaddleFormersLlamaRunner(ModelRunner):
-    """``LlamaForCausalLM`` on one rank. Options: ``config`` (LlamaConfig settings), ``config_file``
-    (a config.json), ``seed`` (weights); ``collective`` is required when tp_size > 1."""
+    family: str  # its key in paddleformers_config.FAMILIES
+    config_class: type
+    model_class: type
 
     def __init__(
         self,
@@ -89,7 +89,7 @@ class PaddleFormersLlamaRunner(ModelRunner):
         weights_version: str = "0",
     ) -> None:
         super().__init__(layout, rank, tp_size, k_caches, v_caches)
-        self.settings = llama_settings(layout, {"config": dict(config or {}), "config_file": config_file})
+        self.settings = settings(self.family, layout, {"config": dict(config or {}), "config_file": config_file})
         if tp_size > 1 and (collective is None or collective.rank != rank or collective.world_size != tp_size):
             raise ValueError(f"tp_size {tp_size} needs a collective attached as rank {rank} of {tp_size}")
         self.collective = collective
@@ -97,10 +97,24 @@ class PaddleFormersLlamaRunner(ModelRunner):
         self.group = "decodes"  # how a step's sequences share forwards (``_groups``)
         self.load_weights(weights_version)
 
+    @classmethod
+    def build_model(cls, settings: dict[str, Any], seed: int = 0, weights_version: str = "0") -> paddle.nn.Layer:
+        """The whole model (tp 1) with the seeded weights of ``weights_version``, in eval mode."""
+        model = cls.model_class(cls.config_class(**settings))
+        weights = random_weights(model, weights_seed(seed, weights_version))
+        model.set_state_dict({name: paddle.to_tensor(w) for name, w in weights.items()})
+        model.eval()
+        return model
+
+    @staticmethod
+    def shard(model: paddle.nn.Layer, split: Split) -> None:
+        """Replace ``model``'s attention and MLP layers by this rank's shards (``split``)."""
+        raise NotImplementedError
+
     def load_weights(self, weights_version: str) -> None:
-        model = build_model(self.settings, self.seed, weights_version)
+        model = self.build_model(self.settings, self.seed, weights_version)
         if self.tp_size > 1:
-            _shard(model, self.rank, self.tp_size, self.collective)
+            self.shard(model, Split(self.rank, self.tp_size, self.collective))
         self.model = model
         self.weights_version = str(weights_version)
 
@@ -174,7 +188,7 @@ class _Batch:
 class _PagedLayer(CacheLayerMixin):
     """One layer's cache for one step's batch: its slots in the device tier, by block table."""
 
-    def __init__(self, runner: PaddleFormersLlamaRunner, layer: int, batch: _Batch) -> None:
+    def __init__(self, runner: PaddleFormersRunner, layer: int, batch: _Batch) -> None:
         super().__init__()
         self.runner, self.layer, self.b = runner, layer, batch
         self.is_initialized = True
@@ -220,32 +234,35 @@ class _PagedLayer(CacheLayerMixin):
         return -1
 
 
-def _shard(model: LlamaForCausalLM, rank: int, tp: int, coll: ShmCollective) -> None:
-    """Keep rank ``rank``'s share of every attention and MLP projection (module docstring)."""
+class Split:
+    """Rank ``rank``'s share of a Linear layer over ``tp`` ranks, as a new library Linear."""
 
-    def cols(lin, n_parts):
+    def __init__(self, rank: int, tp: int, collective: ShmCollective) -> None:
+        self.rank, self.tp, self.collective = rank, tp, collective
+
+    def cols(self, lin, parts: int = 1):
+        """The column shard: the output columns are ``parts`` equal blocks side by side (a
+        fused layer, e.g. [gate | up]); keep this rank's contiguous 1/tp of each block."""
         w = lin.weight.numpy()
-        part = w.shape[1] // n_parts
-        keep = slice(rank * part, (rank + 1) * part)
-        new = Linear.create(w.shape[0], part, has_bias=lin.bias is not None, linear_type="default")
+        if w.shape[1] % (parts * self.tp):
+            raise ValueError(f"{w.shape[1]} output columns in {parts} parts do not split over tp {self.tp}")
+        part = w.shape[1] // (parts * self.tp)
+        keep = np.concatenate([np.arange(part) + (p * self.tp + self.rank) * part for p in range(parts)])
+        new = Linear.create(w.shape[0], len(keep), has_bias=lin.bias is not None, linear_type="default")
         new.weight.set_value(w[:, keep])
         if lin.bias is not None:
             new.bias.set_value(lin.bias.numpy()[keep])
         return new
 
-    def rows(lin):
+    def rows(self, lin):
+        """The row shard: this rank's 1/tp of the input rows; the partial outputs are summed
+        over the ranks by the collective, the bias added once (by rank 0)."""
         w = lin.weight.numpy()
-        part = w.shape[0] // tp
+        part = w.shape[0] // self.tp
         new = Linear.create(part, w.shape[1], has_bias=lin.bias is not None, linear_type="default")
-        new.weight.set_value(w[rank * part : (rank + 1) * part])
-        if lin.bias is not None:  # added once, by rank 0
-            new.bias.set_value(lin.bias.numpy() if rank == 0 else np.zeros_like(lin.bias.numpy()))
+        new.weight.set_value(w[self.rank * part : (self.rank + 1) * part])
+        if lin.bias is not None:
+            new.bias.set_value(lin.bias.numpy() if self.rank == 0 else np.zeros_like(lin.bias.numpy()))
+        coll = self.collective
         new.register_forward_post_hook(lambda _layer, _inputs, out: paddle.to_tensor(coll.all_reduce_sum(out.numpy())))
         return new
-
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.q_proj, attn.k_proj, attn.v_proj = cols(attn.q_proj, tp), cols(attn.k_proj, tp), cols(attn.v_proj, tp)
-        attn.o_proj = rows(attn.o_proj)
-        mlp.gate_proj, mlp.up_proj = cols(mlp.gate_proj, tp), cols(mlp.up_proj, tp)
-        mlp.down_proj = rows(mlp.down_proj)
