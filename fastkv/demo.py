@@ -1,9 +1,10 @@
 """The demo workloads, and the workload.jsonl file the engine reads.
 
 workload.jsonl: one request a line, ``{"id": str, "arrival_s": float, "prompt": [int, ...],
-"max_new_tokens": int, "preemption": "recompute" | "offload" | "storage" | null}``;
-``arrival_s`` is the offset from the start (0 for all = closed loop); ``preemption`` null
-means the engine's default.
+"max_new_tokens": int, "preemption": "recompute" | "offload" | "storage" | null}``, and
+optionally ``cache_salt``, ``lora`` and ``mm_items`` (``Engine.add_request``'s: what keys the
+request's KV besides its tokens); ``arrival_s`` is the offset from the start (0 for all =
+closed loop); ``preemption`` null means the engine's default.
 
 Two generators, both deterministic for a seed:
 
@@ -185,10 +186,9 @@ def check_request(req: Any, vocab: int | None = None) -> None:
     missing = {"id", "arrival_s", "prompt", "max_new_tokens"} - set(req)
     if missing:
         raise ValueError(f"{named} lacks {sorted(missing)}")
-    unknown = set(req) - {"id", "arrival_s", "prompt", "max_new_tokens", "preemption"}
+    unknown = set(req) - set(REQUEST_FIELDS)
     if unknown:
-        raise ValueError(f"{named} has unknown fields {sorted(unknown)}; the fields are id, arrival_s, prompt, "
-                         "max_new_tokens and preemption")
+        raise ValueError(f"{named} has unknown fields {sorted(unknown)}; the fields are {', '.join(REQUEST_FIELDS)}")
     if not isinstance(req["id"], str) or not req["id"]:
         raise ValueError(f"request id must be a non-empty string, got {req['id']!r}")
     who = f"request {req['id']!r}"
@@ -199,6 +199,28 @@ def check_request(req: Any, vocab: int | None = None) -> None:
         raise ValueError(f"{who}: max_new_tokens must be an int >= 1, got {req['max_new_tokens']!r}")
     if req.get("preemption") not in (None, *PREEMPTION_MODES):
         raise ValueError(f"{who}: preemption must be one of {PREEMPTION_MODES} or null, got {req['preemption']!r}")
+    if problem := keyed_error(req):
+        raise ValueError(f"{who}: {problem}")
+
+
+def keyed_error(req: dict[str, Any]) -> str:
+    """Why a request's ``cache_salt``, ``lora`` or ``mm_items`` are wrong ('' if they are not)."""
+    from fastkv.cache.keys import ExtraKeys
+
+    items = req.get("mm_items") or []
+    if not isinstance(items, list):
+        return f"mm_items must be a list of {{start, end, hash}}, got {items!r}"
+    try:
+        extra = ExtraKeys.of(req.get("cache_salt"), req.get("lora"), items)
+    except ValueError as exc:
+        return str(exc)
+    if extra is not None and extra.mm and max(end for _, end, _ in extra.mm) > len(req.get("prompt") or ()):
+        return f"mm_items: an item ends past the prompt's {len(req['prompt'])} tokens"
+    return ""
+
+
+# a workload line's fields (README, "Workload files"): cache_salt, lora and mm_items key its KV
+REQUEST_FIELDS = ("id", "arrival_s", "prompt", "max_new_tokens", "preemption", "cache_salt", "lora", "mm_items")
 
 
 def _is_int(value: Any) -> bool:

@@ -114,6 +114,36 @@ class ExtraKeys:
                     or not 0 <= item[0] < item[1] or not isinstance(item[2], bytes)):
                 raise ValueError(f"ExtraKeys.mm items must be (start, end, hash bytes) with 0 <= start < end: {item!r}")
 
+    @classmethod
+    def of(cls, cache_salt: str | bytes | None = None, lora: str | int | None = None,
+           mm_items: Sequence = ()) -> ExtraKeys | None:
+        """A request's extras from its public fields (``Engine.add_request``, the workload
+        file, ``fastkv.routing.block_hashes``), None when it has none. ``cache_salt``: a
+        tenant's secret (requests share KV only under the same salt); ``lora``: the adapter's
+        id; ``mm_items``: multimodal items as ``(start, end, hash)`` or ``{"start", "end",
+        "hash"}``, the hash as bytes or a hex string. ValueError naming the field."""
+        if cache_salt is not None and (not isinstance(cache_salt, str | bytes) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        if lora is not None and (isinstance(lora, bool) or not isinstance(lora, str | int) or lora == ""):
+            raise ValueError(f"lora must be an adapter id (a non-empty string or an int), got {lora!r}")
+        items = []
+        for item in mm_items or ():
+            start, end, digest = ((item.get("start"), item.get("end"), item.get("hash"))
+                                  if isinstance(item, dict) else tuple(item) if len(item) == 3 else (None,) * 3)
+            if isinstance(digest, str):
+                try:
+                    digest = bytes.fromhex(digest)
+                except ValueError:
+                    digest = None
+            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end
+                    and isinstance(digest, bytes) and digest):
+                raise ValueError(f"mm_items: each item needs an int start < end >= 0 and a hash (bytes or hex), "
+                                 f"got {item!r}")
+            items.append((start, end, digest))
+        if cache_salt is None and lora is None and not items:
+            return None
+        return cls(lora, cache_salt, tuple(sorted(items)))
+
     def root_bytes(self) -> bytes:
         out = b""
         if self.lora_id is not None:

@@ -26,6 +26,7 @@ follow ``fastkv.engine.worker_api`` (docs/WORKER_API.md; ``tests/e2e/embed_examp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -221,12 +222,17 @@ class Engine:
     def add_request(self, prompt: Iterable[int], max_new_tokens: int, *, request_id: str | None = None,
                     preemption: str | PreemptionMode | None = None, eos_token_id: int | None = None,
                     stop_token_ids: Iterable[int] = (), arrival_time: float | None = None,
-                    sampling: Sampling | dict[str, Any] | None = None) -> str:
+                    sampling: Sampling | dict[str, Any] | None = None, cache_salt: str | bytes | None = None,
+                    lora: str | int | None = None, mm_items: Iterable = ()) -> str:
         """Queue a request; returns its id (``request_id``, or a fresh one). ``preemption``
         overrides the deployment's mode for this request ("recompute", "offload", "storage",
         "auto"); ``arrival_time`` (time.monotonic) defaults to now. ``sampling`` (a
         ``Sampling`` or a dict of its fields) goes to the workers untouched, in the request's
-        first plan; its ``stop_token_ids`` also stop the request here. ValueError if the id is
+        first plan; its ``stop_token_ids`` also stop the request here. ``cache_salt`` (a
+        tenant's secret: requests share KV, in every tier, only under the same salt), ``lora``
+        (the adapter's id: it changes every K and V) and ``mm_items`` (multimodal items,
+        ``{"start", "end", "hash"}``: the blocks an item overlaps carry its hash) key the
+        request's KV besides its tokens (``fastkv.cache.keys.ExtraKeys.of``). ValueError if the id is
         in use; RequestRejected (a ValueError) if the request is invalid or can never run to
         ``max_new_tokens``: prompt and output must fit in ``max_model_len`` (the device tier,
         or less), since a request is never cut short without saying so.
@@ -236,7 +242,8 @@ class Engine:
         blocked in ``wait_for_work`` wakes up."""
         with self._cond:
             req, ext, params = self._new_request(prompt, max_new_tokens, request_id, preemption, eos_token_id,
-                                                 stop_token_ids, arrival_time, sampling)
+                                                 stop_token_ids, arrival_time, sampling,
+                                                 (cache_salt, lora, tuple(mm_items)))
             if threading.get_ident() == self._owner and not self._stepping:
                 self._enter(req, ext)
             else:
@@ -282,7 +289,9 @@ class Engine:
     def _new_request(self, prompt: Iterable[int], max_new_tokens: int, request_id: str | None,
                      preemption: str | PreemptionMode | None, eos_token_id: int | None,
                      stop_token_ids: Iterable[int], arrival_time: float | None,
-                     sampling: Sampling | dict[str, Any] | None = None) -> tuple[Request, str, str]:
+                     sampling: Sampling | dict[str, Any] | None = None,
+                     keyed: tuple = (None, None, ())) -> tuple[Request, str, str]:
+        """``keyed``: (cache_salt, lora, mm_items), as ``add_request`` takes them."""
         rid = self._next_id
         ext = str(rid) if request_id is None else str(request_id)
         if ext in self._ids:
@@ -300,8 +309,11 @@ class Engine:
             mode = None if preemption is None else _enum(PreemptionMode, preemption)
             if mode is PreemptionMode.STORAGE and not self.spec.storage_url:
                 raise ValueError("preemption 'storage' needs a storage tier (RunSpec.storage_url)")
-            # Prefix caching off: keys salted per request, so only its own KV (after a preemption) hits.
-            extra = None if self.spec.enable_prefix_caching else ExtraKeys(tenant_salt=f"{self.spec.run_id}/{rid}")
+            extra = ExtraKeys.of(*keyed)
+            if extra is not None and extra.mm and max(end for _, end, _ in extra.mm) > len(tokens):
+                raise ValueError(f"mm_items: an item ends past the prompt's {len(tokens)} tokens")
+            if not self.spec.enable_prefix_caching:  # keys salted per request: only its own KV hits
+                extra = dataclasses.replace(extra or ExtraKeys(), tenant_salt=f"{self.spec.run_id}/{rid}")
             req = Request(rid, tokens, max_new_tokens, eos_token_id=eos_token_id,
                           stop_token_ids=frozenset(stop_token_ids), preemption=mode, arrival_time=arrival_time,
                           extra=extra)
@@ -321,7 +333,9 @@ class Engine:
                               from_store: bool = True, preemption: str | PreemptionMode | None = None,
                               eos_token_id: int | None = None, stop_token_ids: Iterable[int] = (),
                               arrival_time: float | None = None,
-                              sampling: Sampling | dict[str, Any] | None = None) -> Reservation | Refusal:
+                              sampling: Sampling | dict[str, Any] | None = None,
+                              cache_salt: str | bytes | None = None, lora: str | int | None = None,
+                              mm_items: Iterable = ()) -> Reservation | Refusal:
         """Decode side: take a request another engine prefilled. Refused (a ``Refusal`` naming
         ``request_id`` and the reason, nothing changed) when the blocks it needs are not free
         beyond what the running requests keep for their growth; they are never preempted for it.
@@ -331,18 +345,20 @@ class Engine:
         ``[first_position, last_position)`` into the reserved blocks and calls ``on_prefilled``.
         Call it between steps, with no step in flight: the decode role runs with async scheduling
         off, and so must an embedding engine that calls it (``RunSpec.async_scheduling``).
+        ``cache_salt``, ``lora``, ``mm_items``: as the prefill engine had them (``add_request``).
         RequestRejected if the request can never run."""
         if self._flight:
             raise ValueError("reserve_for_prefilled while a step is in flight: it needs async scheduling off "
                              "(RunSpec.async_scheduling=False; the decode role has it off)")
         req, ext, params = self._new_request(prompt, max_new_tokens, request_id, preemption, eos_token_id,
-                                             stop_token_ids, arrival_time, sampling)
+                                             stop_token_ids, arrival_time, sampling,
+                                             (cache_salt, lora, tuple(mm_items)))
         tail = None
         if from_store:
-            if req.extra is not None or self.lookups is None:
+            if not self.spec.enable_prefix_caching or self.lookups is None:
                 raise ValueError("a handoff through the store needs a storage tier and prefix caching on")
             tokens, cache = req.token_ids[:req.num_prompt_tokens], self.cache
-            keys = cache.keys_for(tokens)
+            keys = cache.keys_for(tokens, req.extra)
             cache.confirm_stored(keys[:(len(tokens) - 1) // cache.block_size])  # the handoff record says so
             tail = cache.tail_key(tokens, ext, keys)
         try:

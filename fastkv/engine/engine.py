@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastkv.cpu_policy import apply as apply_cpu_policy
-from fastkv.demo import arrival_error, prompt_error
+from fastkv.demo import arrival_error, keyed_error, prompt_error
 from fastkv.engine.core import Engine, EngineError, EngineStopped, RequestRejected, RequestResult
 from fastkv.engine.decode import drive_decode
 from fastkv.engine.health import counters
@@ -45,6 +45,11 @@ class WorkItem(NamedTuple):
     prompt: list[int]
     max_new_tokens: int
     preemption: str | None
+    # what keys its KV besides the tokens (Engine.add_request): a tenant's salt, a LoRA adapter, images
+    cache_salt: str | None = None
+    lora: str | int | None = None
+    mm_items: tuple = ()
+
 
 
 def read_workload(path: str | Path) -> list[WorkItem]:
@@ -71,8 +76,11 @@ def read_workload(path: str | Path) -> list[WorkItem]:
             raise ValueError(f"{where}: request {rid!r}: 'max_new_tokens' must be an int >= 1, got {max_new!r}")
         if mode is not None and mode not in MODES:
             raise ValueError(f"{where}: request {rid!r}: 'preemption' must be null or one of {MODES}, got {mode!r}")
+        if problem := keyed_error(doc):
+            raise ValueError(f"{where}: request {rid!r}: {problem}")
         seen.add(rid)
-        items.append(WorkItem(rid, float(arrival), prompt, max_new, mode))
+        items.append(WorkItem(rid, float(arrival), prompt, max_new, mode, doc.get("cache_salt"), doc.get("lora"),
+                              tuple(doc.get("mm_items") or ())))
     items.sort(key=lambda it: it.arrival_s)  # stable: equal arrivals keep file order
     return items
 
@@ -94,7 +102,8 @@ def drive(engine: Engine, items: list[WorkItem], results: list[RequestResult], t
             next_item += 1
             try:
                 engine.add_request(it.prompt, it.max_new_tokens, request_id=it.id, preemption=it.preemption,
-                                   arrival_time=start + it.arrival_s)
+                                   arrival_time=start + it.arrival_s, cache_salt=it.cache_salt, lora=it.lora,
+                                   mm_items=it.mm_items)
             except RequestRejected as exc:  # this request alone: the rest of the run goes on
                 print(f"fastkv engine: {exc}", file=sys.stderr, flush=True)
                 results.append(engine.rejected(it.id, exc.reason, start + it.arrival_s))

@@ -28,10 +28,17 @@ def _root(namespace: KeyNamespace | bytes, extra: ExtraKeys | None) -> bytes:
 
 
 def block_hashes(token_ids, namespace: KeyNamespace | bytes, block_size: int,
-                 extra: ExtraKeys | None = None) -> list[bytes]:
+                 extra: ExtraKeys | None = None, *, cache_salt: str | bytes | None = None,
+                 lora: str | int | None = None, mm_items=()) -> list[bytes]:
     """Keys of the full blocks of ``token_ids`` (any int sequence or array) under ``namespace``:
     element i is the key of tokens ``[i * block_size, (i + 1) * block_size)`` and of every
-    block before it. A partial last block has no key (it is never shared)."""
+    block before it. A partial last block has no key (it is never shared). ``cache_salt``,
+    ``lora`` and ``mm_items`` are the request's, as given to ``Engine.add_request`` (or
+    ``extra``, their ``ExtraKeys``)."""
+    if extra is None:
+        extra = ExtraKeys.of(cache_salt, lora, mm_items)
+    elif cache_salt is not None or lora is not None or mm_items:
+        raise ValueError("give either extra or cache_salt / lora / mm_items, not both")
     if not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if isinstance(namespace, KeyNamespace) and namespace.block_size != block_size:

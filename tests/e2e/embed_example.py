@@ -39,6 +39,9 @@ def toy_step(plan, k, v, block_size: int, history: dict[str, list[int]]) -> tupl
     for seq in plan.seqs:
         hist = history.setdefault(seq.request_id, [])
         del hist[seq.start_pos:]  # recomputed after a preemption: the same tokens again
+        if len(hist) < seq.start_pos:  # a prefix hit: another request's K/V, taken as read (the output checks it)
+            pos = np.arange(len(hist), seq.start_pos)
+            hist += (k[0][seq.block_table[pos // block_size], 0, pos % block_size, 0].astype(np.int64) - 1).tolist()
         hist += [int(t) for t in seq.token_ids]
         for pos in range(seq.start_pos, len(hist)):
             blk, off = seq.block_table[pos // block_size], pos % block_size
