@@ -76,6 +76,7 @@ class StepBatch:
 
     def _put(self, req: Request, n: int) -> None:
         start = self.starts.get(req.request_id, req.num_computed_tokens)
+        n = _whole_items(req, start, n)
         self.seqs[req.request_id] = SeqWork(
             req.request_id, req.token_span(start, start + n), start, self.cache.block_table(req.request_id),
             start + n == req.num_tokens)
@@ -85,3 +86,16 @@ class StepBatch:
         seq = self.seqs.pop(req.request_id, None)
         if seq is not None:
             self.budget += len(seq.token_ids)
+
+
+def _whole_items(req: Request, start: int, n: int) -> int:
+    """``n``, moved so that the chunk ``[start, start + n)`` splits no multimodal item: it ends
+    before an item it would cut, or, when it starts at one, takes the whole item even past the
+    budget (an image's tokens are computed in one step, as FastDeploy does)."""
+    if req.extra is None or not req.extra.mm:
+        return n
+    end = start + n
+    for first, last, _ in req.extra.mm:  # sorted by start
+        if first < end < last:
+            end = first if first > start else last
+    return end - start

@@ -202,3 +202,21 @@ def test_time_to_first_token_and_counts():
     r.run()
     q = r.finished[0]
     assert q.arrival_time < q.first_token_time < q.finish_time
+
+
+def test_a_multimodal_item_is_never_split_across_prefill_chunks():
+    """An image spanning where the budget would cut: the chunk ends before it, and the next one
+    takes the whole image even past the budget; the output is the model's all the same."""
+    from fastkv.cache.keys import ExtraKeys
+
+    r = rig(dev=32, max_num_batched_tokens=8, long_prefill_token_threshold=0)
+    image = ExtraKeys.of(mm_items=[{"start": 6, "end": 17, "hash": "ab" * 8}])
+    r.add(0, range(1, 25), max_new_tokens=2, extra=image)
+    assert seqs(r.step()) == [(0, 0, 6, False)]  # 8 would cut the image at 8: stop before it
+    assert seqs(r.step()) == [(0, 6, 11, False)]  # the whole image [6, 17), 11 > the budget of 8
+    assert seqs(r.step()) == [(0, 17, 7, True)]
+    r.run()
+    assert r.finished[0].output_token_ids == r.worker.truth[0].tokens[24:]
+    plain = rig(dev=32, max_num_batched_tokens=8, long_prefill_token_threshold=0)
+    plain.add(0, range(1, 25), max_new_tokens=2)
+    assert seqs(plain.step()) == [(0, 0, 8, False)]  # without the item, the budget decides
