@@ -95,3 +95,20 @@ def test_multimodal_requests_share_only_the_blocks_before_their_first_item(tmp_p
             engine.add_request(PROMPT, 4, cache_salt="")
 
     _served(_spec(tmp_path, tmp_path / "pool"), body)
+
+
+def test_a_workload_files_tenants_keep_to_their_own_kv_in_a_shared_pool(tmp_path):
+    """Through the engine process the supervisor runs: run A stores its tenant's KV in the pool; a
+    restart serving the same prompts to another tenant finds none of it, the same tenant does."""
+    from tests.e2e.test_engine_synthetic import run_once, workload
+
+    url = f"lmdb://{tmp_path}/store?max_bytes=64M"
+    wl = workload(9, 4, ["offload"])
+    tenant = lambda name: [{**w, "cache_salt": name} for w in wl]  # noqa: E731
+    _, a = run_once(tmp_path, "a", url, tenant("acme"), num_host_blocks=64)
+    _, other = run_once(tmp_path, "b", url, tenant("globex"), num_host_blocks=64)
+    _, same = run_once(tmp_path, "c", url, tenant("acme"), num_host_blocks=64)
+    assert a["storage_blocks_stored"] > 0
+    # every request is looked up as it arrives (all at 0 s), before this run stored anything of its own
+    assert other["storage_lookup"]["keys_found"] == 0, other["storage_lookup"]
+    assert same["hit_ratio"]["storage"] > 0 and same["storage_lookup"]["keys_found"] > 0, same["hit_ratio"]
