@@ -223,8 +223,13 @@ class TaskExecutor:
         if self.cleared or self.store is None:
             raise TaskRefused("LOOKUP refused: " + (self.store_error or "no storage tier open (not configured, "
                                                     "or cleared for a weight update)"))
+        stats = self.store.stats
         with self._faults_of(self.store):
-            return found_prefixes(self.store, plan.keys, plan.chain_lengths)
+            failed = stats.errors + stats.skipped
+            found = found_prefixes(self.store, plan.keys, plan.chain_lengths)
+            if stats.errors + stats.skipped > failed:  # a backend answers all-miss when down: not an answer
+                raise TaskRefused("LOOKUP failed: the storage tier is down (its error is in this log)")
+        return found
 
     def _run(self, msg: TaskMsg) -> tuple[int, str]:
         plan = task_plan(msg)  # each task type checks its fields

@@ -100,6 +100,8 @@ def test_master_killed_mid_run(tmp_path, pool, reference):
     outputs, rep, stderr = finish(proc, out)
     assert outputs == reference
     assert rep["storage_errors"] > 0, rep
+    # the lookups of the requests that arrived after the kill failed: not answered as all-miss
+    assert rep["storage_lookup"]["failed"] > 0, rep["storage_lookup"]
     assert "failed during the run" in stderr, stderr[-2000:]  # shown to the user, not only in a log
 
 
