@@ -17,6 +17,10 @@ configuration error rather than a run that silently recomputes everything.
 """
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from fastkv.storage.base import StorageBackend
@@ -83,6 +87,21 @@ def open_store(url: str, namespace: bytes, rank: int = 0, tp_size: int = 1) -> S
     raise ValueError(f"unknown storage URL scheme {parts.scheme!r} in {url!r}; use lmdb://, redis:// or mooncake://")
 
 
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """A C client's own log lines (Mooncake's glog) go nowhere while it is probed: the probe's
+    outcome is the one line the caller prints."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def probe_store(url: str, tp_size: int = 1, timeout: float = 1.0) -> None:
     """Opens the backend ``url`` names, makes one round trip (``check``) and closes it;
     ValueError in one line naming the URL if it cannot serve. A network backend waits at
@@ -98,7 +117,7 @@ def probe_store(url: str, tp_size: int = 1, timeout: float = 1.0) -> None:
         query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "timeout"]
         probe_url = urlunsplit(parts._replace(query=urlencode([*query, ("timeout", str(timeout))])))
     try:
-        with open_store(probe_url, namespace_fingerprint("fastkv probe"), 0, tp_size) as store:
+        with _quiet_stderr(), open_store(probe_url, namespace_fingerprint("fastkv probe"), 0, tp_size) as store:
             store.check()
     except Exception as exc:  # whatever the backend raises: one line with the URL and the cause
         why = " ".join(str(exc).replace(probe_url, url).split())

@@ -43,6 +43,15 @@ def master_binary() -> str | None:
     return shutil.which("mooncake_master")
 
 
+def master_metadata_flags(host: str, port: int) -> list[str]:
+    """mooncake_master's flags for its HTTP metadata server on ``host:port`` (port 0: none, the
+    transfer engines then find each other by P2P handshake); README gives the same line."""
+    if not port:
+        return ["--enable_http_metadata_server=false"]
+    return ["--enable_http_metadata_server=true", f"--http_metadata_server_host={host}",
+            f"--http_metadata_server_port={port}"]
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGKILL it when the parent dies."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -95,7 +104,9 @@ class LocalMooncake:
     """``mooncake_master`` plus one holder on 127.0.0.1; ``url`` is what engines open."""
 
     def __init__(self, segment_size: int = 256 << 20, lease_ttl_ms: int = 200, client_ttl_s: int = 2,
-                 binary: str | None = None) -> None:
+                 binary: str | None = None, http_metadata: bool = False) -> None:
+        """``http_metadata``: the master also serves the transfer engines' metadata over HTTP
+        (what a deployment without P2P handshakes runs); the holder and the URL use it."""
         self.binary = binary or master_binary()
         if self.binary is None:
             raise FileNotFoundError("mooncake_master is not installed: pip install -e '.[mooncake]'")
@@ -104,6 +115,7 @@ class LocalMooncake:
         self.client_ttl_s = client_ttl_s
         self.port = free_port()
         self.metrics_port = free_port()
+        self.http_port = free_port() if http_metadata else 0
         self.master: _Proc | None = None
         self.holder: _Proc | None = None
 
@@ -130,8 +142,12 @@ class LocalMooncake:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def metadata_server(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata" if self.http_port else "P2PHANDSHAKE"
+
+    @property
     def url(self) -> str:
-        query = {"metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", "protocol": "tcp",
+        query = {"metadata_server": self.metadata_server, "local_hostname": "127.0.0.1", "protocol": "tcp",
                  "global_segment_size": "0"}
         return f"mooncake://{self.address}?{urlencode(query)}"
 
@@ -148,7 +164,7 @@ class LocalMooncake:
         args = [self.binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
                 f"--metrics_port={self.metrics_port}", "--metrics_host=127.0.0.1",
                 f"--default_kv_lease_ttl={self.lease_ttl_ms}", f"--client_ttl={self.client_ttl_s}",
-                "--enable_http_metadata_server=false", "--logtostderr"]
+                *master_metadata_flags("127.0.0.1", self.http_port), "--logtostderr"]
         # its INFO line says when it serves, whatever GLOG_minloglevel the user runs with
         env = {**os.environ, "GLOG_minloglevel": "0"}
         self.master = _Proc(f"mooncake_master on {self.address}", args, MASTER_READY, env=env)
@@ -156,7 +172,8 @@ class LocalMooncake:
 
     def start_holder(self, timeout: float = 15.0) -> None:
         assert self.holder is None or self.holder.proc.poll() is not None, "holder already running"
-        args = [sys.executable, "-m", "fastkv.storage.mooncake_holder", self.address, str(self.segment_size)]
+        args = [sys.executable, "-m", "fastkv.storage.mooncake_holder", self.address, str(self.segment_size),
+                "--metadata-server", self.metadata_server, "--local-hostname", "127.0.0.1", "--protocol", "tcp"]
         self.holder = _Proc(f"Mooncake holder of {self.segment_size} bytes", args, b"ready", stdin=True)
         self.holder.wait_ready(timeout)
 

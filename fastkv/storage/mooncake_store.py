@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -104,7 +105,7 @@ class MooncakeStore(StorageBackend):
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
-        self.master = master_server_addr
+        self.master, self.metadata_server = master_server_addr, metadata_server
         self._prefix = prefix
         self._suffix = f":{rank}"
         self._store = None
@@ -127,9 +128,24 @@ class MooncakeStore(StorageBackend):
     # --- the interface -------------------------------------------------------------------
 
     def check(self) -> None:
+        """A value written through the pool and read back: a master that answers is not enough,
+        some holder must lend memory this client can reach (same metadata server, reachable
+        hostname), or every STORE of the run would fail."""
         codes = self._store.batch_is_exist([self._mkey(bytes(32))])
         if codes[0] < 0:
             raise ConnectionError(f"Mooncake master {self.master} answered a lookup with code {codes[0]}")
+        key, value = f"{self._prefix}:probe:{uuid.uuid4().hex}{self._suffix}", uuid.uuid4().bytes * 4
+        ret = self._store.put(key, value)
+        try:
+            got = bytes(self._store.get(key) or b"") if ret == 0 else b""
+        finally:
+            self._store.remove(key, True)
+        if ret != 0 or got != value:
+            how = f"a put failed with code {ret}" if ret != 0 else "a value put was not read back"
+            raise ConnectionError(
+                f"the Mooncake pool of master {self.master} cannot hold a value ({how}): no holder lends memory "
+                f"this engine can reach; start one with the engines' settings: python -m "
+                f"fastkv.storage.mooncake_holder {self.master} 4G --metadata-server {self.metadata_server}")
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         check_keys(keys)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -212,3 +213,64 @@ def test_a_full_pool_refuses_puts_counted_and_serves_what_it_holds():
             assert np.array_equal(out[hit], host[hit])
         assert s.hits > 0 and s.corrupt == 0 and s.hits + s.misses == 6 * 16
         store.close()
+
+
+# --- a pool nothing can be written to, and the holder's metadata settings -----------------
+
+@pytest.mark.mooncake
+def test_a_pool_with_http_metadata_serves_through_its_holder():
+    """The master serves metadata over HTTP, the holder takes the same setting as the engines:
+    a value an engine puts lands in the holder's segment and is read back."""
+    require_mooncake()
+    with LocalMooncake(segment_size=64 << 20, http_metadata=True) as pool:
+        assert "metadata_server=http" in pool.url
+        probe_store(pool.url, 1, timeout=2.0)
+        host, keys = random_host(4, 1), rand_keys(4)
+        with open_store(pool.url, NS, 0, 1) as store:
+            assert store.put(keys, host, [0, 1, 2, 3]) == [True] * 4
+            back = np.zeros_like(host)
+            assert store.get(keys, back, [0, 1, 2, 3]) == [True] * 4
+            assert np.array_equal(back, host)
+
+
+@pytest.mark.mooncake
+def test_a_pool_nothing_can_be_written_to_fails_at_start_in_one_line(tmp_path):
+    """A master with no holder, and a holder the engines cannot reach (it registered with the
+    master's HTTP metadata server, the engines look for P2P handshakes): the start-up check
+    writes a value, sees it fail, and the supervisor stops rc 2 in one line saying what to do."""
+    require_mooncake()
+    pool = LocalMooncake(segment_size=64 << 20)
+    pool.start_master()
+    try:
+        deadline = time.monotonic() + 15  # its last log line comes before its RPC port listens
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", pool.port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "mooncake_master does not listen"
+                time.sleep(0.05)
+        with pytest.raises(ValueError, match="cannot hold a value"):
+            probe_store(pool.url, 1, timeout=2.0)
+        proc, _ = _supervisor(tmp_path / "a", "--storage", pool.url)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert "cannot hold a value" in lines[0] and "mooncake_holder" in lines[0], lines
+    finally:
+        pool.stop()
+    with LocalMooncake(segment_size=64 << 20, http_metadata=True) as pool:
+        p2p = pool.url.replace(f"metadata_server=http%3A%2F%2F127.0.0.1%3A{pool.http_port}%2Fmetadata",
+                               "metadata_server=P2PHANDSHAKE")
+        assert p2p != pool.url
+        with pytest.raises(ValueError, match="cannot hold a value"):
+            probe_store(p2p, 1, timeout=2.0)
+
+
+def test_the_holder_refuses_what_it_cannot_serve_in_one_line(clean_env):
+    for args, says in ((["127.0.0.1:1", "4X"], "SEGMENT_SIZE"), (["nohost", "1G"], "MASTER must be host:port"),
+                       (["127.0.0.1:1", "1G", "--protocol", "udp"], "--protocol"),
+                       (["127.0.0.1:1", "1G", "--metadata-server", "etcd"], "--metadata-server")):
+        proc = subprocess.run([sys.executable, "-m", "fastkv.storage.mooncake_holder", *args], capture_output=True,
+                              text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+        assert proc.returncode == 2 and says in proc.stderr, (args, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
