@@ -108,7 +108,8 @@ class KVEvents:
 
     def resident(self) -> dict[str, dict[str, object]]:
         """Per medium, the keys a subscriber that applied every batch holds: how many, and a
-        digest of them (blake3 of the sorted keys) to compare a subscriber's with, key by key."""
+        digest of them to compare a subscriber's with (defined in docs/FORMATS.md: BLAKE3 of
+        the 32-byte keys sorted ascending and concatenated)."""
         from fastkv.events.schema import MEDIUM
 
         return {MEDIUM[t]: resident_digest(self.log.resident(t)) for t in Tier}
