@@ -17,7 +17,7 @@ from fastkv.cache.write_policy import Tier
 from fastkv.events import EventsConfig, build_events
 from fastkv.events.config import SCHEMAS
 from fastkv.events.schema import schema
-from tests.events.consumers import CONSUMERS, READS, ConsumerError, fold, llm_d_decode, vllm_decode
+from tests.events.consumers import CONSUMERS, READS, VLLM, ConsumerError, fold, llm_d_decode, vllm_decode
 from tests.events.demo_rig import engine_index, run_demo
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "KV_EVENTS.md"
@@ -82,6 +82,19 @@ def test_vllm_main_events_are_tagged_maps_in_an_array_batch_with_every_required_
     assert {"lora_id", "medium", "lora_name"} <= set(ev) and ev["lora_name"] is None
     assert not {"group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "extra_keys"} & set(ev)
     assert set(raw[1][2]) == {"type", "block_hashes", "medium"}
+
+
+def test_the_vllm_schema_carries_group_fields_when_a_cache_sets_them():
+    """fastkv's cache has one KV group and sets none; a hybrid cache would set them per event,
+    and vLLM main's decoder reads them."""
+    s = schema("vllm")
+    ev = s.BlockStored(block_hashes=[K[0]], parent_block_hash=None, token_ids=[1, 2], block_size=2, lora_id=None,
+                       medium="GPU", lora_name=None, group_idx=1, kv_cache_spec_kind="sliding_window",
+                       kv_cache_spec_sliding_window=128)
+    rm = s.BlockRemoved(block_hashes=[K[0]], medium="GPU", group_idx=1)
+    batch = msgspec.msgpack.decode(msgspec.msgpack.encode(s.EventBatch(1.0, [ev, rm], 0)), type=VLLM["vllm-main"])
+    assert batch.events[0].group_idx == 1 and batch.events[0].kv_cache_spec_kind == "sliding_window"
+    assert batch.events[0].kv_cache_spec_sliding_window == 128 and batch.events[1].group_idx == 1
 
 
 def test_a_schema_change_that_breaks_a_consumer_fails_its_decoder():

@@ -52,3 +52,34 @@ def test_a_four_engine_smoke_run_reports_every_engine(tmp_path):
         assert set(doc["per_engine"][policy]) == {"e0", "e1", "e2", "e3"}
         assert sum(doc["per_engine"][policy].values()) == 24
         assert doc["ttft_p50_s"][policy] > 0 and doc["tokens_per_s"][policy] > 0
+
+
+def test_the_work_score_weighs_the_cached_prefix_per_tier_against_the_backlog():
+    from fastkv.routing.indexer import Prefix
+
+    mod = _module()
+    args = argparse.Namespace(score="work", host_weight=0.8, load_tokens=256.0, load_weight=0.05)
+
+    class Engine:
+        def __init__(self, name, pending=(), unfinished=0):
+            self.name, self.pending, self.unfinished = name, dict(enumerate(pending)), unfinished
+
+    class Idx:
+        def __init__(self, prefixes):
+            self.prefixes = prefixes
+
+        def longest_prefix(self, hashes):
+            return self.prefixes
+
+    hashes, n = [b"k"] * 100, 1600 + 10  # 100 full blocks of 16, and a partial one
+    held = {"e0": Prefix(0, 0, 0, 0), "e1": Prefix(60, 60, 0, 90)}  # e1: 60 blocks on device, 30 more on host
+    idle = [Engine("e0"), Engine("e1")]
+    pick, work = mod.choose(Idx(held), idle, hashes, n, args)
+    assert pick == 1 and work == n - 16 * (60 + 0.8 * 30)
+    # a backlog worth more than the saving sends the request where nothing is cached
+    busy = [Engine("e0"), Engine("e1", pending=[800.0, 600.0], unfinished=2)]
+    pick, work = mod.choose(Idx(held), busy, hashes, n, args)
+    assert pick == 0 and work == n
+    # a host-cached block is worth less than a device-cached one
+    tiers = {"e0": Prefix(40, 40, 0, 40), "e1": Prefix(0, 45, 0, 45)}
+    assert mod.choose(Idx(tiers), idle, hashes, n, args)[0] == 0
