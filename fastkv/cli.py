@@ -32,6 +32,7 @@ from fastkv.compiled import NotBuilt
 from fastkv.config import KVLayout
 from fastkv.cpu_policy import CPU_POLICIES
 from fastkv.demo import PREEMPTION_MODES, ConversationConfig
+from fastkv.events.config import SCHEMAS as EVENT_SCHEMAS
 from fastkv.outdir import OutDir
 from fastkv.sched.config import SchedulerConfig
 
@@ -109,6 +110,7 @@ class JobConfig:
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = ""  # default kv@<run id>@<model id>, the topic llm-d's subscriber parses
     kv_events_buffer: int = 10_000  # batches kept for replay
+    kv_events_schema: str = ""  # the consumer generation (fastkv.events.config.SCHEMAS); default llm-d
     runner_options: dict[str, Any] = field(default_factory=dict)
     scheduler: dict[str, Any] = field(default_factory=dict)
     demo: dict[str, Any] = field(default_factory=dict)  # ConversationConfig fields
@@ -408,6 +410,8 @@ class JobConfig:
                                "buffer_steps": self.kv_events_buffer}
         if self.kv_events_topic:
             out["topic"] = self.kv_events_topic
+        if self.kv_events_schema:
+            out["schema"] = self.kv_events_schema
         return out
 
 
@@ -504,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-events-replay-endpoint", metavar="URL", help="ZMQ ROUTER address that replays missed KV event batches")
     a("--kv-events-topic", help="KV events topic (default kv@<run id>@<model id>)")
     a("--kv-events-buffer", type=int, metavar="N", help="KV event batches kept for replay (default 10000)")
+    a("--kv-events-schema", choices=EVENT_SCHEMAS, help="KV event wire form, by consumer: llm-d (default; llm-d's "
+      "released indexer, vLLM before lora_name), vllm-array (vLLM with lora_name, array events), vllm (vLLM main: "
+      "tagged-map events); docs/KV_EVENTS.md")
     a("--run-id", help="name of the run's shared-memory namespace (default: random)")
     a("--entry", action="append", default=[], metavar="ROLE=MODULE:FUNC",
       help="replace a process's entry point (roles: engine, worker, transfer), e.g. your own worker")

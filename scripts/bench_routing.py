@@ -1,19 +1,38 @@
 #!/usr/bin/env python
-"""KV-aware routing, measured: two engines behind a router on the Mooncake conversation trace
-(fastkv/data), under the GPU cost model, with three routing policies side by side:
+"""KV-aware routing, measured: ``--engines`` engines (default 2) behind a router, under the GPU
+cost model, with three routing policies side by side, on one of two workloads:
 
-- ``round_robin``: request i goes to engine i mod 2;
+- ``--workload trace`` (default): the Mooncake conversation trace (fastkv/data), whose reuse is
+  mostly inside conversations;
+- ``--workload shared``: prefixes shared across users, the case a KV-aware router exists for.
+  ``--docs`` system prompts / documents of 1-8k tokens (log-uniform), each conversation on one
+  of them (Zipf-popular, s=1.1) from one of ``--users`` users, 1-4 turns: a turn's prompt is the
+  document, the earlier turns' questions and answers, and a new question of 64-256 tokens;
+  answers of 64-256 tokens; conversations start as a Poisson process of ``--rate`` requests/s
+  overall, a turn 1-4 s after the one before (open loop: it does not wait for the answer).
+  The default rate is meant to overload round robin's engines, so that tokens/s measures what
+  each routing lets the engines serve.
+
+Policies:
+
+- ``round_robin``: request i goes to engine i mod N;
 - ``session``: a hash of the request's conversation picks the engine: sticky sessions. The
-  trace has no session ids: a request continues the conversation of the earlier request whose
-  prompt (but its last, partial 512-token block) is the longest its own starts with, if no
-  other request continued it yet (a conversation is a chain of turns; requests that share only
-  a system prompt start conversations of their own);
-- ``indexer``: the reference indexer (fastkv.routing.indexer), fed by both engines' KV events
-  over ZMQ, gives each engine's longest cached prefix of the prompt (fastkv.routing.block_hashes);
-  the router takes the engine with the best score, cached prompt share (device blocks count 1,
-  host blocks ``--host-weight``) less ``--load-weight`` per unfinished request beyond the
-  least loaded engine's (load balancing, as llm-d's precise prefix-cache scorer beside its load
-  scorer).
+  shared workload knows its conversations; the trace has no session ids: a request continues
+  the conversation of the earlier request whose prompt (but its last, partial 512-token block)
+  is the longest its own starts with, if no other request continued it yet (a conversation is
+  a chain of turns; requests that share only a system prompt start conversations of their own);
+- ``indexer``: the reference indexer (fastkv.routing.indexer), fed by every engine's KV events
+  over ZMQ, gives each engine's longest cached prefix of the prompt per tier
+  (fastkv.routing.block_hashes), and ``--score`` weighs it against each engine's load:
+
+  - ``share`` (the trace's default): cached prompt share (device blocks count 1, host blocks
+    ``--host-weight``) less ``--load-weight`` per unfinished request beyond the least loaded
+    engine's (as llm-d's precise prefix-cache scorer beside its load scorer);
+  - ``work`` (the shared workload's default): the engine whose prefill work is least, in prompt
+    tokens: this prompt's tokens not cached there (a host-cached block costs ``1 -
+    --host-weight`` of a computed one) plus the engine's backlog: the same estimate for every
+    request routed to it whose first token is not out yet, and ``--load-tokens`` per unfinished
+    request (its decode's share of the steps).
 
 The engines run in-process as libraries (scheduler and cache manager, no worker processes) in a
 discrete-event simulation: each step takes the GPU time ``--cost-model`` gives it (a roofline of
@@ -23,16 +42,16 @@ the runs are deterministic and need not interleave. Before each routing decision
 takes every batch the engines have published (``Indexer.sync``: what a router with a few
 milliseconds of event lag would know a few steps later).
 
-Reported per policy: prompt-token hit ratio per tier (device, host) over both engines, TTFT p50
+Reported per policy: prompt-token hit ratio per tier (device, host) over all engines, TTFT p50
 and p99 (simulated seconds), tokens/s (generated tokens over the simulated makespan), and the
 requests each engine served. The LAST line is JSON:
 
     {"bench": "routing", "requests": N, "cost_model": NAME,
      "hit_ratio": {"round_robin": {"device": ..., "host": ...}, "session": {...}, "indexer": {...}},
      "ttft_p50_s": {"round_robin": ..., "session": ..., "indexer": ...}, "ttft_p99_s": {...},
-     "tokens_per_s": {...}, "per_engine": {"round_robin": {"e0": n0, "e1": n1}, ...}}
+     "tokens_per_s": {...}, "per_engine": {"round_robin": {"e0": n0, "e1": n1, ...}, ...}}
 
-``--quick``: 500 requests; ``--smoke``: 24 requests (tests).
+``--quick``: 500 requests; ``--smoke``: 24 requests (tests); default 1000 (trace), 3000 (shared).
 """
 from __future__ import annotations
 
@@ -105,11 +124,13 @@ class SimEngine:
         self.done: dict[int, float] = {}
         self.generated = 0
         self.served = 0
+        self.pending: dict[int, float] = {}  # routed, first token not out: the router's prefill estimate
         self.copy_s_per_block = dep.copy_seconds_per_token() * BLOCK
 
-    def add(self, rid: int, prompt: list[int], max_new: int, now: float) -> None:
+    def add(self, rid: int, prompt: list[int], max_new: int, now: float, work: float = 0.0) -> None:
         self.clock = max(self.clock, now)
         self.arrival[rid] = now
+        self.pending[rid] = work
         self.served += 1
         self.sched.add_request(Request(rid, np.asarray(prompt, np.int32), max_new))
 
@@ -139,6 +160,7 @@ class SimEngine:
                 if s.sample:
                     sampled[s.request_id] = (s.request_id * 7919 + s.end_pos * 31) % 1000 + 1
                     self.first.setdefault(s.request_id, now + dt)
+                    self.pending.pop(s.request_id, None)
             self.generated += len(sampled)
             self.sched.on_step_output(StepOutput(out.plan.step_id, sampled, dt))
             self.clock = now + dt
@@ -155,7 +177,7 @@ def simulate(policy: str, reqs: list[dict], sess: list[int], args, root: Path) -
     dep = deployment(args.cost_model)
     engines, idx = [], Indexer()
     try:
-        for e in range(2):
+        for e in range(args.engines):
             cfg = EventsConfig(endpoint=f"ipc://{root}/{policy}{e}.pub", replay_endpoint=f"ipc://{root}/{policy}{e}.rep",
                                buffer_steps=1 << 20)
             engines.append(SimEngine(f"e{e}", dep, args.device_blocks, args.host_blocks, cfg))
@@ -167,14 +189,15 @@ def simulate(policy: str, reqs: list[dict], sess: list[int], args, root: Path) -
             if i < len(reqs) and (nxt is None or reqs[i]["arrival_s"] <= nxt.clock):
                 r = reqs[i]
                 now = r["arrival_s"]
+                work = 0.0
                 if policy == "round_robin":
-                    pick = i % 2
+                    pick = i % len(engines)
                 elif policy == "session":
-                    pick = zlib.crc32(str(sess[i]).encode()) % 2
+                    pick = zlib.crc32(str(sess[i]).encode()) % len(engines)
                 else:
                     idx.sync()
-                    pick = choose(idx, engines, block_hashes(r["prompt"], ns, BLOCK), args)
-                engines[pick].add(i, r["prompt"], r["max_new_tokens"], now)
+                    pick, work = choose(idx, engines, block_hashes(r["prompt"], ns, BLOCK), len(r["prompt"]), args)
+                engines[pick].add(i, r["prompt"], r["max_new_tokens"], now, work)
                 i += 1
             else:
                 nxt.step()
@@ -192,29 +215,73 @@ def simulate(policy: str, reqs: list[dict], sess: list[int], args, root: Path) -
         idx.close()
 
 
-def choose(idx: Indexer, engines: list[SimEngine], hashes: list[bytes], args) -> int:
-    """The indexer's pick: cached share of the prompt, less a load penalty (module docstring)."""
+def choose(idx: Indexer, engines: list[SimEngine], hashes: list[bytes], prompt_len: int, args) -> tuple[int, float]:
+    """The indexer's pick, and its estimate of the prompt tokens that engine computes (module docstring)."""
     prefix = idx.longest_prefix(hashes)
     least = min(e.unfinished for e in engines)
     n = max(len(hashes), 1)
-    best, pick = None, 0
+    best, pick, pick_work = None, 0, 0.0
     for k, e in enumerate(engines):
         p = prefix[e.name]
-        score = (p.gpu + args.host_weight * (p.total - p.gpu)) / n - args.load_weight * (e.unfinished - least)
+        cached = p.gpu + args.host_weight * (p.total - p.gpu)  # in blocks, a host block worth host_weight
+        work = prompt_len - BLOCK * cached
+        if args.score == "share":
+            score = cached / n - args.load_weight * (e.unfinished - least)
+        else:
+            score = -(work + sum(e.pending.values()) + args.load_tokens * e.unfinished)
         if best is None or score > best:
-            best, pick = score, k
-    return pick
+            best, pick, pick_work = score, k, work
+    return pick, pick_work
+
+
+def shared(n: int, args, seed: int = 0) -> tuple[list[dict], list[int]]:
+    """The shared-prefix workload (module docstring): requests by arrival, and each one's conversation."""
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 32_000, int(np.exp(rng.uniform(np.log(1024), np.log(8192))))).tolist()
+            for _ in range(args.docs)]
+    popularity = 1.0 / np.arange(1, args.docs + 1) ** 1.1
+    popularity /= popularity.sum()
+    user_doc = rng.choice(args.docs, size=args.users, p=popularity)
+    out: list[tuple[float, int, dict]] = []
+    t, conv = 0.0, 0
+    while len(out) < n:
+        t += rng.exponential(1.0 / args.rate) * 2.5  # 2.5 turns per conversation on average
+        user = int(rng.integers(args.users))
+        prompt = list(docs[user_doc[user]])
+        at = t
+        for _turn in range(int(rng.integers(1, 5))):
+            prompt = prompt + rng.integers(0, 32_000, int(rng.integers(64, 257))).tolist()
+            answer = int(rng.integers(64, 257))
+            out.append((at, conv, {"prompt": prompt, "max_new_tokens": answer}))
+            prompt = prompt + rng.integers(0, 32_000, answer).tolist()  # the answer, as the next turn sends it
+            at += rng.uniform(1.0, 4.0)
+        conv += 1
+    out.sort(key=lambda x: x[0])
+    out = out[:n]
+    reqs = [{**r, "arrival_s": at} for at, _, r in out]
+    return reqs, [c for _, c, _ in out]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="500 trace requests")
     p.add_argument("--smoke", action="store_true", help="24 trace requests (tests: numbers mean nothing)")
-    p.add_argument("--requests", type=at_least(2), help="trace requests (default 1000)")
+    p.add_argument("--workload", choices=("trace", "shared"), default="trace",
+                   help="trace: the Mooncake conversation trace; shared: prefixes shared across users (docstring)")
+    p.add_argument("--engines", type=at_least(2), default=2, help="engines behind the router (default 2)")
+    p.add_argument("--requests", type=at_least(2), help="requests (default 1000 trace, 3000 shared)")
+    p.add_argument("--docs", type=at_least(1), default=48, help="shared: system prompts / documents (default 48)")
+    p.add_argument("--users", type=at_least(1), default=1000, help="shared: users (default 1000)")
+    p.add_argument("--rate", type=at_least(0.001, float), default=120.0,
+                   help="shared: requests per second over all engines (default 120)")
+    p.add_argument("--score", choices=("share", "work"),
+                   help="indexer's score (docstring; default share for the trace, work for shared)")
+    p.add_argument("--load-tokens", type=at_least(0.0, float), default=256.0,
+                   help="work score: an unfinished request's load in prompt tokens (default 256)")
     p.add_argument("--speedup", type=at_least(0.001, float), default=20.0,
-                   help="arrivals this many times faster than the trace's (default 20: both engines busy)")
+                   help="trace: arrivals this many times faster than the trace's (default 20: both engines busy)")
     p.add_argument("--tokens-per-id", type=at_least(1), default=32,
-                   help="tokens per 512-token trace block (default 32: prompts scaled down 16x)")
+                   help="trace: tokens per 512-token trace block (default 32: prompts scaled down 16x)")
     p.add_argument("--device-blocks", type=at_least(16), default=2048, help=f"per engine, of {BLOCK} tokens")
     p.add_argument("--host-blocks", type=at_least(0), default=32768, help="per engine (a host tier 16x the device's)")
     p.add_argument("--cost-model", default=LLAMA3_8B_H100.name, choices=sorted(DEPLOYMENTS))
@@ -223,12 +290,18 @@ def main() -> int:
     p.add_argument("--load-weight", type=at_least(0.0, float), default=0.05,
                    help="score lost per unfinished request beyond the least loaded engine's (default 0.05)")
     args = p.parse_args()
-    n = args.requests or (24 if args.smoke else 500 if args.quick else 1000)
-    reqs = trace(n, tokens_per_id=args.tokens_per_id, max_new_tokens=512, speedup=args.speedup)
-    sess = sessions(n)
-    print(f"{n} trace requests ({len(set(sess))} conversations), {sum(len(r['prompt']) for r in reqs)} prompt "
-          f"tokens; 2 engines of {args.device_blocks} device / {args.host_blocks} host blocks of {BLOCK} tokens; "
-          f"{args.cost_model}; arrivals {args.speedup}x the trace's", flush=True)
+    args.score = args.score or ("work" if args.workload == "shared" else "share")
+    n = args.requests or (24 if args.smoke else 500 if args.quick else 3000 if args.workload == "shared" else 1000)
+    if args.workload == "shared":
+        reqs, sess = shared(n, args)
+        what = f"shared workload: {args.docs} documents, {args.users} users, {args.rate} requests/s"
+    else:
+        reqs = trace(n, tokens_per_id=args.tokens_per_id, max_new_tokens=512, speedup=args.speedup)
+        sess = sessions(n)
+        what = f"trace, arrivals {args.speedup}x the trace's"
+    print(f"{n} requests ({len(set(sess))} conversations), {sum(len(r['prompt']) for r in reqs)} prompt "
+          f"tokens; {args.engines} engines of {args.device_blocks} device / {args.host_blocks} host blocks of "
+          f"{BLOCK} tokens; {args.cost_model}; {what}; indexer score {args.score}", flush=True)
     results = {}
     with tempfile.TemporaryDirectory(prefix="fastkv-bench-routing-") as root:
         for policy in POLICIES:
@@ -238,11 +311,12 @@ def main() -> int:
     for policy, d in results.items():
         h = d["hit_ratio"]
         print(f"| {policy} | {100 * h['device']:.1f} | {100 * h['host']:.1f} | {1e3 * d['ttft_p50_s']:.1f} | "
-              f"{1e3 * d['ttft_p99_s']:.1f} | {d['tokens_per_s']:.0f} | {d['per_engine'][0]} / {d['per_engine'][1]} |")
-    rr, ix = results["round_robin"], results["indexer"]
+              f"{1e3 * d['ttft_p99_s']:.1f} | {d['tokens_per_s']:.0f} | {' / '.join(map(str, d['per_engine']))} |")
+    rr, ss, ix = results["round_robin"], results["session"], results["indexer"]
     print(f"\nindexer against round robin: device+host hit {100 * sum(ix['hit_ratio'].values()):.1f} % vs "
           f"{100 * sum(rr['hit_ratio'].values()):.1f} %, TTFT p50 {1e3 * ix['ttft_p50_s']:.1f} vs "
-          f"{1e3 * rr['ttft_p50_s']:.1f} ms")
+          f"{1e3 * rr['ttft_p50_s']:.1f} ms; TTFT p50 against sessions {ix['ttft_p50_s'] / ss['ttft_p50_s']:.2f}x, "
+          f"tokens/s against round robin {ix['tokens_per_s'] / rr['tokens_per_s']:.2f}x")
     print(json.dumps({
         "bench": "routing", "requests": n, "cost_model": args.cost_model,
         "hit_ratio": {m: {t: round(v, 4) for t, v in d["hit_ratio"].items()} for m, d in results.items()},

@@ -22,13 +22,15 @@ from fastkv.events.config import EventsConfig
 __all__ = ["EventsConfig", "KVEvents", "build_events"]
 
 
-def build_events(clears: int, changes: list[Change], block_size: int, schema: dict[str, type]) -> list:
-    """The events of one batch: AllBlocksCleared first, then per tier the removals and the
-    stores, consecutive blocks of one chain in one BlockStored (as vLLM groups a request's)."""
+def build_events(clears: int, changes: list[Change], block_size: int, schema) -> list:
+    """The events of one batch in ``schema`` (fastkv.events.schema.Schema): AllBlocksCleared
+    first, then per tier the removals and the stores, consecutive blocks of one chain in one
+    BlockStored (as vLLM groups a request's)."""
     from fastkv.events.schema import MEDIUM
 
-    stored_cls, removed_cls = schema["BlockStored"], schema["BlockRemoved"]
-    events: list = [schema["AllBlocksCleared"]()] if clears else []
+    removed_cls, extra = schema.BlockRemoved, schema.stored_extra
+    stored_cls = partial(schema.BlockStored, **extra) if extra else schema.BlockStored
+    events: list = [schema.AllBlocksCleared()] if clears else []
     for ch in changes:
         medium = MEDIUM[ch.tier]
         if ch.removed:
@@ -38,17 +40,21 @@ def build_events(clears: int, changes: list[Change], block_size: int, schema: di
         parent = None
         for k, info in ch.stored:
             if run and info.parent != run[-1]:
-                events.append(stored_cls(run, parent, np.frombuffer(b"".join(toks), np.int32).tolist(),
-                                         block_size, None, medium))
+                events.append(stored_cls(block_hashes=run, parent_block_hash=parent, token_ids=_ids(toks),
+                                         block_size=block_size, lora_id=None, medium=medium))
                 run, toks = [], []
             if not run:
                 parent = info.parent
             run.append(k)
             toks.append(info.tokens)
         if run:
-            events.append(stored_cls(run, parent, np.frombuffer(b"".join(toks), np.int32).tolist(),
-                                     block_size, None, medium))
+            events.append(stored_cls(block_hashes=run, parent_block_hash=parent, token_ids=_ids(toks),
+                                     block_size=block_size, lora_id=None, medium=medium))
     return events
+
+
+def _ids(toks: list[bytes]) -> list[int]:
+    return np.frombuffer(b"".join(toks), np.int32).tolist()
 
 
 def resident_digest(keys) -> dict[str, object]:
@@ -65,7 +71,7 @@ class KVEvents:
         self.config = config
         self.block_size = cache.block_size
         self.log = cache.watch_residency(ResidencyLog())
-        self.schema = schema(config.encoding)
+        self.schema = schema(config.schema)
         self.publisher = publisher if publisher is not None else ZmqPublisher(config)
         self.events = 0
         self.flush_s = 0.0  # engine-thread time spent publishing (the events' cost to the step)
@@ -94,7 +100,7 @@ class KVEvents:
         """The EventBatch of one flush's changes (on the publisher thread)."""
         events = build_events(clears, changes, self.block_size, self.schema)
         self.events += len(events)
-        return self.schema["EventBatch"](ts, events, self.config.data_parallel_rank)
+        return self.schema.EventBatch(ts, events, self.config.data_parallel_rank)
 
     def sync(self, timeout: float | None = None) -> bool:
         """Wait until every batch flushed so far is encoded, buffered and sent."""
@@ -102,7 +108,8 @@ class KVEvents:
 
     def resident(self) -> dict[str, dict[str, object]]:
         """Per medium, the keys a subscriber that applied every batch holds: how many, and a
-        digest of them (blake3 of the sorted keys) to compare a subscriber's with, key by key."""
+        digest of them to compare a subscriber's with (defined in docs/FORMATS.md: BLAKE3 of
+        the 32-byte keys sorted ascending and concatenated)."""
         from fastkv.events.schema import MEDIUM
 
         return {MEDIUM[t]: resident_digest(self.log.resident(t)) for t in Tier}

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ENCODINGS = ("array", "map")
+# wire generations (fastkv.events.schema); the first is the default
+SCHEMAS = ("llm-d", "vllm-array", "vllm")
 SCHEMES = ("tcp://", "ipc://", "inproc://")
 FLAGS = {"endpoint": "--kv-events-endpoint", "replay_endpoint": "--kv-events-replay-endpoint"}
 
@@ -23,11 +24,11 @@ class EventsConfig:
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 1_000  # batches ZMQ queues per subscriber; a batch one subscriber has no room for is dropped
     stall_timeout_ms: int = 1_000  # a full queue refusing batches this long is set aside, the others get them
-    encoding: str = "array"  # "array" (llm-d, vLLM's array_like structs) or "map" (tagged maps)
+    schema: str = SCHEMAS[0]  # the consumer generation the batches are encoded for (docs/KV_EVENTS.md)
     data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("endpoint", "topic", "replay_endpoint", "encoding"):
+        for name in ("endpoint", "topic", "replay_endpoint", "schema"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"kv events setting {name!r} must be a string, got {getattr(self, name)!r}")
         for name in ("buffer_steps", "hwm", "stall_timeout_ms", "data_parallel_rank"):
@@ -36,8 +37,9 @@ class EventsConfig:
                                                                                 else 1):
                 flag = " (--kv-events-buffer)" if name == "buffer_steps" else ""
                 raise ValueError(f"kv events setting {name!r}{flag} must be a positive int, got {value!r}")
-        if self.encoding not in ENCODINGS:
-            raise ValueError(f"kv events setting 'encoding' must be one of {ENCODINGS}, got {self.encoding!r}")
+        if self.schema not in SCHEMAS:
+            raise ValueError(f"kv events setting 'schema' (--kv-events-schema) must be one of {SCHEMAS}, "
+                             f"got {self.schema!r}")
         for name, flag in FLAGS.items():
             value = getattr(self, name)
             if value and not value.startswith(SCHEMES):

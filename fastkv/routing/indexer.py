@@ -14,8 +14,9 @@ first missing one and applies it in order. What the engine no longer buffers can
 back: ``lost`` counts those batches, and that engine's sets may then be stale until its next
 AllBlocksCleared.
 
-Both encodings decode (fastkv.events.schema): array-like tagged events ``[tag, ...]`` and
-tagged maps ``{"type": tag, ...}``.
+Every schema decodes (fastkv.events.schema): array events ``[tag, ...]`` (``llm-d``,
+``vllm-array``) and tagged-map events ``{"type": tag, ...}`` (``vllm``), in an array batch (or a
+map batch, which no schema sends).
 """
 from __future__ import annotations
 

@@ -1,20 +1,20 @@
-"""The reference indexer's bookkeeping: both encodings, per-tier sets, the cascade of tiers."""
+"""The reference indexer's bookkeeping: every schema, per-tier sets, the cascade of tiers."""
 import msgspec
 
 from fastkv.cache.residency import Change, KeyInfo
 from fastkv.cache.write_policy import Tier
 from fastkv.events import build_events
-from fastkv.events.schema import schema
+from fastkv.events.schema import SCHEMAS, schema
 from fastkv.routing.indexer import EngineView, Prefix
 
 K = [bytes([i]) * 32 for i in range(6)]
 TOK = b"\x01\x00\x00\x00" * 2  # two int32 tokens per block
 
 
-def batch(encoding, clears, changes):
-    s = schema(encoding)
+def batch(name, clears, changes):
+    s = schema(name)
     events = build_events(clears, changes, 2, s)
-    return msgspec.msgpack.decode(msgspec.msgpack.encode(s["EventBatch"](1.0, events, 0)))
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(s.EventBatch(1.0, events, 0)))
 
 
 def stored(tier, keys, parent=None):
@@ -25,8 +25,8 @@ def stored(tier, keys, parent=None):
     return Change(tier, out, [])
 
 
-def test_both_encodings_build_the_same_sets_and_the_cascade_follows_the_engines_match_order():
-    for enc in ("array", "map"):
+def test_every_schema_builds_the_same_sets_and_the_cascade_follows_the_engines_match_order():
+    for enc in SCHEMAS:
         v = EngineView("e")
         v.apply(batch(enc, 0, [stored(Tier.DEVICE, K[:2]), stored(Tier.HOST, K[:4]),
                                stored(Tier.STORAGE, K[3:5], K[2])]))
@@ -39,7 +39,7 @@ def test_both_encodings_build_the_same_sets_and_the_cascade_follows_the_engines_
 
 
 def test_a_batch_groups_each_chain_into_one_block_stored():
-    s = schema("array")
+    s = schema("llm-d")
     ch = stored(Tier.DEVICE, K[:3])
     ch.stored.extend(stored(Tier.DEVICE, K[4:6]).stored)  # a second chain from the root
     events = build_events(0, [ch], 2, s)
