@@ -10,9 +10,10 @@ import multiprocessing as mp
 import queue
 
 import numpy as np
-import pytest
 
-pytest.importorskip("paddleformers")
+from tests.optional import require_paddleformers
+
+require_paddleformers()  # a skip without the models extra, a failure under CI
 
 from fastkv.ipc.collective import ShmCollective  # noqa: E402
 from tests.conftest import shm_test_name  # noqa: E402

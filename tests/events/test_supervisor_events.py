@@ -1,7 +1,12 @@
+# ruff: noqa: E402  (the imports below need the extra checked first)
 """The supervisor's --quick demo with KV events on and a weight update: a subscriber in another
 process applies every batch and ends with the engine's keys per tier (the summary's digest of
 what its residency log announced)."""
 from __future__ import annotations
+
+from tests.optional import require_events, require_paddle
+
+require_events()  # the events extra: a skip without it (a failure under CI), not a collection error
 
 import json
 import os
@@ -19,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_demo_events_reach_a_subscriber_in_another_process(tmp_path):
-    pytest.importorskip("paddle")
+    require_paddle()
     pub = f"ipc://{tmp_path}/kv-events"
     idx = Indexer()
     view = idx.add("engine", pub, topic="kv@")

@@ -2,8 +2,6 @@
 levels, constant labels role and run_id, an exposition promtool accepts."""
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
 import numpy as np
@@ -14,18 +12,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.metrics import EngineMetrics
 from fastkv.sched import Scheduler
+from tests.optional import PROMTOOL, require_binary
 from tests.sched_harness import Rig
-
-PROMTOOL = shutil.which("promtool")
 
 
 def promtool_check(text: str) -> None:
     """``promtool check metrics`` (Debian's prometheus package; .ci/run installs it) on ``text``."""
-    if PROMTOOL is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is not installed, but CI is set: .ci/run must install prometheus")
-        pytest.skip("promtool is not installed (apt-get install prometheus)")
-    out = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    promtool = require_binary("promtool", PROMTOOL)
+    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"promtool check metrics:\n{out.stdout}{out.stderr}\n{text}"
 
 

@@ -9,6 +9,7 @@ import pytest
 from fastkv.cli import JobConfig
 from fastkv.config import KVLayout
 from fastkv.engine.runners.paddleformers_config import llama_settings, vocab_size
+from tests.optional import require_paddleformers
 
 
 def layout(tp: int = 1, **kw) -> KVLayout:
@@ -53,7 +54,7 @@ def test_a_setting_that_disagrees_is_named(lay, opts, message):
 
 
 def test_the_job_is_refused_before_anything_starts():
-    pytest.importorskip("paddleformers")  # the CLI checks the extra is there before the shape
+    require_paddleformers()  # the CLI checks the extra is there before the shape
     with pytest.raises(ValueError, match="the paddleformers:llama runner cannot run this shape: model setting "
                                          "head_dim = 64 disagrees"):
         JobConfig(runner="paddleformers:llama", runner_options={"config": {"head_dim": 64}}, head_dim=16)
