@@ -101,11 +101,15 @@ class KVEvents:
         return self.publisher.sync(timeout)
 
     def resident(self) -> dict[str, dict[str, object]]:
-        """Per medium, the keys a subscriber that applied every batch holds: how many, and a
-        digest of them (blake3 of the sorted keys) to compare a subscriber's with, key by key."""
+        """Per medium, the chained keys the tier holds now, read off its residency map (the
+        partial blocks' private, resume and tail keys, never announced, left out): how many, and
+        a digest of them (blake3 of the sorted keys). A subscriber that applied every batch
+        must hold exactly these: the maps, not the log that announces them, are the truth."""
         from fastkv.events.schema import MEDIUM
 
-        return {MEDIUM[t]: resident_digest(self.log.resident(t)) for t in Tier}
+        log = self.log
+        return {MEDIUM[t]: resident_digest([k for k in log.maps[t] if k in log.announced or k in log.pending])
+                for t in Tier}
 
     def stats(self) -> dict[str, int | float]:
         n = max(self.flushes, 1)
