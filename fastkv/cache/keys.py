@@ -2,12 +2,12 @@
 
 Three BLAKE3 domains (BLAKE3's derive-key contexts are separate domains from its plain hash)::
 
-    namespace  = derive_key("fastkv namespace v1",  canonical(model id, weights version, KV dtype,
-                                                              layout, block size, tp size))
-    root       = derive_key("fastkv root key v1",   namespace ‖ request extras)
+    namespace  = derive_key("fastkv 2025 namespace v1",  canonical(model id, weights version, KV dtype,
+                                                                   layout, block size, tp size))
+    root       = derive_key("fastkv 2025 root key v1",   namespace ‖ request extras)
     key(i)     = blake3(key(i-1) ‖ int32 token bytes of block i [‖ block extras])   key(-1) = root
-    private    = derive_key("fastkv private key v1", namespace ‖ parent ‖ request id ‖ epoch ‖ tokens)
-    resume     = derive_key("fastkv resume key v1",  namespace ‖ parent ‖ run ‖ request id ‖ computed tokens)
+    private    = derive_key("fastkv 2025 private key v1", namespace ‖ parent ‖ request id ‖ epoch ‖ tokens)
+    resume     = derive_key("fastkv 2025 resume key v1",  namespace ‖ parent ‖ run ‖ request id ‖ computed tokens)
 
 The namespace enters every key through the root of its chain: folding it there rather than
 hashing it again in every block keeps a block's input at 288 bytes (4.5 BLAKE3 blocks) for

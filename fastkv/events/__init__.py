@@ -23,7 +23,7 @@ __all__ = ["EventsConfig", "KVEvents", "build_events"]
 
 
 def build_events(clears: int, changes: list[Change], block_size: int, schema) -> list:
-    """The events of one batch in ``schema`` (fastkv.events.schema.Schema): AllBlocksCleared
+    """The events of one batch in ``schema`` (fastkv.events.schema.EventSchema): AllBlocksCleared
     first, then per tier the removals and the stores, consecutive blocks of one chain in one
     BlockStored (as vLLM groups a request's)."""
     from fastkv.events.schema import MEDIUM
@@ -107,12 +107,16 @@ class KVEvents:
         return self.publisher.sync(timeout)
 
     def resident(self) -> dict[str, dict[str, object]]:
-        """Per medium, the keys a subscriber that applied every batch holds: how many, and a
-        digest of them to compare a subscriber's with (defined in docs/FORMATS.md: BLAKE3 of
-        the 32-byte keys sorted ascending and concatenated)."""
+        """Per medium, the chained keys the tier holds now, read off its residency map (the
+        partial blocks' private, resume and tail keys, never announced, left out): how many, and
+        a digest of them (docs/FORMATS.md: BLAKE3 of the 32-byte keys sorted ascending and
+        concatenated). A subscriber that applied every batch must hold exactly these: the maps,
+        not the log that announces them, are the truth."""
         from fastkv.events.schema import MEDIUM
 
-        return {MEDIUM[t]: resident_digest(self.log.resident(t)) for t in Tier}
+        log = self.log
+        return {MEDIUM[t]: resident_digest([k for k in log.maps[t] if k in log.announced or k in log.pending])
+                for t in Tier}
 
     def stats(self) -> dict[str, int | float]:
         n = max(self.flushes, 1)

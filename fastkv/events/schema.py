@@ -36,7 +36,7 @@ MEDIUM = ("GPU", "CPU", "DISK")  # by fastkv.cache.write_policy.Tier: device, ho
 Hash = bytes | int
 
 
-class Schema(NamedTuple):
+class EventSchema(NamedTuple):
     """One wire generation: its structs and the extra fields its ``BlockStored`` must carry."""
 
     name: str
@@ -56,7 +56,7 @@ def _batch(events_type: Any) -> type:
     return EventBatch
 
 
-def _llm_d() -> Schema:
+def _llm_d() -> EventSchema:
     class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
         pass
 
@@ -76,10 +76,10 @@ def _llm_d() -> Schema:
         pass
 
     batch = _batch(BlockStored | BlockRemoved | AllBlocksCleared)
-    return Schema("llm-d", batch, BlockStored, BlockRemoved, AllBlocksCleared, {})
+    return EventSchema("llm-d", batch, BlockStored, BlockRemoved, AllBlocksCleared, {})
 
 
-def _vllm_array() -> Schema:
+def _vllm_array() -> EventSchema:
     class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
         pass
 
@@ -100,10 +100,10 @@ def _vllm_array() -> Schema:
         pass
 
     batch = _batch(BlockStored | BlockRemoved | AllBlocksCleared)
-    return Schema("vllm-array", batch, BlockStored, BlockRemoved, AllBlocksCleared, {"lora_name": None})
+    return EventSchema("vllm-array", batch, BlockStored, BlockRemoved, AllBlocksCleared, {"lora_name": None})
 
 
-def _vllm() -> Schema:
+def _vllm() -> EventSchema:
     class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # a map, tag under "type"
         pass
 
@@ -129,14 +129,14 @@ def _vllm() -> Schema:
         pass
 
     batch = _batch(BlockStored | BlockRemoved | AllBlocksCleared)
-    return Schema("vllm", batch, BlockStored, BlockRemoved, AllBlocksCleared, {"lora_name": None})
+    return EventSchema("vllm", batch, BlockStored, BlockRemoved, AllBlocksCleared, {"lora_name": None})
 
 
 SCHEMAS = {s.name: s for s in (_llm_d(), _vllm_array(), _vllm())}
 assert tuple(SCHEMAS) == NAMES
 
 
-def schema(name: str) -> Schema:
+def schema(name: str) -> EventSchema:
     if name not in SCHEMAS:
         raise ValueError(f"KV events schema must be one of {NAMES}, got {name!r}")
     return SCHEMAS[name]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_supervisor import leftovers, wait_for
+from tests.optional import require_paddle
 from tests.procs import processes_mentioning
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -21,7 +22,7 @@ BUILDING = "building the swap ops for this machine"
 
 
 def first_run(tmp_path: Path, *argv: str, **kwargs) -> tuple[subprocess.Popen, Path]:
-    pytest.importorskip("paddle")
+    require_paddle()
     home, cache = tmp_path / "home", tmp_path / "ops-cache"
     home.mkdir()
     cache.mkdir()

@@ -1,7 +1,10 @@
 """Fair chunked prefill end to end: short prompts arriving beside one long prompt get their
-first token within a step or two, the long prompt is hardly slower than alone, and every output
-is the output of its request run alone (the issue's workload, scaled down: one 20,000-token prompt
-among six 200-token ones, a 512-token step budget)."""
+first token within three steps (the step in flight when it arrives, the one already planned
+beside it under async scheduling, and its own), the long prompt is hardly slower than alone, and
+every output is the output of its request run alone (one 20,000-token prompt among six
+200-token ones, a 512-token step budget). The device holds them all at once, so that a short
+prompt waits for its share of the step alone, never for blocks (the default device beside the
+long prompt holds two short ones: a third would wait for one to finish)."""
 from __future__ import annotations
 
 import json
@@ -19,6 +22,7 @@ SHM = Path("/dev/shm")
 SHORT_ARRIVALS = (0.0, 0.05, 0.1, 0.22, 0.32, 0.42)  # the long one arrives at 0.12, between them
 CONFIG = """
 host_blocks = 64
+device_blocks = 1400  # 1,251 blocks of 16 tokens for the long prompt, 13 for each short one
 storage = "none"
 [scheduler]
 max_num_batched_tokens = 512
@@ -60,7 +64,11 @@ def test_short_prompts_beside_a_long_one_start_at_once_and_the_long_one_hardly_w
     for rid, row in mixed.items():
         alone = long_alone if rid == "long" else shorts_alone
         assert row["output"] == alone[rid]["output"], f"{rid}: output differs from its run without the others"
-    late = {rid: round(r["ttft_s"], 2) for rid, r in mixed.items() if rid != "long" and r["ttft_s"] > 2.0}
-    assert not late, f"short prompts waited behind the long one: TTFT {late}"
+    # in steps of the mixed run (p99), with one step of slack for a loaded machine; without the
+    # fair share a short prompt waits for the long one's ~40 chunks
+    step_s = json.loads((tmp_path / "mixed" / "summary.json").read_text())["step_ms_p99"] / 1000
+    late = {rid: round(r["ttft_s"] / step_s, 1) for rid, r in mixed.items() if rid != "long"
+            and r["ttft_s"] > 4 * step_s}
+    assert not late, f"short prompts waited behind the long one: TTFT in steps of {step_s:.3f} s {late}"
     # the others' ~1,300 tokens beside its 20,000 (1.1x at full scale; slack here for a loaded machine)
     assert mixed["long"]["ttft_s"] <= 1.25 * long_alone["long"]["ttft_s"], (mixed["long"], long_alone["long"])

@@ -5,7 +5,11 @@ left global) fails here: its logits are another model's.
 
 Row-parallel sums round differently from one GEMM, so the logits may differ in the last bits;
 the test measures by how much, against the least top-2 margin of the tokens: while the
-difference stays below half the margin no argmax can flip (the e2e tests check the tokens)."""
+difference stays below half the margin no argmax can flip (the e2e tests check the tokens).
+Equal logits alone would also pass a "tp 2" that ran the whole model on each rank, so each
+rank's projections must be its slice of the whole model's: column shards of the projections
+into heads and the MLP's gate and up (a fused gate|up per half), row shards of o and down
+(whose partial sums the collective adds)."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -14,15 +18,26 @@ import queue
 import numpy as np
 import pytest
 
-pytest.importorskip("paddleformers")
+from tests.optional import require_paddleformers
+
+require_paddleformers()  # a skip without the models extra, a failure under CI
 
 from fastkv.ipc.collective import ShmCollective  # noqa: E402
 from tests.conftest import shm_test_name  # noqa: E402
 from tests.e2e.test_engine_paddleformers import FAMILIES, OPTIONS, PROMPTS, layout, oracle  # noqa: E402
 
+# per family: column-sharded projections, those fused of two halves sharded per half, row-sharded ones
+SHARDS = {
+    "llama": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"), (),
+              ("self_attn.o_proj", "mlp.down_proj")),
+    "ernie4_5": (("self_attn.qkv_proj",), ("mlp.up_gate_proj",), ("self_attn.o_proj", "mlp.down_proj")),
+}
 
-def logits(family: str, tp: int, rank: int, collective: ShmCollective | None) -> dict[str, np.ndarray]:
-    """The runner's model on prompt + the oracle's output, one forward each, no cache."""
+
+def logits(family: str, tp: int, rank: int, collective: ShmCollective | None) -> tuple[dict[str, np.ndarray],
+                                                                                       dict[str, np.ndarray]]:
+    """The runner's model on prompt + the oracle's output, one forward each, no cache; and the
+    weights of its projections, by layer and name."""
     import paddle
 
     from fastkv.engine.runners import runner_class
@@ -37,7 +52,10 @@ def logits(family: str, tp: int, rank: int, collective: ShmCollective | None) ->
         for rid, prompt in PROMPTS.items():
             ids = paddle.to_tensor([prompt + want[rid]])
             out[rid] = runner.model(ids, return_dict=True).logits[0, len(prompt) - 1 : -1].numpy()
-    return out
+    names = [n for group in SHARDS[family] for n in group]
+    weights = {f"{i}.{name}": getattr(getattr(layer, name.split(".")[0]), name.split(".")[1]).weight.numpy()
+               for i, layer in enumerate(runner.model.model.layers) for name in names}
+    return out, weights
 
 
 def worker(family: str, name: str, rank: int, results) -> None:
@@ -45,10 +63,25 @@ def worker(family: str, name: str, rank: int, results) -> None:
         results.put((rank, logits(family, 2, rank, c)))
 
 
+def expected_shard(family: str, key: str, w: np.ndarray, rank: int) -> np.ndarray:
+    """Rank ``rank``'s slice of the whole model's weight ``w`` (paddle's Linear weight is [in, out]:
+    a column shard splits out, a row shard in)."""
+    cols, fused, _rows = SHARDS[family]
+    if key.endswith(cols):
+        part = w.shape[1] // 2
+        return w[:, rank * part:(rank + 1) * part]
+    if key.endswith(fused):
+        halves = np.split(w, 2, axis=1)
+        part = halves[0].shape[1] // 2
+        return np.concatenate([h[:, rank * part:(rank + 1) * part] for h in halves], axis=1)
+    part = w.shape[0] // 2
+    return w[rank * part:(rank + 1) * part]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_logits_stay_within_half_the_token_margin_of_tp1(family):
     want, margin = oracle(family)
-    tp1 = logits(family, 1, 0, None)
+    tp1, whole = logits(family, 1, 0, None)
     for rid, lg in tp1.items():
         assert np.argmax(lg, axis=1).tolist() == want[rid]
     name = shm_test_name()
@@ -69,6 +102,12 @@ def test_tp2_logits_stay_within_half_the_token_margin_of_tp1(family):
                     p.kill()
                     p.join()
     assert [p.exitcode for p in procs] == [0, 0]
+    for r in range(2):
+        shards = got[r][1]
+        assert shards.keys() == whole.keys()
+        for key, w in whole.items():
+            np.testing.assert_array_equal(shards[key], expected_shard(family, key, w, r), err_msg=f"rank {r} {key}")
+    got = {r: lg for r, (lg, _) in got.items()}
     diff = max(float(np.abs(got[r][rid] - tp1[rid]).max()) for r in range(2) for rid in PROMPTS)
     print(f"tp2 vs tp1: largest logit difference {diff:.3g}, least top-2 margin {margin:.3g}")
     for rid in PROMPTS:

@@ -11,8 +11,8 @@ from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.cli import QUICK_DEMO
 from fastkv.demo import ConversationConfig, conversations
 from fastkv.events import EventsConfig, KVEvents
-from fastkv.routing import block_hashes
 from fastkv.sched import PreemptionMode, Scheduler, SchedulerConfig, WeightUpdate
+from tests.events import spec_keys
 from tests.sched_harness import Rig
 
 BS = 16
@@ -30,12 +30,14 @@ def make_rig(events: EventsConfig) -> tuple[Rig, KVEvents]:
 
 def chained_keys(rig: Rig) -> set[bytes]:
     """Every chained key any request's tokens have under the current or an earlier namespace:
-    computed by the router's function, independently of the cache."""
+    computed from the key spec by the test's own code (spec_keys), independently of the cache."""
     cache = rig.sched.cache
     out: set[bytes] = set()
     for ns in [*cache.state.retired, cache.namespace]:
+        fingerprint = spec_keys.namespace(ns.model_id, ns.weights_version, ns.layout, ns.kv_dtype, ns.block_size,
+                                          ns.tp_size)
         for truth in rig.worker.truth.values():
-            out.update(block_hashes(truth.tokens, ns, BS))
+            out.update(spec_keys.chain(truth.tokens, fingerprint, BS))
     return out
 
 

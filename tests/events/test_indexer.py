@@ -1,4 +1,10 @@
+# ruff: noqa: E402  (the imports below need the extra checked first)
 """The reference indexer's bookkeeping: every schema, per-tier sets, the cascade of tiers."""
+
+from tests.optional import require_events
+
+require_events()  # the events extra: a skip without it (a failure under CI), not a collection error
+
 import msgspec
 
 from fastkv.cache.residency import Change, KeyInfo

@@ -18,8 +18,9 @@ class ResidencyMachine(ManagerMachine):
     def reset_prefix_cache(self, go):
         if go:  # now and then: it drops what the other rules build up
             return
+        # every key it drops is lost: held children of dropped cached parents are stranded, by design
+        self.lost |= set(self.m.device.lookup) | set(self.m.host.lookup) | set(self.m.index.stored)
         self.m.reset_prefix_cache()
-        self.lossy = True  # held children of dropped cached parents are stranded, by design
 
     @invariant()
     def subscriber_holds_each_tiers_chained_keys(self):

@@ -1,7 +1,11 @@
+# ruff: noqa: E402  (the imports below need the extra checked first)
 """``fastkv --quick --kv-events-schema NAME``: a subscriber decoding with that schema's consumer's
 own structs (tests/events/consumers.py) reads every batch of a whole supervised run, and its key
 sets give the summary's ``kv_events`` figures by docs/FORMATS.md's definitions."""
-from __future__ import annotations
+
+from tests.optional import require_events, require_paddle
+
+require_events()  # the events extra: a skip without it (a failure under CI), not a collection error
 
 import json
 import os
@@ -22,7 +26,7 @@ MEDIA = ("GPU", "CPU", "DISK")
 
 @pytest.mark.parametrize("name", ["llm-d", "vllm-array", "vllm"])
 def test_a_supervised_run_in_each_schema_is_read_by_its_consumer(tmp_path, name):
-    pytest.importorskip("paddle")
+    require_paddle()  # the supervisor runs the ops: the cpu extra
     consumer = sorted(c for c in READS[name] if c != "llm-d")[0]  # unfolded keys, for the digest
     pub = f"ipc://{tmp_path}/kv-events"
     ctx = zmq.Context()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fastkv import cuda_abi, cuda_arch, ops
+from tests.optional import require_paddle
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ("-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90",
@@ -44,7 +45,7 @@ def test_a_bad_list_is_one_line_naming_the_variable(monkeypatch, spec):
 
 
 def test_the_arch_list_is_part_of_a_cuda_builds_tag_only(monkeypatch):
-    pytest.importorskip("paddle")
+    require_paddle()
     monkeypatch.delenv(cuda_arch.ENV, raising=False)
     for with_cuda in (False, True):
         monkeypatch.setattr(ops, "_with_cuda", lambda with_cuda=with_cuda: with_cuda)
@@ -67,7 +68,7 @@ exit 1
 def test_the_gencode_flags_reach_nvcc_in_paddles_jit_build(tmp_path, spec):
     """Paddle's JIT build of the op with its CUDA source (as on a GPU machine), under a CUDA home
     whose nvcc records its arguments and fails: the build fails, and nvcc was given the flags."""
-    pytest.importorskip("paddle")
+    require_paddle()
     cuda_home = tmp_path / "cuda"
     (cuda_home / "bin").mkdir(parents=True)
     (cuda_home / "include").mkdir()

@@ -14,6 +14,7 @@ import pytest
 
 from fastkv import ops
 from tests.e2e.test_supervisor import wait_for
+from tests.optional import require_paddle
 from tests.procs import processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +79,7 @@ def test_a_build_sweeps_the_scratch_dirs_of_dead_builders(tmp_path, monkeypatch)
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 def test_a_killed_build_leaves_no_compiler_and_no_scratch_dir(tmp_path, sig):
-    pytest.importorskip("paddle")
+    require_paddle()
     env = {**os.environ, "FASTKV_OPS_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
     builder = subprocess.Popen([sys.executable, "-m", "fastkv.ops", "build"], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)

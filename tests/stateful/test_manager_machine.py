@@ -31,6 +31,7 @@ import numpy as np
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
+    INVARIANT_MARKER,
     RuleBasedStateMachine,
     initialize,
     invariant,
@@ -89,7 +90,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self.purpose: dict[int, tuple[Purpose, object]] = {}  # plan id -> (purpose, its request or None)
         self.freed: set[object] = set()
         self.next_rid = 0
-        self.lossy = False  # a failure, a skipped copy or a dropped key may strand children
+        # keys a loss took (a failure, a skipped copy, a dropped key, storage losing it): children
+        # behind one of them, or behind a key dropped as their strand, may be stranded
+        self.lost: set[bytes] = set()
+        self.skips = 0  # skipped host copies seen so far (stats.skipped_copies)
+        self.was_present: set[bytes] = set()
 
     # ------------------------------------------------------------------ model helpers
     def content(self, rid, i, upto):
@@ -199,13 +204,15 @@ class ManagerMachine(RuleBasedStateMachine):
                 return
             self._compute(rid, len(prompt))
 
-    @precondition(lambda self: self.running())
+    def computed(self) -> list[object]:
+        """Running requests that computed every token they have: those a decode step grows."""
+        return [r for r in self.running() if self.m._reqs[r].num_computed == self.m._reqs[r].num_tokens]
+
+    @precondition(lambda self: self.computed())
     @rule(data=st.data(), n=st.integers(1, 3))
     def append(self, data, n):
-        rid = data.draw(st.sampled_from(self.running()))
-        req = self.m._reqs[rid]
-        if req.num_computed != req.num_tokens:
-            return
+        """Decode growth: a request that computed all its tokens takes slots for ``n`` more."""
+        rid = data.draw(st.sampled_from(self.computed()))
         new = [50 + len(self.tokens[rid]) + i for i in range(n)]
         g = self.m.append_slots(rid, np.array(new, np.int32))
         if g is None:
@@ -238,7 +245,8 @@ class ManagerMachine(RuleBasedStateMachine):
         return out
 
     def _free(self, rid, cache):
-        self.lossy |= not cache
+        if not cache:
+            self.lost.update(self.m._reqs[rid].keys)
         self.freed.add(rid)
         self.m.free(rid, cache)
         assert rid not in self.m.request_ids(), f"request {rid} freed, still holding blocks"
@@ -279,7 +287,11 @@ class ManagerMachine(RuleBasedStateMachine):
         """A copy finishes, its purpose picked first (rare ones count), then one of its copies."""
         purpose = data.draw(st.sampled_from(sorted({self.purpose[p.plan_id][0] for p in self.outstanding})))
         mine = [i for i, p in enumerate(self.outstanding) if self.purpose[p.plan_id][0] is purpose]
-        plan = self.outstanding.pop(data.draw(st.sampled_from(mine)))
+        self._land(self.outstanding.pop(data.draw(st.sampled_from(mine))), ok)
+
+    def _land(self, plan, ok, count=True):
+        """``plan`` completes (``ok``) or fails: its bytes move in the model; ``count``: its
+        outcome counts as a case reached (not in the teardown, where every copy just lands)."""
         m = self.m
         pools = {CopyKind.SWAP_OUT: (m.device, m.host), CopyKind.SWAP_IN: (m.host, m.device),
                  CopyKind.STORE: (m.host, None), CopyKind.LOAD: (None, m.host)}
@@ -289,10 +301,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert pool.state[b] == BlockState.IN_FLIGHT, f"plan {plan.plan_id} touches {pool.tier} block {b}"
         if plan.kind is CopyKind.LOAD:
             ok = ok and all(k in self.storage for k in plan.keys)
-        if ok and plan.kind in (CopyKind.SWAP_OUT, CopyKind.LOAD):
+        if ok and count and plan.kind in (CopyKind.SWAP_OUT, CopyKind.LOAD):
             if any(self.parent.get(k) in m.host.lookup for k in m.copies.records[plan.plan_id].keys):
                 reached("a child lands on the host in a later plan than its parent")
-        if ok and plan.kind is CopyKind.SWAP_OUT:
+        if ok and count and plan.kind is CopyKind.SWAP_OUT:
             for k in m.copies.records[plan.plan_id].keys:
                 for holder in m.copies.awaited.get(k, ()):
                     if type(holder) is tuple:
@@ -300,7 +312,10 @@ class ManagerMachine(RuleBasedStateMachine):
                         reached("a chain hold joins a parent as it lands" if req.chain.gen == gen
                                 and req.chain.held else "a chain hold let go before its parent landed")
         purpose, rid = self.purpose.pop(plan.plan_id)
-        if purpose is not Purpose.CONTROL:
+        if not ok:
+            self.lost.update(m.copies.records[plan.plan_id].keys)
+            self.lost.update(plan.keys)
+        if count and purpose is not Purpose.CONTROL:
             reached(f"{purpose.name} {'freed during' if rid in self.freed else 'done' if ok else 'failed'}")
         data_of = {id(m.device): self.dev_data, id(m.host): self.host_data}
         if ok and plan.kind is CopyKind.STORE:
@@ -314,11 +329,8 @@ class ManagerMachine(RuleBasedStateMachine):
             for s, d in zip(plan.src.tolist(), plan.dst.tolist(), strict=True):
                 dst[d] = src[s]
         elif not ok and dst_pool is not None:
-            self.lossy = True
             for d in plan.dst.tolist():
                 data_of[id(dst_pool)][d] = ("garbage", plan.plan_id)
-        elif not ok:
-            self.lossy = True
         c = m.complete(plan, ok)
         self.add(c.plans)
         for r in c.ready:
@@ -328,16 +340,18 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def storage_loses_a_key(self, data):
         """Storage drops a key (eviction, a restart)."""
-        del self.storage[data.draw(st.sampled_from(sorted(self.storage)))]
-        self.lossy = True
+        key = data.draw(st.sampled_from(sorted(self.storage)))
+        del self.storage[key]
+        self.lost.add(key)
 
     @precondition(lambda self: self.loading_keys())
     @rule(data=st.data())
     def storage_loses_a_key_being_loaded(self, data):
         """Storage drops a key between the lookup and the LOAD that reads it."""
         reached("storage lost a key of a LOAD in flight")
-        del self.storage[data.draw(st.sampled_from(self.loading_keys()))]
-        self.lossy = True
+        key = data.draw(st.sampled_from(self.loading_keys()))
+        del self.storage[key]
+        self.lost.add(key)
 
     def loading_keys(self) -> list[bytes]:
         return sorted({k for p in self.outstanding if p.kind is CopyKind.LOAD for k in p.keys} & self.storage.keys())
@@ -412,17 +426,57 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_strands_without_losses(self):
-        m = self.m
-        self.lossy |= m.stats.skipped_copies > 0
-        if self.lossy or self.outstanding:
+        """No key in a tier or in storage behind a parent no tier has nor a copy brings, unless
+        a loss took that parent or one of its ancestors (it was dropped as their strand): per
+        chain, copies in flight or not (one whose bytes only a running request's duplicate block
+        holds counts as present: that block takes the key on the request's next insert or free)."""
+        if not hasattr(self, "m"):
             return
+        m = self.m
         present = set(m.device.lookup) | set(m.host.lookup) | set(m.index.stored)
-        # a running request's duplicate copy of an evicted key keys it again on its next insert or free
+        if m.stats.skipped_copies > self.skips:  # a host copy not made: the keys that left now went with it
+            self.skips = m.stats.skipped_copies
+            self.lost |= self.was_present - present
+        self.lost.update(m.state.through.skipped)
+        self.was_present = present
+        coming = present | set(m.copies.inflight) | set(m.copies.loading)
         held = {self.dev_data[b] for req in m._reqs.values() for b in req.table}
         for k in present:
             p = self.parent.get(k)
-            if p is not None and k not in self.private:
-                assert p in present or p in held, "a cached key is stranded behind an evicted parent"
+            if p is None or k in self.private or p in coming or p in held:
+                continue
+            ancestor = p
+            while ancestor is not None and ancestor not in self.lost:
+                ancestor = self.parent.get(ancestor)
+            assert ancestor is not None, f"key {k.hex()[:8]} stranded behind parent {p.hex()[:8]}, which no loss took"
+
+    def teardown(self):
+        """Every copy lands and every request is freed (cached): then every device and host
+        block is FREE or CACHED and no copy record is left, whatever the rules left behind."""
+        if not hasattr(self, "m"):
+            return
+        m = self.m
+        for _ in range(10_000):
+            if self.outstanding:
+                self._land(self.outstanding.pop(0), True, count=False)
+            elif m._reqs:
+                self._free(next(iter(m._reqs)), True)
+            else:
+                break
+            self.check_all()
+        assert not m._reqs and not self.outstanding, "the teardown did not drain"
+        for pool in (m.device, m.host):
+            busy = {b: BlockState(pool.state[b]).name for b in range(pool.capacity)
+                    if pool.state[b] not in (BlockState.FREE, BlockState.CACHED)}
+            assert not busy, f"{pool.tier} blocks neither free nor cached once every request was freed: {busy}"
+        assert not m.copies.records, f"copy records left: {sorted(m.copies.records)}"
+
+    def check_all(self):
+        """Every invariant, as hypothesis checks them after a rule."""
+        for name in dir(self):
+            f = getattr(type(self), name, None)
+            if callable(f) and getattr(f, INVARIANT_MARKER, None) is not None:
+                getattr(self, name)()
 
 
 # Every case, from any checkout: targeted rules (a prompt another engine stored, a flood of fresh

@@ -203,12 +203,43 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.integrity()
 
     def _fairness(self, seqs) -> None:
-        """A prompt still prefilling shares its step: with others (it progresses every step), and
-        with a newcomer's whole prompt (admitted beside it)."""
-        long = [s for s in seqs if not s.sample]
-        if long and len(seqs) > 1:
+        """Fair chunked prefill: a prefill chunk takes more than its share of the step (the
+        configured threshold, by default a quarter of the budget) only from what the others
+        left: every other prefill cut short has at least as much left to compute (the leftover
+        goes to the shortest rest first); every RUNNING request is in the step, unless it
+        stalled for blocks in this step or the step is full of sequences; and the request first
+        in the queue was not admitted only for want of blocks (where nothing else can keep it
+        out: no weight update, no watermark, no load to defer it behind, a sequence to spare)."""
+        s, cfg = self.sched, self.sched.config
+        threshold = cfg.long_prefill_token_threshold
+        share = 0 if not cfg.chunked_prefill else max(1, cfg.max_num_batched_tokens // 4) if threshold is None \
+            else threshold
+        stalls = {rid: r.stalled_steps for rid, r in s.requests.items()}
+        before, self.stalls_before_step = getattr(self, "stalls_before_step", {}), stalls
+        cut = [q for q in seqs if not q.sample]
+        rest = {q.request_id: s.requests[q.request_id].num_tokens - q.start_pos for q in cut}
+        for x in cut:
+            if not share or len(x.token_ids) <= share:
+                continue
+            over = f"request {x.request_id}'s chunk of {len(x.token_ids)} tokens is over its share {share}"
+            shorter = [q.request_id for q in cut if rest[q.request_id] < rest[x.request_id]]
+            assert not shorter, f"{over} while {shorter}, with less left, were cut short"
+            if len(seqs) >= cfg.max_num_seqs:
+                continue
+            in_step = {q.request_id for q in seqs}
+            left_out = [rid for rid, r in s.requests.items() if r.state is S.RUNNING and rid not in in_step
+                        and stalls[rid] <= before.get(rid, 0)]
+            assert not left_out, f"{over} while RUNNING {left_out} (not stalled) are not in the step"
+            first = next(iter(s.table.waiting), None)
+            if (first is not None and first.state is S.WAITING and s.weight_update_state is WeightUpdate.NONE
+                    and not (cfg.watermark_admission or cfg.growth_admission) and not s.table.loading
+                    and s.table.num_holding < cfg.max_num_seqs):
+                need = -(-first.num_tokens // BS)
+                assert self.cache.num_free_device_blocks < need, \
+                    f"{over} while request {first.request_id} waits with {need} blocks to take"
+        if cut and len(seqs) > 1:
             reached("a long prompt progresses beside another request")
-            if any(s.start_pos == 0 and s.sample and len(s.token_ids) > 1 for s in seqs):
+            if any(q.start_pos == 0 and q.sample and len(q.token_ids) > 1 for q in seqs):
                 reached("a short prompt admitted beside a long prefill")
 
     @precondition(lambda self: self.output is not None)
@@ -510,7 +541,14 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _check_restores(self):
         """An offloaded request resumes with exactly its computed tokens (short only from a block
-        a failed swap-in spoiled); its slots are then checked by the worker at its next step."""
+        a failed swap-in spoiled); its slots are then checked by the worker at its next step. It
+        goes back to WAITING (recomputes) only where that is allowed: storage-mode preemption
+        (it lets go of its host copies by design), a weight update since it offloaded (its KV is
+        of the old weights), or its offload failed (one more failed offload since the last check)."""
+        seen = self.__dict__.setdefault("offload_seen", {})  # rid -> (its last state, updates begun then)
+        failed = self.sched.stats.offload_failed - self.__dict__.get("offload_failed_seen", 0)
+        self.offload_failed_seen = self.sched.stats.offload_failed
+        updating = self.sched.weight_update_state is not WeightUpdate.NONE
         for rid, req in self.sched.requests.items():
             st_ = req.state
             if st_ is S.OFFLOADING or st_ is S.OFFLOADED:
@@ -519,12 +557,22 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if req.num_restores > rec[1]:
                     reached("a restore preempted while loading")
                 self.offloaded[rid] = (rec[0], req.num_restores)
+                seen[rid] = (st_, seen.get(rid, (None, self.versions))[1])
             elif rid in self.offloaded:
                 computed, restores = self.offloaded[rid]
-                if st_ is S.WAITING:  # to recompute: a weight update let go of its host copies
+                if st_ is S.WAITING:  # to recompute
+                    last, versions = seen.get(rid, (None, self.versions))
+                    storage = req.mode_used is PreemptionMode.STORAGE
+                    update = updating or self.versions > versions
+                    offload_failed = last is S.OFFLOADING and failed > 0
+                    assert storage or update or offload_failed, \
+                        f"request {rid} let go of its offloaded KV ({last.name if last else '?'} -> WAITING, " \
+                        f"mode {req.mode_used.name}) with no weight update and no failed offload"
+                    failed -= offload_failed
                     if rid in self.restoring:  # its restore was loading: preempted then
                         reached("a restore preempted while loading")
                     del self.offloaded[rid]
+                    seen.pop(rid, None)
                     self.restoring.pop(rid, None)
                     continue
                 # more than one when a restore was preempted while loading and began again in one step
@@ -533,6 +581,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     if req.num_restores > restores + 1:
                         reached("a restore preempted while loading")
                     self.restoring[rid] = (req.num_restores, len(self.swap_in_failures))
+                seen[rid] = (st_, seen.get(rid, (None, self.versions))[1])
                 if st_ is S.RUNNING:
                     table = self.cache.block_table(rid).tolist()
                     spoiled = set().union(*self.swap_in_failures[self.restoring.pop(rid)[1]:])
@@ -541,6 +590,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     assert req.num_computed_tokens == want, \
                         f"request {rid} restored with {req.num_computed_tokens} computed tokens, expected {want}"
                     del self.offloaded[rid]
+                    seen.pop(rid, None)
 
     def teardown(self):
         if not hasattr(self, "sched"):

@@ -1,13 +1,12 @@
 """Fixtures for the storage tests: real redis-server processes, real Mooncake pools
 (mooncake_master plus a holder process) and small KV layouts.
 
-``redis-server`` or the Mooncake client missing: those tests skip locally, but FAIL when CI
-is set (CI installs both, so a skip there would hide a broken setup).
+``redis-server`` or the Mooncake client missing: tests/optional.py's rule, skip locally, fail
+under CI.
 """
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +17,8 @@ from fastkv.storage import mooncake_store
 from fastkv.storage.base import namespace_fingerprint
 from fastkv.storage.local_mooncake import LocalMooncake
 from fastkv.storage.local_redis import LocalRedis
+from tests.optional import MOONCAKE, REDIS, missing, require_binary
 
-REDIS_BIN = shutil.which("redis-server")
 # 2 layers x K/V x 2 heads x 4 tokens x 8 dims x bf16 = 512 bytes per block: fast examples.
 SMALL = KVLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="bfloat16")
 NS = namespace_fingerprint("model-a", "weights-1", SMALL.describe())
@@ -27,11 +26,7 @@ NS_OTHER = namespace_fingerprint("model-b", "weights-1", SMALL.describe())
 
 
 def require_redis() -> str:
-    if REDIS_BIN is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is not installed, but CI is set: .ci/run must install it")
-        pytest.skip("redis-server is not installed")
-    return REDIS_BIN
+    return require_binary("redis-server", REDIS)
 
 
 class RedisServer(LocalRedis):
@@ -43,9 +38,7 @@ class RedisServer(LocalRedis):
 
 def require_mooncake() -> None:
     if not mooncake_store.AVAILABLE:
-        if os.environ.get("CI"):
-            pytest.fail("the Mooncake client is not installed, but CI is set: .ci/run must install '.[mooncake]'")
-        pytest.skip("the Mooncake client is not installed (pip install -e '.[mooncake]', apt-get install libibverbs1)")
+        missing("the Mooncake client", MOONCAKE)
 
 
 @pytest.fixture(scope="session")

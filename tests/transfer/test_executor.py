@@ -15,9 +15,10 @@ from fastkv.ipc import DoneMsg, TaskMsg
 from fastkv.storage import open_store
 from fastkv.transfer.executor import TaskExecutor
 from fastkv.transfer.protocol import storage_namespace, task_plan
+from tests.optional import require_paddle
 from tests.transfer.helpers import Supervisor, device_blocks, fill_random, key
 
-pytest.importorskip("paddle")
+require_paddle()
 
 
 def task(kind, src=(), dst=(), keys=()) -> TaskMsg:

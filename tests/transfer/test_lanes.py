@@ -23,6 +23,7 @@ from fastkv.run import attach_transfer
 from fastkv.transfer.executor import TaskExecutor
 from fastkv.transfer.lanes import GIL_SWITCH_S, STORAGE_NICE, HostHolds, StorageLane
 from fastkv.transfer.process import EngineGone, TransferLoop
+from tests.optional import require_paddle
 from tests.transfer.helpers import (
     SlowStore,
     Supervisor,
@@ -36,7 +37,7 @@ from tests.transfer.helpers import (
     wait_ready,
 )
 
-pytest.importorskip("paddle")
+require_paddle()
 pytestmark = pytest.mark.timeout(300)
 LAYOUT = KVLayout(1, 1, 16, 16, "float32", tp_size=1)
 

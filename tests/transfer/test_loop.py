@@ -16,9 +16,10 @@ from fastkv.run import attach_transfer
 from fastkv.transfer.executor import TaskExecutor
 from fastkv.transfer.process import TransferLoop
 from fastkv.transfer.protocol import FENCE, FENCE_ID, fence_for
+from tests.optional import require_paddle
 from tests.transfer.helpers import SlowStore, Supervisor, key, plan, pump
 
-pytest.importorskip("paddle")
+require_paddle()
 
 
 def close_all(*parts) -> None:

@@ -13,6 +13,7 @@ import pytest
 from fastkv.cache.plan import CopyKind
 from fastkv.config import KVLayout
 from fastkv.ipc import pid_alive
+from tests.optional import require_paddle
 from tests.transfer.helpers import (
     Supervisor,
     device_blocks,
@@ -25,7 +26,7 @@ from tests.transfer.helpers import (
     wait_ready,
 )
 
-pytest.importorskip("paddle")
+require_paddle()
 pytestmark = pytest.mark.timeout(300)
 
 

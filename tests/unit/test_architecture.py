@@ -170,12 +170,21 @@ def test_no_import_cycle():
     assert import_cycles() == []
 
 
+def _public_classes(body: list[ast.stmt]):
+    """Classes a module exports: at its top level or inside its classes. Classes local to a
+    function are not names anyone imports (a wire schema's structs, built per schema, are)."""
+    for node in body:
+        if isinstance(node, ast.ClassDef):
+            if not node.name.startswith("_"):
+                yield node.name
+            yield from _public_classes(node.body)
+
+
 def test_no_public_class_name_defined_twice():
     where = defaultdict(list)
     for name, (_, tree) in MODULES.items():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
-                where[node.name].append(name)
+        for cls in _public_classes(tree.body):
+            where[cls].append(name)
     assert {c: ms for c, ms in where.items() if len(ms) > 1} == {}
 
 
@@ -200,11 +209,71 @@ def _facade() -> set[str]:
     return methods | {"config", "block_size"}
 
 
+def _pairs(node: ast.Assign | ast.AnnAssign | ast.NamedExpr) -> list[tuple[ast.expr, ast.expr]]:
+    """(target, value) of an assignment, tuples unpacked pairwise: ``a, b = x, y``."""
+    if node.value is None:
+        return []
+    out = []
+    for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+        if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple):
+            out += zip(t.elts, node.value.elts, strict=False)
+        else:
+            out.append((t, node.value))
+    return out
+
+
+def cache_aliases(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """The names and attributes a module binds the cache manager to: ``cache`` and ``x.cache``,
+    a parameter annotated ``CacheManager``, and whatever is assigned one of them (``cm =
+    self.cache``, ``self.cm = cache``), to a fixed point."""
+    names, attrs = {"cache"}, {"cache"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None and \
+                "CacheManager" in ast.unparse(node.annotation):
+            names.add(node.arg)
+    assigns = [pair for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr))
+               for pair in _pairs(node)]
+    while True:
+        before = len(names) + len(attrs)
+        for target, value in assigns:
+            if (isinstance(value, ast.Name) and value.id in names) or \
+                    (isinstance(value, ast.Attribute) and value.attr in attrs):
+                if isinstance(target, ast.Name):
+                    names.add(target.id)
+                elif isinstance(target, ast.Attribute):
+                    attrs.add(target.attr)
+        if len(names) + len(attrs) == before:
+            return names, attrs
+
+
+def facade_breaches(module: str, tree: ast.Module, allowed: set[str]) -> list[tuple[str, int, str]]:
+    """Attributes read off the cache manager, under any name it is bound to, that are not in
+    ``allowed``."""
+    names, attrs = cache_aliases(tree)
+    return [(module, node.lineno, ast.unparse(node)) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr not in allowed
+            and ((isinstance(node.value, ast.Name) and node.value.id in names)
+                 or (isinstance(node.value, ast.Attribute) and node.value.attr in attrs))]
+
+
+def test_the_facade_check_follows_aliases_of_the_manager():
+    src = ("def f(self, mgr: CacheManager):\n"
+           "    cm = self.cache\n"
+           "    cm.copies.records.clear()\n"
+           "    self.kept = cm\n"
+           "    self.kept.device.num_free\n"
+           "    mgr.host\n"
+           "    cm.free(1)\n"
+           "    other.device\n")
+    found = {src for _, _, src in facade_breaches("m", ast.parse(src), {"free"})}
+    assert found == {"cm.copies", "self.kept.device", "mgr.host"}
+
+
 @pytest.mark.parametrize("package, counters", [("fastkv.sched", False), ("fastkv.engine", True)])
 def test_package_uses_only_the_cache_facade(package, counters):
     """The facade rule: fastkv.sched and fastkv.engine reach the cache through CacheManager's
-    methods (the engine also reads its counters), never the pools, copies or index behind it,
-    nor a role module of fastkv.cache."""
+    methods (the engine also reads its counters), under any name it is bound to, never the pools,
+    copies or index behind it, nor a role module of fastkv.cache."""
     allowed = _facade() | ({"stats"} if counters else set())
     roles = {"fastkv.cache.handoff", "fastkv.cache.state", "fastkv.cache.tiering", "fastkv.cache.offload",
              "fastkv.cache.completions", "fastkv.cache.release", "fastkv.cache.storage_writes"}
@@ -217,13 +286,7 @@ def test_package_uses_only_the_cache_facade(package, counters):
         # fastkv.cache, a ``cache`` is a KV tensor
         if package == "fastkv.engine" and not any(t.startswith("fastkv.cache") for t in imported):
             continue
-        for node in ast.walk(MODULES[name][1]):
-            if not isinstance(node, ast.Attribute) or node.attr in allowed:
-                continue
-            base = node.value
-            if (isinstance(base, ast.Name) and base.id == "cache") or \
-                    (isinstance(base, ast.Attribute) and base.attr == "cache"):
-                past.append((name, node.lineno, ast.unparse(node)))
+        past += facade_breaches(name, MODULES[name][1], allowed)
         past += [(name, 0, f"imports {t}") for t in imported & roles]
     assert past == []
 
@@ -250,39 +313,112 @@ def _state_attributes() -> set[str]:
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
 
 
-def _state_attribute(node: ast.expr, attrs: set[str], aliases: dict[str, str]) -> str | None:
+def _state_attribute(node: ast.expr, attrs: set[str], aliases: dict[str, str], roots: set[str] = frozenset(),
+                     self_aliases: dict[str, str] | None = None) -> str | None:
     """The CacheState attribute ``node`` is, or is part of: ``state.A``, ``self.state.A[k].f``,
-    or a local name bound to ``state.A`` (None: not one)."""
+    ``st.A`` where ``st`` is a local name bound to the state, ``self.X`` where the module bound
+    ``self.X`` to ``state.A`` (``self_aliases``), or a local name bound to ``state.A`` (None: not one)."""
+    self_aliases = self_aliases or {}
     while isinstance(node, (ast.Attribute, ast.Subscript)):
         inner = node.value
-        if isinstance(node, ast.Attribute) and node.attr in attrs and (
-                (isinstance(inner, ast.Name) and inner.id == "state")
-                or (isinstance(inner, ast.Attribute) and inner.attr == "state")):
-            return node.attr
+        if isinstance(node, ast.Attribute):
+            if node.attr in attrs and (
+                    (isinstance(inner, ast.Name) and (inner.id == "state" or inner.id in roots))
+                    or (isinstance(inner, ast.Attribute) and inner.attr == "state")):
+                return node.attr
+            if isinstance(inner, ast.Name) and inner.id == "self" and node.attr in self_aliases:
+                return self_aliases[node.attr]
         node = inner
     if isinstance(node, ast.Name):
         return aliases.get(node.id)
     return None
 
 
-def state_changes(tree: ast.Module, attrs: set[str]) -> set[str]:
-    """The CacheState attributes a module rebinds or changes in place: an Assign / AugAssign /
-    AnnAssign / del target in one, or a container-mutating call on one (through local aliases
-    too), the counters aside."""
-    found: set[str] = set()
+def _is_state(node: ast.expr, roots: set[str]) -> bool:
+    """``state``, ``x.state`` or a local name bound to one."""
+    return (isinstance(node, ast.Name) and (node.id == "state" or node.id in roots)) or \
+        (isinstance(node, ast.Attribute) and node.attr == "state")
+
+
+def _function_aliases(fn: ast.AST, attrs: set[str], self_aliases: dict[str, str]) -> tuple[dict[str, str], set[str]]:
+    """A function's local names bound to a CacheState attribute (``x = state.A``, ``x, y =
+    state.A, state.B``, ``x = self.X`` with ``self.X`` one) and to the state itself (``st =
+    self.state``), to a fixed point."""
+    aliases: dict[str, str] = {}
+    roots: set[str] = set()
+    pairs = [pair for node in ast.walk(fn) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr))
+             for pair in _pairs(node)]
+    while True:
+        before = len(aliases) + len(roots)
+        for name, value in pairs:
+            if not isinstance(name, ast.Name):
+                continue
+            if _is_state(value, roots):
+                roots.add(name.id)
+            elif (a := _state_attribute(value, attrs, aliases, roots, self_aliases)) is not None:
+                aliases[name.id] = a
+        if len(aliases) + len(roots) == before:
+            return aliases, roots
+
+
+def _self_aliases(tree: ast.Module, attrs: set[str]) -> dict[str, str]:
+    """Instance attributes a module binds to a CacheState attribute: ``self._reqs = state.reqs``."""
+    out: dict[str, str] = {}
     for fn in ast.walk(tree):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        aliases: dict[str, str] = {}
-        for node in ast.walk(fn):  # aliases first: ``x = state.A`` or ``x, y = state.A, state.B``
-            if isinstance(node, ast.Assign):
-                for t in node.targets:
-                    pairs = zip(t.elts, node.value.elts, strict=False) if isinstance(t, ast.Tuple) and \
-                        isinstance(node.value, ast.Tuple) else [(t, node.value)]
-                    for name, value in pairs:
-                        a = _state_attribute(value, attrs, {})
-                        if isinstance(name, ast.Name) and a is not None:
-                            aliases[name.id] = a
+        aliases, roots = _function_aliases(fn, attrs, {})
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for t, value in _pairs(node):
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                        a = _state_attribute(value, attrs, aliases, roots)
+                        if a is not None:
+                            out[t.attr] = a
+    return out
+
+
+def _own_methods() -> dict[str, set[str]]:
+    """CacheState attribute -> the methods of its own fastkv class (``self.index = PrefixIndex(...)``):
+    ``state.index.clear()`` is the index's own method, not a container's."""
+    classes = {n.name: {f.name for f in n.body if isinstance(f, ast.FunctionDef)}
+               for _, tree in MODULES.values() for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    tree = MODULES["fastkv.cache.state"][1]
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CacheState")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return {t.attr: classes[n.value.func.id] for n in ast.walk(init) if isinstance(n, ast.Assign)
+            for t in n.targets if isinstance(t, ast.Attribute) and isinstance(n.value, ast.Call)
+            and isinstance(n.value.func, ast.Name) and n.value.func.id in classes}
+
+
+def _own_method_call(node: ast.expr, attrs: set[str], self_aliases: dict[str, str], roots: set[str]) -> bool:
+    """``state.A.m(...)`` or ``self.X.m(...)`` (``self.X`` bound to ``state.A``) where ``m`` is
+    a method of A's own class."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return False
+    recv = node.func.value
+    if not isinstance(recv, ast.Attribute):
+        return False
+    if isinstance(recv.value, ast.Name) and recv.value.id == "self" and recv.attr in self_aliases:
+        a = self_aliases[recv.attr]
+    elif recv.attr in attrs and _is_state(recv.value, roots):
+        a = recv.attr
+    else:
+        return False
+    return node.func.attr in OWN_METHODS.get(a, ())
+
+
+def state_changes(tree: ast.Module, attrs: set[str]) -> set[str]:
+    """The CacheState attributes a module rebinds or changes in place: an Assign / AugAssign /
+    AnnAssign / del target in one, or a container-mutating call on one, however it is reached
+    (the state or the attribute bound to a local name or to an instance attribute), the counters
+    aside."""
+    found: set[str] = set()
+    self_aliases = _self_aliases(tree, attrs)
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        aliases, roots = _function_aliases(fn, attrs, self_aliases)
         for node in ast.walk(fn):
             targets: list[ast.expr] = []
             if isinstance(node, ast.Assign):
@@ -291,16 +427,23 @@ def state_changes(tree: ast.Module, attrs: set[str]) -> set[str]:
                 targets = [node.target]
             elif isinstance(node, ast.Delete):
                 targets = node.targets
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS:
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS \
+                    and not _own_method_call(node, attrs, self_aliases, roots):
                 targets = [node.func.value]
             for t in targets:
                 for leaf in (t.elts if isinstance(t, ast.Tuple) else [t]):
                     if isinstance(leaf, ast.Name) and not isinstance(node, ast.Call):
                         continue  # rebinding a local name changes nothing
-                    a = _state_attribute(leaf, attrs, aliases)
+                    if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and \
+                            leaf.value.id == "self" and leaf.attr in self_aliases and not isinstance(node, ast.Call):
+                        continue  # binding the alias itself (in __init__) changes no state
+                    a = _state_attribute(leaf, attrs, aliases, roots, self_aliases)
                     if a is not None and a not in COUNTERS:
                         found.add(a)
     return found
+
+
+OWN_METHODS = _own_methods()
 
 
 def test_each_cache_state_attribute_is_changed_in_one_module():
@@ -328,6 +471,19 @@ def test_the_state_check_catches_a_second_module():
            "    x = state.reqs.get(1)\n")
     assert state_changes(ast.parse(src), attrs) == {"reservations", "through", "reqs"}
     assert state_changes(ast.parse("def f(state):\n    state.through.skip(1)\n"), attrs) == set()
+    aliased = ("class M:\n"
+               "    def __init__(self, config):\n"
+               "        self.state = state = State(config)\n"
+               "        self._reqs = state.reqs\n"
+               "    def free(self, rid):\n"
+               "        self._reqs.pop(rid)\n"
+               "    def skip(self):\n"
+               "        st = self.state\n"
+               "        st.through.skipped.clear()\n"
+               "    def count(self):\n"
+               "        st = self.state\n"
+               "        st.reservations.total += 1\n")
+    assert state_changes(ast.parse(aliased), attrs) == {"reqs", "through", "reservations"}
 
 
 # ---------------------------------------------------------------- records: small, no sentinels

@@ -2,9 +2,8 @@
 levels, constant labels role and run_id, an exposition promtool accepts."""
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -13,19 +12,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.metrics import EngineMetrics
-from fastkv.sched import Scheduler
+from fastkv.sched import Scheduler, SchedulerConfig
+from tests.optional import PROMTOOL, require_binary
 from tests.sched_harness import Rig
-
-PROMTOOL = shutil.which("promtool")
 
 
 def promtool_check(text: str) -> None:
     """``promtool check metrics`` (Debian's prometheus package; .ci/run installs it) on ``text``."""
-    if PROMTOOL is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is not installed, but CI is set: .ci/run must install prometheus")
-        pytest.skip("promtool is not installed (apt-get install prometheus)")
-    out = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    promtool = require_binary("promtool", PROMTOOL)
+    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"promtool check metrics:\n{out.stdout}{out.stderr}\n{text}"
 
 
@@ -45,15 +40,24 @@ def engine(run_id: str, role: str, prompts: list[list[int]]) -> EngineMetrics:
 
 
 def test_requests_by_state_counts_requests_and_copies_in_flight_apart():
-    m = engine("r1", "mixed", [list(range(9))])
+    """Mid-run, with requests running and waiting (two sequences a step, four requests): each
+    state's gauge is the number of requests in that state, and a copy task is no request."""
+    rig = Rig(Scheduler(CacheManager(CacheConfig(num_device_blocks=16, num_host_blocks=8, block_size=4)),
+                        SchedulerConfig(max_num_seqs=2)))
+    m = EngineMetrics(rig.sched, {"role": "mixed", "run_id": "r1"})
+    for i in range(4):
+        rig.add(i, list(range(10 * i, 10 * i + 9)), max_new_tokens=8)
+    rig.step()
+    by_state = Counter(r.state.name.lower() for r in rig.sched.requests.values())
+    assert len(by_state) > 1 and sum(by_state.values()) == 4, by_state  # the states differ, none finished
     m.scheduler.outbox.in_flight[999] = object()  # a copy task sent and not done
     try:
         text = generate_latest(m.registry).decode()
     finally:
         del m.scheduler.outbox.in_flight[999]
-    reqs = [s for s in samples(text) if s.name == "fastkv_requests"]
-    assert reqs and all(s.labels["state"] != "copies_in_flight" for s in reqs), reqs
-    assert sum(s.value for s in reqs) <= len(m.scheduler.requests)
+    reqs = {s.labels["state"]: s.value for s in samples(text) if s.name == "fastkv_requests"}
+    assert "copies_in_flight" not in reqs, reqs
+    assert {k: v for k, v in reqs.items() if v} == by_state
     assert [s.value for s in samples(text) if s.name == "fastkv_copies_in_flight"] == [1.0]
 
 

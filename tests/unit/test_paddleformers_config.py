@@ -10,6 +10,7 @@ import pytest
 from fastkv.cli import JobConfig
 from fastkv.config import KVLayout
 from fastkv.engine.runners.paddleformers_config import FAMILIES, settings, vocab_size
+from tests.optional import require_paddleformers
 
 
 def layout(tp: int = 1, **kw) -> KVLayout:
@@ -73,7 +74,7 @@ def test_ernie_fused_rope_is_refused():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_job_is_refused_before_anything_starts(family):
-    pytest.importorskip("paddleformers")  # the CLI checks the extra is there before the shape
+    require_paddleformers()  # the CLI checks the extra is there before the shape
     runner = f"paddleformers:{family}"
     with pytest.raises(ValueError, match=f"the {runner} runner cannot run this shape: model setting "
                                          "head_dim = 64 disagrees"):
