@@ -207,3 +207,15 @@ READS = {
     "vllm-array": {"vllm-v0.10", "vllm-lora-name"},
     "vllm": {"vllm-main"},
 }
+
+
+def apply_batch(held: dict[str, set], batch: list[Event]) -> None:
+    """A subscriber's bookkeeping: ``held`` (medium -> block hashes) after one decoded batch."""
+    for e in batch:
+        if e.tag == "AllBlocksCleared":
+            for keys in held.values():
+                keys.clear()
+        elif e.tag == "BlockStored":
+            held[e.medium].update(e.hashes)
+        else:
+            held[e.medium].difference_update(e.hashes)

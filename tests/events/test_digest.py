@@ -16,7 +16,7 @@ import pytest
 
 from fastkv.events import EventsConfig
 from fastkv.events.config import SCHEMAS
-from tests.events.consumers import CONSUMERS, READS
+from tests.events.consumers import CONSUMERS, READS, apply_batch
 from tests.events.demo_rig import make_rig, run_demo
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "FORMATS.md"
@@ -56,14 +56,7 @@ def test_the_summary_figures_are_a_subscribers_own(tmp_path, name):
             seqs.append(seq)
             _, batch = CONSUMERS[consumer](payload)
             events += len(batch)
-            for e in batch:
-                if e.tag == "AllBlocksCleared":
-                    for keys in held.values():
-                        keys.clear()
-                elif e.tag == "BlockStored":
-                    held[e.medium].update(e.hashes)
-                else:
-                    held[e.medium].difference_update(e.hashes)
+            apply_batch(held, batch)
         stats, resident = ev.stats(), ev.resident()
         assert seqs == list(range(stats["batches"]))
         assert events == stats["events"]

@@ -17,7 +17,7 @@ import blake3
 import pytest
 import zmq
 
-from tests.events.consumers import CONSUMERS, READS
+from tests.events.consumers import CONSUMERS, READS, apply_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,14 +57,7 @@ def test_a_supervised_run_in_each_schema_is_read_by_its_consumer(tmp_path, name)
                 decode(payload)  # every consumer of this schema reads every batch
             _, batch = CONSUMERS[consumer](payload)
             events += len(batch)
-            for e in batch:
-                if e.tag == "AllBlocksCleared":
-                    for keys in held.values():
-                        keys.clear()
-                elif e.tag == "BlockStored":
-                    held[e.medium].update(e.hashes)
-                else:
-                    held[e.medium].difference_update(e.hashes)
+            apply_batch(held, batch)
         assert events == ev["events"]
         digest = {m: blake3.blake3(b"".join(sorted(held[m]))).hexdigest() for m in MEDIA}
         assert ev["resident"] == {m: {"keys": len(held[m]), "digest": digest[m]} for m in MEDIA}
