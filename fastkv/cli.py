@@ -90,6 +90,8 @@ class JobConfig:
     dead_after_s: float = 5.0
     task_timeout_s: float = 60.0
     storage_lookup_timeout_s: float = 0.2  # a new request waits at most this long for its storage lookup
+    # STOREs in flight past which the write policy's optional ones are skipped (storage falls behind)
+    storage_backlog_blocks: int = 256
     quick: bool = False
     weights_version: str = "0"  # the weights the run starts with (the tiny runner hashes it to a seed)
     update_weights_at: str = ""  # "N:VERSION[,N:VERSION...]": switch weights after N requests finished
@@ -127,7 +129,7 @@ class JobConfig:
         for name in ("tp", "block_size", "layers", "kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"setting {name!r} must be >= 1, got {getattr(self, name)}")
-        for name in ("device_blocks", "host_blocks"):
+        for name in ("device_blocks", "host_blocks", "storage_backlog_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
         if self.cache_policy not in CACHE_POLICIES:
@@ -394,6 +396,7 @@ class JobConfig:
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
             task_timeout_s=self.task_timeout_s, storage_lookup_timeout_s=self.storage_lookup_timeout_s,
+            storage_backlog_blocks=self.storage_backlog_blocks,
             out_dir=str(out_dir), metrics_port=self.metrics_port, metrics_linger_s=self.metrics_linger_s,
             weights_version=self.weights_version,
             update_weights_at=tuple(u.strip() for u in self.update_weights_at.split(",") if u.strip()),
@@ -475,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="which blocks are written to the storage tier: 'through' every block once it is on the host "
       "(the most writes; restarts and other engines hit everything), 'preempted' only preempted requests' "
       "(the fewest), 'back' host blocks about to be evicted (one write per host eviction) (default through)")
+    a("--storage-backlog-blocks", type=int, metavar="N", help="STOREs in flight past which the write policy's "
+      "optional ones are skipped and counted, so a slow storage tier falls behind instead of stalling steps "
+      "(default 256; a preempted request's are always stored)")
     a("--async-scheduling", choices=("on", "off"), help="on (default): the engine plans and sends each step "
       "while the workers run the one before; off: one step at a time (outputs are the same)")
     a("--engine-cpu-policy", choices=CPU_POLICIES, help="the engine thread's Linux scheduling policy: batch "
@@ -746,6 +752,9 @@ def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress
     if faults := report.storage_faults(rep.data):  # the run degraded to recompute: say so, not only in a log
         print(f"fastkv-supervisor: warning: storage tier {spec.storage_url} failed during the run: {faults} "
               f"(see {spec.out_dir}/logs)", file=sys.stderr)
+    if behind := report.storage_behind(rep.data):  # the pool silently misses what the run computed
+        print(f"fastkv-supervisor: warning: storage tier {spec.storage_url} fell behind: {behind} "
+              f"(--storage-backlog-blocks {spec.storage_backlog_blocks})", file=sys.stderr)
     print(f"report:  {rep.json_path}\nplot:    {rep.png_path}\nresults: {out / 'results.jsonl'}\n"
           f"logs:    {out / 'logs'}")
     if stopped_by:

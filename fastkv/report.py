@@ -182,6 +182,21 @@ def storage_faults(data: dict[str, Any]) -> str:
     return ", ".join(f"{n} {what}" for n, what in counts) if any(n for n, _ in counts) else ""
 
 
+# a run that skipped this share of the blocks its write policy wanted stored says so at its end
+BEHIND_SHARE = 0.05
+
+
+def storage_behind(data: dict[str, Any]) -> str:
+    """How much a storage tier that fell behind left unstored, in words ('' if under BEHIND_SHARE):
+    the optional STOREs skipped because too many were in flight, which a restart or another
+    engine will miss."""
+    stored, skipped = data.get("storage_blocks_stored", 0), data.get("storage_blocks_skipped", 0)
+    if not skipped or skipped < BEHIND_SHARE * (stored + skipped):
+        return ""
+    return (f"{skipped} of the {stored + skipped} blocks its write policy wanted stored were skipped "
+            f"({skipped / (stored + skipped):.0%}): a restart or another engine recomputes them")
+
+
 def _fmt_counts(counts: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in counts.items())
 

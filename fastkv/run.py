@@ -68,6 +68,8 @@ class RunSpec:
     task_timeout_s: float = 60.0  # a copy task unfinished after this fails (its request recomputes)
     # a new request waits at most this long for the storage tier to say what it holds (fastkv.engine.lookup)
     storage_lookup_timeout_s: float = 0.2
+    # STORE blocks in flight past which the write policies' optional STOREs are skipped and counted
+    storage_backlog_blocks: int = 256
     slot_size: int = 512  # ring slot bytes; larger messages span slots
     nslots: int = 4096
     out_dir: str = "fastkv-out"
@@ -80,6 +82,9 @@ class RunSpec:
             raise ValueError("RunSpec: num_device_blocks must be > 0 and num_host_blocks >= 0")
         if self.heartbeat_s <= 0 or self.dead_after_s <= self.heartbeat_s or self.task_timeout_s <= 0:
             raise ValueError("RunSpec: need heartbeat_s > 0, dead_after_s > heartbeat_s, task_timeout_s > 0")
+        backlog = self.storage_backlog_blocks
+        if isinstance(backlog, bool) or not isinstance(backlog, int) or backlog < 0:
+            raise ValueError(f"RunSpec: storage_backlog_blocks must be an int >= 0, got {backlog!r}")
         if not self.storage_lookup_timeout_s >= 0:
             raise ValueError(f"RunSpec: storage_lookup_timeout_s must be >= 0, got {self.storage_lookup_timeout_s!r}")
         if not 0 <= self.metrics_port < 65536:

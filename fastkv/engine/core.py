@@ -119,6 +119,7 @@ def cache_config(spec: RunSpec) -> CacheConfig:
                        block_size=spec.layout.block_size, policy=_enum(CachePolicy, spec.cache_policy),
                        eviction=spec.eviction, storage=bool(spec.storage_url),
                        storage_writes=_enum(StorageWrites, spec.storage_writes), model_id=spec.model_id,
+                       storage_backlog_blocks=spec.storage_backlog_blocks,
                        weights_version=spec.weights_version, layout=spec.layout)
 
 

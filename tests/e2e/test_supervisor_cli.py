@@ -103,6 +103,8 @@ def test_json_config_and_quick(tmp_path):
     ({"workload": "trace:zero"}, "positive request count"),
     ({"demo": {"turns": 0}}, "ConversationConfig.turns"),
     ({"demo": {"speed": 1}}, "unknown demo settings"),
+    ({"storage_backlog_blocks": -1}, "'storage_backlog_blocks' must be >= 0"),
+    ({"storage_backlog_blocks": "many"}, "'storage_backlog_blocks' must be of type int"),
 ])
 def test_bad_values_are_named(values, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -293,3 +295,19 @@ def test_a_host_tier_too_big_for_memory_fails_the_run_in_one_line_naming_the_fla
     assert "Traceback" not in err
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["status"].startswith("failed: the host tier") and summary["generated_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_a_storage_tier_that_falls_behind_is_said_at_the_end(tmp_path):
+    """With no room for optional STOREs every one the write policy wants is skipped: the summary
+    counts them and the run ends with one warning naming the setting (it used to say nothing)."""
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "fastkv", "--quick", "--no-progress", "--out", str(out),
+                           "--storage-backlog-blocks", "0"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["storage_blocks_skipped"] > 0 and summary["storage_blocks_stored"] == 0, summary
+    warned = [line for line in done.stderr.splitlines() if "fell behind" in line]
+    assert len(warned) == 1 and "--storage-backlog-blocks 0" in warned[0], done.stderr[-2000:]
+    assert f"{summary['storage_blocks_skipped']} of the {summary['storage_blocks_skipped']} blocks" in warned[0]
