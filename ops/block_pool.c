@@ -148,7 +148,7 @@ static PyObject *release_blocks(PyObject *self, PyObject *args) {
 
 /* evict_batch(batch, key, lookup, parent, kids, out, evicted, queue, skips) -> (skips, passed, forced):
  * one batch the eviction queue dequeued. A block whose key has counted children goes back to the
- * queue (queue.append) while fewer than a whole turn of the queue were passed over (`skips`),
+ * queue (queue.requeue) while fewer than a whole turn of the queue were passed over (`skips`),
  * else it is evicted anyway (forced); the others are unkeyed, appended to `out`, and reported as
  * (block, key) to `evicted` (None: not reported). */
 static PyObject *evict_batch(PyObject *self, PyObject *args) {
@@ -173,7 +173,7 @@ static PyObject *evict_batch(PyObject *self, PyObject *args) {
             Py_ssize_t queued = PyObject_Length(queue);
             if (queued < 0) return NULL;
             if (skips <= queued) { /* behind its children: they go first */
-                PyObject *r = PyObject_CallMethod(queue, "append", "O", b);
+                PyObject *r = PyObject_CallMethod(queue, "requeue", "O", b);
                 if (r == NULL) return NULL;
                 Py_DECREF(r);
                 skips++;

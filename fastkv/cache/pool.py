@@ -172,7 +172,7 @@ class BlockPool:
                 k = key[b]
                 if k in kids:
                     if skips <= len(queue):
-                        queue.append(b)  # behind its children: they go first
+                        queue.requeue(b)  # behind its children: they go first
                         skips += 1
                         self.passed_over += 1
                         continue
@@ -206,7 +206,8 @@ class BlockPool:
                 return None
             k = self.key[block]
             if k in self.kids:  # a parent first in line: the slow path finds a leaf
-                self.evictable.append(block)
+                self.evictable.requeue(block)
+                self.passed_over += 1
                 block = self._evict_leaves(1, evicted)[0]
             else:
                 self._unkey(block)
