@@ -37,6 +37,48 @@ static int set_at(PyObject *list, Py_ssize_t i, PyObject *value) {
     return PyList_SetItem(list, i, value); /* steals the reference, even on error */
 }
 
+/* kids[pk]: the list of a parent key's children in the pool (blocks, and None for one a copy
+ * brings). add_child appends block b, creating the list; drop_child removes b, and the entry
+ * with its last child. */
+static PyObject *children_of(PyObject *kids, PyObject *pk) {
+    PyObject *c = PyDict_GetItemWithError(kids, pk); /* borrowed */
+    if (c != NULL && !PyList_CheckExact(c)) {
+        PyErr_SetString(PyExc_TypeError, "fastkv._pool: a kids entry must be a list");
+        return NULL;
+    }
+    return c;
+}
+
+static int add_child(PyObject *kids, PyObject *pk, PyObject *b) {
+    PyObject *c = children_of(kids, pk);
+    if (c != NULL) return PyList_Append(c, b);
+    if (PyErr_Occurred()) return -1;
+    PyObject *fresh = PyList_New(1);
+    if (fresh == NULL) return -1;
+    Py_INCREF(b);
+    PyList_SET_ITEM(fresh, 0, b);
+    int rc = PyDict_SetItem(kids, pk, fresh);
+    Py_DECREF(fresh);
+    return rc;
+}
+
+static int drop_child(PyObject *kids, PyObject *pk, PyObject *b) {
+    PyObject *c = children_of(kids, pk);
+    if (c == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pk);
+        return -1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(c);
+    if (n == 1) return PyDict_DelItem(kids, pk); /* a parent's last child goes first, as a rule */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int eq = PyObject_RichCompareBool(PyList_GET_ITEM(c, i), b, Py_EQ);
+        if (eq < 0) return -1;
+        if (eq) return PyList_SetSlice(c, i, i + 1, NULL);
+    }
+    PyErr_SetObject(PyExc_ValueError, b);
+    return -1;
+}
+
 /* insert_keys(lookup, key, state, parent, kids, blocks, keys, parents, cached, drop_key) -> dups */
 static PyObject *insert_keys(PyObject *self, PyObject *args) {
     PyObject *lookup, *key, *state, *parent, *kids, *blocks, *keys, *parents, *drop_key;
@@ -85,15 +127,7 @@ static PyObject *insert_keys(PyObject *self, PyObject *args) {
         if (set_at(key, bi, k) < 0) goto fail;
         if (pk != Py_None) {
             if (set_at(parent, bi, pk) < 0) goto fail;
-            PyObject *c = PyDict_GetItemWithError(kids, pk); /* borrowed */
-            if (c == NULL && PyErr_Occurred()) goto fail;
-            Py_ssize_t count = c == NULL ? 0 : PyLong_AsSsize_t(c);
-            if (count == -1 && PyErr_Occurred()) goto fail;
-            PyObject *nc = PyLong_FromSsize_t(count + 1);
-            if (nc == NULL) goto fail;
-            int rc = PyDict_SetItem(kids, pk, nc);
-            Py_DECREF(nc);
-            if (rc < 0) goto fail;
+            if (add_child(kids, pk, b) < 0) goto fail;
         }
     }
     return dups;
@@ -189,21 +223,7 @@ static PyObject *evict_batch(PyObject *self, PyObject *args) {
         if (pk != Py_None) {
             Py_INCREF(pk);
             int rc = set_at(parent, bi, Py_None);
-            PyObject *c = rc < 0 ? NULL : PyDict_GetItemWithError(kids, pk); /* borrowed */
-            if (c == NULL) {
-                if (rc == 0 && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pk);
-                Py_DECREF(pk);
-                goto fail_k;
-            }
-            Py_ssize_t count = PyLong_AsSsize_t(c) - 1;
-            if (count == -2 && PyErr_Occurred()) rc = -1;
-            else if (count) {
-                PyObject *nc = PyLong_FromSsize_t(count);
-                rc = nc == NULL ? -1 : PyDict_SetItem(kids, pk, nc);
-                Py_XDECREF(nc);
-            } else {
-                rc = PyDict_DelItem(kids, pk);
-            }
+            if (rc == 0) rc = drop_child(kids, pk, b);
             Py_DECREF(pk);
             if (rc < 0) goto fail_k;
         }

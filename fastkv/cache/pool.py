@@ -18,9 +18,10 @@ Releasing the last reference of an IN_FLIGHT block does not free it: the block s
 IN_FLIGHT and turns CACHED or FREE when its last copy completes (``unpin``). That is how the
 pool refuses to free a block a copy still reads or writes, without making callers track it.
 
-Leaves first, by construction: ``kids`` counts, per parent key, the keyed blocks of this tier
-whose key hangs under it (``parents``, shared with the prefix index, says which key a key hangs
-under). A CACHED block with keyed children here is not evicted: met at the head of the queue,
+Leaves first, by construction: ``kids`` lists, per parent key, the keyed blocks of this tier
+whose key hangs under it, and a None for each child a copy brings there (``parents``, shared
+with the prefix index, says which key a key hangs under); a loss finds the children it strands
+there (``fastkv.cache.strands``). A CACHED block with keyed children here is not evicted: met at the head of the queue,
 it goes back to its young end, behind its children, whatever order parent and child reached the
 tier in (matching walks from the root, so a child left behind its parent is never hit again).
 Only when a whole turn of the queue finds no leaf (every child held or in flight) is a parent
@@ -72,7 +73,7 @@ class BlockPool:
         self.num_allocated = 0
         self.num_in_flight = 0
         self.parent: list[bytes | None] = [None] * capacity  # the parent key of each keyed block
-        self.kids: dict[bytes, int] = {}  # parent key -> keyed blocks of this tier under it
+        self.kids: dict[bytes, list[int | None]] = {}  # parent key -> its children here (None: one a copy brings)
         self.parents: dict[bytes, bytes] = {}  # key -> parent key (the prefix index's, once attached)
         self.forced_evictions = 0
         self.passed_over = 0  # parents met at the queue's head with children left (sent behind them)
@@ -106,8 +107,11 @@ class BlockPool:
         pk = self.parents.get(key)
         if pk is not None:
             self.parent[block] = pk
-            kids = self.kids
-            kids[pk] = kids.get(pk, 0) + 1
+            c = self.kids.get(pk)
+            if c is None:
+                self.kids[pk] = [block]
+            else:
+                c.append(block)
 
     def _unkey(self, block: int) -> bytes:
         k = self.key[block]
@@ -116,13 +120,15 @@ class BlockPool:
         pk = self.parent[block]
         if pk is not None:
             self.parent[block] = None
-            kids = self.kids
-            n = kids[pk] - 1
-            if n:
-                kids[pk] = n
-            else:
-                del kids[pk]
+            self._unchild(pk, block)
         return k
+
+    def _unchild(self, pk: bytes, child: int | None) -> None:
+        c = self.kids[pk]
+        if len(c) == 1:
+            del self.kids[pk]
+        else:
+            c.remove(child)
 
     def expect(self, keys: list[bytes]) -> list[bytes]:
         """A copy brings ``keys`` to this tier: their parents here wait for them as for keyed
@@ -132,18 +138,17 @@ class BlockPool:
         for k in keys:
             pk = get(k)
             if pk is not None:
-                kids[pk] = kids.get(pk, 0) + 1
+                c = kids.get(pk)
+                if c is None:
+                    kids[pk] = [None]
+                else:
+                    c.append(None)
                 out.append(pk)
         return out
 
     def unexpect(self, parents: list[bytes]) -> None:
-        kids = self.kids
         for pk in parents:
-            n = kids[pk] - 1
-            if n:
-                kids[pk] = n
-            else:
-                del kids[pk]
+            self._unchild(pk, None)
 
     def _evict_leaves(self, n: int, evicted: list[tuple[int, bytes]] | None) -> list[int]:
         """Dequeue and unkey ``n`` CACHED blocks, leaves first (``n <= len(self.evictable)``);
@@ -183,9 +188,11 @@ class BlockPool:
                 pk = parent[b]
                 if pk is not None:
                     parent[b] = None
-                    c = kids.pop(pk) - 1  # one probe: a parent's last child goes first, as a rule
-                    if c:
-                        kids[pk] = c
+                    c = kids[pk]
+                    if len(c) == 1:  # a parent's last child goes first, as a rule
+                        del kids[pk]
+                    else:
+                        c.remove(b)
                 append(b)
                 if evicted is not None:
                     report((b, k))
@@ -403,7 +410,11 @@ class BlockPool:
             key[b] = k
             if pk is not None:
                 parent[b] = pk
-                kids[pk] = kids.get(pk, 0) + 1
+                c = kids.get(pk)
+                if c is None:
+                    kids[pk] = [b]
+                else:
+                    c.append(b)
         return dups
 
     def release_many(self, blocks: list[int], keep: bool = True) -> None:
@@ -475,7 +486,7 @@ class BlockPool:
         while (block := self.evictable.popleft()) is not None:
             self.key[block] = None
             if (pk := self.parent[block]) is not None:
-                self.unexpect([pk])  # what stays counted is what copies bring
+                self._unchild(pk, block)  # what stays listed is what copies bring
                 self.parent[block] = None
             self.state[block] = _FREE
             self.free.append(block)
@@ -510,10 +521,12 @@ class BlockPool:
         assert counts[_IN_FLIGHT] == self.num_in_flight, f"{self.tier}: in flight {self.num_in_flight} != {counts}"
         assert sum(counts) == self.capacity
         assert len(self.lookup) == sum(1 for k in self.key if k is not None), f"{self.tier}: stale lookup entries"
-        kids: dict[bytes, int] = {}
+        kids: dict[bytes, list[int]] = {}
         for b, pk in enumerate(self.parent):
             if pk is not None:
                 assert self.key[b] is not None, f"{self.tier} block {b}: a parent key but no key"
-                kids[pk] = kids.get(pk, 0) + 1
-        # the rest are children a copy brings (checked against the copies by the cache's check)
-        assert all(self.kids.get(pk, 0) >= n for pk, n in kids.items()), f"{self.tier}: child counts too low"
+                kids.setdefault(pk, []).append(b)
+        listed = {pk: sorted(b for b in c if b is not None) for pk, c in self.kids.items()}
+        assert all(c for c in self.kids.values()), f"{self.tier}: a parent listed with no children"
+        # the Nones are children a copy brings (checked against the copies by the cache's check)
+        assert {pk: c for pk, c in listed.items() if c} == kids, f"{self.tier}: children listed {listed} != {kids}"
