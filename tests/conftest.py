@@ -1,9 +1,12 @@
 """Session-wide test policy.
 
 * Hypothesis: the ``ci`` profile (selected when CI is set) runs a fixed (derandomized) set of
-  500 examples per property or state machine; the ``dev`` profile runs 60 fresh random ones,
-  and ``long`` (HYPOTHESIS_PROFILE=long, with --timeout 0) 2000, the randomized run to take
-  before stopping work.
+  500 examples per property or state machine: each test's seed is a hash of its source, so every
+  machine and every PYTHONHASHSEED draws the same examples (strategies never order by set
+  iteration or enum names). The ``dev`` profile runs 60 fresh random ones, and ``long``
+  (HYPOTHESIS_PROFILE=long, with --timeout 0; ``scripts/hunt.sh`` runs it) 10,000 per machine,
+  the randomized hunt to take before stopping work; it saves failures in the example database
+  at $FASTKV_HYPOTHESIS_DB (default .hypothesis/examples), which replays them first.
 * Leaks: every fastkv shared-memory object and semaphore is named ``fkv*`` and lives in
   /dev/shm (semaphores as ``sem.fkv*``). The session fails if any is left behind, so a
   test or shutdown path that leaks, even after SIGKILL, is caught. Only this session's runs
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 settings.register_profile(
     # derandomize: CI runs the same 500 examples on every run, so a rare case a local run finds
@@ -28,8 +32,9 @@ settings.register_profile(
 settings.register_profile(
     "dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-settings.register_profile(  # before stopping work: HYPOTHESIS_PROFILE=long pytest --timeout 0 tests/stateful
-    "long", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+settings.register_profile(  # before stopping work: scripts/hunt.sh (about 30 minutes on 2 cores)
+    "long", max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+    database=DirectoryBasedExampleDatabase(os.environ.get("FASTKV_HYPOTHESIS_DB", ".hypothesis/examples")),
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
