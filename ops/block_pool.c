@@ -37,43 +37,39 @@ static int set_at(PyObject *list, Py_ssize_t i, PyObject *value) {
     return PyList_SetItem(list, i, value); /* steals the reference, even on error */
 }
 
-/* kids[pk]: the list of a parent key's children in the pool (blocks, and None for one a copy
- * brings). add_child appends block b, creating the list; drop_child removes b, and the entry
- * with its last child. */
-static PyObject *children_of(PyObject *kids, PyObject *pk) {
-    PyObject *c = PyDict_GetItemWithError(kids, pk); /* borrowed */
-    if (c != NULL && !PyList_CheckExact(c)) {
-        PyErr_SetString(PyExc_TypeError, "fastkv._pool: a kids entry must be a list");
-        return NULL;
-    }
-    return c;
-}
-
+/* kids[pk]: a parent key's children in the pool (blocks, and None for one a copy brings): the
+ * child itself while it is the only one (nothing allocated: a chain's every parent), a list from
+ * the second on (BlockPool._add_child, _unchild). add_child adds block b; drop_child removes it,
+ * and the entry with the last child. */
 static int add_child(PyObject *kids, PyObject *pk, PyObject *b) {
-    PyObject *c = children_of(kids, pk);
-    if (c != NULL) return PyList_Append(c, b);
-    if (PyErr_Occurred()) return -1;
-    PyObject *fresh = PyList_New(1);
-    if (fresh == NULL) return -1;
+    PyObject *c = PyDict_GetItemWithError(kids, pk); /* borrowed */
+    if (c == NULL) return PyErr_Occurred() ? -1 : PyDict_SetItem(kids, pk, b);
+    if (PyList_CheckExact(c)) return PyList_Append(c, b);
+    PyObject *two = PyList_New(2);
+    if (two == NULL) return -1;
+    Py_INCREF(c);
+    PyList_SET_ITEM(two, 0, c);
     Py_INCREF(b);
-    PyList_SET_ITEM(fresh, 0, b);
-    int rc = PyDict_SetItem(kids, pk, fresh);
-    Py_DECREF(fresh);
+    PyList_SET_ITEM(two, 1, b);
+    int rc = PyDict_SetItem(kids, pk, two);
+    Py_DECREF(two);
     return rc;
 }
 
 static int drop_child(PyObject *kids, PyObject *pk, PyObject *b) {
-    PyObject *c = children_of(kids, pk);
+    PyObject *c = PyDict_GetItemWithError(kids, pk); /* borrowed */
     if (c == NULL) {
         if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pk);
         return -1;
     }
+    if (!PyList_CheckExact(c)) return PyDict_DelItem(kids, pk); /* its only child: gone first, as a rule */
     Py_ssize_t n = PyList_GET_SIZE(c);
-    if (n == 1) return PyDict_DelItem(kids, pk); /* a parent's last child goes first, as a rule */
     for (Py_ssize_t i = 0; i < n; i++) {
         int eq = PyObject_RichCompareBool(PyList_GET_ITEM(c, i), b, Py_EQ);
         if (eq < 0) return -1;
-        if (eq) return PyList_SetSlice(c, i, i + 1, NULL);
+        if (!eq) continue;
+        if (PyList_SetSlice(c, i, i + 1, NULL) < 0) return -1;
+        return n == 2 ? PyDict_SetItem(kids, pk, PyList_GET_ITEM(c, 0)) : 0;
     }
     PyErr_SetObject(PyExc_ValueError, b);
     return -1;

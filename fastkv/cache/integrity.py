@@ -141,5 +141,5 @@ def _child_counts(state: CacheState) -> None:
         kids: Counter[bytes] = Counter(pk for pk in pool.parent if pk is not None)
         if pool is state.host:
             kids.update(pk for rec in state.copies.records.values() for pk in rec.expected or ())
-        listed = Counter({pk: len(c) for pk, c in pool.kids.items()})
+        listed = Counter({pk: len(pool.children(pk)) for pk in pool.kids})
         assert kids == listed, f"{pool.tier}: child counts {dict(listed)} != {dict(kids)}"

@@ -18,8 +18,8 @@ Releasing the last reference of an IN_FLIGHT block does not free it: the block s
 IN_FLIGHT and turns CACHED or FREE when its last copy completes (``unpin``). That is how the
 pool refuses to free a block a copy still reads or writes, without making callers track it.
 
-Leaves first, by construction: ``kids`` lists, per parent key, the keyed blocks of this tier
-whose key hangs under it, and a None for each child a copy brings there (``parents``, shared
+Leaves first, by construction: ``kids`` names, per parent key, the keyed blocks of this tier
+whose key hangs under it, and a None for each child a copy brings there (``children``) (``parents``, shared
 with the prefix index, says which key a key hangs under); a loss finds the children it strands
 there (``fastkv.cache.strands``). A CACHED block with keyed children here is not evicted: met at the head of the queue,
 it goes back to its young end, behind its children, whatever order parent and child reached the
@@ -51,6 +51,7 @@ class BlockState(IntEnum):
 
 
 _FREE, _ALLOCATED, _CACHED, _IN_FLIGHT = 0, 1, 2, 3
+_NONE = object()  # no entry (None is a child a copy brings)
 
 
 class BlockPool:
@@ -73,7 +74,9 @@ class BlockPool:
         self.num_allocated = 0
         self.num_in_flight = 0
         self.parent: list[bytes | None] = [None] * capacity  # the parent key of each keyed block
-        self.kids: dict[bytes, list[int | None]] = {}  # parent key -> its children here (None: one a copy brings)
+        # parent key -> its children here (None: one a copy brings): the child itself while it is
+        # the only one (a chain's every parent: nothing allocated), a list from the second on
+        self.kids: dict[bytes, int | None | list[int | None]] = {}
         self.parents: dict[bytes, bytes] = {}  # key -> parent key (the prefix index's, once attached)
         self.forced_evictions = 0
         self.passed_over = 0  # parents met at the queue's head with children left (sent behind them)
@@ -107,11 +110,7 @@ class BlockPool:
         pk = self.parents.get(key)
         if pk is not None:
             self.parent[block] = pk
-            c = self.kids.get(pk)
-            if c is None:
-                self.kids[pk] = [block]
-            else:
-                c.append(block)
+            self._add_child(pk, block)
 
     def _unkey(self, block: int) -> bytes:
         k = self.key[block]
@@ -123,26 +122,42 @@ class BlockPool:
             self._unchild(pk, block)
         return k
 
+    def children(self, pk: bytes) -> list[int | None]:
+        """The children of key ``pk`` in this tier: blocks, and None for each a copy brings."""
+        c = self.kids.get(pk, _NONE)
+        if c is _NONE:
+            return []
+        return list(c) if type(c) is list else [c]
+
+    def _add_child(self, pk: bytes, child: int | None) -> None:
+        kids = self.kids
+        c = kids.get(pk, _NONE)
+        if c is _NONE:
+            kids[pk] = child
+        elif type(c) is list:
+            c.append(child)
+        else:
+            kids[pk] = [c, child]
+
     def _unchild(self, pk: bytes, child: int | None) -> None:
-        c = self.kids[pk]
-        if len(c) == 1:
-            del self.kids[pk]
+        kids = self.kids
+        c = kids[pk]
+        if type(c) is not list:
+            del kids[pk]
         else:
             c.remove(child)
+            if len(c) == 1:
+                kids[pk] = c[0]
 
     def expect(self, keys: list[bytes]) -> list[bytes]:
         """A copy brings ``keys`` to this tier: their parents here wait for them as for keyed
         children. Returns those parents, for ``unexpect`` once it is done."""
-        get, kids = self.parents.get, self.kids
+        get = self.parents.get
         out = []
         for k in keys:
             pk = get(k)
             if pk is not None:
-                c = kids.get(pk)
-                if c is None:
-                    kids[pk] = [None]
-                else:
-                    c.append(None)
+                self._add_child(pk, None)
                 out.append(pk)
         return out
 
@@ -188,11 +203,7 @@ class BlockPool:
                 pk = parent[b]
                 if pk is not None:
                     parent[b] = None
-                    c = kids[pk]
-                    if len(c) == 1:  # a parent's last child goes first, as a rule
-                        del kids[pk]
-                    else:
-                        c.remove(b)
+                    self._unchild(pk, b)
                 append(b)
                 if evicted is not None:
                     report((b, k))
@@ -397,7 +408,7 @@ class BlockPool:
 
     def _insert_many_reference(self, blocks: list[int], keys: list[bytes], parents: list[bytes | None]) -> list[int]:
         setdefault, key, state = self.lookup.setdefault, self.key, self.state
-        parent, kids = self.parent, self.kids
+        parent = self.parent
         dups = []
         for i, (b, k, pk) in enumerate(zip(blocks, keys, parents, strict=True)):
             holder = setdefault(k, b)  # one dict probe: inserted, or another block has k
@@ -410,11 +421,7 @@ class BlockPool:
             key[b] = k
             if pk is not None:
                 parent[b] = pk
-                c = kids.get(pk)
-                if c is None:
-                    kids[pk] = [b]
-                else:
-                    c.append(b)
+                self._add_child(pk, b)
         return dups
 
     def release_many(self, blocks: list[int], keep: bool = True) -> None:
@@ -526,7 +533,8 @@ class BlockPool:
             if pk is not None:
                 assert self.key[b] is not None, f"{self.tier} block {b}: a parent key but no key"
                 kids.setdefault(pk, []).append(b)
-        listed = {pk: sorted(b for b in c if b is not None) for pk, c in self.kids.items()}
-        assert all(c for c in self.kids.values()), f"{self.tier}: a parent listed with no children"
+        assert all(type(c) is not list or len(c) > 1 for c in self.kids.values()), \
+            f"{self.tier}: a parent's only child kept in a list"
+        listed = {pk: sorted(b for b in self.children(pk) if b is not None) for pk in self.kids}
         # the Nones are children a copy brings (checked against the copies by the cache's check)
         assert {pk: c for pk, c in listed.items() if c} == kids, f"{self.tier}: children listed {listed} != {kids}"

@@ -13,7 +13,7 @@ keeps its key: its table holds the chain's parents as well, and the release keys
 (``release.release_table``) or drops them all. So "no cached key whose parent is in no tier"
 holds whatever was lost.
 
-Each pool lists, per parent key, the blocks of its children (``BlockPool.kids``), so the drop
+Each pool names, per parent key, the blocks of its children (``BlockPool.children``), so the drop
 costs what it drops: the common departure, a leaf's eviction, costs two dict probes.
 """
 from __future__ import annotations
@@ -76,10 +76,10 @@ def drop_stranded(state: CacheState) -> None:
         for pool, tier in ((dev, Tier.DEVICE), (host, Tier.HOST)):
             kids, pstate, ref, held_too = pool.kids, pool.state, pool.ref, pool is host
             for pk in lost:
-                children = kids.get(pk)
-                if children is None:
+                if pk not in kids:
                     continue
-                for b in [b for b in children if b is not None and (held_too or pstate[b] == _CACHED or not ref[b])]:
+                for b in [b for b in pool.children(pk)
+                          if b is not None and (held_too or pstate[b] == _CACHED or not ref[b])]:
                     dropped.append((pool.drop_key(b), tier))  # a held or pinned one: FREE once let go
         lost = []
         for k, tier in dropped:
