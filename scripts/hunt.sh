@@ -7,6 +7,7 @@
 # Environment: FASTKV_HUNT_DIR   where the run's record, logs and example database go
 #                                (default: .hypothesis/hunts/<UTC time>-<seed>)
 #              PYTHONHASHSEED    the hash order the run sees (default: the seed's), recorded
+#              FASTKV_LONG_EXAMPLES  examples per machine (default 10,000), recorded
 # The record (hunt.txt there) names the commit, the seed, PYTHONHASHSEED and the database; a
 # failure is saved in that database, and the command printed at the end replays it (the
 # database's failing example first, then the same seeded run).
@@ -23,12 +24,14 @@ export HYPOTHESIS_PROFILE=long FASTKV_HYPOTHESIS_DB=$db
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONHASHSEED=${PYTHONHASHSEED:-$(( seed % 4294967296 ))}
 replay="cd $PWD && PYTHONHASHSEED=$PYTHONHASHSEED HYPOTHESIS_PROFILE=long FASTKV_HYPOTHESIS_DB=$db"
+[[ -n ${FASTKV_LONG_EXAMPLES:-} ]] && replay+=" FASTKV_LONG_EXAMPLES=$FASTKV_LONG_EXAMPLES"
 replay+=" PYTHONPATH=$PWD $PY -m pytest --timeout 0 -x -q --hypothesis-seed=$seed"
 {
     echo "commit        $(git rev-parse HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
     echo "started       $stamp"
     echo "seed          $seed"
     echo "PYTHONHASHSEED $PYTHONHASHSEED"
+    echo "examples      ${FASTKV_LONG_EXAMPLES:-10000} per machine"
     echo "database      $db"
     echo "host          $(uname -n), $(nproc) cores, $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p')"
 } > "$dir/hunt.txt"

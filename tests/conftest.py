@@ -5,8 +5,9 @@
   machine and every PYTHONHASHSEED draws the same examples (strategies never order by set
   iteration or enum names). The ``dev`` profile runs 60 fresh random ones, and ``long``
   (HYPOTHESIS_PROFILE=long, with --timeout 0; ``scripts/hunt.sh`` runs it) 10,000 per machine,
-  the randomized hunt to take before stopping work; it saves failures in the example database
-  at $FASTKV_HYPOTHESIS_DB (default .hypothesis/examples), which replays them first.
+  the randomized hunt to take before stopping work ($FASTKV_LONG_EXAMPLES: another count); it
+  saves failures in the example database at $FASTKV_HYPOTHESIS_DB (default .hypothesis/examples),
+  which replays them first.
 * Leaks: every fastkv shared-memory object and semaphore is named ``fkv*`` and lives in
   /dev/shm (semaphores as ``sem.fkv*``). The session fails if any is left behind, so a
   test or shutdown path that leaks, even after SIGKILL, is caught. Only this session's runs
@@ -33,7 +34,8 @@ settings.register_profile(
     "dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(  # before stopping work: scripts/hunt.sh (about 30 minutes on 2 cores)
-    "long", max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+    "long", max_examples=int(os.environ.get("FASTKV_LONG_EXAMPLES", 10_000)), deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
     database=DirectoryBasedExampleDatabase(os.environ.get("FASTKV_HYPOTHESIS_DB", ".hypothesis/examples")),
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
