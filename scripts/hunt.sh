@@ -3,7 +3,8 @@
 # HYPOTHESIS_PROFILE=long (10,000 examples each, tests/conftest.py), in two pytest processes side
 # by side (the scheduler machine, the slowest, alone in one), about 30 minutes on two cores.
 #
-# Usage: scripts/hunt.sh [SEED]    (SEED: hypothesis's seed; default: a random one)
+# Usage: scripts/hunt.sh [SEED]    (SEED: every test's hypothesis seed, FASTKV_HUNT_SEED in
+#                                   tests/conftest.py; default: a random one)
 # Environment: FASTKV_HUNT_DIR   where the run's record, logs and example database go
 #                                (default: .hypothesis/hunts/<UTC time>-<seed>)
 #              PYTHONHASHSEED    the hash order the run sees (default: the seed's), recorded
@@ -20,12 +21,12 @@ dir=${FASTKV_HUNT_DIR:-.hypothesis/hunts/$stamp-$seed}
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 db=$dir/examples
-export HYPOTHESIS_PROFILE=long FASTKV_HYPOTHESIS_DB=$db
+export HYPOTHESIS_PROFILE=long FASTKV_HYPOTHESIS_DB=$db FASTKV_HUNT_SEED=$seed
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONHASHSEED=${PYTHONHASHSEED:-$(( seed % 4294967296 ))}
-replay="cd $PWD && PYTHONHASHSEED=$PYTHONHASHSEED HYPOTHESIS_PROFILE=long FASTKV_HYPOTHESIS_DB=$db"
+replay="cd $PWD && PYTHONHASHSEED=$PYTHONHASHSEED HYPOTHESIS_PROFILE=long FASTKV_HYPOTHESIS_DB=$db FASTKV_HUNT_SEED=$seed"
 [[ -n ${FASTKV_LONG_EXAMPLES:-} ]] && replay+=" FASTKV_LONG_EXAMPLES=$FASTKV_LONG_EXAMPLES"
-replay+=" PYTHONPATH=$PWD $PY -m pytest --timeout 0 -x -q --hypothesis-seed=$seed"
+replay+=" PYTHONPATH=$PWD $PY -m pytest --timeout 0 -x -q"
 {
     echo "commit        $(git rev-parse HEAD 2>/dev/null)$(git diff --quiet HEAD 2>/dev/null || echo ' (with local changes)')"
     echo "started       $stamp"
@@ -42,7 +43,7 @@ groups=("tests/stateful/test_sched_machine.py"
 pids=()
 for i in "${!groups[@]}"; do
     # shellcheck disable=SC2086  # a group is a list of pytest arguments
-    $PY -m pytest --timeout 0 -q -p no:cacheprovider --hypothesis-seed="$seed" ${groups[$i]} \
+    $PY -m pytest --timeout 0 -q -p no:cacheprovider ${groups[$i]} \
         > "$dir/group$i.log" 2>&1 &
     pids+=($!)
 done

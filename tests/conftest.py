@@ -7,7 +7,7 @@
   (HYPOTHESIS_PROFILE=long, with --timeout 0; ``scripts/hunt.sh`` runs it) 10,000 per machine,
   the randomized hunt to take before stopping work ($FASTKV_LONG_EXAMPLES: another count); it
   saves failures in the example database at $FASTKV_HYPOTHESIS_DB (default .hypothesis/examples),
-  which replays them first.
+  which replays them first, and $FASTKV_HUNT_SEED seeds every test (``pytest_collection_modifyitems``).
 * Leaks: every fastkv shared-memory object and semaphore is named ``fkv*`` and lives in
   /dev/shm (semaphores as ``sem.fkv*``). The session fails if any is left behind, so a
   test or shutdown path that leaks, even after SIGKILL, is caught. Only this session's runs
@@ -39,6 +39,29 @@ settings.register_profile(  # before stopping work: scripts/hunt.sh (about 30 mi
     database=DirectoryBasedExampleDatabase(os.environ.get("FASTKV_HYPOTHESIS_DB", ".hypothesis/examples")),
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_collection_modifyitems(items):
+    """$FASTKV_HUNT_SEED (scripts/hunt.sh): every property test and state machine draws from that
+    seed, as ``@seed`` would make it; unlike --hypothesis-seed, the example database stays on,
+    so a failure is saved and the same seed and database replay it."""
+    hunt = os.environ.get("FASTKV_HUNT_SEED")
+    if not hunt:
+        return
+    from hypothesis.stateful import RuleBasedStateMachine
+
+    machines, seen = [RuleBasedStateMachine], set()
+    while machines:
+        cls = machines.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                machines.append(sub)
+                sub._hypothesis_internal_use_seed = int(hunt)
+    for item in items:
+        test = getattr(item, "obj", None)
+        if getattr(test, "is_hypothesis_test", False):
+            getattr(test, "__func__", test)._hypothesis_internal_use_seed = int(hunt)
 
 SHM_DIR = Path("/dev/shm")
 
