@@ -177,7 +177,7 @@ static PyObject *release_blocks(PyObject *self, PyObject *args) {
 }
 
 /* evict_batch(batch, key, lookup, parent, kids, out, evicted, queue, skips) -> (skips, passed, forced):
- * one batch the eviction queue dequeued. A block whose key has counted children goes back to the
+ * one batch the eviction queue dequeued. A block whose key has children listed goes back to the
  * queue (queue.requeue) while fewer than a whole turn of the queue were passed over (`skips`),
  * else it is evicted anyway (forced); the others are unkeyed, appended to `out`, and reported as
  * (block, key) to `evicted` (None: not reported). */
