@@ -37,6 +37,44 @@ static int set_at(PyObject *list, Py_ssize_t i, PyObject *value) {
     return PyList_SetItem(list, i, value); /* steals the reference, even on error */
 }
 
+/* kids[pk]: a parent key's children in the pool (blocks, and None for one a copy brings): the
+ * child itself while it is the only one (nothing allocated: a chain's every parent), a list from
+ * the second on (BlockPool._add_child, _unchild). add_child adds block b; drop_child removes it,
+ * and the entry with the last child. */
+static int add_child(PyObject *kids, PyObject *pk, PyObject *b) {
+    PyObject *c = PyDict_GetItemWithError(kids, pk); /* borrowed */
+    if (c == NULL) return PyErr_Occurred() ? -1 : PyDict_SetItem(kids, pk, b);
+    if (PyList_CheckExact(c)) return PyList_Append(c, b);
+    PyObject *two = PyList_New(2);
+    if (two == NULL) return -1;
+    Py_INCREF(c);
+    PyList_SET_ITEM(two, 0, c);
+    Py_INCREF(b);
+    PyList_SET_ITEM(two, 1, b);
+    int rc = PyDict_SetItem(kids, pk, two);
+    Py_DECREF(two);
+    return rc;
+}
+
+static int drop_child(PyObject *kids, PyObject *pk, PyObject *b) {
+    PyObject *c = PyDict_GetItemWithError(kids, pk); /* borrowed */
+    if (c == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pk);
+        return -1;
+    }
+    if (!PyList_CheckExact(c)) return PyDict_DelItem(kids, pk); /* its only child: gone first, as a rule */
+    Py_ssize_t n = PyList_GET_SIZE(c);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int eq = PyObject_RichCompareBool(PyList_GET_ITEM(c, i), b, Py_EQ);
+        if (eq < 0) return -1;
+        if (!eq) continue;
+        if (PyList_SetSlice(c, i, i + 1, NULL) < 0) return -1;
+        return n == 2 ? PyDict_SetItem(kids, pk, PyList_GET_ITEM(c, 0)) : 0;
+    }
+    PyErr_SetObject(PyExc_ValueError, b);
+    return -1;
+}
+
 /* insert_keys(lookup, key, state, parent, kids, blocks, keys, parents, cached, drop_key) -> dups */
 static PyObject *insert_keys(PyObject *self, PyObject *args) {
     PyObject *lookup, *key, *state, *parent, *kids, *blocks, *keys, *parents, *drop_key;
@@ -85,15 +123,7 @@ static PyObject *insert_keys(PyObject *self, PyObject *args) {
         if (set_at(key, bi, k) < 0) goto fail;
         if (pk != Py_None) {
             if (set_at(parent, bi, pk) < 0) goto fail;
-            PyObject *c = PyDict_GetItemWithError(kids, pk); /* borrowed */
-            if (c == NULL && PyErr_Occurred()) goto fail;
-            Py_ssize_t count = c == NULL ? 0 : PyLong_AsSsize_t(c);
-            if (count == -1 && PyErr_Occurred()) goto fail;
-            PyObject *nc = PyLong_FromSsize_t(count + 1);
-            if (nc == NULL) goto fail;
-            int rc = PyDict_SetItem(kids, pk, nc);
-            Py_DECREF(nc);
-            if (rc < 0) goto fail;
+            if (add_child(kids, pk, b) < 0) goto fail;
         }
     }
     return dups;
@@ -147,8 +177,8 @@ static PyObject *release_blocks(PyObject *self, PyObject *args) {
 }
 
 /* evict_batch(batch, key, lookup, parent, kids, out, evicted, queue, skips) -> (skips, passed, forced):
- * one batch the eviction queue dequeued. A block whose key has counted children goes back to the
- * queue (queue.append) while fewer than a whole turn of the queue were passed over (`skips`),
+ * one batch the eviction queue dequeued. A block whose key has children listed goes back to the
+ * queue (queue.requeue) while fewer than a whole turn of the queue were passed over (`skips`),
  * else it is evicted anyway (forced); the others are unkeyed, appended to `out`, and reported as
  * (block, key) to `evicted` (None: not reported). */
 static PyObject *evict_batch(PyObject *self, PyObject *args) {
@@ -173,7 +203,7 @@ static PyObject *evict_batch(PyObject *self, PyObject *args) {
             Py_ssize_t queued = PyObject_Length(queue);
             if (queued < 0) return NULL;
             if (skips <= queued) { /* behind its children: they go first */
-                PyObject *r = PyObject_CallMethod(queue, "append", "O", b);
+                PyObject *r = PyObject_CallMethod(queue, "requeue", "O", b);
                 if (r == NULL) return NULL;
                 Py_DECREF(r);
                 skips++;
@@ -189,21 +219,7 @@ static PyObject *evict_batch(PyObject *self, PyObject *args) {
         if (pk != Py_None) {
             Py_INCREF(pk);
             int rc = set_at(parent, bi, Py_None);
-            PyObject *c = rc < 0 ? NULL : PyDict_GetItemWithError(kids, pk); /* borrowed */
-            if (c == NULL) {
-                if (rc == 0 && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, pk);
-                Py_DECREF(pk);
-                goto fail_k;
-            }
-            Py_ssize_t count = PyLong_AsSsize_t(c) - 1;
-            if (count == -2 && PyErr_Occurred()) rc = -1;
-            else if (count) {
-                PyObject *nc = PyLong_FromSsize_t(count);
-                rc = nc == NULL ? -1 : PyDict_SetItem(kids, pk, nc);
-                Py_XDECREF(nc);
-            } else {
-                rc = PyDict_DelItem(kids, pk);
-            }
+            if (rc == 0) rc = drop_child(kids, pk, b);
             Py_DECREF(pk);
             if (rc < 0) goto fail_k;
         }

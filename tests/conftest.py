@@ -1,9 +1,13 @@
 """Session-wide test policy.
 
 * Hypothesis: the ``ci`` profile (selected when CI is set) runs a fixed (derandomized) set of
-  500 examples per property or state machine; the ``dev`` profile runs 60 fresh random ones,
-  and ``long`` (HYPOTHESIS_PROFILE=long, with --timeout 0) 2000, the randomized run to take
-  before stopping work.
+  500 examples per property or state machine: each test's seed is a hash of its source, so every
+  machine and every PYTHONHASHSEED draws the same examples (strategies never order by set
+  iteration or enum names). The ``dev`` profile runs 60 fresh random ones, and ``long``
+  (HYPOTHESIS_PROFILE=long, with --timeout 0; ``scripts/hunt.sh`` runs it) 10,000 per machine,
+  the randomized hunt to take before stopping work ($FASTKV_LONG_EXAMPLES: another count); it
+  saves failures in the example database at $FASTKV_HYPOTHESIS_DB (default .hypothesis/examples),
+  which replays them first, and $FASTKV_HUNT_SEED seeds every test (``pytest_collection_modifyitems``).
 * Leaks: every fastkv shared-memory object and semaphore is named ``fkv*`` and lives in
   /dev/shm (semaphores as ``sem.fkv*``). The session fails if any is left behind, so a
   test or shutdown path that leaks, even after SIGKILL, is caught. Only this session's runs
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 settings.register_profile(
     # derandomize: CI runs the same 500 examples on every run, so a rare case a local run finds
@@ -28,10 +33,35 @@ settings.register_profile(
 settings.register_profile(
     "dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-settings.register_profile(  # before stopping work: HYPOTHESIS_PROFILE=long pytest --timeout 0 tests/stateful
-    "long", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+settings.register_profile(  # before stopping work: scripts/hunt.sh (about 30 minutes on 2 cores)
+    "long", max_examples=int(os.environ.get("FASTKV_LONG_EXAMPLES", 10_000)), deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    database=DirectoryBasedExampleDatabase(os.environ.get("FASTKV_HYPOTHESIS_DB", ".hypothesis/examples")),
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_collection_modifyitems(items):
+    """$FASTKV_HUNT_SEED (scripts/hunt.sh): every property test and state machine draws from that
+    seed, as ``@seed`` would make it; unlike --hypothesis-seed, the example database stays on,
+    so a failure is saved and the same seed and database replay it."""
+    hunt = os.environ.get("FASTKV_HUNT_SEED")
+    if not hunt:
+        return
+    from hypothesis.stateful import RuleBasedStateMachine
+
+    machines, seen = [RuleBasedStateMachine], set()
+    while machines:
+        cls = machines.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                machines.append(sub)
+                sub._hypothesis_internal_use_seed = int(hunt)
+    for item in items:
+        test = getattr(item, "obj", None)
+        if getattr(test, "is_hypothesis_test", False):
+            getattr(test, "__func__", test)._hypothesis_internal_use_seed = int(hunt)
 
 SHM_DIR = Path("/dev/shm")
 

@@ -31,7 +31,7 @@ than their children", so that LRU eviction takes leaves first:
   refresh then skips.
 
 The pools also keep leaves first by construction (``fastkv.cache.pool``): from ``parents``,
-each counts the keyed children of every key in its tier (and those a copy brings there), and
+each names the keyed children of every key in its tier (and those a copy brings there), and
 passes over a parent that has any; a device parent of host blocks leaves the device for the host
 (``tiering.take_device``). So the order above is a matter of LRU accuracy, not of strands.
 

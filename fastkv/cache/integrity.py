@@ -133,9 +133,13 @@ def _no_key_stranded(state: CacheState) -> None:
 
 
 def _child_counts(state: CacheState) -> None:
-    """Each pool counts, per parent key, its keyed children and those copies bring to it."""
+    """Each pool lists, per parent key, its keyed children (BlockPool.check_integrity checks
+    which) and those copies bring to it; and every operation dropped the children its losses
+    stranded before it returned (strands.settles)."""
+    assert not state.lost, f"losses left unsettled: {state.lost}"
     for pool in (state.device, state.host):
         kids: Counter[bytes] = Counter(pk for pk in pool.parent if pk is not None)
         if pool is state.host:
             kids.update(pk for rec in state.copies.records.values() for pk in rec.expected or ())
-        assert kids == pool.kids, f"{pool.tier}: child counts {dict(pool.kids)} != {dict(kids)}"
+        listed = Counter({pk: len(pool.children(pk)) for pk in pool.kids})
+        assert kids == listed, f"{pool.tier}: child counts {dict(listed)} != {dict(kids)}"

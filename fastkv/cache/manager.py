@@ -490,6 +490,7 @@ class CacheManager:
             keys = self.keys_for(toks)
         return handoff.tail_key(self.state, keys, self.state.root, handoff_id, toks.tolist())
 
+    @settles
     def export(self, request_id: object, upto: int, tail: TailKey | None) -> tuple[list[bytes], list[CopyPlan]]:
         """Copy the KV of the request's first ``upto`` tokens to storage, for a decode engine
         (``fastkv.cache.handoff.export``): the keys it will find them under, and the plans."""
@@ -499,6 +500,7 @@ class CacheManager:
         """True: storage holds every key of an export; None: some are on their way; False: lost."""
         return handoff.exported(self.state, keys)
 
+    @settles
     def retry_export(self, keys: list[bytes]) -> list[CopyPlan]:
         """Copy again what of an export is neither stored nor moving (``fastkv.cache.handoff.retry``)."""
         return handoff.retry(self.state, keys)

@@ -18,9 +18,10 @@ Releasing the last reference of an IN_FLIGHT block does not free it: the block s
 IN_FLIGHT and turns CACHED or FREE when its last copy completes (``unpin``). That is how the
 pool refuses to free a block a copy still reads or writes, without making callers track it.
 
-Leaves first, by construction: ``kids`` counts, per parent key, the keyed blocks of this tier
-whose key hangs under it (``parents``, shared with the prefix index, says which key a key hangs
-under). A CACHED block with keyed children here is not evicted: met at the head of the queue,
+Leaves first, by construction: ``kids`` names, per parent key, the keyed blocks of this tier
+whose key hangs under it, and a None for each child a copy brings there (``children``) (``parents``, shared
+with the prefix index, says which key a key hangs under); a loss finds the children it strands
+there (``fastkv.cache.strands``). A CACHED block with keyed children here is not evicted: met at the head of the queue,
 it goes back to its young end, behind its children, whatever order parent and child reached the
 tier in (matching walks from the root, so a child left behind its parent is never hit again).
 Only when a whole turn of the queue finds no leaf (every child held or in flight) is a parent
@@ -50,6 +51,7 @@ class BlockState(IntEnum):
 
 
 _FREE, _ALLOCATED, _CACHED, _IN_FLIGHT = 0, 1, 2, 3
+_NONE = object()  # no entry (None is a child a copy brings)
 
 
 class BlockPool:
@@ -72,7 +74,9 @@ class BlockPool:
         self.num_allocated = 0
         self.num_in_flight = 0
         self.parent: list[bytes | None] = [None] * capacity  # the parent key of each keyed block
-        self.kids: dict[bytes, int] = {}  # parent key -> keyed blocks of this tier under it
+        # parent key -> its children here (None: one a copy brings): the child itself while it is
+        # the only one (a chain's every parent: nothing allocated), a list from the second on
+        self.kids: dict[bytes, int | None | list[int | None]] = {}
         self.parents: dict[bytes, bytes] = {}  # key -> parent key (the prefix index's, once attached)
         self.forced_evictions = 0
         self.passed_over = 0  # parents met at the queue's head with children left (sent behind them)
@@ -106,8 +110,7 @@ class BlockPool:
         pk = self.parents.get(key)
         if pk is not None:
             self.parent[block] = pk
-            kids = self.kids
-            kids[pk] = kids.get(pk, 0) + 1
+            self._add_child(pk, block)
 
     def _unkey(self, block: int) -> bytes:
         k = self.key[block]
@@ -116,34 +119,51 @@ class BlockPool:
         pk = self.parent[block]
         if pk is not None:
             self.parent[block] = None
-            kids = self.kids
-            n = kids[pk] - 1
-            if n:
-                kids[pk] = n
-            else:
-                del kids[pk]
+            self._unchild(pk, block)
         return k
+
+    def children(self, pk: bytes) -> list[int | None]:
+        """The children of key ``pk`` in this tier: blocks, and None for each a copy brings."""
+        c = self.kids.get(pk, _NONE)
+        if c is _NONE:
+            return []
+        return list(c) if type(c) is list else [c]
+
+    def _add_child(self, pk: bytes, child: int | None) -> None:
+        kids = self.kids
+        c = kids.get(pk, _NONE)
+        if c is _NONE:
+            kids[pk] = child
+        elif type(c) is list:
+            c.append(child)
+        else:
+            kids[pk] = [c, child]
+
+    def _unchild(self, pk: bytes, child: int | None) -> None:
+        kids = self.kids
+        c = kids[pk]
+        if type(c) is not list:
+            del kids[pk]
+        else:
+            c.remove(child)
+            if len(c) == 1:
+                kids[pk] = c[0]
 
     def expect(self, keys: list[bytes]) -> list[bytes]:
         """A copy brings ``keys`` to this tier: their parents here wait for them as for keyed
         children. Returns those parents, for ``unexpect`` once it is done."""
-        get, kids = self.parents.get, self.kids
+        get = self.parents.get
         out = []
         for k in keys:
             pk = get(k)
             if pk is not None:
-                kids[pk] = kids.get(pk, 0) + 1
+                self._add_child(pk, None)
                 out.append(pk)
         return out
 
     def unexpect(self, parents: list[bytes]) -> None:
-        kids = self.kids
         for pk in parents:
-            n = kids[pk] - 1
-            if n:
-                kids[pk] = n
-            else:
-                del kids[pk]
+            self._unchild(pk, None)
 
     def _evict_leaves(self, n: int, evicted: list[tuple[int, bytes]] | None) -> list[int]:
         """Dequeue and unkey ``n`` CACHED blocks, leaves first (``n <= len(self.evictable)``);
@@ -172,7 +192,7 @@ class BlockPool:
                 k = key[b]
                 if k in kids:
                     if skips <= len(queue):
-                        queue.append(b)  # behind its children: they go first
+                        queue.requeue(b)  # behind its children: they go first
                         skips += 1
                         self.passed_over += 1
                         continue
@@ -183,9 +203,7 @@ class BlockPool:
                 pk = parent[b]
                 if pk is not None:
                     parent[b] = None
-                    c = kids.pop(pk) - 1  # one probe: a parent's last child goes first, as a rule
-                    if c:
-                        kids[pk] = c
+                    self._unchild(pk, b)
                 append(b)
                 if evicted is not None:
                     report((b, k))
@@ -206,7 +224,8 @@ class BlockPool:
                 return None
             k = self.key[block]
             if k in self.kids:  # a parent first in line: the slow path finds a leaf
-                self.evictable.append(block)
+                self.evictable.requeue(block)
+                self.passed_over += 1
                 block = self._evict_leaves(1, evicted)[0]
             else:
                 self._unkey(block)
@@ -389,7 +408,7 @@ class BlockPool:
 
     def _insert_many_reference(self, blocks: list[int], keys: list[bytes], parents: list[bytes | None]) -> list[int]:
         setdefault, key, state = self.lookup.setdefault, self.key, self.state
-        parent, kids = self.parent, self.kids
+        parent = self.parent
         dups = []
         for i, (b, k, pk) in enumerate(zip(blocks, keys, parents, strict=True)):
             holder = setdefault(k, b)  # one dict probe: inserted, or another block has k
@@ -402,7 +421,7 @@ class BlockPool:
             key[b] = k
             if pk is not None:
                 parent[b] = pk
-                kids[pk] = kids.get(pk, 0) + 1
+                self._add_child(pk, b)
         return dups
 
     def release_many(self, blocks: list[int], keep: bool = True) -> None:
@@ -474,7 +493,7 @@ class BlockPool:
         while (block := self.evictable.popleft()) is not None:
             self.key[block] = None
             if (pk := self.parent[block]) is not None:
-                self.unexpect([pk])  # what stays counted is what copies bring
+                self._unchild(pk, block)  # what stays listed is what copies bring
                 self.parent[block] = None
             self.state[block] = _FREE
             self.free.append(block)
@@ -509,10 +528,13 @@ class BlockPool:
         assert counts[_IN_FLIGHT] == self.num_in_flight, f"{self.tier}: in flight {self.num_in_flight} != {counts}"
         assert sum(counts) == self.capacity
         assert len(self.lookup) == sum(1 for k in self.key if k is not None), f"{self.tier}: stale lookup entries"
-        kids: dict[bytes, int] = {}
+        kids: dict[bytes, list[int]] = {}
         for b, pk in enumerate(self.parent):
             if pk is not None:
                 assert self.key[b] is not None, f"{self.tier} block {b}: a parent key but no key"
-                kids[pk] = kids.get(pk, 0) + 1
-        # the rest are children a copy brings (checked against the copies by the cache's check)
-        assert all(self.kids.get(pk, 0) >= n for pk, n in kids.items()), f"{self.tier}: child counts too low"
+                kids.setdefault(pk, []).append(b)
+        assert all(type(c) is not list or len(c) > 1 for c in self.kids.values()), \
+            f"{self.tier}: a parent's only child kept in a list"
+        listed = {pk: sorted(b for b in self.children(pk) if b is not None) for pk in self.kids}
+        # the Nones are children a copy brings (checked against the copies by the cache's check)
+        assert {pk: c for pk, c in listed.items() if c} == kids, f"{self.tier}: children listed {listed} != {kids}"

@@ -13,8 +13,8 @@ keeps its key: its table holds the chain's parents as well, and the release keys
 (``release.release_table``) or drops them all. So "no cached key whose parent is in no tier"
 holds whatever was lost.
 
-Only a parent with counted children (``BlockPool.kids``) costs a scan of the pools; the common
-departure, a leaf's eviction, costs two dict probes.
+Each pool names, per parent key, the blocks of its children (``BlockPool.children``), so the drop
+costs what it drops: the common departure, a leaf's eviction, costs two dict probes.
 """
 from __future__ import annotations
 
@@ -67,20 +67,24 @@ def settles(method: Callable[..., T]) -> Callable[..., T]:
 def drop_stranded(state: CacheState) -> None:
     """Drop the keys of the descendants, in every tier, of the keys ``note_lost`` listed that
     are still in no tier: CACHED blocks go FREE, pinned or held ones once let go. A device block
-    a request holds keeps its key (its table holds the parents too)."""
+    a request holds keeps its key (its table holds the parents too). In the order the keys were
+    lost, each one's children in the order they were keyed: the same run frees the same blocks."""
     dev, host = state.device, state.host
-    lost = {k for k in state.take_lost() if not present(state, k)}
+    lost = [k for k in dict.fromkeys(state.take_lost()) if not present(state, k)]
     while lost:
         dropped: list[tuple[bytes, Tier]] = []
         for pool, tier in ((dev, Tier.DEVICE), (host, Tier.HOST)):
-            parent, pstate, ref, held_too = pool.parent, pool.state, pool.ref, pool is host
-            for b in range(pool.capacity):
-                if parent[b] in lost and (held_too or pstate[b] == _CACHED or not ref[b]):
+            kids, pstate, ref, held_too = pool.kids, pool.state, pool.ref, pool is host
+            for pk in lost:
+                if pk not in kids:
+                    continue
+                for b in [b for b in pool.children(pk)
+                          if b is not None and (held_too or pstate[b] == _CACHED or not ref[b])]:
                     dropped.append((pool.drop_key(b), tier))  # a held or pinned one: FREE once let go
-        lost = set()
+        lost = []
         for k, tier in dropped:
             if not present(state, k):
                 state.stats.dropped_keys += 1
                 state.index.gone(k, tier, Cause.STRANDED)
                 if k in dev.kids or k in host.kids:
-                    lost.add(k)
+                    lost.append(k)

@@ -2,14 +2,15 @@
 """Falsifying examples of the scheduler machine, replayed as plain tests: its rules in the
 shrunk order, every invariant checked after each (see test_manager_findings.py).
 
-Both were found by CI's derandomized profile (the examples it generates depend on keys that
+The first two were found by CI's derandomized profile (the examples it generates depend on keys that
 differ between runs, so a local run can pass): under write-through with a
 storage tier, a storage-mode preemption whose blocks were all on the host already copied
 nothing, so ``CacheManager.offload`` returned no plans (which told the scheduler "OFFLOADED
 now") and kept the victim's STOREs for "the next call that returns plans"; when none came
 before the check, the cache had a copy open that the scheduler had never handed out ("plans in
 flight [...] != the cache's open copies"). ``offload`` returns its STOREs, and the scheduler
-asks ``CacheManager.is_offloaded`` instead of reading an empty tuple."""
+asks ``CacheManager.is_offloaded`` instead of reading an empty tuple. The third is the CI
+profile's example behind the end-of-run invariant (see its docstring)."""
 from __future__ import annotations
 
 import pytest
@@ -136,4 +137,57 @@ def test_storage_preemption_with_nothing_to_copy_hands_out_its_stores_before_a_r
     m.storage_loses_a_key(data=Draws(b'\x8eM+Tc\xdd\xd2\xc5\x0c\xc7xfT\x14\x8e\xd1\x13\xae\xf7z~\xe88\xf9\x7f\x01-&R*E\x95'))
     m.abort_while_copying(data=Draws('SWAP_OUT', 5))
     m.offload_evict_restore(data=Draws([120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131], 0, [6, 43]), then='fail')
+    machine.teardown()
+
+
+class FirstLoadingKey:
+    """The draw of ``storage_loses_a_key_being_loaded``: the key was printed as bytes, the first
+    one a LOAD in flight reads (the only one then); chained keys have changed since."""
+
+    values = ()
+
+    def draw(self, strategy):
+        return strategy.elements[0]
+
+
+def test_a_failed_restore_recomputes_into_no_block_a_copy_reads():
+    """The CI profile's example of the leak hunt (8 device blocks, chunked prefill, a budget of 3,
+    16 host blocks, storage, weight updates, storage preemption, failed offloads): a request
+    offloaded with its first block evicted from the device and later ones still cached there was
+    restored reusing those later blocks; its swap-in failed, so it recomputed from the start into
+    blocks that other copies in flight were reading ("step 25: request 4 writes blocks {0} that a
+    copy in flight reads or writes", in the teardown). A restore reuses only the leading run of
+    its blocks still on the device (``offload.restore``)."""
+    machine = SchedulerMachine()
+    m = checked_by(machine, "integrity")
+    m.setup(dev=8, chunked=True, budget=3, host=16, max_seqs=6, watermark_admission=False, cache_policy=WritePolicy.WRITE_THROUGH, policy=QueuePolicy.PRIORITY, patience=3, mode=PreemptionMode.RECOMPUTE, max_loading=3, storage=True, share=0)
+    m.begin_weight_update(drain=True, free=False, go=1)
+    m.add(data=Draws([120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131], 1, [44]), eos=True, max_new=15, mode=PreemptionMode.STORAGE, priority=1)
+    m.add(data=Draws([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111], 1, [14, 1]), eos=False, max_new=8, mode=None, priority=0)
+    m.add_stored_elsewhere(data=Draws([140, 141, 142, 143, 144, 145, 146, 147, 148, 149, 150, 151], 2, [1, 16, 35, 8, 43, 18, 38, 9]), max_new=8)
+    m.add(data=Draws([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111], 0, [1, 1, 1, 1, 1, 1]), eos=False, max_new=9, mode=None, priority=1)
+    m.offload_in_flight(data=Draws(4), then='fail')
+    m.storage_loses_a_key_being_loaded(data=FirstLoadingKey())
+    m.fail(data=Draws('LOAD LOADING', 1))
+    m.add(data=Draws([120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 130, 131], 1, [1]), eos=False, max_new=7, mode=PreemptionMode.OFFLOAD, priority=0)
+    m.begin_weight_update(drain=False, free=True, go=1)
+    m.complete(data=Draws('SWAP_OUT nobody', 0, 'SWAP_OUT nobody', 0, 'SWAP_OUT nobody', 0), rolls=[1, 1, 1, 0])
+    m.offload_in_flight(data=Draws(), then='abort')
+    m.add(data=Draws([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111], 0, [4, 15]), eos=False, max_new=12, mode=None, priority=1)
+    m.fail(data=Draws('SWAP_OUT nobody', 3))
+    m.complete(data=Draws('SWAP_IN LOADING', 7), rolls=[0])
+    m.deliver()
+    m.complete(data=Draws('STORE nobody', 0, 'STORE nobody', 0), rolls=[0, 0])
+    m.complete(data=Draws('STORE nobody', 0), rolls=[0])
+    m.complete(data=Draws('SWAP_OUT nobody', 0, 'SWAP_OUT nobody', 0, 'SWAP_OUT nobody', 0, 'SWAP_OUT nobody', 0), rolls=[1, 2, 1, 0])
+    m.offload_in_flight(data=Draws(4), then='fail')
+    m.complete(data=Draws('STORE nobody', 0, 'SWAP_OUT nobody', 2, 'STORE nobody', 0), rolls=[0, 0, 0])
+    m.fail(data=Draws('STORE nobody', 0))
+    m.deliver()
+    m.offload_in_flight(data=Draws(1), then='land')
+    m.run_until_a_restore(evict=True, held=1, then='fail')
+    m.add(data=Draws([100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111], 0, [1]), eos=False, max_new=2, mode=None, priority=0)
+    m.deliver()
+    m.fail(data=Draws('STORE nobody', 1))
+    m.offload_in_flight(data=Draws(), then='abort')
     machine.teardown()

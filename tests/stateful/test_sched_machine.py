@@ -279,7 +279,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         groups: dict[str, list[int]] = {}
         for i, (p, _) in enumerate(self.transfer.pending):
             groups.setdefault(f"{p.kind.name} {self.owners.get(p.plan_id, (None, 'nobody'))[1]}", []).append(i)
-        return data.draw(st.sampled_from(groups[data.draw(st.sampled_from(sorted(groups)))]))
+        # groups in the order their first copy went out: no order by (enum) names
+        return data.draw(st.sampled_from(groups[data.draw(st.sampled_from(list(groups)))]))
 
     def _pending_for(self, who: str, kind: CopyKind = K.SWAP_IN) -> list[int]:
         """Indexes of the pending copies of ``kind`` that serve ``who`` (as recorded at dispatch);
@@ -418,7 +419,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Abort a request a copy serves, in flight or queued for the next step (its copy then
         goes out for nobody), the copy's kind picked first (rare ones count)."""
         served = self._served()
-        kind = data.draw(st.sampled_from(sorted(served)))
+        kind = data.draw(st.sampled_from(list(served)))  # in the order of _served, not by name
         self._abort(data.draw(st.sampled_from(sorted(served[kind]))))
 
     @precondition(lambda self: any(k.startswith("queued") for k in self._served()))
@@ -617,6 +618,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         for pool in (self.cache.device, self.cache.host):  # nor a copy, a hold or a leak
             busy = [b for b in range(pool.capacity) if pool.state[b] not in (BlockState.FREE, BlockState.CACHED)]
             assert not busy, f"{pool.tier} blocks {busy} neither free nor cached once every request finished"
+        # and none is promised: every device block can be had
+        assert self.cache.num_free_device_blocks == self.cache.config.num_device_blocks, \
+            f"{self.cache.state.reserved} device blocks still reserved once every request finished"
         assert set(self.finished) == self.all_ids, f"lost requests: {self.all_ids - set(self.finished)}"
         for rid, r in self.finished.items():
             if r.state is not S.FINISHED_ABORTED:

@@ -54,8 +54,14 @@ class EvictionPolicy(Protocol):
         """``block``'s contents are gone (it is FREE, or about to hold new contents): whatever
         the policy learned about it no longer applies. ``block`` is not queued."""
 
+    def requeue(self, block: int) -> None:
+        """``block``, just dequeued as the next victim, is not evicted after all (a parent met at
+        the head with children left): it goes back to the young end, keeping what the policy
+        learned about it."""
+
     def popleft(self) -> int | None:
-        """Dequeue the next victim; None when empty."""
+        """Dequeue the next victim; None when empty. Unless it is ``requeue``d, its contents go:
+        a later ``append`` starts afresh."""
 
     def popleft_many(self, n: int) -> list[int]:
         """Dequeue the next ``n`` victims in order; ``n <= len(self)``."""

@@ -3,7 +3,8 @@
 A ``RankedQueue`` keeps its queued blocks in buckets, one insertion-ordered dict per rank, and
 evicts the block queued longest ago in the lowest non-empty bucket. A subclass says only which
 bucket a block goes to (``rank``), from its uses since its contents were set (1 on its first
-release; each later release, touch or re-queue adds one), and optionally caps a bucket's share
+release; each later release, touch or re-queue adds one; a parent passed over at the head,
+``requeue``, keeps its count and goes to the young end of its bucket), and optionally caps a bucket's share
 of the capacity (``caps``): a bucket over its cap sends its oldest block down one rank. LFU
 ranks by the count itself; SLRU by "used once or more"; LRU is one bucket (fastkv keeps a
 faster linked list for it, ``lru.py``).
@@ -70,8 +71,15 @@ class RankedQueue:
 
     def append(self, block: int) -> None:
         assert self.where[block] < 0, f"{type(self).__name__}.append: block {block} is already queued"
-        u = self.uses[block] + 1
+        u = self.uses[block]
+        u = u + 1 if u >= 0 else 1  # negative: dequeued as a victim (popleft), its contents gone
         self.uses[block] = u
+        self._queue(block, self.rank(u))
+
+    def requeue(self, block: int) -> None:
+        assert self.where[block] < 0 and self.uses[block] < 0, \
+            f"{type(self).__name__}.requeue: block {block} was not just dequeued"
+        u = self.uses[block] = -self.uses[block]
         self._queue(block, self.rank(u))
 
     def extend(self, blocks: list[int]) -> None:
@@ -94,7 +102,7 @@ class RankedQueue:
             return None
         block = next(iter(self.buckets[self.low]))
         self._unqueue(block)
-        self.uses[block] = 0  # evicted: its next contents start afresh
+        self.uses[block] = -self.uses[block]  # kept for a requeue; else its next contents start afresh
         return block
 
     def popleft_many(self, n: int) -> list[int]:

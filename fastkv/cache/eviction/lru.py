@@ -89,6 +89,10 @@ class LRUQueue:
     def forget(self, block: int) -> None:
         """LRU keeps nothing about a block once it leaves the queue."""
 
+    def requeue(self, block: int) -> None:
+        """Back at the young end: all LRU knows of a block is its place."""
+        self.append(block)
+
     def popleft(self) -> int | None:
         """Dequeue and return the least recently used block; None when empty."""
         nxt, prv, s = self.next, self.prev, self._sentinel

@@ -124,3 +124,28 @@ def test_eviction_is_selected_by_name_and_checked():
         CacheConfig(num_device_blocks=4, eviction="mru")
     with pytest.raises(ValueError, match="unknown eviction policy 'mru'"):
         BlockPool("device", 2, "mru")
+
+
+@pytest.mark.parametrize("name", ["lfu", "slru"])
+def test_a_parent_passed_over_at_the_head_keeps_its_use_count(name):
+    """A parent met at the head of the queue with a child still held goes back behind it with
+    its count: the next victim is the block of the same rank queued after it, not the parent
+    (re-queued as used once, it would come back to the head until evicted by force)."""
+    p = BlockPool("device", 3, name)
+    parent, child, other = p.take_many(3)
+    p.parents[b"child"] = b"parent"
+    for b, k in ((parent, b"parent"), (child, b"child"), (other, b"other")):
+        assert p.set_key(b, k)
+    p.release(parent)
+    p.incref(parent)  # hit once more: used twice
+    p.release(parent)
+    p.release(other)
+    p.incref(other)
+    p.release(other)  # used twice too, queued after the parent
+    q = p.evictable
+    assert list(q) == [parent, other] and q.uses[parent] == 2
+    evicted = []
+    assert p.take(evicted) == other
+    assert evicted == [(other, b"other")] and p.forced_evictions == 0 and p.passed_over == 1
+    assert list(q) == [parent] and q.uses[parent] == 2
+    p.check_integrity()

@@ -203,3 +203,34 @@ def test_a_weight_update_is_refused_while_an_export_holds_device_blocks():
     handoff.release(p.state, keys)
     handoff.release(p.state, k0)
     p.begin_weight_update()
+
+
+def test_an_export_that_evicts_a_parent_drops_the_children_it_strands_before_it_returns():
+    """The host block an export takes evicts the only cached host block, a parent whose child
+    is pinned by its STORE there (so it is evicted by force): the child, whose parent is now in
+    no tier, loses its key within the export, not at some later call."""
+    m = CacheManager(CacheConfig(num_device_blocks=4, num_host_blocks=3, block_size=2,
+                                 policy=WritePolicy.WRITE_BACK, storage=True))
+    chain = [1, 2, 3, 4, 7, 8, 19]
+    k12, k34, k78 = m.keys_for(chain)
+    plans = list(m.allocate("a", chain).plans) + m.mark_computed("a", len(chain))
+    m.free("a")  # K12, K34, K78 cached on the device
+    plans += m.allocate("b", [1, 37]).plans  # one fresh block: the device is full
+    plans += m.mark_computed("b", 2)
+    plans += m.allocate("c", [1, 2, 3, 17]).plans  # evicts K78: written back to the host
+    m.free("c")
+    plans += m.allocate("d", [1, 2, 31]).plans  # evicts K34: written back too
+    assert [p.kind for p in plans] == [CopyKind.SWAP_OUT, CopyKind.SWAP_OUT]
+    plans += m.complete(plans.pop(1), True).plans  # K34 on the host, its STORE goes out
+    plans += m.mark_computed("d", 3)
+    _, out = m.export("b", 1, m.tail_key([1, 37], "b"))  # its partial block takes the last free host block
+    m.free("b")
+    (store,) = [p for p in plans if p.kind is CopyKind.STORE]
+    plans.remove(store)
+    m.complete(store, False)  # K34 is not stored: on the host only
+    m.complete(plans.pop(0), True)  # K78 lands on the host, its STORE pins it there
+    assert m.host.lookup.keys() == {k34, k78}
+    m.export("d", 2, None)  # K12 to the host: evicts K34, the only cached host block
+    assert k34 not in m.host.lookup and k34 not in m.device.lookup and k34 not in m.index.stored
+    assert k78 not in m.host.lookup  # stranded behind K34: dropped by the export itself
+    m.check_integrity()

@@ -170,3 +170,32 @@ def test_a_child_whose_parent_is_lost_is_dropped_not_kept_stranded():
     assert stranded(m) == []
     assert m.explain_miss(np.array(a, np.int32)).cause is Cause.DROPPED
     assert m.index.history[child][1] is Cause.STRANDED
+
+
+class CountedReads(list):
+    """A pool's per-block list that counts the reads of its items from Python."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        CountedReads.reads += 1
+        return super().__getitem__(i)
+
+
+def test_a_loss_reads_only_the_children_of_the_key_it_lost():
+    """A request that hit a cached parent P is freed without caching: P leaves every tier, and its
+    cached child C (another request's) goes with it. Finding C reads the pools at P's children,
+    not at every block: on a tier of 4,096 blocks the drop reads a handful."""
+    m = CacheManager(CacheConfig(num_device_blocks=4096, block_size=BS))
+    m.allocate("a", [1, 2, 3, 4, 5])
+    m.mark_computed("a", 5)
+    m.free("a")  # P = [1, 2] and C = [3, 4] cached
+    parent, child = m.keys_for([1, 2, 3, 4])
+    m.allocate("b", [1, 2, 9])  # hits P
+    dev = m.device
+    dev.parent, dev.state, dev.ref = CountedReads(dev.parent), CountedReads(dev.state), CountedReads(dev.ref)
+    CountedReads.reads = 0
+    m.free("b", cache=False)
+    assert parent not in dev.lookup and child not in dev.lookup
+    assert CountedReads.reads < 16, f"{CountedReads.reads} reads of the pool's lists for one lost key"
+    m.check_integrity()
