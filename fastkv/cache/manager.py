@@ -474,13 +474,8 @@ class CacheManager:
             dropped += len(keys)
             for k in keys:  # children held or in flight then, cached later, would be stranded
                 note_lost(self.state, k)
-        stored = list(self.index.stored)
-        copies, parents = self.state.copies, self.index.parents
-        flying = {k: parents[k] for k in stored if k in parents and (k in copies.inflight or k in copies.loading)}
-        self.index.gone_many(stored, Tier.STORAGE, Cause.RESET)
-        parents.update(flying)  # a copy lands it yet: only under its parent (as CacheState.gone keeps it)
+        stored = self.state.forget_stored(Cause.RESET)
         dropped += len(stored)
-        self.index.forget_all_stored()
         for k in stored:  # a parent only storage had: its children held or in flight are stranded too
             note_lost(self.state, k)
         if self.state.residency is not None:
