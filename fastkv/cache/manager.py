@@ -474,9 +474,10 @@ class CacheManager:
             dropped += len(keys)
             for k in keys:  # children held or in flight then, cached later, would be stranded
                 note_lost(self.state, k)
-        self.index.gone_many(self.index.stored, Tier.STORAGE, Cause.RESET)
-        dropped += len(self.index.stored)
-        self.index.forget_all_stored()
+        stored = self.state.forget_stored(Cause.RESET)
+        dropped += len(stored)
+        for k in stored:  # a parent only storage had: its children held or in flight are stranded too
+            note_lost(self.state, k)
         if self.state.residency is not None:
             self.state.residency.cleared()
         return dropped

@@ -380,6 +380,17 @@ class CacheState:
                              f"{[s.name for s in states]}")
         return req
 
+    def forget_stored(self, cause: Cause) -> list[bytes]:
+        """Every key storage holds leaves it (reset_prefix_cache); one a copy is bringing keeps
+        its parent link, as in ``gone``: it lands only under its parent. Returns the keys."""
+        stored = list(self.index.stored)
+        copies, parents = self.copies, self.index.parents
+        flying = {k: parents[k] for k in stored if k in parents and (k in copies.inflight or k in copies.loading)}
+        self.index.gone_many(stored, Tier.STORAGE, cause)
+        self.index.forget_all_stored()
+        parents.update(flying)
+        return stored
+
     def gone(self, key: bytes, tier: Tier, cause: Cause) -> None:
         self.stats.dropped_keys += 1
         copies = self.copies

@@ -232,3 +232,33 @@ def stranded_cached(machine: ManagerMachine) -> list[bytes]:
     return [k for pool in (m.device, m.host) for b, k in enumerate(pool.key)
             if k is not None and pool.state[b] == BlockState.CACHED and k not in machine.private
             and machine.parent.get(k) not in (None, *present)]
+
+
+def test_a_reset_that_drops_a_parent_only_storage_had_drops_its_child_on_the_host_in_flight():
+    """Write-through with storage, 4 device and 2 host blocks. reset_prefix_cache drops every
+    stored key; one was the parent of a host block a STORE pinned (so it kept its key). Only
+    the parents dropped from the pools were noted lost: when the STORE failed, the child went
+    CACHED behind a parent in no tier. Found by the residency machine's teardown."""
+    from tests.events.test_residency_machine import ResidencyMachine
+
+    machine = ResidencyMachine()
+    m = checked_by(machine, "integrity", "keys_point_at_their_bytes", "ready_requests_hold_their_tokens",
+                   "no_key_stranded_by_eviction")
+    m.setup(policy=Policy.WRITE_THROUGH, dev=4, host=2, storage=True)
+    m.extend_a_block_in_flight(labels=(0,))
+    m.complete(data=Draws(Purpose.WRITE_THROUGH, 0), ok=True)
+    m.complete(data=Draws(Purpose.STORE, 0), ok=True)
+    m.free(cache=True, data=Draws(0))
+    m.free(cache=True, data=Draws(1))
+    m.flood()
+    m.flood()
+    m.complete(data=Draws(Purpose.WRITE_BACK, 0), ok=True)
+    m.reset_prefix_cache(go=0)
+    m.extend_a_block_in_flight(labels=(6,))
+    m.free_while_copying(cache=True, data=Draws("WRITE_BACK", 3))
+    m.fail(data=Draws(Purpose.WRITE_BACK, 0))
+    m.allocate(labels=(), reserve=0, tail=0)
+    m.free(cache=True, data=Draws(2))
+    m.fail(data=Draws(Purpose.STORE, 0))
+    assert stranded_cached(machine) == []
+    machine.teardown()
