@@ -142,7 +142,7 @@ class ExtraKeys:
             items.append((start, end, digest))
         if cache_salt is None and lora is None and not items:
             return None
-        return cls(lora, cache_salt, tuple(sorted(items)))
+        return cls(lora, cache_salt, tuple(items))  # the request's order: the key spec's (DESIGN.md)
 
     def root_bytes(self) -> bytes:
         out = b""

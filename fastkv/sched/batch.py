@@ -95,7 +95,7 @@ def _whole_items(req: Request, start: int, n: int) -> int:
     if req.extra is None or not req.extra.mm:
         return n
     end = start + n
-    for first, last, _ in req.extra.mm:  # sorted by start
+    for first, last, _ in sorted(req.extra.mm):  # in start order
         if first < end < last:
             end = first if first > start else last
     return end - start
