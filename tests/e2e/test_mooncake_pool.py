@@ -43,11 +43,13 @@ def run(out: Path, url: str, workload: str = TRACE):
     return finish(supervisor(out, url, workload), out)
 
 
-def kill_once_started(proc: subprocess.Popen, out: Path, kill, after_s: float) -> None:
-    """Calls ``kill`` ``after_s`` seconds after the run wrote its workload (it then checks the
-    pool and starts its engine): mid-run, with storage in use."""
+def kill_once_started(proc: subprocess.Popen, out: Path, kill, after_s: float,
+                      marker: str = "workload.jsonl") -> None:
+    """Calls ``kill`` ``after_s`` seconds after the run wrote ``marker`` (its workload: it then
+    checks the pool and starts its engine; a transfer process's log: the pool passed its check
+    and the run is starting): mid-run, with storage in use."""
     deadline = time.monotonic() + 240
-    while not (out / "workload.jsonl").is_file():
+    while not (out / marker).is_file():
         assert proc.poll() is None, "the run ended before it started"
         assert time.monotonic() < deadline, "the run did not start within 240 s"
         time.sleep(0.05)
@@ -109,7 +111,9 @@ def test_holder_killed_mid_run(tmp_path, pool, reference):
     run(tmp_path / "a", pool.url)  # fills the pool
     out = tmp_path / "b"
     proc = supervisor(out, pool.url, str(tmp_path / "a" / "workload.jsonl"))
-    kill_once_started(proc, out, pool.kill_holder, after_s=0.0)  # before B's first lookups
+    # once the start-up check wrote through the pool (a pool with no live holder fails it), before
+    # B's first lookups
+    kill_once_started(proc, out, pool.kill_holder, after_s=0.0, marker="logs/transfer0.log")
     outputs, rep, _ = finish(proc, out)
     assert outputs == reference
     # the values died with the holder, and the master still lists them: each load of one is a

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fastkv import cli, report
-from fastkv.demo import check_request, read_workload
+from fastkv.demo import REQUEST_FIELDS, check_request, read_workload
 from tests.e2e.standins import ENTRIES
 from tests.e2e.test_supervisor import SMALL, attach_signals, finish, leftovers, run_id, write_config
 from tests.unit.test_metrics_exposition import promtool_check
@@ -200,7 +200,7 @@ def test_the_readme_documents_every_workload_field_and_the_timeline_columns():
     text = (ROOT / "README.md").read_text()
     table = text.split("A workload file (`--workload my.jsonl`)", 1)[1].split("```", 1)[0]
     documented = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
-    assert documented == {"id", "arrival_s", "prompt", "max_new_tokens", "preemption"}, documented
+    assert documented == set(REQUEST_FIELDS), documented  # every field check_request takes, no other
     example = text.split("A workload file (`--workload my.jsonl`)", 1)[1].split("```")[1]
     for line in example.strip().splitlines():  # the example is a valid workload line
         check_request(json.loads(line))
