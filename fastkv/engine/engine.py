@@ -134,6 +134,8 @@ def complete(items: list[WorkItem], results: list[RequestResult]) -> list[Reques
 def summarize(engine: Engine, items: list[WorkItem], results: list[RequestResult], timeline: list,
               seconds: float, status: str = "done") -> dict[str, Any]:
     generated = sum(len(r.output) for r in results)
+    if engine.events is not None:  # its publisher thread counts a batch's events as it builds it
+        engine.events.sync(1.0)
     return {
         "status": status,
         "states": _states(results),

@@ -26,8 +26,6 @@ def snapshot(engine: Engine, queued: int) -> dict[str, Any]:
 
 def counters(engine: Engine) -> dict[str, Any]:
     sig, ranks = engine.ends.signals, range(engine.spec.tp_size)
-    if engine.events is not None:  # its publisher thread counts a batch's events as it builds it
-        engine.events.sync(1.0)
     gpu = engine.gpu_clock.summary(gpu_byte_work_s(engine.spec, sig))
     return {
         **engine.metrics.summary(),
