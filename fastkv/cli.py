@@ -610,8 +610,28 @@ class _Interrupted(KeyboardInterrupt):
         self.signal = signal.Signals(signum)
 
 
+_caught: int | None = None  # the start-up's stop signal, also when what it raised was swallowed
+
+
 def _interrupted(signum: int, _frame: Any) -> None:
+    # Raising from a handler is how a long start-up step (a pool starting, a probe) is cut short,
+    # but whatever runs at that moment may swallow it (a __del__, a library's bare except): the
+    # signal is recorded first, and the hand-over to the supervisor honours it.
+    global _caught
+    _caught = _caught or signum
     raise _Interrupted(signum)
+
+
+def _hand_over(sup: Any) -> None:
+    """From here a stop signal asks ``sup`` to stop (what its own handlers do once it runs), and
+    one that came during the start-up and was lost on the way stops it before anything starts."""
+    def stop(signum: int, _frame: Any) -> None:
+        sup.request_stop(f"interrupted by {signal.Signals(signum).name}")
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+    if _caught is not None:
+        sup.request_stop(f"interrupted by {signal.Signals(_caught).name}")
 
 
 def _config_error(parser: argparse.ArgumentParser, exc: Exception) -> NoReturn:
@@ -666,7 +686,9 @@ def _prepare_and_run(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     # Importing Paddle replaces the C-level SIGTERM handler with one that exits at once (in any
     # thread); so first Paddle, while nothing of the run exists, then our handlers. Until the
     # supervisor's own go in, a signal unwinds the start-up and the run ends as stopped.
+    global _caught
     _cuda_available()
+    _caught = None
     old_handlers = {signum: signal.signal(signum, _interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
     pool = None  # mooncake://local: the run's own Mooncake pool
     try:
@@ -731,7 +753,9 @@ def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress
         print(f"fastkv-supervisor: {note}", file=sys.stderr)
     progress = _Progress(progress_bar)
     try:
-        result = Supervisor(spec, workload, entry_points=entries, progress=progress).run()
+        sup = Supervisor(spec, workload, entry_points=entries, progress=progress)
+        _hand_over(sup)
+        result = sup.run()
     finally:
         progress.close()
     code = 0 if result.ok else 130 if "SIGINT" in result.message else 143 if "SIGTERM" in result.message else 1
