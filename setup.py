@@ -15,7 +15,7 @@ from setuptools.command.build_py import build_py
 
 class BuildPyWithOps(build_py):
     """Also pre-builds fastkv's Paddle ops into the package (fastkv/_prebuilt) when Paddle is
-    importable at build time; otherwise fastkv.ops builds them just in time on first use."""
+    importable at build time; otherwise fastkv.kernels.ops builds them just in time on first use."""
 
     def run(self):
         super().run()
@@ -27,7 +27,7 @@ class BuildPyWithOps(build_py):
             print("fastkv: Paddle is not importable while building; the ops will build just in time on first use")
             return
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from fastkv import ops
+        from fastkv.kernels import ops
 
         try:
             print(f"fastkv: pre-built ops at {ops.build(Path(self.build_lib) / 'fastkv' / '_prebuilt')}")
@@ -75,23 +75,23 @@ setup(
     # the decoded array views (4x cheaper than np.frombuffer), so numpy is a build requirement
     # (pyproject.toml); built against numpy 2.x it runs with numpy >= 1.26 too.
     ext_modules=[
-        Extension("fastkv._atomics", ["ops/shm_atomics.c"], extra_compile_args=["-O2", "-std=c11"]),
-        Extension("fastkv._codec", ["ops/ipc_codec.c", "ops/ipc_codec_encode.c", "ops/ipc_codec_decode.c"],
+        Extension("fastkv.native._atomics", ["ops/shm_atomics.c"], extra_compile_args=["-O2", "-std=c11"]),
+        Extension("fastkv.native._codec", ["ops/ipc_codec.c", "ops/ipc_codec_encode.c", "ops/ipc_codec_decode.c"],
                   depends=["ops/ipc_codec.h"], include_dirs=[numpy.get_include()],
                   extra_compile_args=["-O2", "-std=c11"]),
         # The synthetic runner's KV rows (fastkv/engine/runners/synthetic.py): ~30x numpy.
-        Extension("fastkv._synthetic", ["ops/synthetic_rows.c"], extra_compile_args=["-O3", "-std=c11"]),
+        Extension("fastkv.native._synthetic", ["ops/synthetic_rows.c"], extra_compile_args=["-O3", "-std=c11"]),
         # A request's chained block keys in one call (fastkv/cache/keys.py), with upstream BLAKE3's C
         # implementation, its portable code only: a key hashes one short chunk, which its SIMD
         # code (many chunks at once) does not speed up, nor, measured, its SSE4.1 compression.
-        Extension("fastkv._chain", ["ops/block_keys.c", "ops/third_party/blake3/blake3.c",
+        Extension("fastkv.native._chain", ["ops/block_keys.c", "ops/third_party/blake3/blake3.c",
                                     "ops/third_party/blake3/blake3_dispatch.c", "ops/third_party/blake3/blake3_portable.c"],
                   depends=["ops/third_party/blake3/blake3.h", "ops/third_party/blake3/blake3_impl.h"],
                   define_macros=[(m, "1") for m in ("BLAKE3_NO_SSE2", "BLAKE3_NO_SSE41", "BLAKE3_NO_AVX2",
                                                     "BLAKE3_NO_AVX512")] + [("BLAKE3_USE_NEON", "0")],
                   extra_compile_args=["-O3", "-std=c11"]),
         # The block pool's hot loops (fastkv/cache/pool.py: leaves-first eviction, insert_many, release_many).
-        Extension("fastkv._pool", ["ops/block_pool.c"], extra_compile_args=["-O2", "-std=c11"]),
+        Extension("fastkv.native._pool", ["ops/block_pool.c"], extra_compile_args=["-O2", "-std=c11"]),
     ],
     entry_points={
         "console_scripts": [

@@ -31,7 +31,7 @@ CUDA IPC, so the transfer processes start after the workers::
         start your workers; each creates or adopts its device tier
         run.start_transfers()                           # then the transfer processes, up or LaunchError
 
-The supervisor (``fastkv.supervisor``) sets up its runs with the same ``Launch`` (no watcher
+The supervisor (``fastkv.cli.supervisor``) sets up its runs with the same ``Launch`` (no watcher
 thread: its own loop watches every process, and it handles the signals).
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from fastkv.children import STOP_SIGNALS, Child, _child_main, describe_exit, last_line
+from fastkv.procs.children import STOP_SIGNALS, Child, _child_main, describe_exit, last_line
 from fastkv.ipc import Namespace, SignalArray, cleanup_stale
 from fastkv.ipc.namespace import SHM_DIR
 from fastkv.ipc.semwait import clear_stop, raise_stop
@@ -353,7 +353,7 @@ class Launch:
 
 def ensure_ops() -> None:
     """Builds the swap ops unless this machine has them, before any process needs them."""
-    from fastkv import ops
+    from fastkv.kernels import ops
 
     if ops.find() is None:
         ops.build()

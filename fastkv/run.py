@@ -58,7 +58,7 @@ class RunSpec:
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig keyword arguments
     # plan and send step N+1 while the workers run step N (fastkv.engine.core); False: one step at a time
     async_scheduling: bool = True
-    # the engine thread's Linux scheduling policy (fastkv.cpu_policy): "batch" keeps its
+    # the engine thread's Linux scheduling policy (fastkv.procs.cpu_policy): "batch" keeps its
     # wake-ups from preempting the worker that woke it; "normal" is the default SCHED_OTHER
     engine_cpu_policy: str = "batch"
     ops_threads: int = 1  # CPU swap-op threads per transfer process

@@ -1,4 +1,4 @@
-/* fastkv._chain: a request's chained block keys in one call (fastkv/cache/keys.py).
+/* fastkv.native._chain: a request's chained block keys in one call (fastkv/cache/keys.py).
  *
  * Why C: key(i) = BLAKE3(key(i-1) || block i's int32 token bytes) is one short hash per block,
  * and through the blake3 Python binding each costs a hasher object, a bytes concatenation and a

@@ -1,4 +1,4 @@
-/* fastkv._pool: the block pool's loops that every block of every request passes through, in C:
+/* fastkv.native._pool: the block pool's loops that every block of every request passes through, in C:
  * evicting leaves for fresh blocks (BlockPool._evict_leaves), inserting computed keys
  * (insert_many), releasing a table (release_many), and the LRU queue's links for the last two
  * (LRUQueue.popleft_many, extend).
@@ -28,7 +28,7 @@ static PyObject *at(PyObject *list, PyObject *block, Py_ssize_t *index) {
  * change from the methods this code goes around; the pool takes its Python loops for those. */
 static int plain(PyObject *lookup, PyObject *kids) {
     if (PyDict_CheckExact(lookup) && PyDict_CheckExact(kids)) return 1;
-    PyErr_SetString(PyExc_TypeError, "fastkv._pool: the lookup and kids maps must be plain dicts");
+    PyErr_SetString(PyExc_TypeError, "fastkv.native._pool: the lookup and kids maps must be plain dicts");
     return 0;
 }
 

@@ -1,4 +1,4 @@
-/* fastkv._codec: fastkv's message codec, in C.
+/* fastkv.native._codec: fastkv's message codec, in C.
  *
  * The wire format and the field kinds are specified in fastkv/ipc/codec.py; this
  * extension is its fast path (the pure-Python version there is the reference and the
@@ -114,7 +114,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "fastkv._codec", "fastkv's message codec in C.", -1,
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "fastkv.native._codec", "fastkv's message codec in C.", -1,
                                        methods};
 
 PyMODINIT_FUNC PyInit__codec(void) {

@@ -1,4 +1,4 @@
-/* Shared by the three files of fastkv._codec: ipc_codec.c (module, message registry),
+/* Shared by the three files of fastkv.native._codec: ipc_codec.c (module, message registry),
  * ipc_codec_encode.c and ipc_codec_decode.c. The wire format and the field kinds are
  * specified in fastkv/ipc/codec.py.
  *

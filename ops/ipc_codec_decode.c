@@ -1,4 +1,4 @@
-/* fastkv._codec, decode: bytes -> message (see ipc_codec.c and fastkv/ipc/codec.py). */
+/* fastkv.native._codec, decode: bytes -> message (see ipc_codec.c and fastkv/ipc/codec.py). */
 #include "ipc_codec.h"
 
 static PyObject *bad(const char *where, const char *why) {
@@ -27,7 +27,7 @@ static PyObject *scalar(int kind, const char *p) {
     case S_F64: { double x; memcpy(&x, p, 8); return PyFloat_FromDouble(x); }
     case S_BOOL: return PyBool_FromLong(*p != 0);
     }
-    return PyErr_Format(PyExc_AssertionError, "fastkv._codec: scalar kind %d", kind);
+    return PyErr_Format(PyExc_AssertionError, "fastkv.native._codec: scalar kind %d", kind);
 }
 
 /* The variable field at *off (advanced past it); NULL with ValueError when malformed. */
@@ -116,7 +116,7 @@ static PyObject *var_field(const field_t *f, PyObject *buf, Py_ssize_t *offp) {
         break;
     }
     default:
-        return PyErr_Format(PyExc_AssertionError, "fastkv._codec: unknown field kind %d", f->kind);
+        return PyErr_Format(PyExc_AssertionError, "fastkv.native._codec: unknown field kind %d", f->kind);
     }
     *offp = off + nbytes + pad8(nbytes);
     return v;

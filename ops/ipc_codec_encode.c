@@ -1,4 +1,4 @@
-/* fastkv._codec, encode: message -> bytes (see ipc_codec.c and fastkv/ipc/codec.py). */
+/* fastkv.native._codec, encode: message -> bytes (see ipc_codec.c and fastkv/ipc/codec.py). */
 #include "ipc_codec.h"
 
 /* Is this buffer format a little-endian integer of the given size? (x86/arm: native) */
@@ -152,7 +152,7 @@ static Py_ssize_t field(int kind, PyObject *v, out_t *out) {
         return 8 + n + pad8(n);
     }
     }
-    PyErr_Format(PyExc_ValueError, "fastkv._codec: unknown field kind %d", kind);
+    PyErr_Format(PyExc_ValueError, "fastkv.native._codec: unknown field kind %d", kind);
     return -2;
 }
 
@@ -223,7 +223,7 @@ static PyObject *encode_one(const spec_t *s, PyObject *msg) {
     }
     if (o.p != base + total) {
         Py_CLEAR(res);
-        PyErr_Format(PyExc_AssertionError, "fastkv._codec.encode %s: size pass and write pass disagree", s->cls->tp_name);
+        PyErr_Format(PyExc_AssertionError, "fastkv.native._codec.encode %s: size pass and write pass disagree", s->cls->tp_name);
     }
     goto done;
 fallback:

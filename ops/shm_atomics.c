@@ -1,4 +1,4 @@
-/* fastkv._atomics: atomics, fences and the SPSC ring fast path on shared memory.
+/* fastkv.native._atomics: atomics, fences and the SPSC ring fast path on shared memory.
  *
  * Why C: Python has no atomic loads/stores or fences, and ctypes.CDLL drops and
  * re-takes the GIL on every call (a receiver thread beside a busy compute thread then
@@ -34,7 +34,7 @@ static int get_addr(PyObject *o, char **out) {
     unsigned long long v = PyLong_AsUnsignedLongLong(o);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
     if (v == 0 || (v & 7)) {
-        PyErr_SetString(PyExc_ValueError, "fastkv._atomics: address must be non-null and 8-byte aligned");
+        PyErr_SetString(PyExc_ValueError, "fastkv.native._atomics: address must be non-null and 8-byte aligned");
         return -1;
     }
     *out = (char *)(uintptr_t)v;
@@ -381,7 +381,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "fastkv._atomics",
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "fastkv.native._atomics",
                                        "Shared-memory atomics and the SPSC ring fast path.", -1, methods};
 
 PyMODINIT_FUNC PyInit__atomics(void) {

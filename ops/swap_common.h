@@ -186,7 +186,7 @@ struct CopyChoice {
 constexpr int64_t kMinBytesPerThread = 2 << 20;
 
 // The copy method by call size. Which stores win depends on the CPU (its memcpy, its cache,
-// its memory), not on what cpuid says it can do, so fastkv/ops.py measures every choice once
+// its memory), not on what cpuid says it can do, so fastkv/kernels/ops.py measures every choice once
 // per machine and installs the winners here (fkv_cpu_set_copy_policy): entry i applies to
 // calls of at least min_bytes[i] bytes. Until then, a guess: streaming from 1 MiB on, one
 // thread per kMinBytesPerThread.

@@ -1,4 +1,4 @@
-// Paddle custom ops of fastkv (wrapped by fastkv/ops.py).
+// Paddle custom ops of fastkv (wrapped by fastkv/kernels/ops.py).
 //
 // fastkv_swap_blocks(K[], V[], Host, Src, Dst; to_host, num_threads, dma_min_bytes)
 //   copies block Src[i] to block Dst[i] for every i, all layers, K and V, between the device tier
@@ -7,12 +7,12 @@
 //   K, V and Host are outputs in place. sums_addr (0: none; a SWAP_OUT's): the address of the host
 //   tier's checksums, uint8 [host_blocks][16]; each destination block's is written (block_digest.h):
 //   on the CPU hashed in the copy's pass, on the GPU from the host tier as each unit lands. Every argument is checked before a byte moves; a bad one
-//   raises (Paddle turns PD_CHECK into a Python OSError, fastkv/ops.py into ValueError).
+//   raises (Paddle turns PD_CHECK into a Python OSError, fastkv/kernels/ops.py into ValueError).
 //   CPU tensors: one copy per page, with the stores and at most num_threads threads the
 //   calibrated copy policy picks for the call's size. GPU tensors (built with
 //   FASTKV_WITH_CUDA): the CUDA path of swap_cuda.cu, Host pinned, ids on the CPU.
 //
-// The same CPU swap through a plain C ABI (fkv_cpu_*, bottom of this file): fastkv/ops.py binds
+// The same CPU swap through a plain C ABI (fkv_cpu_*, bottom of this file): fastkv/kernels/ops.py binds
 // a tier's tensors once and calls it through ctypes on the transfer hot path, which skips the
 // ~50 us of a custom-op dispatch; it also measures and installs the copy policy through it.
 //
@@ -227,7 +227,7 @@ PD_BUILD_OP(fastkv_swap_blocks)
 
 extern "C" const char* fkv_cpu_last_error() { return g_cpu_error.c_str(); }
 
-// The op's CPU swap on raw tier pointers (the op checked the tensors when fastkv/ops.py bound
+// The op's CPU swap on raw tier pointers (the op checked the tensors when fastkv/kernels/ops.py bound
 // them; the ids are checked here, before anything moves). method -1: the policy's choice with
 // at most num_threads threads; 0 regular, 1 streaming stores on exactly num_threads (calibration).
 // sums (to_host only; may be null): the host tier's checksums, [num_host_blocks][16]; each

@@ -1,4 +1,4 @@
-/* fastkv._synthetic: the synthetic runner's KV rows (fastkv/engine/runners/synthetic.py).
+/* fastkv.native._synthetic: the synthetic runner's KV rows (fastkv/engine/runners/synthetic.py).
  *
  * Why C: the rows are splitmix64 of every element. In numpy that took ~500 us per token of a
  * 32 KiB-per-token layout (eight passes over uint64 temporaries), 15x what the cost model
@@ -74,7 +74,7 @@ static void make_row(char *row, const char *header, const uint64_t *salt, uint64
 
 static int get_buffer(PyObject *o, Py_buffer *b, int writable, const char *name) {
     if (PyObject_GetBuffer(o, b, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Format(PyExc_TypeError, "fastkv._synthetic: %s must be a C-contiguous%s buffer", name,
+        PyErr_Format(PyExc_TypeError, "fastkv.native._synthetic: %s must be a C-contiguous%s buffer", name,
                      writable ? " writable" : "");
         return -1;
     }
@@ -100,7 +100,7 @@ static PyObject *scatter_rows(PyObject *self, PyObject *args) {
         return NULL;
     static const Py_ssize_t esizes[] = {4, 2, 2, 1};
     if (kind < 0 || kind > KIND_BYTE || D <= HEADER || bs < 1) {
-        PyErr_Format(PyExc_ValueError, "fastkv._synthetic: bad kind %d, head_dim %zd or block_size %zd", kind, D, bs);
+        PyErr_Format(PyExc_ValueError, "fastkv.native._synthetic: bad kind %d, head_dim %zd or block_size %zd", kind, D, bs);
         return NULL;
     }
     static const char *names[5] = {"blocks", "slots", "keys", "salts", "header_elems"};
@@ -113,7 +113,7 @@ static PyObject *scatter_rows(PyObject *self, PyObject *args) {
     if (nc == 0 || nc % 2 || bufs[2].len % 8 || bufs[0].len != n * 8 || bufs[1].len != n * 8 ||
         bufs[3].len != groups * m * 8 || groups % nc || bufs[4].len != n * HEADER * es) {
         PyErr_Format(PyExc_ValueError,
-                     "fastkv._synthetic: sizes disagree: %zd caches, blocks %zd bytes, slots %zd, keys %zd, "
+                     "fastkv.native._synthetic: sizes disagree: %zd caches, blocks %zd bytes, slots %zd, keys %zd, "
                      "salts %zd, headers %zd (head_dim %zd, %zd-byte elements)", nc, bufs[0].len, bufs[1].len,
                      bufs[2].len, bufs[3].len, bufs[4].len, D, es);
         goto done;
@@ -129,7 +129,7 @@ static PyObject *scatter_rows(PyObject *self, PyObject *args) {
     Py_ssize_t num_blocks = caches[0].len / per_block;
     for (Py_ssize_t c = 0; c < nc; c++) {
         if (caches[c].len != num_blocks * per_block || num_blocks == 0) {
-            PyErr_Format(PyExc_ValueError, "fastkv._synthetic: cache %zd holds %zd bytes, not whole blocks of "
+            PyErr_Format(PyExc_ValueError, "fastkv.native._synthetic: cache %zd holds %zd bytes, not whole blocks of "
                          "%zd heads x %zd slots x %zd bytes (as cache 0)", c, caches[c].len, H, bs, row);
             goto done;
         }
@@ -137,7 +137,7 @@ static PyObject *scatter_rows(PyObject *self, PyObject *args) {
     const int64_t *blk = bufs[0].buf, *slot = bufs[1].buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (blk[i] < 0 || blk[i] >= num_blocks || slot[i] < 0 || slot[i] >= bs) {
-            PyErr_Format(PyExc_ValueError, "fastkv._synthetic: token %zd goes to block %lld slot %lld, outside "
+            PyErr_Format(PyExc_ValueError, "fastkv.native._synthetic: token %zd goes to block %lld slot %lld, outside "
                          "%zd blocks of %zd slots", i, (long long)blk[i], (long long)slot[i], num_blocks, bs);
             goto done;
         }
@@ -173,6 +173,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastkv._synthetic", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastkv.native._synthetic", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__synthetic(void) { return PyModule_Create(&module); }

@@ -39,7 +39,7 @@ from fastkv.cache.eviction import POLICIES  # noqa: E402
 from fastkv.cache.manager import CacheConfig, CacheManager  # noqa: E402
 from fastkv.cache.write_policy import WritePolicy  # noqa: E402
 from fastkv.cli import at_least  # noqa: E402
-from fastkv.demo import TRACE, open_trace  # noqa: E402
+from fastkv.workload import TRACE, open_trace  # noqa: E402
 
 BLOCK = 64
 README_REFERENCE = {1000: 0.0454, 10000: 0.2153, 50000: 0.3615}  # token hit ratio of 512-token LRU

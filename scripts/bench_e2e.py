@@ -19,7 +19,7 @@ Runs (same workload, same capacities, fresh LMDB store each):
 - ``offload``, ``storage``, ``auto``: fastkv's preemption modes, with the same tiers.
 
 The synthetic runner waits out (a GPU computes: no host CPU) the step time of ``--cost-model``
-(``fastkv.engine.runners.cost_model``: a roofline of Llama-3-8B on an H100 SXM, scaled so that
+(``fastkv.deploy.cost_model``: a roofline of Llama-3-8B on an H100 SXM, scaled so that
 compute per token against this machine's copy time per token of KV is the deployment's compute
 against its PCIe copy). The copy bandwidth
 it scales by is measured once here and given to every run, so that all runs simulate the same
@@ -32,7 +32,7 @@ STOREs still draining after it delay no token; ``seconds`` in the table is the w
 synthetic runner's own byte work
 (``synthetic_us``: making, checking and reading its KV rows), which stands for work the GPU does
 inside the modelled step time and which the runner does before waiting that time out. On this CPU
-it costs more than the model: making a 32 KiB token's rows (compiled, ``fastkv._synthetic``) about
+it costs more than the model: making a 32 KiB token's rows (compiled, ``fastkv.native._synthetic``) about
 a prefill token in a long prefill, with ~1 ms of Python per decode step on top; checking a resumed
 prefix twice that. (In numpy the rows cost 15-20x a prefill token and made two-thirds of the
 walls.) Left in the time, it charged recompute and resuming at this CPU's rates, not the
@@ -68,7 +68,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fastkv import report  # noqa: E402
+from fastkv.cli import report  # noqa: E402
 from fastkv.cli import (  # noqa: E402
     CACHE_POLICIES,
     RUNNER_VOCAB,
@@ -78,16 +78,16 @@ from fastkv.cli import (  # noqa: E402
     parse_entries,
     prepare,
 )
-from fastkv.cpu_policy import CPU_POLICIES  # noqa: E402
-from fastkv.demo import read_workload, write_workload  # noqa: E402
-from fastkv.engine.runners.cost_model import (  # noqa: E402
+from fastkv.procs.cpu_policy import CPU_POLICIES  # noqa: E402
+from fastkv.workload import read_workload, write_workload  # noqa: E402
+from fastkv.deploy.cost_model import (  # noqa: E402
     DEPLOYMENTS,
     LLAMA3_8B_H100,
     ScaledCostModel,
     deployment,
     measure_copy_bandwidth,
 )
-from fastkv.supervisor import Supervisor  # noqa: E402
+from fastkv.cli.supervisor import Supervisor  # noqa: E402
 
 # --quick: the quick demo's 8 conversations x 3 turns with short replies: the prompts alone
 # outgrow the demo's device tier, so every mode still preempts, in a few seconds a run. Each run

@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fastkv.cli import JobConfig, at_least, prepare  # noqa: E402
-from fastkv.supervisor import Supervisor  # noqa: E402
+from fastkv.cli.supervisor import Supervisor  # noqa: E402
 
 SMOKE_DEMO = {"conversations": 2, "turns": 2, "system_tokens": 32, "user_tokens": (8, 16), "reply_tokens": 8,
               "max_new_tokens": 16}

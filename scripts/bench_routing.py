@@ -36,7 +36,7 @@ Policies:
 
 The engines run in-process as libraries (scheduler and cache manager, no worker processes) in a
 discrete-event simulation: each step takes the GPU time ``--cost-model`` gives it (a roofline of
-Llama-3-8B on an H100 SXM: fastkv.engine.runners.cost_model), each copy its PCIe time plus a
+Llama-3-8B on an H100 SXM: fastkv.deploy.cost_model), each copy its PCIe time plus a
 fixed latency, and the engines step in parallel, each on its own GPU. Time is simulated, so
 the runs are deterministic and need not interleave. Before each routing decision the indexer
 takes every batch the engines have published (``Indexer.sync``: what a router with a few
@@ -71,8 +71,8 @@ sys.path.insert(0, str(ROOT))
 from fastkv.cache.manager import CacheConfig, CacheManager  # noqa: E402
 from fastkv.cache.write_policy import WritePolicy  # noqa: E402
 from fastkv.cli import at_least  # noqa: E402
-from fastkv.demo import TRACE, open_trace, trace  # noqa: E402
-from fastkv.engine.runners.cost_model import DEPLOYMENTS, LLAMA3_8B_H100, deployment  # noqa: E402
+from fastkv.workload import TRACE, open_trace, trace  # noqa: E402
+from fastkv.deploy.cost_model import DEPLOYMENTS, LLAMA3_8B_H100, deployment  # noqa: E402
 from fastkv.events import EventsConfig, KVEvents  # noqa: E402
 from fastkv.routing import block_hashes  # noqa: E402
 from fastkv.routing.indexer import Indexer  # noqa: E402

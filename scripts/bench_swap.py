@@ -4,7 +4,7 @@ Shape: 64-token blocks, 8 layers, 8 kv heads x 128 head dim, bfloat16 (2 MiB per
 512 MiB per call), device and host tiers in POSIX shm as the CPU build shares them. Compared
 with one contiguous memcpy of the same bytes (the ceiling) and with a per-(layer, block) copy
 loop (FastDeploy's pattern). The op copies with the stores and threads its measured copy
-policy picks (``fastkv.ops``), so it can beat libc memcpy; the ceiling is the better of two
+policy picks (``fastkv.kernels.ops``), so it can beat libc memcpy; the ceiling is the better of two
 contiguous copies of one span: libc memcpy and the op's streaming-store routine
 (``gbps.memcpy_Nt``, ``gbps.stream_Nt``). Every figure is the best of --reps runs taken in
 turns: other processes share the cores, and the best run is the one they disturbed least.
@@ -52,7 +52,7 @@ from contextlib import contextmanager
 import numpy as np
 from bench_ipc import kv_msg  # scripts/ is on the path of a script run from it
 
-from fastkv import ops
+from fastkv.kernels import ops
 from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.cli import at_least
 from fastkv.config import KVLayout

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Compiles fastkv's GPU code with warnings as errors, on any machine (no GPU needed); CI runs it.
-#   1. the C ABI library of ops/swap_cuda.cu for fastkv.cuda_arch's -gencode flags ($FASTKV_CUDA_ARCH,
-#      default sm_80, sm_90 + PTX): python -m fastkv.cuda_abi --werror
+#   1. the C ABI library of ops/swap_cuda.cu for fastkv.kernels.cuda_arch's -gencode flags ($FASTKV_CUDA_ARCH,
+#      default sm_80, sm_90 + PTX): python -m fastkv.kernels.cuda_abi --werror
 #   2. the CUDA tests, tests/ops/test_cuda_abi.py (without a GPU, those that need one skip)
-#   3. the Paddle op's GPU variant against the installed Paddle: python -m fastkv.gpu_build
+#   3. the Paddle op's GPU variant against the installed Paddle: python -m fastkv.kernels.gpu_build
 #
 # Usage: scripts/check_gpu_build.sh [--wheels]
 # The CUDA toolkit is $CUDA_HOME, else nvcc's on PATH, if it holds what step 3 needs (nvcc,
@@ -86,7 +86,7 @@ trap 'rc=$?; if ((rc == 0)) && [[ -z ${FASTKV_GPU_BUILD_OUT:-} ]]; then rm -rf "
 
 step=$SECONDS
 echo "== 1/3 C ABI library (ops/swap_cuda.cu), warnings as errors"
-"$PY" -m fastkv.cuda_abi --werror --out "$out/abi"
+"$PY" -m fastkv.kernels.cuda_abi --werror --out "$out/abi"
 echo "   ok [$((SECONDS - step)) s]"
 
 step=$SECONDS
@@ -96,6 +96,6 @@ echo "   ok [$((SECONDS - step)) s]"
 
 step=$SECONDS
 echo "== 3/3 Paddle op, GPU variant (ops/swap_op.cc + ops/swap_cuda.cu)"
-"$PY" -m fastkv.gpu_build --out "$out/op"
+"$PY" -m fastkv.kernels.gpu_build --out "$out/op"
 echo "   ok [$((SECONDS - step)) s]"
 echo "GPU build check passed in $((SECONDS - started)) s"

@@ -29,7 +29,7 @@ if [[ -z $PY ]]; then
     echo "gpu_device_check.sh: no python with numpy and pytest (set PYTHON)" | tee -a "$OUT/summary.txt" >&2
     exit 2
 fi
-NVCC=${NVCC:-$("$PY" -c "from fastkv import cuda_abi; print(cuda_abi.find_nvcc() or '')")}
+NVCC=${NVCC:-$("$PY" -c "from fastkv.kernels import cuda_abi; print(cuda_abi.find_nvcc() or '')")}
 if [[ -z $NVCC ]]; then
     echo "gpu_device_check.sh: nvcc not found (set NVCC)" | tee -a "$OUT/summary.txt" >&2
     exit 2
@@ -61,7 +61,7 @@ run_step() {  # name, seconds allowed, command...
     steps_json+=("\"$name\": {\"rc\": $rc, \"seconds\": $((SECONDS - t0))}")
 }
 
-run_step build 100 "$PY" -m fastkv.cuda_abi --werror --out "$work/lib"
+run_step build 100 "$PY" -m fastkv.kernels.cuda_abi --werror --out "$work/lib"
 # --noconftest: tests/conftest.py needs hypothesis (not here) for its profiles and checks
 # /dev/shm for leaks, which these ctypes tests cannot cause.
 run_step tests 110 "$PY" -m pytest -q -rs -p no:cacheprovider --noconftest tests/ops/test_cuda_abi.py \

@@ -21,7 +21,7 @@ no two different extra sets encode to the same bytes, and a block with extras is
 one without.
 
 Keys for a prompt come from one ``tobytes()`` of the int32 token array and one C call for the
-whole chain (``fastkv._chain``, upstream BLAKE3's C code): no per-block Python work. Blocks with
+whole chain (``fastkv.native._chain``, upstream BLAKE3's C code): no per-block Python work. Blocks with
 extras go through the blake3 binding, one call per block (``block_keys_reference``).
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import NewType
 import numpy as np
 from blake3 import blake3
 
-from fastkv.compiled import load
+from fastkv.native.compiled import load
 from fastkv.config import KVLayout
 
 _chain = load("_chain")

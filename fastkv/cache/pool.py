@@ -30,7 +30,7 @@ evicted anyway (``forced_evictions``).
 Hot paths (``take``, ``incref``, ``release``) work on preallocated Python lists indexed by
 block id and allocate no objects, except the tuple reporting an eviction. The three loops every
 block of every request passes through (evicting leaves, inserting computed keys, releasing a
-table) are C (``fastkv._pool``, ops/block_pool.c) over these same lists and dicts; each has its
+table) are C (``fastkv.native._pool``, ops/block_pool.c) over these same lists and dicts; each has its
 Python definition beside it (``_*_reference``), which a property test compares it with.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 from fastkv.cache.eviction import EvictionPolicy, make_policy
-from fastkv.compiled import load
+from fastkv.native.compiled import load
 
 _pool = load("_pool")
 
@@ -168,7 +168,7 @@ class BlockPool:
     def _evict_leaves(self, n: int, evicted: list[tuple[int, bytes]] | None) -> list[int]:
         """Dequeue and unkey ``n`` CACHED blocks, leaves first (``n <= len(self.evictable)``);
         each ``(block, key)`` is appended to ``evicted``. The loop over each dequeued batch is C
-        (``fastkv._pool``); ``_evict_leaves_reference`` defines it."""
+        (``fastkv.native._pool``); ``_evict_leaves_reference`` defines it."""
         if type(self.lookup) is not dict:  # an observed map (fastkv.cache.residency): its methods report
             return self._evict_leaves_reference(n, evicted)
         queue = self.evictable
@@ -397,7 +397,7 @@ class BlockPool:
         ``self.parents`` has them, when the caller knows them (a request's own chain: no probe
         per block). Returns the indices (into ``blocks``) of the duplicates.
 
-        The loop is C (``fastkv._pool``: every computed block passes through it);
+        The loop is C (``fastkv.native._pool``: every computed block passes through it);
         ``_insert_many_reference`` defines it."""
         if parents is None:
             parents = [self.parents.get(k) for k in keys]
@@ -427,7 +427,7 @@ class BlockPool:
     def release_many(self, blocks: list[int], keep: bool = True) -> None:
         """``release`` each block in order (callers pass a table last to first). The common case,
         a keyed block going CACHED, is queued in one ``extend`` (no call per block). The loop is
-        C (``fastkv._pool``); ``_release_many_reference`` defines it."""
+        C (``fastkv.native._pool``); ``_release_many_reference`` defines it."""
         cached: list[int] = []
         try:
             _pool.release_blocks(self.ref, self.state, self.key, list(blocks), keep, cached, _ALLOCATED, _CACHED,

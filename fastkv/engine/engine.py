@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fastkv.cpu_policy import apply as apply_cpu_policy
-from fastkv.demo import arrival_error, keyed_error, prompt_error
+from fastkv.procs.cpu_policy import apply as apply_cpu_policy
+from fastkv.workload import arrival_error, keyed_error, prompt_error
 from fastkv.engine.core import Engine, EngineError, EngineStopped, RequestRejected, RequestResult
 from fastkv.engine.decode import drive_decode
 from fastkv.engine.health import counters

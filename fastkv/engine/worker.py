@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from fastkv import ops
+from fastkv.kernels import ops
 from fastkv.engine import protocol
 from fastkv.engine.runners import runner_class
 from fastkv.ipc import ChannelClosed, Namespace, OutputMsg, PeerDied, pid_alive

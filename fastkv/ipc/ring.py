@@ -1,7 +1,7 @@
 """SPSC ring of fixed-size slots in POSIX shared memory, with doorbells.
 
 The hot path (copy in/out, head/tail with acquire/release, fences, flag CAS) is in C
-(``fastkv._atomics``, ops/shm_atomics.c) and holds the GIL for ~100 ns; only a wait on
+(``fastkv.native._atomics``, ops/shm_atomics.c) and holds the GIL for ~100 ns; only a wait on
 an empty or full ring touches a semaphore (see ``fastkv.ipc.doorbell``).
 """
 from __future__ import annotations

@@ -98,11 +98,11 @@ class CorruptHostBlock(RuntimeError):
 def storage_time_model(spec: RunSpec) -> Callable[[int], float] | None:
     """Under the synthetic runner's cost model, the least seconds a STORE or LOAD of so many bytes
     takes: the deployment's storage link, scaled like its copies
-    (``fastkv.engine.runners.cost_model.ScaledCostModel.storage_seconds``); None otherwise."""
+    (``fastkv.deploy.cost_model.ScaledCostModel.storage_seconds``); None otherwise."""
     opts = spec.runner_options
     if spec.runner != "synthetic" or not opts.get("cost_model"):
         return None
-    from fastkv.engine.runners.cost_model import ScaledCostModel, deployment, measure_copy_bandwidth
+    from fastkv.deploy.cost_model import ScaledCostModel, deployment, measure_copy_bandwidth
 
     gbps = float(opts.get("copy_gbps") or 0.0)
     layout = spec.layout
@@ -257,7 +257,7 @@ class TaskExecutor:
         if len(plan.dst) > 1 and len(np.unique(plan.dst)) != len(plan.dst):
             raise ValueError(f"{plan.kind.name} dst block ids must be unique, got {plan.dst.tolist()[:16]}")
         if self._bound is None:
-            from fastkv import ops
+            from fastkv.kernels import ops
 
             # swaps hold the GIL while they copy: the storage thread takes it only while the
             # swap lane sleeps (fastkv.transfer.lanes)

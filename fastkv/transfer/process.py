@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 
-from fastkv import ops
+from fastkv.kernels import ops
 from fastkv.cache.plan import CopyKind
 from fastkv.ipc import BadMessage, ChannelClosed, DoneMsg, Namespace, PeerDied, PeerTimeout, SignalArray, TaskMsg
 from fastkv.ipc.peers import me

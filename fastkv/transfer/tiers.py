@@ -398,7 +398,7 @@ class HostTier:
         if pin is None:
             pin = _cuda_available()
         if pin:
-            from fastkv import ops
+            from fastkv.kernels import ops
 
             ops.pin_host(tier.tensor)  # the CUDA path DMAs from it and maps it into the gather kernel
             tier.pinned = True
@@ -429,7 +429,7 @@ class HostTier:
         """uint8 [len(blocks), 16]: by the ops kernel where this process loaded it (the transfer
         process: AVX2 xxh3, no Python per page; ``hold_gil`` as ``ops.c_abi``), else by the
         reference."""
-        from fastkv import ops
+        from fastkv.kernels import ops
 
         if ops.loaded():
             return ops.block_checksums(self.array, blocks, hold_gil)
@@ -477,7 +477,7 @@ class HostTier:
         if self._segment is None:
             raise ValueError(f"{self.name!r} is closed")
         if self.pinned:
-            from fastkv import ops
+            from fastkv.kernels import ops
 
             ops.pin_host(self.tensor, pin=False)
             self.pinned = False
@@ -489,7 +489,7 @@ class HostTier:
     def close(self) -> None:
         """Unpins (if pinned here) and drops this process's views."""
         if self.pinned:
-            from fastkv import ops
+            from fastkv.kernels import ops
 
             ops.pin_host(self.tensor, pin=False)
             self.pinned = False

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 
-from fastkv.demo import read_workload
+from fastkv.workload import read_workload
 from fastkv.ipc import ChannelClosed, Namespace, SignalArray
 from fastkv.run import EXITING, READY, RunSpec, attach_engine, attach_transfer, attach_worker
 from fastkv.transfer.tiers import HostTier

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fastkv import cli, report
-from fastkv.demo import REQUEST_FIELDS, check_request, read_workload
+from fastkv import cli
+from fastkv.cli import report
+from fastkv.workload import REQUEST_FIELDS, check_request, read_workload
 from tests.e2e.standins import ENTRIES
 from tests.e2e.test_supervisor import SMALL, attach_signals, finish, leftovers, run_id, write_config
 from tests.unit.test_metrics_exposition import promtool_check

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fastkv import report
+from fastkv.cli import report
 from fastkv.run import handoff_sem
 from tests.e2e.launch import Run, new_run_id
 from tests.e2e.test_engine_synthetic import VOCAB, check_outputs, spec, workload

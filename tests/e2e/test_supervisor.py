@@ -17,7 +17,7 @@ import pytest
 
 from fastkv.cli import JobConfig, prepare
 from fastkv.ipc import Namespace, SignalArray, pid_alive
-from fastkv.supervisor import Supervisor
+from fastkv.cli.supervisor import Supervisor
 from tests.e2e.standins import ENTRIES
 
 pytestmark = pytest.mark.timeout(120)

@@ -142,7 +142,7 @@ def test_cli_reports_bad_values_as_usage_errors(tmp_path, capsys):
 
 def test_a_c_extension_not_built_is_one_line_saying_how_to_build_it(tmp_path, capsys, monkeypatch):
     """As after a git pull that added an extension, without pip install -e . again."""
-    from fastkv.compiled import NotBuilt, load
+    from fastkv.native.compiled import NotBuilt, load
 
     with pytest.raises(NotBuilt, match="_no_such_ext is not built .*pip install -e ."):
         load("_no_such_ext")

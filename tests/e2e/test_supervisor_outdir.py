@@ -9,7 +9,7 @@ import pytest
 
 from fastkv.cli import JobConfig, prepare
 from fastkv.ipc import Namespace
-from fastkv.outdir import LOCK, OutDir
+from fastkv.cli.outdir import LOCK, OutDir
 from tests.e2e.test_supervisor import SHM, attach_signals, finish, leftovers, run_id, start_cli
 from tests.e2e.test_supervisor_cli import _cli_error
 

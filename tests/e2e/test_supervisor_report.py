@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from fastkv import report
+from fastkv.cli import report
 
 
 def summary(**over):

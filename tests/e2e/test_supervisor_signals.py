@@ -100,7 +100,7 @@ def test_a_process_that_dies_at_start_up_ends_the_run_at_once(tmp_path):
     """A worker that never comes up (bogus entry point): the engine waiting for its step 0 and
     the transfer process must not make the supervisor wait out join_timeout_s (60 s here)."""
     from fastkv.cli import JobConfig, prepare
-    from fastkv.supervisor import Supervisor
+    from fastkv.cli.supervisor import Supervisor
 
     cfg = JobConfig(layers=1, kv_heads=1, head_dim=16, block_size=4, device_blocks=16, host_blocks=8, quick=True,
                     out=str(tmp_path / "out"), heartbeat_s=0.1, dead_after_s=1.0)
@@ -118,7 +118,7 @@ def test_a_dead_peer_worker_ends_the_collective_wait_at_once(tmp_path):
     """tp 2, worker1 gone: worker0, waiting for it in the all-gather, must not sit there for
     task_timeout_s (60 s) nor make the supervisor wait out join_timeout_s (60 s)."""
     from fastkv.cli import JobConfig, prepare
-    from fastkv.supervisor import Supervisor
+    from fastkv.cli.supervisor import Supervisor
 
     cfg = JobConfig(tp=2, layers=1, kv_heads=1, head_dim=16, block_size=4, device_blocks=16, host_blocks=8,
                     quick=True, out=str(tmp_path / "out"), heartbeat_s=0.1, dead_after_s=1.0, task_timeout_s=60.0)
@@ -160,8 +160,8 @@ def test_a_signal_before_the_previous_run_is_cleared_writes_nothing_for_its_work
     """A previous run's workload.jsonl (it crashed before its summary) is not this run's: a
     signal before clear_previous() is done must not write a summary for it."""
     from fastkv import cli
-    from fastkv.demo import write_workload
-    from fastkv.outdir import OutDir
+    from fastkv.workload import write_workload
+    from fastkv.cli.outdir import OutDir
 
     out = tmp_path / "out"
     with OutDir.claim(out, "previous"):  # marks the directory as fastkv's, as a previous run did
@@ -184,7 +184,8 @@ def test_a_start_up_signal_that_something_swallowed_still_stops_the_run(tmp_path
     except) can swallow it. Here the signal lands in such code, at the start-up's last steps."""
     import os
 
-    from fastkv import cli, supervisor
+    from fastkv import cli
+    from fastkv.cli import supervisor
     from tests.e2e.standins import ENTRIES
 
     def swallow() -> None:

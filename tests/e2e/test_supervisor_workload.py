@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastkv import demo
-from fastkv.demo import ConversationConfig, conversations, read_workload, shared_prefix, write_workload
+from fastkv import workload
+from fastkv.workload import ConversationConfig, conversations, read_workload, shared_prefix, write_workload
 
 
 def by_id(requests):
@@ -49,9 +49,9 @@ def test_turn_gap_spaces_waves():
 
 
 def test_trace_slice_keeps_the_traces_prefix_sharing():
-    rows = [json.loads(line) for line, _ in zip(demo.open_trace(), range(40), strict=False)]
-    reqs = demo.trace(40, tokens_per_id=8)
-    assert reqs == demo.trace(40, tokens_per_id=8)
+    rows = [json.loads(line) for line, _ in zip(workload.open_trace(), range(40), strict=False)]
+    reqs = workload.trace(40, tokens_per_id=8)
+    assert reqs == workload.trace(40, tokens_per_id=8)
     for i in range(40):
         for j in range(i + 1, 40):
             ids_i, ids_j = rows[i]["hash_ids"], rows[j]["hash_ids"]

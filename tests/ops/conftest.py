@@ -12,7 +12,7 @@ from tests.optional import require_paddle
 def paddle_ops():
     """Paddle with fastkv's ops registered; skips (fails under CI) where Paddle is not installed."""
     paddle = require_paddle()
-    from fastkv import ops
+    from fastkv.kernels import ops
 
     ops.load()  # JIT build under a file lock on the first run, then the cache
     return paddle

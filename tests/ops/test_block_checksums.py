@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastkv import ops
+from fastkv.kernels import ops
 from fastkv.transfer.tiers import block_checksum
 
 pytestmark = pytest.mark.usefixtures("paddle_ops")

@@ -7,7 +7,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from fastkv import cuda_abi, ops
+from fastkv.kernels import cuda_abi, ops
 from fastkv.config import KVLayout
 
 pytestmark = pytest.mark.skipif(cuda_abi.find_nvcc() is None, reason="nvcc not found")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fastkv import cuda_abi, cuda_arch, ops
+from fastkv.kernels import cuda_abi, cuda_arch, ops
 from tests.optional import require_paddle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def test_the_gencode_flags_reach_nvcc_in_paddles_jit_build(tmp_path, spec):
         env[cuda_arch.ENV] = spec
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    result = subprocess.run([sys.executable, "-m", "fastkv.ops", "_compile-into", str(scratch), "--cuda"],
+    result = subprocess.run([sys.executable, "-m", "fastkv.kernels.ops", "_compile-into", str(scratch), "--cuda"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0, "the stand-in nvcc compiles nothing: the build must fail"
     args = args_file.read_text().split("\n")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fastkv import ops
+from fastkv.kernels import ops
 from tests.e2e.test_supervisor import wait_for
 from tests.optional import require_paddle
 from tests.procs import processes_mentioning
@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_fastkv_imports_without_paddle_and_says_what_to_install():
     code = (
         "import sys; sys.modules['paddle'] = None\n"  # makes `import paddle` raise ImportError
-        "import fastkv, fastkv.ops, fastkv.transfer.tiers, fastkv.cuda_abi\n"
+        "import fastkv, fastkv.kernels.ops, fastkv.transfer.tiers, fastkv.kernels.cuda_abi\n"
         "try:\n"
-        "    fastkv.ops.swap_blocks([], [], None, [], [], to_host=True)\n"
+        "    fastkv.kernels.ops.swap_blocks([], [], None, [], [], to_host=True)\n"
         "except ImportError as exc:\n"
         "    print(exc)\n"
     )
@@ -81,7 +81,7 @@ def test_a_build_sweeps_the_scratch_dirs_of_dead_builders(tmp_path, monkeypatch)
 def test_a_killed_build_leaves_no_compiler_and_no_scratch_dir(tmp_path, sig):
     require_paddle()
     env = {**os.environ, "FASTKV_OPS_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    builder = subprocess.Popen([sys.executable, "-m", "fastkv.ops", "build"], env=env, stdout=subprocess.DEVNULL,
+    builder = subprocess.Popen([sys.executable, "-m", "fastkv.kernels.ops", "build"], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: any("cc1plus" in p for p in processes_mentioning(str(tmp_path))), "the compiler",
@@ -121,7 +121,7 @@ def test_build_tag_follows_the_sources(paddle_ops, tmp_path, monkeypatch):
 
 
 def test_cli_where_prints_the_loaded_library(paddle_ops):
-    result = subprocess.run([sys.executable, "-m", "fastkv.ops", "where"], cwd=ROOT, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "fastkv.kernels.ops", "where"], cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith(f"{ops.LIB_NAME}.so")
@@ -137,7 +137,7 @@ def test_a_child_that_took_back_paddles_signal_handlers_dies_at_once_on_sigterm(
     # Paddle's C++ handler answers SIGTERM with a stack dump ("FatalError: `Termination signal`"):
     # in every worker's log after a clean run, and once a transfer process hung in it until SIGKILL.
     # SIGINT stays ignored, as the supervisor's children set it: Ctrl-C is the supervisor's to handle.
-    code = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); from fastkv import ops; "
+    code = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); from fastkv.kernels import ops; "
             "ops.default_fatal_signals(); os.kill(os.getpid(), signal.SIGINT); "
             "print('armed', flush=True); os.kill(os.getpid(), signal.SIGTERM); sys.stdin.read()")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},

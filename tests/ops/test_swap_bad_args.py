@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastkv import ops
+from fastkv.kernels import ops
 from fastkv.config import KVLayout
 from tests.ops.conftest import Tiers
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastkv import ops
+from fastkv.kernels import ops
 from fastkv.config import KVLayout
 from tests.ops.conftest import Tiers
 

@@ -37,7 +37,7 @@ def _fill(tier: DeviceTier, seed: int) -> None:
 
 def _transfer_swap_out(prefix, device_ids, host_ids, marker_block, done):
     """Plays the transfer process: attaches both tiers, swaps out, writes through Paddle."""
-    from fastkv import ops
+    from fastkv.kernels import ops
 
     device = DeviceTier.attach(prefix, 0, LAYOUT, NUM_DEV)
     host = HostTier.attach(prefix, 0, LAYOUT, NUM_HOST, pin=False)
@@ -49,7 +49,7 @@ def _transfer_swap_out(prefix, device_ids, host_ids, marker_block, done):
 
 
 def _transfer_swap_in_and_hang(prefix, host_ids, device_ids, done):
-    from fastkv import ops
+    from fastkv.kernels import ops
 
     device = DeviceTier.attach(prefix, 0, LAYOUT, NUM_DEV)
     host = HostTier.attach(prefix, 0, LAYOUT, NUM_HOST, pin=False)

@@ -196,6 +196,58 @@ def test_at_most_five_private_reaches_each_with_a_reason():
     assert {(m, src) for m, _, src in reaches} == set(KEPT), "a KEPT reach is gone: drop its entry"
 
 
+# The package's floors, lowest first: a unit (a package under fastkv/, or a module at its root)
+# imports only units on a floor below its own. A new package or root module is placed here.
+FLOORS = [
+    ("fastkv.config", "fastkv.native", "fastkv.deploy"),
+    ("fastkv.ipc", "fastkv.cache", "fastkv.storage"),
+    ("fastkv.kernels", "fastkv.procs", "fastkv.events", "fastkv.routing", "fastkv.sched", "fastkv.workload"),
+    ("fastkv.run",),
+    ("fastkv.transfer",),
+    ("fastkv.launch",),
+    ("fastkv.engine",),
+    ("fastkv.cli",),
+    ("fastkv.__main__",),
+]
+FLOOR = {unit: i for i, units in enumerate(FLOORS) for unit in units}
+
+
+def _unit(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def upward_imports() -> list[tuple[str, str]]:
+    """(importer, imported) pairs whose imported unit is not on a lower floor."""
+    return sorted((m, t) for m in MODULES if m != "fastkv" for t in _imports(m)[0]
+                  if t != "fastkv" and _unit(m) != _unit(t) and FLOOR[_unit(t)] >= FLOOR[_unit(m)])
+
+
+def test_every_unit_is_on_a_floor():
+    assert sorted({_unit(m) for m in MODULES if m != "fastkv"} - FLOOR.keys()) == []
+
+
+def test_no_package_imports_one_on_its_floor_or_above():
+    assert upward_imports() == []
+
+
+def test_the_layer_check_sees_an_import_going_up(monkeypatch):
+    """The check above on a mutant: the transfer process importing the engine's cost model."""
+    tree = ast.parse("from fastkv.engine import metrics\n")
+    monkeypatch.setitem(MODULES, "fastkv.transfer.mutant", (ROOT / "transfer" / "mutant.py", tree))
+    assert ("fastkv.transfer.mutant", "fastkv.engine.metrics") in upward_imports()
+
+
+@pytest.mark.parametrize("package", ["fastkv.transfer", "fastkv.cache", "fastkv.storage", "fastkv.ipc"])
+def test_the_lower_packages_never_import_the_engine(package):
+    assert [(m, t) for m in MODULES if _unit(m) == package for t in _imports(m)[0]
+            if t.startswith("fastkv.engine")] == []
+
+
+def test_the_root_holds_at_most_four_modules():
+    loose = sorted(p.name for p in ROOT.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(loose) <= 4, loose
+
+
 @pytest.mark.parametrize("module", ["fastkv.ipc.messages", "fastkv.ipc.codec"])
 def test_ipc_imports_nothing_from_cache(module):
     assert not any(t.startswith("fastkv.cache") for t in _imports(module)[0])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fastkv.cli import JobConfig
-from fastkv.engine.runners.cost_model import (
+from fastkv.deploy.cost_model import (
     LLAMA3_8B_H100,
     LLAMA3_8B_H100_POOL,
     LLAMA3_70B_H100_TP4,

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from fastkv import cpu_policy
+from fastkv.procs import cpu_policy
 from fastkv.cli import JobConfig, _flags, build_parser
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH is Linux's")

@@ -13,7 +13,7 @@ from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.engine import protocol
 from fastkv.engine.engine import read_workload
 from fastkv.ipc import decode, encode
-from fastkv.metrics import EngineMetrics
+from fastkv.engine.metrics import EngineMetrics
 from fastkv.sched import Request, Scheduler
 from fastkv.sched.output import SeqWork, StepOutput, StepPlan
 

@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fastkv.cache.manager import CacheConfig, CacheManager
-from fastkv.metrics import EngineMetrics
+from fastkv.engine.metrics import EngineMetrics
 from fastkv.sched import Scheduler, SchedulerConfig
 from tests.optional import PROMTOOL, require_binary
 from tests.sched_harness import Rig

@@ -48,9 +48,9 @@ def test_no_file_references_a_path_outside_the_repo():
 
 
 def test_the_trace_and_design_doc_are_in_the_repo():
-    from fastkv import demo
+    from fastkv import workload
 
-    assert demo.TRACE.is_relative_to(ROOT / "fastkv"), demo.TRACE
-    assert (demo.TRACE.parent / "LICENSE-Mooncake-APACHE.txt").is_file()
-    assert len(demo.trace(3)) == 3
+    assert workload.TRACE.is_relative_to(ROOT / "fastkv"), workload.TRACE
+    assert (workload.TRACE.parent / "LICENSE-Mooncake-APACHE.txt").is_file()
+    assert len(workload.trace(3)) == 3
     assert (ROOT / "docs" / "DESIGN.md").is_file() and "(docs/DESIGN.md)" in (ROOT / "README.md").read_text()

@@ -68,7 +68,7 @@ def test_rows_name_their_token_and_position_and_are_finite(dtype):
 @settings(max_examples=25)
 @given(data=st.data())
 def test_compiled_rows_equal_the_numpy_definition(dtype, data):
-    """fastkv._synthetic makes the rows; kv_rows_reference defines their bytes."""
+    """fastkv.native._synthetic makes the rows; kv_rows_reference defines their bytes."""
     lay = KVLayout(num_layers=data.draw(st.integers(1, 3)), kv_heads=data.draw(st.integers(1, 3)), block_size=4,
                    head_dim=data.draw(st.sampled_from([9, 16, 24, 64])), dtype=dtype)
     n = data.draw(st.integers(0, 40))
@@ -122,7 +122,7 @@ def test_rows_into_the_caches_refuse_bad_ids_and_caches():
 
 
 def test_compiled_rows_refuse_buffers_that_disagree():
-    from fastkv import _synthetic
+    from fastkv.native import _synthetic
 
     keys, salts = np.zeros(3, np.uint64), np.zeros((2, 8), np.uint64)  # 3 tokens; 1 layer, K and V, 1 head
     header = np.zeros((3, 8), np.uint16)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from fastkv.compiled import load
+from fastkv.native.compiled import load
 
 _pool = load("_pool")  # the links of popleft_many and extend (ops/block_pool.c)
 

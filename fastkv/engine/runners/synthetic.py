@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from fastkv.compiled import load
+from fastkv.native.compiled import load
 from fastkv.config import KVLayout
 from fastkv.engine.runners.base import ModelRunner
-from fastkv.engine.runners.cost_model import ScaledCostModel, deployment, measure_copy_bandwidth
+from fastkv.deploy.cost_model import ScaledCostModel, deployment, measure_copy_bandwidth
 from fastkv.run import VERIFY_COUNTERS
 from fastkv.sched.output import StepOutput, StepPlan, validate_plan
 
@@ -140,14 +140,14 @@ def _header(tok: np.ndarray, pos: np.ndarray, key: np.ndarray) -> np.ndarray:
 
 
 _synthetic = load("_synthetic")
-_KINDS = {"float32": 0, "bfloat16": 1, "float16": 2, "uint8": 3, "int8": 3}  # fastkv._synthetic's
+_KINDS = {"float32": 0, "bfloat16": 1, "float16": 2, "uint8": 3, "int8": 3}  # fastkv.native._synthetic's
 
 
 def kv_rows(
     layout: KVLayout, rank: int, token_ids: np.ndarray, positions: np.ndarray, weights_version: str = "0"
 ) -> np.ndarray:
     """The K/V rows of tokens at positions: [layers, 2, kv_heads, n, head_dim] in ``layout.numpy_dtype``
-    (made by ``fastkv._synthetic``; ``kv_rows_reference`` defines them)."""
+    (made by ``fastkv.native._synthetic``; ``kv_rows_reference`` defines them)."""
     tok, pos = _rows_args(layout, token_ids, positions)
     n = len(tok)
     out = np.empty((layout.num_layers, 2, layout.kv_heads, n, layout.head_dim), dtype=layout.numpy_dtype)
@@ -161,7 +161,7 @@ def write_rows(
     layout: KVLayout, rank: int, caches: list[np.ndarray], token_ids: np.ndarray, positions: np.ndarray,
     blocks: np.ndarray, slots: np.ndarray, weights_version: str = "0",
 ) -> None:
-    """``kv_rows`` written straight into device caches (``fastkv._synthetic``: no rows array,
+    """``kv_rows`` written straight into device caches (``fastkv.native._synthetic``: no rows array,
     no fancy-indexed scatter): token i's rows go to block ``blocks[i]``, slot ``slots[i]`` of
     ``caches``, the K and V caches of each layer in turn ([K0, V0, K1, V1, ...], each
     ``layout.device_shape``)."""

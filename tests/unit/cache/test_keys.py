@@ -53,7 +53,7 @@ def test_the_c_chain_equals_the_blake3_binding(block_size):
 
 
 def test_the_c_chain_refuses_what_it_cannot_hash():
-    from fastkv.compiled import load
+    from fastkv.native.compiled import load
 
     chain = load("_chain")
     with pytest.raises(ValueError, match="parent must be 32 bytes"):

@@ -162,7 +162,7 @@ def test_an_observed_lookup_map_sees_every_insert_and_eviction():
 
 
 def test_the_c_loops_refuse_a_dict_subclass():
-    from fastkv.compiled import load
+    from fastkv.native.compiled import load
 
     with pytest.raises(TypeError, match="plain dicts"):
         load("_pool").insert_keys(CountingMap(), [None], [1], [None], {}, [0], [b"k"], [None], 2, print)

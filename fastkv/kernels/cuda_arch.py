@@ -1,8 +1,8 @@
 """The GPU architectures fastkv's CUDA code is compiled for, as nvcc ``-gencode`` flags.
 
-Both builds use them: the Paddle op's JIT build (``fastkv.ops``; Paddle's own JIT passes none, so
+Both builds use them: the Paddle op's JIT build (``fastkv.kernels.ops``; Paddle's own JIT passes none, so
 nvcc would build for its default architecture and a newer GPU would JIT the PTX at every first
-load) and the C ABI library (``fastkv.cuda_abi``). ``FASTKV_CUDA_ARCH`` overrides the list:
+load) and the C ABI library (``fastkv.kernels.cuda_abi``). ``FASTKV_CUDA_ARCH`` overrides the list:
 compute capabilities separated by commas, spaces or semicolons, as ``80``, ``8.0`` or ``90a``; ``+PTX``
 after one also embeds its PTX, which newer GPUs JIT. Default: ``80,90+PTX`` (A100, H100/H200).
 """

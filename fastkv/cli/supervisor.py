@@ -45,7 +45,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fastkv.children import Child, _child_main, describe_exit, log_tail, resolve  # noqa: F401 (re-exported)
+from fastkv.procs.children import Child, _child_main, describe_exit, log_tail, resolve  # noqa: F401 (re-exported)
 from fastkv.engine.engine import write_missing
 from fastkv.ipc import Namespace, SignalArray
 from fastkv.ipc.namespace import SHM_DIR
@@ -180,7 +180,7 @@ class Supervisor:
     def _build_ops(self) -> str | None:
         """Builds the swap ops unless built (first run on a machine), before anything else exists,
         so no process builds them under its heartbeat; returns why that failed, or None."""
-        from fastkv import ops
+        from fastkv.kernels import ops
 
         if ops.find() is not None:
             return None

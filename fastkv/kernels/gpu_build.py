@@ -1,5 +1,5 @@
 """Compile checks of the Paddle op's GPU variant on a machine with neither a GPU nor a CUDA build
-of Paddle: ``python -m fastkv.gpu_build --out DIR`` (scripts/check_gpu_build.sh runs it, and CI
+of Paddle: ``python -m fastkv.kernels.gpu_build --out DIR`` (scripts/check_gpu_build.sh runs it, and CI
 runs that). Needs $CUDA_HOME with bin/nvcc, CUDA's headers (the math libraries' and cuDNN's too:
 Paddle's GPU headers include them) and lib64/libcudart.so.
 
@@ -7,9 +7,9 @@ Paddle's GPU headers include them) and lib64/libcudart.so.
    build's defines (PADDLE_WITH_CUDA, FASTKV_WITH_CUDA), syntax only, under -Wall -Wextra
    -Werror; Paddle's and CUDA's headers are system headers, so only fastkv's code is held to it.
    Paddle's JIT passes -w to every compile, so no warning could fail step 2. (swap_cuda.cu's
-   warnings fail ``python -m fastkv.cuda_abi --werror``: the same file, the same nvcc.)
+   warnings fail ``python -m fastkv.kernels.cuda_abi --werror``: the same file, the same nvcc.)
 2. ``op``: Paddle's JIT build of the ops with swap_cuda.cu, exactly as on a GPU machine; its
-   nvcc command for swap_cuda.cu must carry every -gencode flag of ``fastkv.cuda_arch``.
+   nvcc command for swap_cuda.cu must carry every -gencode flag of ``fastkv.kernels.cuda_arch``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import time
 import warnings
 from pathlib import Path
 
-from fastkv import cuda_arch, ops
+from fastkv.kernels import cuda_arch, ops
 
 _CUDA_SOURCE = "swap_cuda.cu"
 _OP_SOURCE = "swap_op.cc"
@@ -91,11 +91,11 @@ def check_op(out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastkv.gpu_build", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fastkv.kernels.gpu_build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for the library and build log")
     args = parser.parse_args(argv)
     if not os.environ.get("CUDA_HOME"):
-        print("fastkv.gpu_build: set CUDA_HOME (scripts/check_gpu_build.sh does)", file=sys.stderr)
+        print("fastkv.kernels.gpu_build: set CUDA_HOME (scripts/check_gpu_build.sh does)", file=sys.stderr)
         return 2
     try:
         t0 = time.monotonic()
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"op: Paddle's JIT build with {_CUDA_SOURCE} ({' '.join(cuda_arch.gencode_flags())}): "
               f"{lib} ({time.monotonic() - t0:.0f} s)")
     except (BuildCheckError, ValueError) as exc:
-        print(f"fastkv.gpu_build: {exc}", file=sys.stderr)
+        print(f"fastkv.kernels.gpu_build: {exc}", file=sys.stderr)
         return 1
     return 0
 

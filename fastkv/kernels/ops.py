@@ -3,7 +3,7 @@
 The ops live in ``ops/`` (C++ and CUDA sources). They are loaded, in this order, from
 
 1. ``fastkv/_prebuilt/fastkv_ops.so`` when its ``TAG`` matches the sources (``setup.py`` and
-   ``python -m fastkv.ops build --dest fastkv/_prebuilt`` put it there);
+   ``python -m fastkv.kernels.ops build --dest fastkv/_prebuilt`` put it there);
 2. the build cache ``$FASTKV_OPS_CACHE`` (default ``~/.cache/fastkv/ops``), under a directory
    named by the hash of the sources, Paddle's version and the CUDA flag; missing, it is built
    (about 15 s), under a file lock so concurrent processes build it once.
@@ -23,7 +23,7 @@ Hot path. ``BoundSwap`` checks a tier's tensors once through the op and then cal
 CPU kernel through its C ABI (``fkv_cpu_swap``): no op dispatch and no DLPack per call, the
 bulk of a small swap's cost. The Paddle op stays the public op (``swap_blocks``).
 
-Paddle is imported lazily: ``import fastkv.ops`` works without it; the first op call
+Paddle is imported lazily: ``import fastkv.kernels.ops`` works without it; the first op call
 raises ImportError naming the package to install.
 """
 from __future__ import annotations
@@ -47,16 +47,16 @@ from typing import IO, Any
 
 import numpy as np
 
-from fastkv import cuda_arch
+from fastkv.kernels import cuda_arch
 
-OPS_DIR = Path(__file__).resolve().parent.parent / "ops"
-PREBUILT_DIR = Path(__file__).resolve().parent / "_prebuilt"
+OPS_DIR = Path(__file__).resolve().parents[2] / "ops"
+PREBUILT_DIR = Path(__file__).resolve().parents[1] / "_prebuilt"
 LIB_NAME = "fastkv_ops"
 _CPU_SOURCES = ("swap_op.cc", "block_digest.cc", "block_digest_avx2.cc", "block_digest_avx512.cc")
 _CUDA_SOURCES = ("swap_cuda.cu",)
 _HEADERS = ("swap_common.h", "swap_cuda.h", "block_digest.h", "block_copy_hash.h", "third_party/xxhash/xxhash.h")
 _CXX_FLAGS = ["-O3", "-pthread"]
-_CUDA_FLAGS = ["-O3", "-DFASTKV_WITH_CUDA"]  # and the -gencode flags of fastkv.cuda_arch
+_CUDA_FLAGS = ["-O3", "-DFASTKV_WITH_CUDA"]  # and the -gencode flags of fastkv.kernels.cuda_arch
 
 # Runs of consecutive blocks moving at least this many bytes per layer go to the DMA engines as
 # one 2D copy; shorter ones to the gather kernel (GPU only; see ops/swap_cuda.cu).
@@ -198,7 +198,7 @@ def _compile(root: Path, tag: str | None, verbose: bool, cuda: bool = False, log
 def build_gpu_variant(dest: Path, log: IO[str]) -> Path:
     """Compiles the ops with their CUDA sources into ``dest/fastkv_ops.so`` as a CUDA build of
     Paddle would, whatever this Paddle was built for, writing the compilers' commands and output
-    to ``log``: the GPU build's compile check on any machine (``fastkv.gpu_build``). Needs
+    to ``log``: the GPU build's compile check on any machine (``fastkv.kernels.gpu_build``). Needs
     $CUDA_HOME with nvcc and CUDA's headers; the result has no TAG and is not for loading."""
     dest.mkdir(parents=True, exist_ok=True)
     _compile(dest, None, True, cuda=True, log=log)
@@ -227,12 +227,12 @@ def _run_build_process(scratch: Path, verbose: bool, cuda: bool = False, log: IO
 
 
 def _ops_command(command: str, *args: Any, verbose: bool) -> list[str]:
-    return [sys.executable, "-m", "fastkv.ops", command, *map(str, args)] + (["--verbose"] if verbose else [])
+    return [sys.executable, "-m", "fastkv.kernels.ops", command, *map(str, args)] + (["--verbose"] if verbose else [])
 
 
 def _ops_env() -> dict[str, str]:
     """This process's environment, with this fastkv first on the path (setup.py runs from a checkout)."""
-    package_parent = str(Path(__file__).resolve().parent.parent)
+    package_parent = str(Path(__file__).resolve().parents[2])
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
 
 
@@ -690,7 +690,7 @@ def swap_blocks_ref(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastkv.ops", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fastkv.kernels.ops", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build the ops library (into the cache, or --dest)")
     b.add_argument("--dest", type=Path, default=None, help="e.g. fastkv/_prebuilt")

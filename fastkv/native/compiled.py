@@ -12,7 +12,7 @@ class NotBuilt(ImportError):
 
 def load(name: str) -> ModuleType:
     try:
-        return importlib.import_module(f"fastkv.{name}")
+        return importlib.import_module(f"fastkv.native.{name}")
     except ImportError as exc:
         raise NotBuilt(f"fastkv's C extension {name} is not built ({exc}); install fastkv with "
                        "`pip install -e .`, or build it in place with `python setup.py build_ext --inplace` in "

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fastkv import cuda_arch
-from fastkv.ops import OPS_DIR
+from fastkv.kernels import cuda_arch
+from fastkv.kernels.ops import OPS_DIR
 
 # sm_80 (A100), sm_90 (H100/H200) native code, plus PTX so newer GPUs JIT it.
 DEFAULT_ARCH_FLAGS = cuda_arch.DEFAULT_FLAGS
@@ -160,7 +160,7 @@ class CudaSwapLib:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastkv.cuda_abi",
+    parser = argparse.ArgumentParser(prog="python -m fastkv.kernels.cuda_abi",
                                      description="Build the C ABI library of ops/swap_cuda.cu with nvcc.")
     parser.add_argument("--out", type=Path, required=True, help="directory for libfkv_swap_cuda.so")
     parser.add_argument("--werror", action="store_true", help="every warning fails the build")
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = build(args.out, warnings_as_errors=args.werror)
     except (FileNotFoundError, RuntimeError, ValueError) as exc:
-        print(f"fastkv.cuda_abi: {exc}", file=sys.stderr)
+        print(f"fastkv.kernels.cuda_abi: {exc}", file=sys.stderr)
         return 1
     print(path)
     return 0

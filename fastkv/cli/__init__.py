@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from fastkv.cache.eviction import POLICIES
-from fastkv.compiled import NotBuilt
+from fastkv.native.compiled import NotBuilt
 from fastkv.config import KVLayout
-from fastkv.cpu_policy import CPU_POLICIES
-from fastkv.demo import PREEMPTION_MODES, ConversationConfig
+from fastkv.procs.cpu_policy import CPU_POLICIES
+from fastkv.workload import PREEMPTION_MODES, ConversationConfig
 from fastkv.events.config import SCHEMAS as EVENT_SCHEMAS
-from fastkv.outdir import OutDir
+from fastkv.cli.outdir import OutDir
 from fastkv.sched.config import SchedulerConfig
 
 RUNNERS = ("synthetic", "tiny", "paddleformers:llama", "paddleformers:ernie4_5")
@@ -169,7 +169,7 @@ class JobConfig:
             raise ValueError(f"the synthetic runner needs head_dim > 8, got {self.head_dim}")
         self._check_scheduler()
         if self.runner == "synthetic" and self.runner_options.get("cost_model"):
-            from fastkv.engine.runners.cost_model import deployment
+            from fastkv.deploy.cost_model import deployment
 
             deployment(self.runner_options["cost_model"])  # an unknown name fails here, naming the choices
         if self.runner == "tiny":
@@ -311,9 +311,9 @@ class JobConfig:
     @classmethod
     def from_sources(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
         """Defaults, then the config file at ``path``, then ``overrides`` (flags that were given):
-        flag > config file > default (``fastkv.precedence``). ``overridden`` lists each value a
+        flag > config file > default (``fastkv.cli.precedence``). ``overridden`` lists each value a
         flag overrode in the file."""
-        from fastkv.precedence import Layer, flag_name, merge
+        from fastkv.cli.precedence import Layer, flag_name, merge
 
         layers = [Layer(f"config file {path}", read_config_file(path), str)] if path is not None else []
         layers.append(Layer("flags", dict(overrides or {}), flag_name))
@@ -345,17 +345,17 @@ class JobConfig:
         return self.storage
 
     def requests(self) -> list[dict[str, Any]]:
-        from fastkv import demo
+        from fastkv import workload
 
         if self.workload != "demo" and not self._is_trace():
-            return demo.read_workload(self.workload, self.vocab())
+            return workload.read_workload(self.workload, self.vocab())
         if self.workload == "demo":
-            requests = demo.conversations(self.demo_config())
+            requests = workload.conversations(self.demo_config())
         else:
             n = int(self.workload[6:]) if ":" in self.workload else (16 if self.quick else 48)
-            requests = demo.trace(n, seed=self.seed, vocab=self.demo_config().vocab)
+            requests = workload.trace(n, seed=self.seed, vocab=self.demo_config().vocab)
         for req in requests:  # the demo's vocab setting may exceed the runner's
-            demo.check_request(req, self.vocab())
+            workload.check_request(req, self.vocab())
         return requests
 
     def full_runner_options(self) -> dict[str, Any]:
@@ -574,7 +574,7 @@ def prepare(cfg: JobConfig, run_id: str | None = None, outdir: OutDir | None = N
     ``outdir``: ``cfg.out`` as claimed by the caller for run ``outdir.run_id``, held for the
     run; without one it is claimed for the preparation only (tests, benchmarks), for run
     ``run_id`` (default: a fresh id)."""
-    from fastkv.demo import write_workload
+    from fastkv.workload import write_workload
 
     if outdir is None:
         with OutDir.claim(cfg.out, run_id or secrets.token_hex(4)) as held:
@@ -651,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg.check_runner_options()
         # All before anything is written: a live run's directory or namespace is not ours, and
         # a busy port would only fail the engine once everything had started.
-        from fastkv.metrics import check_port
+        from fastkv.engine.metrics import check_port
 
         check_port(cfg.metrics_port)
         if cfg.kv_events():
@@ -741,9 +741,9 @@ def _local_pool(url: str):
 
 
 def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress_bar: bool) -> int:
-    from fastkv import report
-    from fastkv.proctitle import set_title
-    from fastkv.supervisor import Supervisor
+    from fastkv.cli import report
+    from fastkv.procs.proctitle import set_title
+    from fastkv.cli.supervisor import Supervisor
 
     set_title("supervisor", None, spec.run_id)
     print(f"fastkv-supervisor: run {spec.run_id}: {spec.tp_size} rank(s), {cfg.runner} runner, "

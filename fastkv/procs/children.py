@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fastkv.ipc.peers import die_with_parent
-from fastkv.proctitle import set_title
+from fastkv.procs.proctitle import set_title
 
 
 @dataclass(slots=True)
@@ -35,7 +35,7 @@ def resolve(target: str) -> Callable[..., int]:
 
 def _child_main(target: str, args: tuple, parent_pid: int, log_path: str, title: tuple = ()) -> None:
     """Runs in the spawned child: die with the supervisor, log to a file, call the entry point.
-    ``title``: ``(role, rank, run_id)`` for ``fastkv.proctitle.set_title``."""
+    ``title``: ``(role, rank, run_id)`` for ``fastkv.procs.proctitle.set_title``."""
     die_with_parent(parent_pid)
     if title:
         set_title(*title)
