@@ -38,13 +38,17 @@ def reference(tp: int) -> dict[str, list[int]]:
 def serve(tmp_path: Path, tp: int, code: str) -> dict[str, list[int]]:
     script = tmp_path / "serve.py"
     script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script), str(tp)], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    preempted = json.loads(proc.stderr.strip().splitlines()[-1])
+    proc = subprocess.Popen([sys.executable, str(script), str(tp)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    preempted = json.loads(err.strip().splitlines()[-1])
     assert preempted["offload"] > 0, preempted  # the small device tier made it offload
-    assert not [p for p in Path("/dev/shm").iterdir() if f"fkv.serve{proc.pid}." in p.name]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not [p for p in Path("/dev/shm").iterdir() if f"fkv.serve{proc.pid}." in p.name]  # its run id
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("tp", [1, 2])
