@@ -48,10 +48,10 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from fastkv.procs.children import STOP_SIGNALS, Child, _child_main, describe_exit, last_line
 from fastkv.ipc import Namespace, SignalArray, cleanup_stale
 from fastkv.ipc.namespace import SHM_DIR
 from fastkv.ipc.semwait import clear_stop, raise_stop
+from fastkv.procs.children import STOP_SIGNALS, Child, _child_main, describe_exit, last_line
 from fastkv.run import READY, STARTING, RunSpec, create_run
 
 TRANSFER = "fastkv.transfer.process:main"  # main(spec_json, rank) -> int

@@ -25,9 +25,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fastkv.kernels import ops  # noqa: E402
 from fastkv.config import KVLayout  # noqa: E402
 from fastkv.engine.runners.synthetic import SyntheticRunner  # noqa: E402
+from fastkv.kernels import ops  # noqa: E402
 from fastkv.sched.output import SeqWork, StepPlan  # noqa: E402
 
 

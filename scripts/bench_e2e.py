@@ -68,7 +68,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fastkv.cli import report  # noqa: E402
 from fastkv.cli import (  # noqa: E402
     CACHE_POLICIES,
     RUNNER_VOCAB,
@@ -77,9 +76,9 @@ from fastkv.cli import (  # noqa: E402
     at_least,
     parse_entries,
     prepare,
+    report,  # noqa: E402
 )
-from fastkv.procs.cpu_policy import CPU_POLICIES  # noqa: E402
-from fastkv.workload import read_workload, write_workload  # noqa: E402
+from fastkv.cli.supervisor import Supervisor  # noqa: E402
 from fastkv.deploy.cost_model import (  # noqa: E402
     DEPLOYMENTS,
     LLAMA3_8B_H100,
@@ -87,7 +86,8 @@ from fastkv.deploy.cost_model import (  # noqa: E402
     deployment,
     measure_copy_bandwidth,
 )
-from fastkv.cli.supervisor import Supervisor  # noqa: E402
+from fastkv.procs.cpu_policy import CPU_POLICIES  # noqa: E402
+from fastkv.workload import read_workload, write_workload  # noqa: E402
 
 # --quick: the quick demo's 8 conversations x 3 turns with short replies: the prompts alone
 # outgrow the demo's device tier, so every mode still preempts, in a few seconds a run. Each run

@@ -71,7 +71,6 @@ sys.path.insert(0, str(ROOT))
 from fastkv.cache.manager import CacheConfig, CacheManager  # noqa: E402
 from fastkv.cache.write_policy import WritePolicy  # noqa: E402
 from fastkv.cli import at_least  # noqa: E402
-from fastkv.workload import TRACE, open_trace, trace  # noqa: E402
 from fastkv.deploy.cost_model import DEPLOYMENTS, LLAMA3_8B_H100, deployment  # noqa: E402
 from fastkv.events import EventsConfig, KVEvents  # noqa: E402
 from fastkv.routing import block_hashes  # noqa: E402
@@ -79,6 +78,7 @@ from fastkv.routing.indexer import Indexer  # noqa: E402
 from fastkv.sched import PreemptionMode, Scheduler, SchedulerConfig  # noqa: E402
 from fastkv.sched.output import StepOutput  # noqa: E402
 from fastkv.sched.request import Request  # noqa: E402
+from fastkv.workload import TRACE, open_trace, trace  # noqa: E402
 
 POLICIES = ("round_robin", "session", "indexer")
 BLOCK = 16

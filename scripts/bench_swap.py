@@ -52,11 +52,11 @@ from contextlib import contextmanager
 import numpy as np
 from bench_ipc import kv_msg  # scripts/ is on the path of a script run from it
 
-from fastkv.kernels import ops
 from fastkv.cache.plan import CopyKind, CopyPlan
 from fastkv.cli import at_least
 from fastkv.config import KVLayout
 from fastkv.ipc import Channel, ChannelClosed, DoneMsg, Namespace, PeerDied
+from fastkv.kernels import ops
 from fastkv.run import RunSpec, attach_engine, create_run
 from fastkv.transfer import process
 from fastkv.transfer.client import TransferClient

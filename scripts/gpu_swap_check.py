@@ -28,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fastkv.kernels import cuda_abi, ops  # noqa: E402
 from fastkv.config import KVLayout  # noqa: E402
+from fastkv.kernels import cuda_abi, ops  # noqa: E402
 
 # Fraction of one large pinned cudaMemcpyAsync a mode should reach: runs of blocks go to the DMA
 # engines as 2D copies; scattered blocks to the gather kernel.

@@ -34,8 +34,8 @@ from typing import NewType
 import numpy as np
 from blake3 import blake3
 
-from fastkv.native.compiled import load
 from fastkv.config import KVLayout
+from fastkv.native.compiled import load
 
 _chain = load("_chain")
 

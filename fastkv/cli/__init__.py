@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from fastkv.cache.eviction import POLICIES
-from fastkv.native.compiled import NotBuilt
-from fastkv.config import KVLayout
-from fastkv.procs.cpu_policy import CPU_POLICIES
-from fastkv.workload import PREEMPTION_MODES, ConversationConfig
-from fastkv.events.config import SCHEMAS as EVENT_SCHEMAS
 from fastkv.cli.outdir import OutDir
+from fastkv.config import KVLayout
+from fastkv.events.config import SCHEMAS as EVENT_SCHEMAS
+from fastkv.native.compiled import NotBuilt
+from fastkv.procs.cpu_policy import CPU_POLICIES
 from fastkv.sched.config import SchedulerConfig
+from fastkv.workload import PREEMPTION_MODES, ConversationConfig
 
 RUNNERS = ("synthetic", "tiny", "paddleformers:llama", "paddleformers:ernie4_5")
 STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
@@ -742,8 +742,8 @@ def _local_pool(url: str):
 
 def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress_bar: bool) -> int:
     from fastkv.cli import report
-    from fastkv.procs.proctitle import set_title
     from fastkv.cli.supervisor import Supervisor
+    from fastkv.procs.proctitle import set_title
 
     set_title("supervisor", None, spec.run_id)
     print(f"fastkv-supervisor: run {spec.run_id}: {spec.tp_size} rank(s), {cfg.runner} runner, "

@@ -45,11 +45,11 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fastkv.procs.children import Child, _child_main, describe_exit, log_tail, resolve  # noqa: F401 (re-exported)
 from fastkv.engine.engine import write_missing
 from fastkv.ipc import Namespace, SignalArray
 from fastkv.ipc.namespace import SHM_DIR
 from fastkv.launch import Launch
+from fastkv.procs.children import Child, _child_main, describe_exit, log_tail, resolve  # noqa: F401 (re-exported)
 from fastkv.run import STARTING, RunSpec
 
 ENTRY_POINTS = {

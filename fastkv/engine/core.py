@@ -39,10 +39,10 @@ from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import ClearTask, CopyKind, CopyPlan
 from fastkv.cache.write_policy import StorageWrites
 from fastkv.cache.write_policy import WritePolicy as CachePolicy
-from fastkv.procs.children import describe_exit, last_line
 from fastkv.engine import health, protocol
 from fastkv.engine.handoff import Exporter, HandoffStats
 from fastkv.engine.lookup import StorageLookup
+from fastkv.engine.metrics import EngineMetrics
 from fastkv.engine.sampling import Sampling, request_params
 from fastkv.engine.timeline import GpuClock
 from fastkv.ipc import (
@@ -57,7 +57,7 @@ from fastkv.ipc import (
     pid_alive,
 )
 from fastkv.ipc.peers import exit_status, wait_exit
-from fastkv.engine.metrics import EngineMetrics
+from fastkv.procs.children import describe_exit, last_line
 from fastkv.run import EngineEnds, RunSpec, attach_engine
 from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig, WeightUpdate
 from fastkv.sched.output import StepPlan

@@ -28,13 +28,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fastkv.procs.cpu_policy import apply as apply_cpu_policy
-from fastkv.workload import arrival_error, keyed_error, prompt_error
 from fastkv.engine.core import Engine, EngineError, EngineStopped, RequestRejected, RequestResult
 from fastkv.engine.decode import drive_decode
 from fastkv.engine.health import counters
 from fastkv.engine.timeline import Timeline, point
+from fastkv.procs.cpu_policy import apply as apply_cpu_policy
 from fastkv.run import EXITING, READY, RunSpec
+from fastkv.workload import arrival_error, keyed_error, prompt_error
 
 MODES = ("recompute", "offload", "storage", "auto")
 

@@ -39,11 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from fastkv.kernels import ops
 from fastkv.engine import protocol
 from fastkv.engine.runners import runner_class
 from fastkv.ipc import ChannelClosed, Namespace, OutputMsg, PeerDied, pid_alive
 from fastkv.ipc.collective import ShmCollective
+from fastkv.kernels import ops
 from fastkv.run import EXITING, READY, RunSpec, attach_worker, collective_prefix
 from fastkv.transfer.tiers import DeviceTier, TierKind, resident_bytes, select_device
 

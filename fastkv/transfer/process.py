@@ -31,10 +31,10 @@ import sys
 import threading
 import time
 
-from fastkv.kernels import ops
 from fastkv.cache.plan import CopyKind
 from fastkv.ipc import BadMessage, ChannelClosed, DoneMsg, Namespace, PeerDied, PeerTimeout, SignalArray, TaskMsg
 from fastkv.ipc.peers import me
+from fastkv.kernels import ops
 from fastkv.run import EXITING, READY, RunSpec, TransferEnds, attach_transfer
 from fastkv.transfer.executor import TaskExecutor
 from fastkv.transfer.lanes import Hold, StorageLane

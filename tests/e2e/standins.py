@@ -23,10 +23,10 @@ import os
 import threading
 import time
 
-from fastkv.workload import read_workload
 from fastkv.ipc import ChannelClosed, Namespace, SignalArray
 from fastkv.run import EXITING, READY, RunSpec, attach_engine, attach_transfer, attach_worker
 from fastkv.transfer.tiers import HostTier
+from fastkv.workload import read_workload
 
 _idle = threading.Event()  # never set: Event.wait(t) is the stand-ins' interruptible pause
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from fastkv.cli import JobConfig, prepare
-from fastkv.ipc import Namespace, SignalArray, pid_alive
 from fastkv.cli.supervisor import Supervisor
+from fastkv.ipc import Namespace, SignalArray, pid_alive
 from tests.e2e.standins import ENTRIES
 
 pytestmark = pytest.mark.timeout(120)

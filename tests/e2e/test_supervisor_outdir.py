@@ -8,8 +8,8 @@ import os
 import pytest
 
 from fastkv.cli import JobConfig, prepare
-from fastkv.ipc import Namespace
 from fastkv.cli.outdir import LOCK, OutDir
+from fastkv.ipc import Namespace
 from tests.e2e.test_supervisor import SHM, attach_signals, finish, leftovers, run_id, start_cli
 from tests.e2e.test_supervisor_cli import _cli_error
 

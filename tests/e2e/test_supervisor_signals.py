@@ -160,8 +160,8 @@ def test_a_signal_before_the_previous_run_is_cleared_writes_nothing_for_its_work
     """A previous run's workload.jsonl (it crashed before its summary) is not this run's: a
     signal before clear_previous() is done must not write a summary for it."""
     from fastkv import cli
-    from fastkv.workload import write_workload
     from fastkv.cli.outdir import OutDir
+    from fastkv.workload import write_workload
 
     out = tmp_path / "out"
     with OutDir.claim(out, "previous"):  # marks the directory as fastkv's, as a previous run did

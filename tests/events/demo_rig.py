@@ -9,9 +9,9 @@ from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.write_policy import StorageWrites, Tier
 from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.cli import QUICK_DEMO
-from fastkv.workload import ConversationConfig, conversations
 from fastkv.events import EventsConfig, KVEvents
 from fastkv.sched import PreemptionMode, Scheduler, SchedulerConfig, WeightUpdate
+from fastkv.workload import ConversationConfig, conversations
 from tests.events import spec_keys
 from tests.sched_harness import Rig
 

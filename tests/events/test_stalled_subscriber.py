@@ -15,9 +15,9 @@ import zmq
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fastkv.engine.metrics import EngineMetrics
 from fastkv.events import EventsConfig
 from fastkv.events.publisher import ZmqPublisher
-from fastkv.engine.metrics import EngineMetrics
 from fastkv.routing.indexer import Indexer
 from tests.events.demo_rig import run_demo
 from tests.events.test_events_mirror import assert_same

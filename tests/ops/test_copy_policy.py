@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastkv.kernels import ops
 from fastkv.config import KVLayout
+from fastkv.kernels import ops
 from tests.ops.conftest import Tiers
 
 MIB = 1 << 20

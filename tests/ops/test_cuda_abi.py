@@ -7,8 +7,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from fastkv.kernels import cuda_abi, ops
 from fastkv.config import KVLayout
+from fastkv.kernels import cuda_abi, ops
 
 pytestmark = pytest.mark.skipif(cuda_abi.find_nvcc() is None, reason="nvcc not found")
 

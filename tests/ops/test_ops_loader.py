@@ -81,8 +81,8 @@ def test_a_build_sweeps_the_scratch_dirs_of_dead_builders(tmp_path, monkeypatch)
 def test_a_killed_build_leaves_no_compiler_and_no_scratch_dir(tmp_path, sig):
     require_paddle()
     env = {**os.environ, "FASTKV_OPS_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    builder = subprocess.Popen([sys.executable, "-m", "fastkv.kernels.ops", "build"], env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+    builder = subprocess.Popen([sys.executable, "-m", "fastkv.kernels.ops", "build"], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: any("cc1plus" in p for p in processes_mentioning(str(tmp_path))), "the compiler",
                  timeout=300, proc=builder)
@@ -121,8 +121,8 @@ def test_build_tag_follows_the_sources(paddle_ops, tmp_path, monkeypatch):
 
 
 def test_cli_where_prints_the_loaded_library(paddle_ops):
-    result = subprocess.run([sys.executable, "-m", "fastkv.kernels.ops", "where"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([sys.executable, "-m", "fastkv.kernels.ops", "where"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith(f"{ops.LIB_NAME}.so")
 

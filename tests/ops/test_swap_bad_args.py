@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastkv.kernels import ops
 from fastkv.config import KVLayout
+from fastkv.kernels import ops
 from tests.ops.conftest import Tiers
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=8, dtype="bfloat16")

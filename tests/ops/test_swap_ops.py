@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastkv.kernels import ops
 from fastkv.config import KVLayout
+from fastkv.kernels import ops
 from tests.ops.conftest import Tiers
 
 DTYPES = ["float32", "float16", "bfloat16", "uint8", "int8"]

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from fastkv.procs import cpu_policy
 from fastkv.cli import JobConfig, _flags, build_parser
+from fastkv.procs import cpu_policy
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH is Linux's")
 

@@ -12,8 +12,8 @@ from prometheus_client import generate_latest
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.engine import protocol
 from fastkv.engine.engine import read_workload
-from fastkv.ipc import decode, encode
 from fastkv.engine.metrics import EngineMetrics
+from fastkv.ipc import decode, encode
 from fastkv.sched import Request, Scheduler
 from fastkv.sched.output import SeqWork, StepOutput, StepPlan
 

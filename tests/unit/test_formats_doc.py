@@ -14,9 +14,8 @@ import re
 import textwrap
 from pathlib import Path
 
-from fastkv.engine import metrics
 from fastkv.cli import report
-from fastkv.engine import engine, health
+from fastkv.engine import engine, health, metrics
 from fastkv.engine.core import RequestResult
 from fastkv.engine.handoff import HandoffStats
 from fastkv.engine.lookup import LookupStats

@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from fastkv.native.compiled import load
 from fastkv.config import KVLayout
-from fastkv.engine.runners.base import ModelRunner
 from fastkv.deploy.cost_model import ScaledCostModel, deployment, measure_copy_bandwidth
+from fastkv.engine.runners.base import ModelRunner
+from fastkv.native.compiled import load
 from fastkv.run import VERIFY_COUNTERS
 from fastkv.sched.output import StepOutput, StepPlan, validate_plan
 
