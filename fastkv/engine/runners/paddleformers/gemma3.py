@@ -11,7 +11,8 @@ over every position so far, and the attention (``eager_attention_forward``) cuts
 it has by keeping its *first* columns (``attention_mask[..., :kv_len]``): a decode at position p
 sees its window's keys under the mask of positions [0, kv_len), which lets through only
 max(0, 2w - 1 - p) of them (w the window), and none at all from p >= 2w - 1, where the
-softmax of an all-masked row is uniform. Position ids are right (checked). fastkv's tests
+softmax of an all-masked row is uniform. Position ids are right; cutting the mask to its last
+columns instead makes ``generate()`` equal the no-cache forward (both checked). fastkv's tests
 therefore take greedy decoding by the no-cache forward as the oracle, and show where
 ``generate()`` agrees with it (sequences within the window) and where it parts.
 
