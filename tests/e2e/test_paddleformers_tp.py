@@ -57,7 +57,8 @@ def logits(family: str, tp: int, rank: int, collective: ShmCollective | None) ->
             ids = paddle.to_tensor([prompt + want[rid]])
             out[rid] = runner.model(ids, return_dict=True).logits[0, len(prompt) - 1 : -1].numpy()
     names = [n for group in SHARDS[family] for n in group]
-    weights = {f"{i}.{name}": weight(layer, name) for i, layer in enumerate(runner.model.model.layers) for name in names}
+    weights = {f"{i}.{name}": weight(layer, name)
+               for i, layer in enumerate(runner.model.model.layers) for name in names}
     return out, weights
 
 

@@ -76,7 +76,8 @@ def test_ernie_fused_rope_is_refused():
 @pytest.mark.parametrize(("config", "message"), [
     ({"layer_types": ["sliding_attention"]}, "layer_types must list one kind per layer \\(2\\)"),
     ({"layer_types": ["sliding_attention", "local"]}, "layer_types: unknown kinds \\['local'\\]"),
-    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 0}, "sliding_window must be a positive"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 0},
+     "sliding_window must be a positive"),
 ])
 def test_a_hybrids_layer_kinds_are_checked(family, config, message):
     with pytest.raises(ValueError, match=f"model setting {message}"):

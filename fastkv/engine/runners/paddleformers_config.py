@@ -3,8 +3,9 @@ without importing Paddle or PaddleFormers (``fastkv.cli`` checks a job with it b
 starts).
 
 The settings are the family's config class's keyword arguments (``LlamaConfig``,
-``Ernie4_5Config``, ``Gemma3TextConfig``, ``GptOssConfig``): runner option ``config`` (a table), over the ``config.json`` named by
-runner option ``config_file``, over defaults derived from the layout. The layout decides what
+``Ernie4_5Config``, ``Gemma3TextConfig``, ``GptOssConfig``): runner option ``config`` (a table),
+over the ``config.json`` named by runner option ``config_file``, over defaults derived from the
+layout. The layout decides what
 fastkv allocates (layers, KV heads, head_dim), so a setting that disagrees with it is an error
 rather than a silent second truth.
 """
