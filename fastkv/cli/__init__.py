@@ -36,7 +36,8 @@ from fastkv.procs.cpu_policy import CPU_POLICIES
 from fastkv.sched.config import SchedulerConfig
 from fastkv.workload import PREEMPTION_MODES, ConversationConfig
 
-RUNNERS = ("synthetic", "tiny", "paddleformers:llama", "paddleformers:ernie4_5")
+RUNNERS = ("synthetic", "tiny", "paddleformers:llama", "paddleformers:ernie4_5", "paddleformers:gemma3",
+           "paddleformers:gpt_oss")
 STORAGE_SCHEMES = ("lmdb", "redis", "rediss", "unix", "mooncake")
 ROLES = ("mixed", "prefill", "decode")
 # Per-token compute cost of the synthetic runner (CPU busy work): 300 us, the order of what the
@@ -44,7 +45,7 @@ ROLES = ("mixed", "prefill", "decode")
 # what it would with a real (CPU) model. verify "resumed" checks every block of a request that
 # was restored, preempted or moved, byte for byte, without re-reading every sequence every step.
 DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 300.0, "verify": "resumed"}, "tiny": {},
-                          "paddleformers:llama": {}, "paddleformers:ernie4_5": {}}
+                          **{name: {} for name in RUNNERS if name.startswith("paddleformers:")}}
 CACHE_POLICIES = ("write_back", "write_through", "write_through_selective")
 STORAGE_WRITES = ("preempted", "through", "back")  # fastkv.cache.storage_writes: what each costs
 QUICK_DEMO = {"conversations": 8, "turns": 3}

@@ -24,13 +24,17 @@ require_paddleformers()  # a skip without the models extra, a failure under CI
 
 from fastkv.ipc.collective import ShmCollective  # noqa: E402
 from tests.conftest import shm_test_name  # noqa: E402
-from tests.e2e.test_engine_paddleformers import FAMILIES, OPTIONS, PROMPTS, layout, oracle  # noqa: E402
+from tests.e2e.test_engine_paddleformers import FAMILIES, PROMPTS, layout, options, oracle  # noqa: E402
 
 # per family: column-sharded projections, those fused of two halves sharded per half, row-sharded ones
 SHARDS = {
     "llama": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"), (),
               ("self_attn.o_proj", "mlp.down_proj")),
     "ernie4_5": (("self_attn.qkv_proj",), ("mlp.up_gate_proj",), ("self_attn.o_proj", "mlp.down_proj")),
+    "gemma3": (("self_attn.qkv_proj",), ("mlp.up_gate_proj",), ("self_attn.o_proj", "mlp.down_proj")),
+    # the experts are replicated; the sinks are checked per query head in expected_shard
+    "gpt_oss": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.sinks"), (),
+                ("self_attn.o_proj",)),
 }
 
 
@@ -42,10 +46,10 @@ def logits(family: str, tp: int, rank: int, collective: ShmCollective | None) ->
 
     from fastkv.engine.runners import runner_class
 
-    lay = layout(tp)
+    lay = layout(family, tp)
     k = [np.zeros(lay.device_shape(4), np.float32) for _ in range(lay.num_layers)]
     v = [np.zeros(lay.device_shape(4), np.float32) for _ in range(lay.num_layers)]
-    runner = runner_class(f"paddleformers:{family}")(lay, rank, tp, k, v, collective=collective, **OPTIONS)
+    runner = runner_class(f"paddleformers:{family}")(lay, rank, tp, k, v, collective=collective, **options(family))
     want, _ = oracle(family)
     out = {}
     with paddle.no_grad():
@@ -53,9 +57,16 @@ def logits(family: str, tp: int, rank: int, collective: ShmCollective | None) ->
             ids = paddle.to_tensor([prompt + want[rid]])
             out[rid] = runner.model(ids, return_dict=True).logits[0, len(prompt) - 1 : -1].numpy()
     names = [n for group in SHARDS[family] for n in group]
-    weights = {f"{i}.{name}": getattr(getattr(layer, name.split(".")[0]), name.split(".")[1]).weight.numpy()
+    weights = {f"{i}.{name}": weight(layer, name)
                for i, layer in enumerate(runner.model.model.layers) for name in names}
     return out, weights
+
+
+def weight(layer, name: str) -> np.ndarray:
+    """A decoder layer's projection weight (or parameter, e.g. the sinks) by its dotted name."""
+    part, attr = name.split(".")
+    got = getattr(getattr(layer, part), attr)
+    return getattr(got, "weight", got).numpy()
 
 
 def worker(family: str, name: str, rank: int, results) -> None:
@@ -67,6 +78,9 @@ def expected_shard(family: str, key: str, w: np.ndarray, rank: int) -> np.ndarra
     """Rank ``rank``'s slice of the whole model's weight ``w`` (paddle's Linear weight is [in, out]:
     a column shard splits out, a row shard in)."""
     cols, fused, _rows = SHARDS[family]
+    if w.ndim == 1:  # per query head (the sinks)
+        part = len(w) // 2
+        return w[rank * part:(rank + 1) * part]
     if key.endswith(cols):
         part = w.shape[1] // 2
         return w[:, rank * part:(rank + 1) * part]

@@ -10,7 +10,8 @@ import pytest
 import fastkv
 
 # Modules of an optional extra, checked only where the extra is installed.
-EXTRAS = {f"fastkv.engine.runners.paddleformers.{m}": "paddleformers" for m in ("runner", "llama", "ernie4_5")}
+EXTRAS = {f"fastkv.engine.runners.paddleformers.{m}": "paddleformers"
+          for m in ("runner", "llama", "ernie4_5", "gemma3", "gpt_oss")}
 MODULES = sorted(m.name for m in pkgutil.walk_packages(fastkv.__path__, "fastkv.")
                  if not m.name.startswith(("fastkv._", "fastkv.kernels.ops"))
                  and (m.name not in EXTRAS or importlib.util.find_spec(EXTRAS[m.name]) is not None))

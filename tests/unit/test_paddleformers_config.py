@@ -72,6 +72,27 @@ def test_ernie_fused_rope_is_refused():
     assert settings("ernie4_5", layout(), {})["apply_rope_fusion"] is False
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+@pytest.mark.parametrize(("config", "message"), [
+    ({"layer_types": ["sliding_attention"]}, "layer_types must list one kind per layer \\(2\\)"),
+    ({"layer_types": ["sliding_attention", "local"]}, "layer_types: unknown kinds \\['local'\\]"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 0},
+     "sliding_window must be a positive"),
+])
+def test_a_hybrids_layer_kinds_are_checked(family, config, message):
+    with pytest.raises(ValueError, match=f"model setting {message}"):
+        settings(family, layout(), {"config": config})
+    assert settings(family, layout(), {"config": {"layer_types": ["sliding_attention", "full_attention"],
+                                                  "sliding_window": 6}})["sliding_window"] == 6
+
+
+def test_gpt_oss_is_held_to_one_expert():
+    """The library's inference MoE mixes tokens when it has several experts (paddleformers_config)."""
+    assert settings("gpt_oss", layout(), {})["num_local_experts"] == 1
+    with pytest.raises(ValueError, match="model setting num_local_experts must be 1 here, got 4"):
+        settings("gpt_oss", layout(), {"config": {"num_local_experts": 4}})
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_job_is_refused_before_anything_starts(family):
     require_paddleformers()  # the CLI checks the extra is there before the shape

@@ -13,6 +13,8 @@ RUNNERS = {
     # per model family in fastkv/engine/runners/paddleformers/
     "paddleformers:llama": "fastkv.engine.runners.paddleformers.llama:PaddleFormersLlamaRunner",
     "paddleformers:ernie4_5": "fastkv.engine.runners.paddleformers.ernie4_5:PaddleFormersErnie45Runner",
+    "paddleformers:gemma3": "fastkv.engine.runners.paddleformers.gemma3:PaddleFormersGemma3Runner",
+    "paddleformers:gpt_oss": "fastkv.engine.runners.paddleformers.gpt_oss:PaddleFormersGptOssRunner",
 }
 
 

@@ -3,8 +3,9 @@ without importing Paddle or PaddleFormers (``fastkv.cli`` checks a job with it b
 starts).
 
 The settings are the family's config class's keyword arguments (``LlamaConfig``,
-``Ernie4_5Config``): runner option ``config`` (a table), over the ``config.json`` named by
-runner option ``config_file``, over defaults derived from the layout. The layout decides what
+``Ernie4_5Config``, ``Gemma3TextConfig``, ``GptOssConfig``): runner option ``config`` (a table),
+over the ``config.json`` named by runner option ``config_file``, over defaults derived from the
+layout. The layout decides what
 fastkv allocates (layers, KV heads, head_dim), so a setting that disagrees with it is an error
 rather than a silent second truth.
 """
@@ -30,6 +31,7 @@ class Family:
     config_class: str  # the library's config class, for messages
     fixed: dict[str, Any]  # settings fastkv owns or that this build cannot run
     hidden_is_heads: bool  # hidden_size must be num_attention_heads x head_dim
+    sliding: bool = False  # layers may be sliding-window ones (layer_types, sliding_window)
 
 
 FAMILIES = {
@@ -38,6 +40,14 @@ FAMILIES = {
     # chunk or a decode over a cache, and a GPU kernel. ERNIE 4.5's configs have
     # num_attention_heads x head_dim != hidden_size (0.3B: 16 x 128 over 1024): o_proj maps back.
     "ernie4_5": Family("Ernie4_5Config", {**FIXED, "apply_rope_fusion": False}, hidden_is_heads=False),
+    # Sliding-window hybrids (``layer_types``, ``sliding_window``): fastkv caches every layer in full.
+    "gemma3": Family("Gemma3TextConfig", FIXED, hidden_is_heads=False, sliding=True),
+    # One expert: with several, the library's inference MoE (GptOssExperts, eval) is not per token:
+    # its routing_weights.transpose([0, 1]) is a no-op, so the reshape to [experts, batch, tokens]
+    # weights each expert's output by another (token, expert) pair's weight, and a token's output
+    # depends on the other tokens of its forward. No cache can equal that.
+    "gpt_oss": Family("GptOssConfig", {**FIXED, "num_local_experts": 1, "num_experts_per_tok": 1},
+                      hidden_is_heads=False, sliding=True),
 }
 
 
@@ -93,6 +103,8 @@ def settings(family: str, layout: KVLayout, options: dict[str, Any]) -> dict[str
     if out["intermediate_size"] % layout.tp_size:
         raise ValueError(f"intermediate_size {out['intermediate_size']} must split evenly over "
                          f"tp {layout.tp_size}")
+    if fam.sliding:
+        check_layer_types(out)
     if layout.dtype != "float32":
         raise ValueError(f"the paddleformers runner computes in float32 on this build: dtype must be 'float32', "
                          f"got {layout.dtype!r}")
@@ -100,6 +112,22 @@ def settings(family: str, layout: KVLayout, options: dict[str, Any]) -> dict[str
         if given.get(name, value) != value:
             raise ValueError(f"model setting {name} must be {value!r} here, got {given[name]!r}")
     return {**out, **fam.fixed}
+
+
+def check_layer_types(config: dict[str, Any]) -> None:
+    """A hybrid's layer kinds, one per layer, and its window when a layer slides (the library
+    takes a wrong length or kind without a word, and fails later or not at all)."""
+    kinds = config.get("layer_types")
+    if kinds is None:
+        return  # the library's own pattern
+    if not isinstance(kinds, list) or len(kinds) != config["num_hidden_layers"]:
+        raise ValueError(f"model setting layer_types must list one kind per layer ({config['num_hidden_layers']}), "
+                         f"got {kinds!r}")
+    if bad := sorted(set(kinds) - {"full_attention", "sliding_attention"}):
+        raise ValueError(f"model setting layer_types: unknown kinds {bad}; known: full_attention, sliding_attention")
+    window = config.get("sliding_window")
+    if "sliding_attention" in kinds and window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"model setting sliding_window must be a positive number of tokens, got {window!r}")
 
 
 def vocab_size(options: dict[str, Any]) -> int | None:

@@ -19,10 +19,15 @@ Linear layers (``Split``). The partial outputs of the row-sharded layers are sum
 workers' ``ShmCollective`` (rank order, so every rank gets the same bits). Embedding, norms and
 the LM head are replicated.
 
-A model family is a subclass (``llama.py``, ``ernie4_5.py``): its config and model classes, its
-settings' name in ``fastkv.engine.runners.paddleformers_config.FAMILIES``, and ``shard``, which
-says which of its layers are column or row sharded and which attention attributes count heads
-per rank.
+Sliding-window layers (Gemma 3, gpt-oss): fastkv caches every layer's K and V in full, so a
+sliding layer gets every position like a full one, and its window is applied by the mask
+(``window_sliding_masks``), over absolute positions, as in the library's no-cache forward.
+Attention sinks (gpt-oss) are the attention layer's own parameter: the cache has no part in them.
+
+A model family is a subclass (``llama.py``, ``ernie4_5.py``, ``gemma3.py``, ``gpt_oss.py``): its
+config and model classes, its settings' name in
+``fastkv.engine.runners.paddleformers_config.FAMILIES``, and ``shard``, which says which of its
+layers are column or row sharded and which attention attributes count heads per rank.
 """
 from __future__ import annotations
 
@@ -46,17 +51,18 @@ from fastkv.sched.output import StepOutput, StepPlan, validate_plan
 
 def random_weights(model: paddle.nn.Layer, seed: int) -> dict[str, np.ndarray]:
     """Seeded weights for every parameter of ``model``, each drawn from (seed, its name), so
-    the order of parameters does not matter: matrices N(0, 1/fan_in), embeddings N(0, 1),
-    norm gains 1 + N(0, 0.1^2), biases N(0, 0.02^2). The library's own initializer (std 0.02)
-    gives a model whose greedy output is one token repeated: no test of anything."""
+    the order of parameters does not matter: matrices N(0, 1/fan_in) (a stack of experts' matrices
+    [experts, in, out] each by its own fan-in), embeddings and attention sinks N(0, 1), norm gains
+    1 + N(0, 0.1^2), biases N(0, 0.02^2). The library's own initializer (std 0.02) gives a model
+    whose greedy output is one token repeated: no test of anything."""
     out = {}
     for name, p in model.state_dict().items():
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         shape = tuple(p.shape)
-        if name.endswith("embed_tokens.weight"):
+        if name.endswith(("embed_tokens.weight", "sinks")):
             w = rng.standard_normal(shape)
-        elif len(shape) == 2:
-            w = rng.standard_normal(shape) / np.sqrt(shape[0])
+        elif len(shape) >= 2:
+            w = rng.standard_normal(shape) / np.sqrt(shape[-2])
         elif name.endswith("norm.weight"):
             w = 1.0 + 0.1 * rng.standard_normal(shape)
         else:
@@ -115,6 +121,8 @@ class PaddleFormersRunner(ModelRunner):
         model = self.build_model(self.settings, self.seed, weights_version)
         if self.tp_size > 1:
             self.shard(model, Split(self.rank, self.tp_size, self.collective))
+        if "sliding_attention" in (getattr(model.config, "layer_types", None) or ()):
+            window_sliding_masks(model.model)
         self.model = model
         self.weights_version = str(weights_version)
 
@@ -141,6 +149,26 @@ class PaddleFormersRunner(ModelRunner):
             sampled.update({s.request_id: int(np.argmax(logits[i, len(s.token_ids) - 1]))
                             for i, s in enumerate(group) if s.sample})
         return StepOutput(plan.step_id, sampled, time.perf_counter() - t0)
+
+
+def window_sliding_masks(decoder: paddle.nn.Layer) -> None:
+    """Make ``decoder`` (a ``*Model`` with sliding-window layers) window fastkv's 4-D masks.
+
+    The library windows a sliding layer's mask only when it builds the mask itself: a 4-D mask it
+    takes as given for every kind of layer. fastkv's mask lets query q see positions [0, p_q]
+    (``_Batch``), so it holds p_q + 1 True keys; a sliding layer with window w sees the last w of
+    them, [p_q - w + 1, p_q], as the library's own mask does in the no-cache forward. Every
+    layer still gets every position's K/V from the cache: the mask alone does the windowing."""
+    prepare = decoder._prepare_decoder_attention_mask
+
+    def windowed(attention_mask, input_shape, past_key_values_length, dtype, sliding_window_size=None, **kw):
+        if sliding_window_size and attention_mask is not None and attention_mask.ndim == 4:
+            seen = attention_mask.astype("int64").sum(axis=-1, keepdim=True)  # p_q + 1
+            keys = paddle.arange(attention_mask.shape[-1], dtype="int64")
+            attention_mask = attention_mask & (keys >= seen - sliding_window_size)
+        return prepare(attention_mask, input_shape, past_key_values_length, dtype, sliding_window_size, **kw)
+
+    decoder._prepare_decoder_attention_mask = windowed
 
 
 def _groups(seqs, how: str) -> list[list]:
