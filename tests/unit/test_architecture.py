@@ -26,6 +26,9 @@ KEPT = {
                                                 "(transfer package, changed in parallel by the lanes work)",
     ("fastkv.transfer.tiers", "tier._open_cuda"): "as tier._map_shm",
     ("fastkv.ipc.namespace", "ns._write_manifest"): "an alternate constructor writing its own new instance's manifest",
+    ("fastkv.engine.runners.paddleformers.runner", "decoder._prepare_decoder_attention_mask"):
+        "PaddleFormers' own method, wrapped: the library windows a sliding layer only in masks it builds, "
+        "and offers no hook for a 4-D mask given to it",
 }
 
 
