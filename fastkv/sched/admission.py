@@ -2,6 +2,7 @@
 
 A request whose prefix is cached on the device runs at once from the end of its hit; one with
 host or storage hits (or an offloaded one being restored) waits in LOADING for its copies.
+Which host and storage hits are worth their copies is the hit policy's call (``judge_hits``).
 Admission is head-of-line (a request that does not fit stops it, so big requests are not
 starved by small ones), except for loads: while LOADING requests already hold
 ``max_loading_blocks`` device blocks, requests that would load are passed over, and requests
@@ -29,6 +30,15 @@ def loading_blocks(p: SchedulerParts) -> int:
     return sum(cdiv(r.num_slotted, bs) for r in p.table.loading.values())
 
 
+def judge_hits(p: SchedulerParts, first: int, n_host: int, n_storage: int) -> tuple[int, int]:
+    """The host and storage hits worth loading (``fastkv.sched.hits``), against the copies on
+    each link and the prefill the running requests still have to compute."""
+    if not n_host and not n_storage:
+        return 0, 0
+    prefill = sum(n for r in p.table.running.values() if (n := r.num_new_tokens) > 1)  # decodes ride free
+    return p.hits.cut(first, n_host, n_storage, p.cache.queued_blocks(), prefill)
+
+
 def admit(p: SchedulerParts, batch: StepBatch) -> None:
     cfg, cache, table, bs = p.config, p.cache, p.table, p.block_size
     loading = loading_blocks(p)
@@ -52,7 +62,7 @@ def admit(p: SchedulerParts, batch: StepBatch) -> None:
         if restoring:  # reserve a slot for a token sampled just before it was preempted
             a = cache.restore(req.request_id, reserve_tokens=req.num_tokens - req.num_slotted)
         else:
-            a = cache.allocate(req.request_id, req.token_ids, req.extra)
+            a = cache.allocate(req.request_id, req.token_ids, req.extra, hits=lambda *n: judge_hits(p, *n))
         if a is None:
             return
         p.outbox.emit(a.plans)
