@@ -30,13 +30,14 @@ def loading_blocks(p: SchedulerParts) -> int:
     return sum(cdiv(r.num_slotted, bs) for r in p.table.loading.values())
 
 
-def judge_hits(p: SchedulerParts, first: int, n_host: int, n_storage: int) -> tuple[int, int]:
+def judge_hits(p: SchedulerParts, first: int, n_host: int, n_storage: int, count: bool = True) -> tuple[int, int]:
     """The host and storage hits worth loading (``fastkv.sched.hits``), against the copies on
-    each link and the prefill the running requests still have to compute."""
+    each link and the prefill the running requests still have to compute. ``count``: False for
+    a look ahead (a request that will not load is not held back as a load)."""
     if not n_host and not n_storage:
         return 0, 0
     prefill = sum(n for r in p.table.running.values() if (n := r.num_new_tokens) > 1)  # decodes ride free
-    return p.hits.cut(first, n_host, n_storage, p.cache.queued_blocks(), prefill)
+    return p.hits.cut(first, n_host, n_storage, p.cache.queued_blocks(), prefill, count)
 
 
 def admit(p: SchedulerParts, batch: StepBatch) -> None:
@@ -53,7 +54,7 @@ def admit(p: SchedulerParts, batch: StepBatch) -> None:
             loads, m = restoring, None
             if not restoring:
                 m = cache.match(req.token_ids, req.extra)
-                loads = bool(m.host_blocks or m.storage_keys)
+                loads = any(judge_hits(p, len(m.device_blocks), len(m.host_blocks), len(m.storage_keys), count=False))
             if loads and loading and loading + n_blocks > p.max_loading_blocks:
                 table.stats.deferred_loads += 1
                 continue

@@ -82,13 +82,14 @@ class HitPolicy:
         return {"policy": self.policy, "costed": self.costs is not None, **self.stats.to_json()}
 
     def cut(self, first: int, n_host: int, n_storage: int, queued_blocks: tuple[int, int],
-            queued_prefill_tokens: int) -> tuple[int, int]:
+            queued_prefill_tokens: int, count: bool = True) -> tuple[int, int]:
         """How many of a prompt's ``n_host`` host hits and the ``n_storage`` storage hits after
         them to load, the hits starting at block ``first``. ``queued_blocks``: blocks already on
-        the host and storage links; ``queued_prefill_tokens``: prefill admitted, not computed."""
+        the host and storage links; ``queued_prefill_tokens``: prefill admitted, not computed.
+        ``count``: False asks without counting the decision."""
         if not n_host and not n_storage:
             return 0, 0
-        st = self.stats
+        st = self.stats if count else HitStats()
         st.decisions += 1
         c = self.costs
         if self.policy == "recompute":
@@ -97,8 +98,8 @@ class HitPolicy:
             keep = (n_host, n_storage)
         else:
             wait = c.prefill(0, queued_prefill_tokens)
-            h = self._longest(first, n_host, 0, queued_blocks[0], wait)
-            s = self._longest(first + h, n_storage, 1, queued_blocks[1], wait) if h == n_host else 0
+            h = self._longest(st, first, n_host, 0, queued_blocks[0], wait)
+            s = self._longest(st, first + h, n_storage, 1, queued_blocks[1], wait) if h == n_host else 0
             keep = (h, s)
         bs = self.block_size
         for tier, n, k in zip(TIERS, (n_host, n_storage), keep, strict=True):
@@ -106,7 +107,7 @@ class HitPolicy:
             st.recomputed_tokens[tier] += (n - k) * bs
         return keep
 
-    def _longest(self, first: int, n: int, tier: int, queued: int, wait: float) -> int:
+    def _longest(self, st: HitStats, first: int, n: int, tier: int, queued: int, wait: float) -> int:
         """The most blocks from ``first`` whose copy ends no later than their recompute would."""
         c = self.costs
         per_block = c.block_bytes * self.seconds_per_byte(tier)
@@ -114,8 +115,8 @@ class HitPolicy:
             load = (queued + k) * per_block
             recompute = wait + c.prefill(first * c.block_size, (first + k) * c.block_size)
             if load <= recompute:
-                self.stats.load_s += load
+                st.load_s += load
                 return k
         if n:
-            self.stats.recompute_s += wait + c.prefill(first * c.block_size, (first + n) * c.block_size)
+            st.recompute_s += wait + c.prefill(first * c.block_size, (first + n) * c.block_size)
         return 0
