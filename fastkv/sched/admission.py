@@ -31,13 +31,9 @@ def loading_blocks(p: SchedulerParts) -> int:
 
 
 def judge_hits(p: SchedulerParts, first: int, n_host: int, n_storage: int, count: bool = True) -> tuple[int, int]:
-    """The host and storage hits worth loading (``fastkv.sched.hits``), against the copies on
-    each link and the prefill the running requests still have to compute. ``count``: False for
-    a look ahead (a request that will not load is not held back as a load)."""
-    if not n_host and not n_storage:
-        return 0, 0
-    prefill = sum(n for r in p.table.running.values() if (n := r.num_new_tokens) > 1)  # decodes ride free
-    return p.hits.cut(first, n_host, n_storage, p.cache.queued_blocks(), prefill, count)
+    """The host and storage hits worth loading (``fastkv.sched.hits``), behind the copies on each
+    link. ``count``: False for a look ahead (a request that will not load is not held back as a load)."""
+    return p.hits.cut(first, n_host, n_storage, p.cache.queued_blocks(), count)
 
 
 def admit(p: SchedulerParts, batch: StepBatch) -> None:

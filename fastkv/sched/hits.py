@@ -4,9 +4,11 @@ A hit is not always worth its copy: over a slow link (a pool behind 10 GbE) a bl
 longer to arrive than the GPU takes to compute it again. At admission, per request and tier
 (host: a swap-in over the host link; storage: a LOAD over the storage link, then the swap-in),
 ``auto`` keeps the longest run of hit blocks whose copy, queued behind the copies already on
-that link, finishes no later than recomputing those tokens would, queued behind the prefill
-already admitted; the rest of the prompt is recomputed. A storage run follows the host run, so
-a host run cut short drops the storage hits too. ``load`` keeps every hit (the engine's
+that link, finishes no later than recomputing those tokens would; the rest of the prompt is
+recomputed. The prefill already queued on the GPU is left out: it would race a GPU time the
+model knows against a copy time it underestimates (a LOAD also reads, checks and stages), and a
+load that loses that race delays its request most. A storage run follows the host run, so a
+host run cut short drops the storage hits too. ``load`` keeps every hit (the engine's
 behaviour without a cost to judge by), ``recompute`` none. Recomputed KV is the KV the hit
 held (same tokens, same weights: the keys say so), so outputs never depend on the policy.
 
@@ -15,7 +17,9 @@ the engine measured of that kind of copy (``observe``: a LOAD also reads, checks
 the value, which a link's bandwidth leaves out); without a cost model ``auto`` loads.
 What is decided here is only a prefix hit at admission: an offloaded request's restore always
 copies its own KV back (its partial block and generated tokens have no key another request
-could load), and a prefill handoff's decode side always loads.
+could load), and a prefill handoff's decode side always loads. A request preempted in storage
+mode is judged like any prompt: recomputing its blocks is exact, and its partial block is loaded
+only behind a full run of loaded hits.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ class HitStats:
     loaded_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     recomputed_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))  # by choice
     load_s: float = 0.0  # modelled seconds of the copies chosen, queues included
-    recompute_s: float = 0.0  # modelled seconds of the prefills chosen over a hit, queues included
+    recompute_s: float = 0.0  # modelled seconds of the prefills chosen over a hit
 
     def to_json(self) -> dict:
         return {"decisions": self.decisions, "loaded_tokens": dict(self.loaded_tokens),
@@ -82,11 +86,10 @@ class HitPolicy:
         return {"policy": self.policy, "costed": self.costs is not None, **self.stats.to_json()}
 
     def cut(self, first: int, n_host: int, n_storage: int, queued_blocks: tuple[int, int],
-            queued_prefill_tokens: int, count: bool = True) -> tuple[int, int]:
+            count: bool = True) -> tuple[int, int]:
         """How many of a prompt's ``n_host`` host hits and the ``n_storage`` storage hits after
         them to load, the hits starting at block ``first``. ``queued_blocks``: blocks already on
-        the host and storage links; ``queued_prefill_tokens``: prefill admitted, not computed.
-        ``count``: False asks without counting the decision."""
+        the host and storage links. ``count``: False asks without counting the decision."""
         if not n_host and not n_storage:
             return 0, 0
         st = self.stats if count else HitStats()
@@ -97,9 +100,8 @@ class HitPolicy:
         elif self.policy == "load" or c is None:
             keep = (n_host, n_storage)
         else:
-            wait = c.prefill(0, queued_prefill_tokens)
-            h = self._longest(st, first, n_host, 0, queued_blocks[0], wait)
-            s = self._longest(st, first + h, n_storage, 1, queued_blocks[1], wait) if h == n_host else 0
+            h = self._longest(st, first, n_host, 0, queued_blocks[0])
+            s = self._longest(st, first + h, n_storage, 1, queued_blocks[1]) if h == n_host else 0
             keep = (h, s)
         bs = self.block_size
         for tier, n, k in zip(TIERS, (n_host, n_storage), keep, strict=True):
@@ -107,16 +109,16 @@ class HitPolicy:
             st.recomputed_tokens[tier] += (n - k) * bs
         return keep
 
-    def _longest(self, st: HitStats, first: int, n: int, tier: int, queued: int, wait: float) -> int:
+    def _longest(self, st: HitStats, first: int, n: int, tier: int, queued: int) -> int:
         """The most blocks from ``first`` whose copy ends no later than their recompute would."""
         c = self.costs
         per_block = c.block_bytes * self.seconds_per_byte(tier)
         for k in range(n, 0, -1):
             load = (queued + k) * per_block
-            recompute = wait + c.prefill(first * c.block_size, (first + k) * c.block_size)
+            recompute = c.prefill(first * c.block_size, (first + k) * c.block_size)
             if load <= recompute:
                 st.load_s += load
                 return k
         if n:
-            st.recompute_s += wait + c.prefill(first * c.block_size, (first + n) * c.block_size)
+            st.recompute_s += c.prefill(first * c.block_size, (first + n) * c.block_size)
         return 0
