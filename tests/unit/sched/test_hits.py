@@ -45,6 +45,7 @@ def test_a_queue_on_the_link_makes_even_a_fast_pool_recompute():
     assert p.cut(0, 0, 10, (0, 0)) == (0, 10)
     assert p.cut(0, 0, 10, (0, 100_000)) == (0, 0)
     assert p.cut(0, 0, 10, (100_000, 0)) == (0, 10)  # the host link's queue is not the pool's
+    assert p.cut(0, 4, 10, (10**9, 0)) == (0, 0)  # a host run cut short: nothing after it can load
 
 
 def test_deep_in_a_long_context_a_10gbe_load_beats_attention():
