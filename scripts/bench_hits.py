@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_pool import supervise  # noqa: E402
+from bench_pool import SMOKE_SHAPE, supervise  # noqa: E402
 
+from fastkv.cli import at_least  # noqa: E402
 from fastkv.engine.runners.cost_model import measure_copy_bandwidth  # noqa: E402
 from fastkv.sched.hits import HIT_POLICIES  # noqa: E402
 
@@ -48,19 +49,23 @@ def outputs(rows: dict[str, dict]) -> dict[str, list[int]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=64, help="trace requests (default 64)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs B per pool and policy (default 3)")
-    ap.add_argument("--copy-gbps", type=float, default=0.0, help="this machine's copy bandwidth the cost model is "
-                    "scaled to (default: measured once, the same for every run)")
+    ap.add_argument("--requests", type=at_least(1), default=64, help="trace requests (default 64)")
+    ap.add_argument("--repeats", type=at_least(1), default=3, help="runs B per pool and policy (default 3)")
+    ap.add_argument("--smoke", action="store_true", help="4 requests, one repeat, a tiny model shape: checks that "
+                    "the script runs (its figures mean nothing)")
+    ap.add_argument("--copy-gbps", type=at_least(0.0, float), default=0.0, help="this machine's copy bandwidth "
+                    "the cost model is scaled to (default: measured once, the same for every run)")
     args = ap.parse_args()
-    if args.requests < 1 or args.repeats < 1:
-        sys.exit("bench_hits: --requests and --repeats must be >= 1")
+    if args.smoke:
+        args.requests, args.repeats = 4, 1
+    shape = SMOKE_SHAPE if args.smoke else []
     gbps = args.copy_gbps or round(measure_copy_bandwidth() / 1e9, 2)
     tmp = Path(tempfile.mkdtemp(prefix="bench_hits."))
     try:
         cfgs = {pool: config(tmp, pool, gbps) for pool in POOLS}
         a_report, a_rows = supervise(tmp / "A", f"lmdb://{tmp}/pool", f"trace:{args.requests}",
-                                     ["--config", str(cfgs["pool100g"]), "--storage-backlog-blocks", "1000000"])
+                                     ["--config", str(cfgs["pool100g"]), "--storage-backlog-blocks", "1000000",
+                                      *shape])
         want = outputs(a_rows)
         runs: dict[str, dict[str, list[dict]]] = {pool: {p: [] for p in HIT_POLICIES} for pool in POOLS}
         identical = True
@@ -72,7 +77,7 @@ def main() -> int:
                     shutil.copytree(tmp / "pool", store)
                     out = tmp / f"B-{pool}-{policy}-{rep}"
                     report, rows = supervise(out, f"lmdb://{store}", str(tmp / "A" / "workload.jsonl"),
-                                             ["--config", str(cfgs[pool]), "--hit-policy", policy])
+                                             ["--config", str(cfgs[pool]), "--hit-policy", policy, *shape])
                     identical &= outputs(rows) == want
                     runs[pool][policy].append(report)
                     shutil.rmtree(out)
