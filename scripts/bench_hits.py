@@ -103,7 +103,8 @@ def main() -> int:
                  "pool100g_auto_vs_load": round(ttft["pool100g"]["auto"] / ttft["pool100g"]["load"], 3)}
         print(json.dumps({"bench": "hits", "requests": args.requests, "repeats": args.repeats, "copy_gbps": gbps,
                           "ttft_p50_s": ttft, "storage_hit_ratio": storage,
-                          "ttft_p50_s_runs": {pool: {p: [round(r["ttft_s"]["p50"], 4) for r in runs[pool][p]]
+                          "ttft_p50_s_runs": {pool: {p: {str(i): round(r["ttft_s"]["p50"], 4)
+                                                         for i, r in enumerate(runs[pool][p], 1)}
                                                      for p in HIT_POLICIES} for pool in POOLS},
                           "ttft_p50_s_run_a": round(a_report["ttft_s"]["p50"], 4), "ratios": goals,
                           "goals_met": all(v <= GOAL for v in goals.values()), "outputs_identical": identical}))
