@@ -53,7 +53,7 @@ class HitStats:
     decisions: int = 0  # admissions that had a host or storage hit to judge
     loaded_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     recomputed_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))  # by choice
-    load_s: float = 0.0  # modelled seconds of the copies chosen, queues included
+    load_s: float = 0.0  # seconds the copies chosen were judged to take, queues included
     recompute_s: float = 0.0  # modelled seconds of the prefills chosen over a hit
 
     def to_json(self) -> dict:
