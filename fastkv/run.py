@@ -68,6 +68,13 @@ class RunSpec:
     task_timeout_s: float = 60.0  # a copy task unfinished after this fails (its request recomputes)
     # a new request waits at most this long for the storage tier to say what it holds (fastkv.engine.lookup)
     storage_lookup_timeout_s: float = 0.2
+    # what admission does with a lookup in flight (fastkv.engine.lookup): "timeout" waits at most
+    # storage_lookup_timeout_s + prefetch_timeout_per_1k_tokens_s per 1,000 prompt tokens,
+    # "best_effort" not at all, "wait_complete" for the answer
+    prefetch_policy: str = "timeout"
+    prefetch_timeout_per_1k_tokens_s: float = 0.0
+    # which host and storage hits admission loads (fastkv.sched.hits): "auto", "load" or "recompute"
+    hit_policy: str = "auto"
     # STORE blocks in flight past which the write policies' optional STOREs are skipped and counted
     storage_backlog_blocks: int = 256
     slot_size: int = 512  # ring slot bytes; larger messages span slots
@@ -87,6 +94,17 @@ class RunSpec:
             raise ValueError(f"RunSpec: storage_backlog_blocks must be an int >= 0, got {backlog!r}")
         if not self.storage_lookup_timeout_s >= 0:
             raise ValueError(f"RunSpec: storage_lookup_timeout_s must be >= 0, got {self.storage_lookup_timeout_s!r}")
+        if not self.prefetch_timeout_per_1k_tokens_s >= 0:
+            raise ValueError("RunSpec: prefetch_timeout_per_1k_tokens_s must be >= 0, "
+                             f"got {self.prefetch_timeout_per_1k_tokens_s!r}")
+        from fastkv.sched.hits import HIT_POLICIES
+        from fastkv.sched.prefetch import PREFETCH_POLICIES
+
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"RunSpec: prefetch_policy must be one of {PREFETCH_POLICIES}, "
+                             f"got {self.prefetch_policy!r}")
+        if self.hit_policy not in HIT_POLICIES:
+            raise ValueError(f"RunSpec: hit_policy must be one of {HIT_POLICIES}, got {self.hit_policy!r}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"RunSpec: metrics_port must be in [0, 65536), got {self.metrics_port}")
         if not 0 <= self.metrics_linger_s < 3600:

@@ -84,6 +84,7 @@ class CopyBook:
         # that hold its host block once it lands (a parent of theirs)
         self.awaited: dict[bytes, list[int | tuple[CacheRecord, int]]] = {}
         self.stores_in_flight = 0  # blocks of STOREs in flight (storage_writes.optional_store's backlog)
+        self.swaps_in_flight = 0  # blocks of SWAP_INs in flight (the host link's queue, fastkv.sched.hits)
         self._next_id = 1
 
     def open(self, kind: CopyKind, purpose: Purpose, src: list[int] = (), dst: list[int] = (),
@@ -104,6 +105,8 @@ class CopyBook:
                 self.loading[k] = (pid, i)
         elif purpose is Purpose.STORE:
             self.stores_in_flight += len(src)
+        if kind is CopyKind.SWAP_IN:
+            self.swaps_in_flight += len(plan.dst)
         return plan
 
     def await_parent(self, key: bytes, holder: int | tuple[CacheRecord, int]) -> None:
@@ -147,6 +150,8 @@ class CopyBook:
                     del loading[k]
         elif rec.purpose is Purpose.STORE:
             self.stores_in_flight -= len(rec.src)
+        if isinstance(plan, CopyPlan) and plan.kind is CopyKind.SWAP_IN:
+            self.swaps_in_flight -= len(plan.dst)
         return rec
 
 

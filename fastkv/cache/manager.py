@@ -26,6 +26,7 @@ changes), integrity.py (check_integrity). What its calls return is in plan.py.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -142,6 +143,10 @@ class CacheManager:
         dstate = self.device.state
         return sum(1 for b in match.device_blocks if dstate[b] != _CACHED)
 
+    def queued_blocks(self) -> tuple[int, int]:
+        """Blocks of the SWAP_INs and of the LOADs in flight: the host and storage links' queues."""
+        return self.state.copies.swaps_in_flight, len(self.state.copies.loading)
+
     @property
     def num_free_device_blocks(self) -> int:
         """Device blocks allocatable now: free + evictable, minus reservations."""
@@ -198,7 +203,8 @@ class CacheManager:
     # ================================================================== admission
     @settles
     def allocate(self, request_id: object, tokens: object, extra: ExtraKeys | None = None,
-                 reserve_tokens: int = 0, tail_key: TailKey | None = None) -> Allocation | None:
+                 reserve_tokens: int = 0, tail_key: TailKey | None = None,
+                 hits: Callable[[int, int, int], tuple[int, int]] | None = None) -> Allocation | None:
         """Blocks for a prompt, reusing its longest cached prefix. None when the device lacks room.
 
         ``reserve_tokens`` also reserves blocks for that many generated tokens, so that
@@ -221,16 +227,8 @@ class CacheManager:
         keys = self._keys_of_waiting(request_id, toks, root, extras)
         dev_hits, host_hits, storage_keys = self.index.match(keys, (n - 1) // bs)
         resume_key = self.state.preemptions.resume_key(request_id)
-        partial = None  # a host block holding its resumed partial block
-        # a partial block (before the last token) is of use only behind a complete prefix; as the
-        # last key it is the first to go when the host lacks room to stage the loads
-        if len(dev_hits) + len(host_hits) + len(storage_keys) == (n - 1) // bs:
-            if resume_key is not None:
-                partial = self._resume_partial(resume_key, request_id, root, keys, toks, host_hits, storage_keys)
-            elif tail_key is not None and (n - 1) % bs:
-                storage_keys.append(tail_key)
         dev, host = self.device, self.host
-        num_device_hits, num_host_hits = len(dev_hits), len(host_hits)
+        num_device_hits = len(dev_hits)
         n_blocks = cdiv(n, bs)
         n_res = cdiv(n + reserve_tokens, bs) - n_blocks
         dstate = dev.state
@@ -240,6 +238,18 @@ class CacheManager:
                 cached_hits += 1
         if dev.num_available - cached_hits - self.state.reservations.total < n_blocks - num_device_hits + n_res:
             return None
+        if hits is not None:  # the hits worth their copies (fastkv.sched.hits); the rest is recomputed
+            n_host, n_storage = hits(len(dev_hits), len(host_hits), len(storage_keys))
+            del host_hits[n_host:], storage_keys[n_storage:]
+        partial = None  # a host block holding its resumed partial block
+        # a partial block (before the last token) is of use only behind a complete prefix; as the
+        # last key it is the first to go when the host lacks room to stage the loads
+        if len(dev_hits) + len(host_hits) + len(storage_keys) == (n - 1) // bs:
+            if resume_key is not None:
+                partial = self._resume_partial(resume_key, request_id, root, keys, toks, host_hits, storage_keys)
+            elif tail_key is not None and (n - 1) % bs:
+                storage_keys.append(tail_key)
+        num_host_hits = len(host_hits)
         del self._waiting_keys[request_id]
         if self.state.residency is not None:  # the tokens its blocks' events carry, once admitted
             self.state.residency.register(keys, toks.tobytes(), bs)

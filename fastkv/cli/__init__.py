@@ -34,6 +34,8 @@ from fastkv.events.config import SCHEMAS as EVENT_SCHEMAS
 from fastkv.native.compiled import NotBuilt
 from fastkv.procs.cpu_policy import CPU_POLICIES
 from fastkv.sched.config import SchedulerConfig
+from fastkv.sched.hits import HIT_POLICIES
+from fastkv.sched.prefetch import PREFETCH_POLICIES
 from fastkv.workload import PREEMPTION_MODES, ConversationConfig
 
 RUNNERS = ("synthetic", "tiny", "paddleformers:llama", "paddleformers:ernie4_5", "paddleformers:gemma3",
@@ -93,6 +95,12 @@ class JobConfig:
     storage_lookup_timeout_s: float = 0.2  # a new request waits at most this long for its storage lookup
     # STOREs in flight past which the write policy's optional ones are skipped (storage falls behind)
     storage_backlog_blocks: int = 256
+    # what a new request does while its lookup is out (fastkv.sched.prefetch): "timeout" waits at most
+    # storage_lookup_timeout_s + prefetch_timeout_per_1k_tokens_s per 1,000 prompt tokens
+    prefetch_policy: str = "timeout"
+    prefetch_timeout_per_1k_tokens_s: float = 0.0
+    # which host and storage hits are loaded (fastkv.sched.hits): "auto" those whose copy beats a recompute
+    hit_policy: str = "auto"
     quick: bool = False
     weights_version: str = "0"  # the weights the run starts with (the tiny runner hashes it to a seed)
     update_weights_at: str = ""  # "N:VERSION[,N:VERSION...]": switch weights after N requests finished
@@ -133,6 +141,14 @@ class JobConfig:
         for name in ("device_blocks", "host_blocks", "storage_backlog_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
+        if not self.storage_lookup_timeout_s >= 0 or not self.prefetch_timeout_per_1k_tokens_s >= 0:
+            raise ValueError("settings 'storage_lookup_timeout_s' and 'prefetch_timeout_per_1k_tokens_s' must be "
+                             f">= 0, got {self.storage_lookup_timeout_s} and {self.prefetch_timeout_per_1k_tokens_s}")
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"setting 'prefetch_policy' must be one of {PREFETCH_POLICIES}, "
+                             f"got {self.prefetch_policy!r}")
+        if self.hit_policy not in HIT_POLICIES:
+            raise ValueError(f"setting 'hit_policy' must be one of {HIT_POLICIES}, got {self.hit_policy!r}")
         if self.cache_policy not in CACHE_POLICIES:
             raise ValueError(f"setting 'cache_policy' must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
         if self.async_scheduling not in ("on", "off"):
@@ -397,7 +413,8 @@ class JobConfig:
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
             task_timeout_s=self.task_timeout_s, storage_lookup_timeout_s=self.storage_lookup_timeout_s,
-            storage_backlog_blocks=self.storage_backlog_blocks,
+            storage_backlog_blocks=self.storage_backlog_blocks, prefetch_policy=self.prefetch_policy,
+            prefetch_timeout_per_1k_tokens_s=self.prefetch_timeout_per_1k_tokens_s, hit_policy=self.hit_policy,
             out_dir=str(out_dir), metrics_port=self.metrics_port, metrics_linger_s=self.metrics_linger_s,
             weights_version=self.weights_version,
             update_weights_at=tuple(u.strip() for u in self.update_weights_at.split(",") if u.strip()),
@@ -482,6 +499,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--storage-backlog-blocks", type=int, metavar="N", help="STOREs in flight past which the write policy's "
       "optional ones are skipped and counted, so a slow storage tier falls behind instead of stalling steps "
       "(default 256; a preempted request's are always stored)")
+    a("--hit-policy", choices=HIT_POLICIES, help="which host and storage hits admission loads: auto (default: "
+      "those whose copy, behind the copies queued on its link, ends before recomputing them would, under the "
+      "runner's cost model; all without one), load (every hit) or recompute (none); outputs are the same")
+    a("--prefetch-policy", choices=PREFETCH_POLICIES, help="how long a new request waits for its storage lookup: "
+      "timeout (default: --storage-lookup-timeout-s plus --prefetch-timeout-per-1k-tokens-s per 1,000 prompt "
+      "tokens), best_effort (not at all) or wait_complete (until it is answered)")
+    a("--storage-lookup-timeout-s", type=float, metavar="S", help="the timeout prefetch policy's base wait "
+      "(default 0.2)")
+    a("--prefetch-timeout-per-1k-tokens-s", type=float, metavar="S", help="the timeout prefetch policy's wait "
+      "per 1,000 prompt tokens, on top of the base (default 0)")
     a("--async-scheduling", choices=("on", "off"), help="on (default): the engine plans and sends each step "
       "while the workers run the one before; off: one step at a time (outputs are the same)")
     a("--engine-cpu-policy", choices=CPU_POLICIES, help="the engine thread's Linux scheduling policy: batch "

@@ -28,14 +28,17 @@ Public constants (dense bf16, no sparsity):
   ~30 us and its KV copy at ~2.6 us each way.
 - Storage: each deployment names the link its storage tier sits behind (``STORAGE_LINKS``):
   a local NVMe Gen4 x4 SSD (7 GB/s sequential read, ~6 GB/s write: the write side counts, as
-  write-throughs are most of what a tier moves) or a shared pool over 100 GbE (12.5 GB/s),
-  each at 80 %. The storage tier's I/O is throttled to it, scaled like the copies
+  write-throughs are most of what a tier moves) or a shared pool over 100 GbE (12.5 GB/s) or
+  10 GbE (1.25 GB/s), each at 80 %. Over 10 GbE a token's KV (128 KiB) takes ~130 us to load,
+  four times its prefill: there a hit is worth recomputing (``fastkv.sched.hits``). The storage
+  tier's I/O is throttled to it, scaled like the copies
   (``ScaledCostModel.storage_seconds``): a STORE or LOAD takes at least the deployment's time for
   its bytes, times ``scale``, so storage and auto preemption are judged at the deployment's
   ratio of storage to PCIe and compute, not at this machine's page-cache speed.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -104,6 +107,16 @@ class Deployment:
         return max(flops / (self.peak_flops * self.mfu),
                    (self.weight_bytes + kv_read) / (self.hbm_bandwidth * self.hbm_efficiency))
 
+    def prefill_seconds(self, start: int, end: int) -> float:
+        """The compute of positions start..end-1 of one sequence alone: a prefill chunk beside
+        other work (the step reads the weights anyway, so only its FLOPs add time)."""
+        n = end - start
+        if n <= 0:
+            return 0.0
+        attended = n * (start + end + 1) / 2
+        flops = 2.0 * self.matmul_params * n + 4.0 * self.layers * self.q_heads * self.head_dim * attended
+        return flops / self.tp / (self.peak_flops * self.mfu)
+
     def copy_seconds_per_token(self) -> float:
         """One direction of one token's KV over the host link."""
         return self.kv_bytes_per_token / (self.pcie_bandwidth * self.pcie_efficiency)
@@ -115,7 +128,7 @@ class Deployment:
 
 
 # bytes/s of the link a storage tier sits behind (module docstring)
-STORAGE_LINKS = {"nvme": 6e9, "100gbe": 12.5e9}
+STORAGE_LINKS = {"nvme": 6e9, "100gbe": 12.5e9, "10gbe": 1.25e9}
 
 LLAMA3_8B_H100 = Deployment(
     name="llama3-8b-h100-sxm", layers=32, hidden=4096, q_heads=32, kv_heads=8, head_dim=128, ffn=14336,
@@ -131,7 +144,9 @@ LLAMA3_8B_H100_POOL = Deployment(
     name="llama3-8b-h100-sxm-pool100g", layers=32, hidden=4096, q_heads=32, kv_heads=8, head_dim=128, ffn=14336,
     vocab=128256, peak_flops=989e12, hbm_bandwidth=3.35e12, pcie_bandwidth=64e9, storage="100gbe",
 )
-DEPLOYMENTS = {d.name: d for d in (LLAMA3_8B_H100, LLAMA3_8B_H100_POOL, LLAMA3_70B_H100_TP4)}
+# The same over 10 GbE: loading a hit is slower than recomputing it.
+LLAMA3_8B_H100_POOL10G = dataclasses.replace(LLAMA3_8B_H100_POOL, name="llama3-8b-h100-sxm-pool10g", storage="10gbe")
+DEPLOYMENTS = {d.name: d for d in (LLAMA3_8B_H100, LLAMA3_8B_H100_POOL, LLAMA3_8B_H100_POOL10G, LLAMA3_70B_H100_TP4)}
 
 
 def deployment(name: str) -> Deployment:
@@ -154,6 +169,16 @@ def measure_copy_bandwidth(nbytes: int = 16 << 20, repeats: int = 5) -> float:
     return nbytes / best
 
 
+def scaled_for(runner: str, runner_options: dict, layout) -> ScaledCostModel | None:
+    """The synthetic runner's cost model of a run (its ``cost_model`` and ``copy_gbps`` options,
+    ``layout`` its KVLayout), calibrated here; None without one."""
+    if runner != "synthetic" or not runner_options.get("cost_model"):
+        return None
+    gbps = float(runner_options.get("copy_gbps") or 0.0)
+    return ScaledCostModel.calibrate(deployment(runner_options["cost_model"]), layout.block_bytes // layout.block_size,
+                                     gbps * 1e9 if gbps > 0 else measure_copy_bandwidth())
+
+
 @dataclass(frozen=True)
 class ScaledCostModel:
     """A deployment's step times, scaled to this machine's copies (module docstring)."""
@@ -172,6 +197,9 @@ class ScaledCostModel:
 
     def step_seconds(self, seqs: Iterable[tuple[int, int]]) -> float:
         return self.scale * self.deployment.step_seconds(seqs)
+
+    def prefill_seconds(self, start: int, end: int) -> float:
+        return self.scale * self.deployment.prefill_seconds(start, end)
 
     def storage_seconds(self, nbytes: int) -> float:
         """The least time a STORE or LOAD of ``nbytes`` (this machine's KV layout) takes here: the

@@ -39,6 +39,7 @@ from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import ClearTask, CopyKind, CopyPlan
 from fastkv.cache.write_policy import StorageWrites
 from fastkv.cache.write_policy import WritePolicy as CachePolicy
+from fastkv.deploy.cost_model import scaled_for
 from fastkv.engine import health, protocol
 from fastkv.engine.handoff import Exporter, HandoffStats
 from fastkv.engine.lookup import StorageLookup
@@ -60,6 +61,7 @@ from fastkv.ipc.peers import exit_status, wait_exit
 from fastkv.procs.children import describe_exit, last_line
 from fastkv.run import EngineEnds, RunSpec, attach_engine
 from fastkv.sched import PreemptionMode, Request, RequestState, Scheduler, SchedulerConfig, WeightUpdate
+from fastkv.sched.hits import HitCosts, HitPolicy
 from fastkv.sched.output import StepPlan
 from fastkv.sched.queues import QueuePolicy
 from fastkv.sched.reservation import Refusal, Reservation
@@ -123,6 +125,13 @@ def cache_config(spec: RunSpec) -> CacheConfig:
                        weights_version=spec.weights_version, layout=spec.layout)
 
 
+def hit_policy(spec: RunSpec) -> HitPolicy:
+    """The run's hit policy, judged by the synthetic runner's cost model if it has one."""
+    bs = spec.layout.block_size
+    model = scaled_for(spec.runner, spec.runner_options, spec.layout)
+    return HitPolicy(bs, spec.hit_policy, None if model is None else HitCosts.of(model, bs, spec.layout.block_bytes))
+
+
 def scheduler_config(spec: RunSpec) -> SchedulerConfig:
     """``spec.scheduler`` as a SchedulerConfig; enum fields may be given by name ("offload")."""
     opts = dict(spec.scheduler)
@@ -145,7 +154,7 @@ class Engine:
         self.spec = spec
         self.ends = ends
         self.cache = CacheManager(cache_config(spec))
-        self.sched = Scheduler(self.cache, scheduler_config(spec))
+        self.sched = Scheduler(self.cache, scheduler_config(spec), hits=hit_policy(spec))
         if self.sched.config.preemption is PreemptionMode.STORAGE and not spec.storage_url:
             raise ValueError("RunSpec.scheduler: preemption 'storage' needs a storage tier (RunSpec.storage_url)")
         if client_factory is None:
@@ -164,7 +173,8 @@ class Engine:
         self.lookups = None
         if spec.storage_url:  # a LOOKUP's keys take at most a quarter of the task ring
             self.lookups = StorageLookup(self.cache, spec.storage_lookup_timeout_s,
-                                         spec.slot_size * spec.nslots // (4 * 40))
+                                         spec.slot_size * spec.nslots // (4 * 40), policy=spec.prefetch_policy,
+                                         per_1k_tokens_s=spec.prefetch_timeout_per_1k_tokens_s)
         self.checking = check  # check() after every step (tests)
         self.gpu_clock = GpuClock()  # where the wall goes, from the GPU's side (summary gpu_busy)
         self._broadcast = Broadcast(ends.plans)

@@ -57,6 +57,8 @@ def counters(engine: Engine) -> dict[str, Any]:
             "bytes_loaded": engine.cache.stats.load_blocks * engine.spec.layout.block_bytes * engine.spec.tp_size,
             "blocks_loaded": engine.cache.stats.load_blocks,
             "loads_joined": engine.cache.stats.joined_load_blocks},  # blocks taken from another's LOAD
+        # prompt tokens of host and storage hits loaded, and those recomputed by the hit policy's choice
+        "hits": engine.sched.hits.to_json(),
         # what the workers' runners verified (summed over ranks; requests: each rank checks the
         # same requests, so the most any rank checked); a mismatch fails the run
         "verified": {c: (max if c == "kv_requests_verified" else sum)(sig[f"worker{r}.{c}"] for r in ranks)

@@ -13,8 +13,9 @@ bounded by the scheduler's ``max_loading_blocks``). A value that vanished or fai
 checksum by then fails the LOAD: a miss, and the request recomputes from that block.
 
 The scheduler never waits on a lookup. A parked request goes to the scheduler once its
-lookup is answered, or ``timeout_s`` after it was parked, whichever comes first (it then
-goes with what is confirmed, never worse than without a lookup). Requests leave in the
+lookup is answered, or once the prefetch policy's wait for it is over (``fastkv.sched.prefetch``:
+by default ``timeout_s`` after it was parked), whichever comes first (it then goes with what is
+confirmed, never worse than without a lookup). Requests leave in the
 order they came, so FCFS holds: a late lookup delays the ones behind it, within the same
 bound. A failed LOOKUP (a rank down, storage unavailable) confirms nothing. With async
 scheduling the engine waits for a wave's answers before its next plan while the step in flight
@@ -32,6 +33,7 @@ import numpy as np
 from fastkv.cache.manager import CacheManager
 from fastkv.cache.plan import LookupTask
 from fastkv.ipc import DoneMsg
+from fastkv.sched.prefetch import lookup_wait_s
 from fastkv.sched.request import Request
 from fastkv.storage.lookup import confirmed
 
@@ -76,10 +78,14 @@ class StorageLookup:
     """Parks new requests until their storage lookup is answered or times out (module docstring)."""
 
     def __init__(self, cache: CacheManager, timeout_s: float, max_keys: int = MAX_KEYS_PER_TASK,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if not timeout_s >= 0:
-            raise ValueError(f"storage lookup timeout must be >= 0 s, got {timeout_s!r}")
+                 clock: Callable[[], float] = time.monotonic, policy: str = "timeout",
+                 per_1k_tokens_s: float = 0.0) -> None:
+        if not timeout_s >= 0 or not per_1k_tokens_s >= 0:
+            raise ValueError(f"storage lookup timeouts must be >= 0 s, got {timeout_s!r} + {per_1k_tokens_s!r} "
+                             "per 1k tokens")
+        lookup_wait_s(policy, 0.0, 0.0, 0)  # an unknown policy fails here
         self.cache, self.timeout_s, self.clock = cache, float(timeout_s), clock
+        self.policy, self.per_1k_tokens_s = policy, float(per_1k_tokens_s)
         self.max_keys = max(1, min(max_keys, MAX_KEYS_PER_TASK))
         self.stats = LookupStats()
         self._parked: deque[_Parked] = deque()
@@ -96,7 +102,8 @@ class StorageLookup:
     def park(self, req: Request) -> None:
         if req.arrival_time is None:  # its wait here counts toward its TTFT
             req.arrival_time = self.clock()
-        p = _Parked(req, self.clock() + self.timeout_s)
+        p = _Parked(req, self.clock() + lookup_wait_s(self.policy, self.timeout_s, self.per_1k_tokens_s,
+                                                      req.num_tokens))
         self._parked.append(p)
         self._by_id[req.request_id] = p
 

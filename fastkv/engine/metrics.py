@@ -228,6 +228,12 @@ class _SchedulerCollector:
         for tier in TIERS:
             hits.add_metric([tier], getattr(stats, f"{tier}_hit_tokens"))
         yield hits
+        chosen = CounterMetricFamily("fastkv_hit_choice_tokens", "Prompt tokens of host and storage hits, by "
+                                     "what the hit policy chose: load, or recompute", labels=["tier", "choice"])
+        for choice, by_tier in (("load", s.hits.stats.loaded_tokens), ("recompute", s.hits.stats.recomputed_tokens)):
+            for tier, n in by_tier.items():
+                chosen.add_metric([tier, choice], n)
+        yield chosen
         yield CounterMetricFamily("fastkv_lookup_tokens", "Prompt tokens looked up in the prefix cache "
                                   "(hit_tokens / lookup_tokens = the hit ratio)", value=stats.prompt_tokens)
         blocks = GaugeMetricFamily("fastkv_blocks", "Blocks by tier and state", labels=["tier", "state"])

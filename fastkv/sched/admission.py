@@ -2,6 +2,7 @@
 
 A request whose prefix is cached on the device runs at once from the end of its hit; one with
 host or storage hits (or an offloaded one being restored) waits in LOADING for its copies.
+Which host and storage hits are worth their copies is the hit policy's call (``judge_hits``).
 Admission is head-of-line (a request that does not fit stops it, so big requests are not
 starved by small ones), except for loads: while LOADING requests already hold
 ``max_loading_blocks`` device blocks, requests that would load are passed over, and requests
@@ -29,6 +30,12 @@ def loading_blocks(p: SchedulerParts) -> int:
     return sum(cdiv(r.num_slotted, bs) for r in p.table.loading.values())
 
 
+def judge_hits(p: SchedulerParts, first: int, n_host: int, n_storage: int, count: bool = True) -> tuple[int, int]:
+    """The host and storage hits worth loading (``fastkv.sched.hits``), behind the copies on each
+    link. ``count``: False for a look ahead (a request that will not load is not held back as a load)."""
+    return p.hits.cut(first, n_host, n_storage, p.cache.queued_blocks(), count)
+
+
 def admit(p: SchedulerParts, batch: StepBatch) -> None:
     cfg, cache, table, bs = p.config, p.cache, p.table, p.block_size
     loading = loading_blocks(p)
@@ -43,7 +50,7 @@ def admit(p: SchedulerParts, batch: StepBatch) -> None:
             loads, m = restoring, None
             if not restoring:
                 m = cache.match(req.token_ids, req.extra)
-                loads = bool(m.host_blocks or m.storage_keys)
+                loads = any(judge_hits(p, len(m.device_blocks), len(m.host_blocks), len(m.storage_keys), count=False))
             if loads and loading and loading + n_blocks > p.max_loading_blocks:
                 table.stats.deferred_loads += 1
                 continue
@@ -52,7 +59,7 @@ def admit(p: SchedulerParts, batch: StepBatch) -> None:
         if restoring:  # reserve a slot for a token sampled just before it was preempted
             a = cache.restore(req.request_id, reserve_tokens=req.num_tokens - req.num_slotted)
         else:
-            a = cache.allocate(req.request_id, req.token_ids, req.extra)
+            a = cache.allocate(req.request_id, req.token_ids, req.extra, hits=lambda *n: judge_hits(p, *n))
         if a is None:
             return
         p.outbox.emit(a.plans)

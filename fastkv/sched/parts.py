@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from fastkv.cache.manager import CacheManager
 from fastkv.sched.config import SchedulerConfig
 from fastkv.sched.cost import CostModel
+from fastkv.sched.hits import HitPolicy
 from fastkv.sched.outbox import CopyOutbox
 from fastkv.sched.table import RequestTable
 
@@ -21,6 +22,7 @@ class SchedulerParts:
     outbox: CopyOutbox  # copy plans queued and in flight
     max_model_len: int
     max_loading_blocks: int
+    hits: HitPolicy  # which host and storage hits admission loads
 
     @property
     def block_size(self) -> int:

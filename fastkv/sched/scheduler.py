@@ -35,6 +35,7 @@ from fastkv.sched import admission, preemption, reservation, weights
 from fastkv.sched.batch import StepBatch
 from fastkv.sched.config import SchedulerConfig
 from fastkv.sched.cost import CostModel
+from fastkv.sched.hits import HitPolicy
 from fastkv.sched.integrity import check
 from fastkv.sched.outbox import CopyOutbox
 from fastkv.sched.output import SchedulerOutput, SeqWork, StepOutput, StepPlan
@@ -50,7 +51,7 @@ S = RequestState
 
 class Scheduler:
     def __init__(self, cache: CacheManager, config: SchedulerConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, hits: HitPolicy | None = None) -> None:
         if not isinstance(cache, CacheManager):
             raise TypeError(f"cache must be a CacheManager, got {type(cache).__name__}")
         cfg = config if config is not None else SchedulerConfig()
@@ -75,8 +76,10 @@ class Scheduler:
         # called with a finished request before its blocks are freed; returns copies of them to make
         # (a prefill engine exports the prompt for a decode engine: fastkv.engine.handoff)
         self.before_free: Callable[[Request], Iterable[CopyPlan]] | None = None
+        # which host and storage hits admission loads (default: all, with no cost to judge by)
+        self.hits = hits if hits is not None else HitPolicy(self.block_size)
         self._parts = SchedulerParts(cache, cfg, self.cost, table, self.outbox, self.max_model_len,
-                                     self.max_loading_blocks)
+                                     self.max_loading_blocks, self.hits)
         # the table's, never rebound: what engines and tests read
         self.requests, self.waiting = table.requests, table.waiting
         self.loading, self.running, self.offloading = table.loading, table.running, table.offloading
@@ -290,6 +293,8 @@ class Scheduler:
             self.stats.copies_failed += 1
         elif nbytes and p.kind in (CopyKind.SWAP_IN, CopyKind.SWAP_OUT):  # what an offload does (not storage I/O)
             self.cost.observe_copy(nbytes, seconds)
+        if ok and nbytes and p.kind in (CopyKind.SWAP_IN, CopyKind.LOAD):  # what a hit's copy costs here
+            self.hits.observe(p.kind is CopyKind.LOAD, nbytes, seconds)
         c = self.cache.complete(p, bool(ok))
         if p.kind is CopyKind.CLEAR:
             assert self.weight_update_state is WeightUpdate.CLEARING, "CLEAR completed outside a weight update"

@@ -99,15 +99,10 @@ def storage_time_model(spec: RunSpec) -> Callable[[int], float] | None:
     """Under the synthetic runner's cost model, the least seconds a STORE or LOAD of so many bytes
     takes: the deployment's storage link, scaled like its copies
     (``fastkv.deploy.cost_model.ScaledCostModel.storage_seconds``); None otherwise."""
-    opts = spec.runner_options
-    if spec.runner != "synthetic" or not opts.get("cost_model"):
-        return None
-    from fastkv.deploy.cost_model import ScaledCostModel, deployment, measure_copy_bandwidth
+    from fastkv.deploy.cost_model import scaled_for
 
-    gbps = float(opts.get("copy_gbps") or 0.0)
-    layout = spec.layout
-    return ScaledCostModel.calibrate(deployment(opts["cost_model"]), layout.block_bytes // layout.block_size,
-                                     gbps * 1e9 if gbps > 0 else measure_copy_bandwidth()).storage_seconds
+    model = scaled_for(spec.runner, spec.runner_options, spec.layout)
+    return None if model is None else model.storage_seconds
 
 
 class TaskExecutor:

@@ -105,6 +105,9 @@ def test_json_config_and_quick(tmp_path):
     ({"demo": {"speed": 1}}, "unknown demo settings"),
     ({"storage_backlog_blocks": -1}, "'storage_backlog_blocks' must be >= 0"),
     ({"storage_backlog_blocks": "many"}, "'storage_backlog_blocks' must be of type int"),
+    ({"hit_policy": "sometimes"}, "'hit_policy' must be one of"),
+    ({"prefetch_policy": "eager"}, "'prefetch_policy' must be one of"),
+    ({"prefetch_timeout_per_1k_tokens_s": -1.0}, "'prefetch_timeout_per_1k_tokens_s' must be >= 0"),
 ])
 def test_bad_values_are_named(values, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

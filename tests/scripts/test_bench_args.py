@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
     ("bench_e2e.py", ["--rounds", "-1"], "argument --rounds: must be >= 0, got -1"),
     ("bench_e2e.py", ["--copy-gbps", "-3"], "argument --copy-gbps: must be >= 0.0, got -3"),
     ("bench_e2e.py", ["--entry", "nonsense"], "--entry must be ROLE=MODULE:FUNC"),
+    ("bench_hits.py", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+    ("bench_hits.py", ["--copy-gbps", "-1"], "argument --copy-gbps: must be >= 0.0, got -1"),
     ("bench_lmdb_stall.py", ["--rounds", "-2"], "argument --rounds: must be >= 0, got -2"),
     ("bench_storage.py", ["--blocks", "0"], "argument --blocks: must be >= 1, got 0"),
     ("bench_storage.py", ["--tmpdir", "no-such-dir/deeper"], "--tmpdir: [Errno 2] No such file or directory"),

@@ -65,7 +65,8 @@ def extra_args(script: str, tmp_path: Path) -> list[str]:
     return []
 
 
-SLOW = {"bench_ipc.py", "bench_e2e.py", "bench_swap.py", "bench_pool.py"}  # > 10 s on a loaded 2-core machine
+# > 10 s on a loaded 2-core machine
+SLOW = {"bench_ipc.py", "bench_e2e.py", "bench_swap.py", "bench_pool.py", "bench_hits.py"}
 
 
 def test_every_script_is_covered():

@@ -97,3 +97,16 @@ def test_two_names_of_one_setting_in_one_layer_are_an_error_naming_both(tmp_path
 def test_help_states_the_rule():
     assert "flag > config file > default" in " ".join(build_parser().format_help().split())
     assert "flag > config file > default" in README.read_text()
+
+
+def test_the_hit_and_prefetch_policies_follow_the_rule(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('hit_policy = "recompute"\nprefetch_policy = "wait_complete"\n'
+                    "prefetch_timeout_per_1k_tokens_s = 0.5\n")
+    cfg = JobConfig.from_sources(path, flags("--hit-policy", "load", "--prefetch-timeout-per-1k-tokens-s", "2"))
+    assert (cfg.hit_policy, cfg.prefetch_policy, cfg.prefetch_timeout_per_1k_tokens_s) == ("load", "wait_complete", 2.0)
+    spec = cfg.to_spec("r", tmp_path)
+    assert (spec.hit_policy, spec.prefetch_policy, spec.prefetch_timeout_per_1k_tokens_s) == (
+        "load", "wait_complete", 2.0)
+    default = JobConfig.from_sources(None, flags())
+    assert (default.hit_policy, default.prefetch_policy, default.storage_lookup_timeout_s) == ("auto", "timeout", 0.2)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
@@ -95,3 +96,47 @@ def test_a_wave_asks_the_store_about_each_key_once_however_many_chains_share_it(
     found = found_prefixes(store, keys, np.array([len(c) for c in chains], np.int32))
     assert found.tolist() == [3, 2, 1]
     assert len(store.asked) == 1 and sorted(store.asked[0]) == [b"a", b"b", b"c", b"d", b"x"]
+
+
+def test_prefetch_best_effort_never_holds_a_request_back():
+    cache = CacheManager(CacheConfig(num_device_blocks=64, num_host_blocks=16, block_size=BS, storage=True))
+    lk = StorageLookup(cache, 0.5, clock=Clock(), policy="best_effort")
+    a = Request(0, list(range(9)), 4)
+    lk.park(a)
+    (plan,) = lk.wave()  # still asked: its answer serves the requests after it
+    assert [r for r, _ in lk.release()] == [a] and lk.wait_s(1.0) == 1.0
+    lk.complete(plan.plan_id, True, 0)
+
+
+def test_prefetch_wait_complete_holds_a_request_until_its_answer():
+    cache = CacheManager(CacheConfig(num_device_blocks=64, num_host_blocks=16, block_size=BS, storage=True))
+    clock = Clock()
+    lk = StorageLookup(cache, 0.5, clock=clock, policy="wait_complete")
+    a = Request(0, list(range(9)), 4)
+    lk.park(a)
+    (plan,) = lk.wave()
+    clock.t += 3600
+    assert lk.release() == [] and lk.wait_s(1.0) == 1.0 and lk.stats.timed_out == 0
+    lk.on_ack(ack(plan.plan_id, 0, [2]))
+    lk.complete(plan.plan_id, True, 1)
+    assert [r for r, _ in lk.release()] == [a] and len(cache.match(a.token_ids).storage_keys) == 2
+
+
+def test_prefetch_timeout_grows_with_the_prompt():
+    cache = CacheManager(CacheConfig(num_device_blocks=1024, num_host_blocks=16, block_size=BS, storage=True))
+    clock = Clock()
+    lk = StorageLookup(cache, 0.5, clock=clock, policy="timeout", per_1k_tokens_s=1.0)
+    short, long = Request(0, list(range(9)), 4), Request(1, list(range(100, 2100)), 4)
+    lk.park(long)  # 2,000 tokens: 0.5 + 2 x 1.0 s
+    lk.park(short)
+    lk.wave()
+    clock.t += 2.4
+    assert lk.release() == []  # the long one, first, is still within its wait
+    clock.t += 0.2
+    assert [r for r, _ in lk.release()] == [long, short] and lk.stats.timed_out == 2
+
+
+def test_prefetch_policy_names_are_checked():
+    cache = CacheManager(CacheConfig(num_device_blocks=64, num_host_blocks=16, block_size=BS, storage=True))
+    with pytest.raises(ValueError, match="prefetch policy must be one of"):
+        StorageLookup(cache, 0.5, policy="eager")
