@@ -129,26 +129,12 @@ class JobConfig:
         if not self.storage_lookup_timeout_s >= 0 or not self.prefetch_timeout_per_1k_tokens_s >= 0:
             raise ValueError("settings 'storage_lookup_timeout_s' and 'prefetch_timeout_per_1k_tokens_s' must be "
                              f">= 0, got {self.storage_lookup_timeout_s} and {self.prefetch_timeout_per_1k_tokens_s}")
-        if self.prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(f"setting 'prefetch_policy' must be one of {PREFETCH_POLICIES}, "
-                             f"got {self.prefetch_policy!r}")
-        if self.hit_policy not in HIT_POLICIES:
-            raise ValueError(f"setting 'hit_policy' must be one of {HIT_POLICIES}, got {self.hit_policy!r}")
-        if self.cache_policy not in CACHE_POLICIES:
-            raise ValueError(f"setting 'cache_policy' must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
-        if self.async_scheduling not in ("on", "off"):
-            raise ValueError(f"setting 'async_scheduling' must be 'on' or 'off', got {self.async_scheduling!r}")
-        if self.engine_cpu_policy not in CPU_POLICIES:
-            raise ValueError(f"setting 'engine_cpu_policy' must be one of {CPU_POLICIES}, "
-                             f"got {self.engine_cpu_policy!r}")
-        if self.storage_write not in STORAGE_WRITES:
-            raise ValueError(f"setting 'storage_write' must be one of {STORAGE_WRITES}, got {self.storage_write!r}")
-        if self.eviction not in POLICIES:
-            raise ValueError(f"setting 'eviction' must be one of {sorted(POLICIES)}, got {self.eviction!r}")
-        if self.preemption not in PREEMPTION_MODES:
-            raise ValueError(f"setting 'preemption' must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
-        if self.runner not in RUNNERS:
-            raise ValueError(f"setting 'runner' must be one of {RUNNERS}, got {self.runner!r}")
+        for name, choices in (("prefetch_policy", PREFETCH_POLICIES), ("hit_policy", HIT_POLICIES),
+                              ("cache_policy", CACHE_POLICIES), ("async_scheduling", ("on", "off")),
+                              ("engine_cpu_policy", CPU_POLICIES), ("storage_write", STORAGE_WRITES),
+                              ("eviction", sorted(POLICIES)), ("preemption", PREEMPTION_MODES), ("runner", RUNNERS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"setting {name!r} must be one of {choices}, got {getattr(self, name)!r}")
         if self.preemption == "storage" and self.storage == "none":
             raise ValueError("preemption 'storage' needs a storage tier: set 'storage' to a URL (or leave the default)")
         # Swaps and storage copies both go through the host tier (the transfer process stages there).
