@@ -43,6 +43,7 @@ from fastkv.cache.offload import restore as restore_request
 from fastkv.cache.plan import Allocation, ClearTask, Completion, CopyKind, CopyPlan, Growth, PreemptionWork, RestoreTask
 from fastkv.cache.pool import BlockState
 from fastkv.cache.release import release_host_refs, release_table
+from fastkv.cache.request_policy import CachePolicy
 from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
 from fastkv.cache.residency import ResidencyLog, watch
 from fastkv.cache.state import CacheConfig, CacheState
@@ -62,6 +63,14 @@ from fastkv.config import cdiv
 
 _CACHED = int(BlockState.CACHED)
 _HELD = (BlockState.ALLOCATED, BlockState.IN_FLIGHT)
+
+
+def _readable(policy: CachePolicy | None, dev: list, host: list, sto: list) -> tuple[list, list, list]:
+    """A prefix match cut at the first tier ``policy`` may not read."""
+    if policy is None:
+        return dev, host, sto
+    n = len(policy.readable)
+    return (dev if n > 0 else []), (host if n > 1 else []), (sto if n > 2 else [])
 
 
 WAITING_KEYS = 1024  # requests whose keys allocate keeps while they wait (an aborted one ages out)
@@ -126,14 +135,15 @@ class CacheManager:
             for k in keys:
                 self.index.remember_stored(k)
 
-    def match(self, tokens: object, extra: ExtraKeys | None = None) -> MatchResult:
-        """The longest cached prefix of ``tokens`` (read-only: touches nothing, counts nothing).
+    def match(self, tokens: object, extra: ExtraKeys | None = None, policy: CachePolicy | None = None) -> MatchResult:
+        """The longest cached prefix of ``tokens`` (read-only: touches nothing, counts nothing)
+        in the tiers ``policy`` may read.
 
         At least the last token is left out of a hit: a step needs one token to compute."""
         toks = as_tokens(tokens)
         root, extras = self._chain(extra)
         keys = block_keys(toks, self.block_size, root, 0, extras)
-        dev, host, sto = self.index.match(keys, (len(toks) - 1) // self.block_size)
+        dev, host, sto = _readable(policy, *self.index.match(keys, (len(toks) - 1) // self.block_size))
         return MatchResult(tuple(dev), tuple(host), tuple(sto), self.block_size, len(toks))
 
     def num_held_hits(self, match: MatchResult) -> int:
@@ -198,7 +208,8 @@ class CacheManager:
     # ================================================================== admission
     @settles
     def allocate(self, request_id: object, tokens: object, extra: ExtraKeys | None = None,
-                 reserve_tokens: int = 0, tail_key: TailKey | None = None) -> Allocation | None:
+                 reserve_tokens: int = 0, tail_key: TailKey | None = None,
+                 policy: CachePolicy | None = None) -> Allocation | None:
         """Blocks for a prompt, reusing its longest cached prefix. None when the device lacks room.
 
         ``reserve_tokens`` also reserves blocks for that many generated tokens, so that
@@ -219,7 +230,7 @@ class CacheManager:
         bs = self.block_size
         root, extras = self._chain(extra)
         keys = self._keys_of_waiting(request_id, toks, root, extras)
-        dev_hits, host_hits, storage_keys = self.index.match(keys, (n - 1) // bs)
+        dev_hits, host_hits, storage_keys = _readable(policy, *self.index.match(keys, (n - 1) // bs))
         resume_key = self.state.preemptions.resume_key(request_id)
         partial = None  # a host block holding its resumed partial block
         # a partial block (before the last token) is of use only behind a complete prefix; as the
@@ -261,7 +272,8 @@ class CacheManager:
         stats.prompt_blocks += len(keys)
         stats.device_hit_tokens += num_device_hits * bs
 
-        req = CacheRecord(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n)
+        req = CacheRecord(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n,
+                          writes=policy is None or policy.write)
         if keys:
             req.resume.saw_block(toks[(len(keys) - 1) * bs:len(keys) * bs].tolist())
         self.state.admit(req)
@@ -298,7 +310,7 @@ class CacheManager:
                 plans.append(swap_in(self.state, req))
             else:
                 req.load = None
-        if self.policy.copies_on_hit and num_device_hits and self.host.capacity:
+        if self.policy.copies_on_hit and num_device_hits and self.host.capacity and req.writes:
             plans += count_hits(self.state, req, num_device_hits)
         plans += deferred(self.state)
         return Allocation(tuple(req.table), num_device_hits * bs, target - num_device_hits * bs, tuple(plans),
@@ -387,7 +399,7 @@ class CacheManager:
         req.num_computed = n
         full = min(n // self.block_size, len(req.keys))
         first = req.num_keyed
-        if full <= first:
+        if full <= first or not req.writes:  # a request that may not write keeps its blocks unkeyed
             return []
         if req.dup_pos:
             self._repair_dups(req)
@@ -421,7 +433,8 @@ class CacheManager:
     @settles
     def free(self, request_id: object, cache: bool = True) -> None:
         """The request is done (or aborted, or preempted for recompute). Its full computed
-        blocks stay cached unless ``cache`` is False; copies still in flight finish first."""
+        blocks stay cached unless ``cache`` is False (or it may not write: they were never
+        keyed, so they are freed); copies still in flight finish first."""
         req = self.state.let_go(request_id)
         if req is None:
             raise ValueError(f"free of unknown request {request_id!r} (double free?)")

@@ -42,7 +42,7 @@ def admit(p: SchedulerParts, batch: StepBatch) -> None:
             # Only now is a read-only prefix match worth its hashing.
             loads, m = restoring, None
             if not restoring:
-                m = cache.match(req.token_ids, req.extra)
+                m = cache.match(req.token_ids, req.extra, req.cache_policy)
                 loads = bool(m.host_blocks or m.storage_keys)
             if loads and loading and loading + n_blocks > p.max_loading_blocks:
                 table.stats.deferred_loads += 1
@@ -52,7 +52,7 @@ def admit(p: SchedulerParts, batch: StepBatch) -> None:
         if restoring:  # reserve a slot for a token sampled just before it was preempted
             a = cache.restore(req.request_id, reserve_tokens=req.num_tokens - req.num_slotted)
         else:
-            a = cache.allocate(req.request_id, req.token_ids, req.extra)
+            a = cache.allocate(req.request_id, req.token_ids, req.extra, policy=req.cache_policy)
         if a is None:
             return
         p.outbox.emit(a.plans)
