@@ -107,7 +107,7 @@ class CacheManager:
         toks = as_tokens(tokens)
         keys = block_keys(toks, self.block_size, root, 0, extras)
         if self.state.residency is not None:
-            self.state.residency.register(keys, toks.tobytes(), self.block_size)
+            self.state.residency.register(keys, toks.tobytes(), self.block_size, extra=extra)
         return keys
 
     def _keys_of_waiting(self, request_id: object, toks: np.ndarray, root: bytes,
@@ -253,7 +253,7 @@ class CacheManager:
             return None
         del self._waiting_keys[request_id]
         if self.state.residency is not None:  # the tokens its blocks' events carry, once admitted
-            self.state.residency.register(keys, toks.tobytes(), bs)
+            self.state.residency.register(keys, toks.tobytes(), bs, extra=extra)
         joins: list[tuple[int, int]] = []
         if storage_keys:  # join LOADs in flight; stage the others in host blocks, what finds no room is recomputed
             hits = num_device_hits + num_host_hits
@@ -273,7 +273,7 @@ class CacheManager:
         stats.device_hit_tokens += num_device_hits * bs
 
         req = CacheRecord(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n,
-                          writes=policy is None or policy.write)
+                          writes=policy is None or policy.write, extra=extra)
         if keys:
             req.resume.saw_block(toks[(len(keys) - 1) * bs:len(keys) * bs].tolist())
         self.state.admit(req)
@@ -381,7 +381,8 @@ class CacheManager:
                 extras = {i - len(req.keys): e for i, e in extras.items() if i >= len(req.keys)}
             new_keys = block_keys(chunk, bs, parent, 0, extras)
             if self.state.residency is not None:
-                self.state.residency.register(new_keys, chunk.tobytes(), bs, 0, req.keys[-1] if req.keys else None)
+                self.state.residency.register(new_keys, chunk.tobytes(), bs, 0, req.keys[-1] if req.keys else None,
+                                              req.extra, at=len(req.keys))
             req.keys += new_keys
             req.resume.saw_block(tail[(full - 1) * bs:full * bs])
             del tail[:full * bs]
