@@ -448,7 +448,10 @@ class CacheManager:
     @settles
     def offload(self, request_id: object, to_storage: bool = False) -> tuple[CopyPlan, ...] | None:
         """Copy the request's computed KV to the host (see fastkv.cache.offload); ``to_storage``:
-        and to the storage tier, its partial last block included (storage-mode preemption)."""
+        and to the storage tier, its partial last block included (storage-mode preemption).
+        ValueError for a request whose cache policy lets it write nothing: it recomputes."""
+        if not self.state.get(request_id).writes:
+            raise ValueError(f"offload of request {request_id!r}, whose cache policy lets it write nothing")
         return offload_request(self.state, request_id, to_storage and self.index.storage)
 
     def is_offloaded(self, request_id: object) -> bool:
