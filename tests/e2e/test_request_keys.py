@@ -25,7 +25,7 @@ def _spec(tmp_path, store: str) -> RunSpec:
     layout = KVLayout(num_layers=1, kv_heads=2, block_size=BS, head_dim=8, dtype="float32")
     # write-through: every block reaches the host tier and so the pool, for the restart to find
     return RunSpec(f"rk{uuid.uuid4().hex[:8]}", layout, 32, 64, storage_url=f"lmdb://{store}?max_bytes=64M",
-                   cache_policy="write_through",
+                   cache_policy="write_through", storage_lookup_timeout_s=10.0,  # a loaded machine answers late
                    out_dir=str(tmp_path / uuid.uuid4().hex[:6]), heartbeat_s=0.2)
 
 
