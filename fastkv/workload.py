@@ -3,8 +3,8 @@
 workload.jsonl: one request a line, ``{"id": str, "arrival_s": float, "prompt": [int, ...],
 "max_new_tokens": int, "preemption": "recompute" | "offload" | "storage" | null}``, and
 optionally ``cache_salt``, ``lora`` and ``mm_items`` (``Engine.add_request``'s: what keys the
-request's KV besides its tokens); ``arrival_s`` is the offset from the start (0 for all =
-closed loop); ``preemption`` null means the engine's default.
+request's KV besides its tokens) and ``cache`` (its cache policy); ``arrival_s`` is the offset
+from the start (0 for all = closed loop); ``preemption`` null means the engine's default.
 
 Two generators, both deterministic for a seed:
 
@@ -204,14 +204,16 @@ def check_request(req: Any, vocab: int | None = None) -> None:
 
 
 def keyed_error(req: dict[str, Any]) -> str:
-    """Why a request's ``cache_salt``, ``lora`` or ``mm_items`` are wrong ('' if they are not)."""
+    """Why a request's ``cache_salt``, ``lora``, ``mm_items`` or ``cache`` are wrong ('' if they are not)."""
     from fastkv.cache.keys import ExtraKeys
+    from fastkv.cache.request_policy import CachePolicy
 
     items = req.get("mm_items") or []
     if not isinstance(items, list):
         return f"mm_items must be a list of {{start, end, hash}}, got {items!r}"
     try:
         extra = ExtraKeys.of(req.get("cache_salt"), req.get("lora"), items)
+        CachePolicy.of(req.get("cache"))
     except ValueError as exc:
         return str(exc)
     if extra is not None and extra.mm and max(end for _, end, _ in extra.mm) > len(req.get("prompt") or ()):
@@ -219,8 +221,9 @@ def keyed_error(req: dict[str, Any]) -> str:
     return ""
 
 
-# a workload line's fields (README, "Workload files"): cache_salt, lora and mm_items key its KV
-REQUEST_FIELDS = ("id", "arrival_s", "prompt", "max_new_tokens", "preemption", "cache_salt", "lora", "mm_items")
+# a workload line's fields (README, "Workload files"): cache_salt, lora and mm_items key its KV, cache is its policy
+REQUEST_FIELDS = ("id", "arrival_s", "prompt", "max_new_tokens", "preemption", "cache_salt", "lora", "mm_items",
+                  "cache")
 
 
 def _is_int(value: Any) -> bool:

@@ -152,6 +152,14 @@ class ExtraKeys:
             out += _field(b"salt", _text(self.tenant_salt))
         return out
 
+    def block_items(self, block_size: int) -> dict[int, tuple[bytes, ...]]:
+        """The hashes of the multimodal items each block overlaps, in the request's order."""
+        items: dict[int, tuple[bytes, ...]] = {}
+        for start, end, digest in self.mm:
+            for block in range(start // block_size, (end - 1) // block_size + 1):
+                items[block] = items.get(block, ()) + (digest,)
+        return items
+
     def block_extras(self, block_size: int) -> dict[int, bytes]:
         """Extra key bytes per block index, for the blocks a multimodal item overlaps."""
         extras: dict[int, bytes] = {}

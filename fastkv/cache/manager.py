@@ -44,6 +44,7 @@ from fastkv.cache.offload import restore as restore_request
 from fastkv.cache.plan import Allocation, ClearTask, Completion, CopyKind, CopyPlan, Growth, PreemptionWork, RestoreTask
 from fastkv.cache.pool import BlockState
 from fastkv.cache.release import release_host_refs, release_table
+from fastkv.cache.request_policy import CachePolicy
 from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
 from fastkv.cache.residency import ResidencyLog, watch
 from fastkv.cache.state import CacheConfig, CacheState
@@ -63,6 +64,14 @@ from fastkv.config import cdiv
 
 _CACHED = int(BlockState.CACHED)
 _HELD = (BlockState.ALLOCATED, BlockState.IN_FLIGHT)
+
+
+def _readable(policy: CachePolicy | None, dev: list, host: list, sto: list) -> tuple[list, list, list]:
+    """A prefix match cut at the first tier ``policy`` may not read."""
+    if policy is None:
+        return dev, host, sto
+    n = len(policy.readable)
+    return (dev if n > 0 else []), (host if n > 1 else []), (sto if n > 2 else [])
 
 
 WAITING_KEYS = 1024  # requests whose keys allocate keeps while they wait (an aborted one ages out)
@@ -99,7 +108,7 @@ class CacheManager:
         toks = as_tokens(tokens)
         keys = block_keys(toks, self.block_size, root, 0, extras)
         if self.state.residency is not None:
-            self.state.residency.register(keys, toks.tobytes(), self.block_size)
+            self.state.residency.register(keys, toks.tobytes(), self.block_size, extra=extra)
         return keys
 
     def _keys_of_waiting(self, request_id: object, toks: np.ndarray, root: bytes,
@@ -127,14 +136,15 @@ class CacheManager:
             for k in keys:
                 self.index.remember_stored(k)
 
-    def match(self, tokens: object, extra: ExtraKeys | None = None) -> MatchResult:
-        """The longest cached prefix of ``tokens`` (read-only: touches nothing, counts nothing).
+    def match(self, tokens: object, extra: ExtraKeys | None = None, policy: CachePolicy | None = None) -> MatchResult:
+        """The longest cached prefix of ``tokens`` (read-only: touches nothing, counts nothing)
+        in the tiers ``policy`` may read.
 
         At least the last token is left out of a hit: a step needs one token to compute."""
         toks = as_tokens(tokens)
         root, extras = self._chain(extra)
         keys = block_keys(toks, self.block_size, root, 0, extras)
-        dev, host, sto = self.index.match(keys, (len(toks) - 1) // self.block_size)
+        dev, host, sto = _readable(policy, *self.index.match(keys, (len(toks) - 1) // self.block_size))
         return MatchResult(tuple(dev), tuple(host), tuple(sto), self.block_size, len(toks))
 
     def num_held_hits(self, match: MatchResult) -> int:
@@ -204,6 +214,7 @@ class CacheManager:
     @settles
     def allocate(self, request_id: object, tokens: object, extra: ExtraKeys | None = None,
                  reserve_tokens: int = 0, tail_key: TailKey | None = None,
+                 policy: CachePolicy | None = None,
                  hits: Callable[[int, int, int], tuple[int, int]] | None = None) -> Allocation | None:
         """Blocks for a prompt, reusing its longest cached prefix. None when the device lacks room.
 
@@ -211,7 +222,10 @@ class CacheManager:
         ``append_slots`` within the reservation never finds the device full. ``tail_key``:
         storage holds the KV of the prompt's partial block before its last token under this
         key (a prefill handoff, ``fastkv.cache.handoff``); when every full block before it
-        hits, it is LOADed with them, so the whole prompt but its last token is served."""
+        hits, it is LOADed with them, so the whole prompt but its last token is served.
+        ``policy``: the tiers the request may read and write (``fastkv.cache.request_policy``).
+        ``hits(device hits, host hits, storage hits)``: how many host and storage hits to load,
+        the rest recomputed (``fastkv.sched.hits``); default all."""
         if self.state.paused:
             raise ValueError("allocate during a weight update: call finish_weight_update first")
         if request_id in self._reqs:
@@ -225,7 +239,7 @@ class CacheManager:
         bs = self.block_size
         root, extras = self._chain(extra)
         keys = self._keys_of_waiting(request_id, toks, root, extras)
-        dev_hits, host_hits, storage_keys = self.index.match(keys, (n - 1) // bs)
+        dev_hits, host_hits, storage_keys = _readable(policy, *self.index.match(keys, (n - 1) // bs))
         resume_key = self.state.preemptions.resume_key(request_id)
         dev, host = self.device, self.host
         num_device_hits = len(dev_hits)
@@ -252,11 +266,11 @@ class CacheManager:
         num_host_hits = len(host_hits)
         del self._waiting_keys[request_id]
         if self.state.residency is not None:  # the tokens its blocks' events carry, once admitted
-            self.state.residency.register(keys, toks.tobytes(), bs)
+            self.state.residency.register(keys, toks.tobytes(), bs, extra=extra)
         joins: list[tuple[int, int]] = []
         if storage_keys:  # join LOADs in flight; stage the others in host blocks, what finds no room is recomputed
-            hits = num_device_hits + num_host_hits
-            self.index.learn(storage_keys, keys[hits - 1] if hits else None)  # they are keyed on the host
+            n_hits = num_device_hits + num_host_hits
+            self.index.learn(storage_keys, keys[n_hits - 1] if n_hits else None)  # they are keyed on the host
             joins, storage_keys = split_loads(self.state, storage_keys)
             room = make_host_room(self.state, len(storage_keys), host_hits)
             del storage_keys[max(room, 0):]
@@ -271,7 +285,8 @@ class CacheManager:
         stats.prompt_blocks += len(keys)
         stats.device_hit_tokens += num_device_hits * bs
 
-        req = CacheRecord(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n)
+        req = CacheRecord(request_id, root, extras, keys, toks[len(keys) * bs:].tolist(), n,
+                          writes=policy is None or policy.write, extra=extra)
         if keys:
             req.resume.saw_block(toks[(len(keys) - 1) * bs:len(keys) * bs].tolist())
         self.state.admit(req)
@@ -308,7 +323,7 @@ class CacheManager:
                 plans.append(swap_in(self.state, req))
             else:
                 req.load = None
-        if self.policy.copies_on_hit and num_device_hits and self.host.capacity:
+        if self.policy.copies_on_hit and num_device_hits and self.host.capacity and req.writes:
             plans += count_hits(self.state, req, num_device_hits)
         plans += deferred(self.state)
         return Allocation(tuple(req.table), num_device_hits * bs, target - num_device_hits * bs, tuple(plans),
@@ -379,7 +394,8 @@ class CacheManager:
                 extras = {i - len(req.keys): e for i, e in extras.items() if i >= len(req.keys)}
             new_keys = block_keys(chunk, bs, parent, 0, extras)
             if self.state.residency is not None:
-                self.state.residency.register(new_keys, chunk.tobytes(), bs, 0, req.keys[-1] if req.keys else None)
+                self.state.residency.register(new_keys, chunk.tobytes(), bs, 0, req.keys[-1] if req.keys else None,
+                                              req.extra, at=len(req.keys))
             req.keys += new_keys
             req.resume.saw_block(tail[(full - 1) * bs:full * bs])
             del tail[:full * bs]
@@ -397,7 +413,7 @@ class CacheManager:
         req.num_computed = n
         full = min(n // self.block_size, len(req.keys))
         first = req.num_keyed
-        if full <= first:
+        if full <= first or not req.writes:  # a request that may not write keeps its blocks unkeyed
             return []
         if req.dup_pos:
             self._repair_dups(req)
@@ -431,7 +447,8 @@ class CacheManager:
     @settles
     def free(self, request_id: object, cache: bool = True) -> None:
         """The request is done (or aborted, or preempted for recompute). Its full computed
-        blocks stay cached unless ``cache`` is False; copies still in flight finish first."""
+        blocks stay cached unless ``cache`` is False (or it may not write: they were never
+        keyed, so they are freed); copies still in flight finish first."""
         req = self.state.let_go(request_id)
         if req is None:
             raise ValueError(f"free of unknown request {request_id!r} (double free?)")
@@ -444,7 +461,10 @@ class CacheManager:
     @settles
     def offload(self, request_id: object, to_storage: bool = False) -> tuple[CopyPlan, ...] | None:
         """Copy the request's computed KV to the host (see fastkv.cache.offload); ``to_storage``:
-        and to the storage tier, its partial last block included (storage-mode preemption)."""
+        and to the storage tier, its partial last block included (storage-mode preemption).
+        ValueError for a request whose cache policy lets it write nothing: it recomputes."""
+        if not self.state.get(request_id).writes:
+            raise ValueError(f"offload of request {request_id!r}, whose cache policy lets it write nothing")
         return offload_request(self.state, request_id, to_storage and self.index.storage)
 
     def is_offloaded(self, request_id: object) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from fastkv.cache.keys import BlockKey
+from fastkv.cache.keys import BlockKey, ExtraKeys
 
 
 class ReqState(IntEnum):
@@ -146,7 +146,7 @@ class Resume:
 
 @dataclass(slots=True, eq=False)
 class CacheRecord:
-    FIXED = ("rid", "root", "extras", "chain", "resume")  # set at construction, never rebound
+    FIXED = ("rid", "root", "extras", "chain", "resume", "writes", "extra")  # set at construction, never rebound
 
     rid: object
     root: bytes  # key of the chain's root (namespace + request extras)
@@ -165,6 +165,8 @@ class CacheRecord:
     load: LoadProgress | None = None  # copies will bring tokens up to load.target_computed
     chain: ChainHold = field(default_factory=ChainHold)
     resume: Resume = field(default_factory=Resume)
+    writes: bool = True  # its cache policy lets it write: its blocks are keyed, copied and cached
+    extra: ExtraKeys | None = None  # what besides its tokens keys it (the adapter and items its events name)
 
     @property
     def alive(self) -> bool:

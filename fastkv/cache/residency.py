@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import NamedTuple
 
+from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.write_policy import Tier
 
 TIERS = tuple(Tier)
@@ -28,6 +29,8 @@ PENDING_KEYS = 1 << 16  # chained keys remembered before any tier holds them (a 
 class KeyInfo(NamedTuple):
     parent: bytes | None  # None: the first block of its chain
     tokens: bytes  # int32 token ids of the block
+    lora: str | int | None = None  # the adapter of its chain
+    items: tuple[bytes, ...] = ()  # hashes of the multimodal items it overlaps (never the tenant's salt)
 
 
 class Change(NamedTuple):
@@ -70,14 +73,18 @@ class ResidencyLog:
 
     # ---------------------------------------------------------------- from the cache
     def register(self, keys: list[bytes], tokens: bytes, block_size: int, first: int = 0,
-                 parent: bytes | None = None) -> None:
+                 parent: bytes | None = None, extra: ExtraKeys | None = None, at: int | None = None) -> None:
         """``keys[i]`` is the chained key of block ``first + i`` of ``tokens`` (int32 bytes of the
-        whole sequence); ``parent``: the key before ``keys[0]`` (None at the root)."""
+        whole sequence); ``parent``: the key before ``keys[0]`` (None at the root); ``extra``: the
+        request's extras, whose adapter and item hashes the events carry; ``at``: the index of
+        ``keys[0]`` in its chain, where ``tokens`` starts later than the chain (``first`` by default)."""
         pending, step = self.pending, block_size * 4
         off = first * step
-        for k in keys:
+        lora = extra.lora_id if extra is not None else None
+        items = extra.block_items(block_size) if extra is not None and extra.mm else {}
+        for i, k in enumerate(keys, start=first if at is None else at):
             if k not in self.announced:
-                pending[k] = KeyInfo(parent, tokens[off:off + step])
+                pending[k] = KeyInfo(parent, tokens[off:off + step], lora, items.get(i, ()))
                 pending.move_to_end(k)
             parent = k
             off += step

@@ -34,10 +34,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from fastkv.cache import request_policy
 from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import ClearTask, CopyKind, CopyPlan
-from fastkv.cache.write_policy import StorageWrites
+from fastkv.cache.write_policy import StorageWrites, Tier
 from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.deploy.cost_model import scaled_for
 from fastkv.engine import health, protocol
@@ -234,7 +235,7 @@ class Engine:
                     preemption: str | PreemptionMode | None = None, eos_token_id: int | None = None,
                     stop_token_ids: Iterable[int] = (), arrival_time: float | None = None,
                     sampling: Sampling | dict[str, Any] | None = None, cache_salt: str | bytes | None = None,
-                    lora: str | int | None = None, mm_items: Iterable = ()) -> str:
+                    lora: str | int | None = None, mm_items: Iterable = (), cache: bool | dict | None = None) -> str:
         """Queue a request; returns its id (``request_id``, or a fresh one). ``preemption``
         overrides the deployment's mode for this request ("recompute", "offload", "storage",
         "auto"); ``arrival_time`` (time.monotonic) defaults to now. ``sampling`` (a
@@ -243,7 +244,9 @@ class Engine:
         tenant's secret: requests share KV, in every tier, only under the same salt), ``lora``
         (the adapter's id: it changes every K and V) and ``mm_items`` (multimodal items,
         ``{"start", "end", "hash"}``: the blocks an item overlaps carry its hash) key the
-        request's KV besides its tokens (``fastkv.cache.keys.ExtraKeys.of``). ValueError if the id is
+        request's KV besides its tokens (``fastkv.cache.keys.ExtraKeys.of``). ``cache`` is its cache
+        policy: ``False`` (don't cache it) or ``{"read": [tiers], "write": [] or every tier}``
+        (``fastkv.cache.request_policy``). ValueError if the id is
         in use; RequestRejected (a ValueError) if the request is invalid or can never run to
         ``max_new_tokens``: prompt and output must fit in ``max_model_len`` (the device tier,
         or less), since a request is never cut short without saying so.
@@ -254,7 +257,7 @@ class Engine:
         with self._cond:
             req, ext, params = self._new_request(prompt, max_new_tokens, request_id, preemption, eos_token_id,
                                                  stop_token_ids, arrival_time, sampling,
-                                                 (cache_salt, lora, tuple(mm_items)))
+                                                 (cache_salt, lora, tuple(mm_items)), cache)
             if threading.get_ident() == self._owner and not self._stepping:
                 self._enter(req, ext)
             else:
@@ -271,7 +274,7 @@ class Engine:
 
     def _enter(self, req: Request, ext: str) -> None:
         try:
-            if self.lookups is None:
+            if self.lookups is None or not request_policy.reads(req.cache_policy, Tier.STORAGE):  # no LOOKUP for it
                 self.sched.add_request(req)
             else:
                 self.sched.check_request(req)
@@ -301,8 +304,8 @@ class Engine:
                      preemption: str | PreemptionMode | None, eos_token_id: int | None,
                      stop_token_ids: Iterable[int], arrival_time: float | None,
                      sampling: Sampling | dict[str, Any] | None = None,
-                     keyed: tuple = (None, None, ())) -> tuple[Request, str, str]:
-        """``keyed``: (cache_salt, lora, mm_items), as ``add_request`` takes them."""
+                     keyed: tuple = (None, None, ()), cache: bool | dict | None = None) -> tuple[Request, str, str]:
+        """``keyed``: (cache_salt, lora, mm_items), and ``cache``, as ``add_request`` takes them."""
         rid = self._next_id
         ext = str(rid) if request_id is None else str(request_id)
         if ext in self._ids:
@@ -327,7 +330,7 @@ class Engine:
                 extra = dataclasses.replace(extra or ExtraKeys(), tenant_salt=f"{self.spec.run_id}/{rid}")
             req = Request(rid, tokens, max_new_tokens, eos_token_id=eos_token_id,
                           stop_token_ids=frozenset(stop_token_ids), preemption=mode, arrival_time=arrival_time,
-                          extra=extra)
+                          extra=extra, cache_policy=request_policy.CachePolicy.of(cache))
         except (TypeError, ValueError) as exc:
             # The scheduler names its own sequence number; the caller knows the request by ``ext``.
             raise RequestRejected(ext, str(exc).removeprefix(f"request {rid}: ")) from None
@@ -346,7 +349,7 @@ class Engine:
                               arrival_time: float | None = None,
                               sampling: Sampling | dict[str, Any] | None = None,
                               cache_salt: str | bytes | None = None, lora: str | int | None = None,
-                              mm_items: Iterable = ()) -> Reservation | Refusal:
+                              mm_items: Iterable = (), cache: bool | dict | None = None) -> Reservation | Refusal:
         """Decode side: take a request another engine prefilled. Refused (a ``Refusal`` naming
         ``request_id`` and the reason, nothing changed) when the blocks it needs are not free
         beyond what the running requests keep for their growth; they are never preempted for it.
@@ -356,15 +359,19 @@ class Engine:
         ``[first_position, last_position)`` into the reserved blocks and calls ``on_prefilled``.
         Call it between steps, with no step in flight: the decode role runs with async scheduling
         off, and so must an embedding engine that calls it (``RunSpec.async_scheduling``).
-        ``cache_salt``, ``lora``, ``mm_items``: as the prefill engine had them (``add_request``).
+        ``cache_salt``, ``lora``, ``mm_items``: as the prefill engine had them (``add_request``);
+        ``cache`` as ``add_request`` takes it (from the store: it must read storage).
         RequestRejected if the request can never run."""
         if self._flight:
             raise ValueError("reserve_for_prefilled while a step is in flight: it needs async scheduling off "
                              "(RunSpec.async_scheduling=False; the decode role has it off)")
         req, ext, params = self._new_request(prompt, max_new_tokens, request_id, preemption, eos_token_id,
                                              stop_token_ids, arrival_time, sampling,
-                                             (cache_salt, lora, tuple(mm_items)))
+                                             (cache_salt, lora, tuple(mm_items)), cache)
         tail = None
+        if from_store and not request_policy.reads(req.cache_policy, Tier.STORAGE):
+            raise RequestRejected(ext, "cache.read must reach storage (device, host, storage) for a handoff "
+                                       "through the store")
         if from_store:
             if not self.spec.enable_prefix_caching or self.lookups is None:
                 raise ValueError("a handoff through the store needs a storage tier and prefix caching on")

@@ -49,6 +49,7 @@ class WorkItem(NamedTuple):
     cache_salt: str | None = None
     lora: str | int | None = None
     mm_items: tuple = ()
+    cache: bool | dict | None = None  # its cache policy (fastkv.cache.request_policy)
 
 
 
@@ -80,7 +81,7 @@ def read_workload(path: str | Path) -> list[WorkItem]:
             raise ValueError(f"{where}: request {rid!r}: {problem}")
         seen.add(rid)
         items.append(WorkItem(rid, float(arrival), prompt, max_new, mode, doc.get("cache_salt"), doc.get("lora"),
-                              tuple(doc.get("mm_items") or ())))
+                              tuple(doc.get("mm_items") or ()), doc.get("cache")))
     items.sort(key=lambda it: it.arrival_s)  # stable: equal arrivals keep file order
     return items
 
@@ -103,7 +104,7 @@ def drive(engine: Engine, items: list[WorkItem], results: list[RequestResult], t
             try:
                 engine.add_request(it.prompt, it.max_new_tokens, request_id=it.id, preemption=it.preemption,
                                    arrival_time=start + it.arrival_s, cache_salt=it.cache_salt, lora=it.lora,
-                                   mm_items=it.mm_items)
+                                   mm_items=it.mm_items, cache=it.cache)
             except RequestRejected as exc:  # this request alone: the rest of the run goes on
                 print(f"fastkv engine: {exc}", file=sys.stderr, flush=True)
                 results.append(engine.rejected(it.id, exc.reason, start + it.arrival_s))

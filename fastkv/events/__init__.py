@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 from blake3 import blake3
 
-from fastkv.cache.residency import Change, ResidencyLog
+from fastkv.cache.residency import Change, KeyInfo, ResidencyLog
 from fastkv.cache.write_policy import Tier
 from fastkv.events.config import EventsConfig
 
@@ -25,32 +25,47 @@ __all__ = ["EventsConfig", "KVEvents", "build_events"]
 def build_events(clears: int, changes: list[Change], block_size: int, schema) -> list:
     """The events of one batch in ``schema`` (fastkv.events.schema.EventSchema): AllBlocksCleared
     first, then per tier the removals and the stores, consecutive blocks of one chain in one
-    BlockStored (as vLLM groups a request's)."""
+    BlockStored (as vLLM groups a request's), with its chain's adapter and its blocks' items."""
     from fastkv.events.schema import MEDIUM
 
     removed_cls, extra = schema.BlockRemoved, schema.stored_extra
     stored_cls = partial(schema.BlockStored, **extra) if extra else schema.BlockStored
+    fields = schema.BlockStored.__struct_fields__
     events: list = [schema.AllBlocksCleared()] if clears else []
     for ch in changes:
         medium = MEDIUM[ch.tier]
         if ch.removed:
             events.append(removed_cls(ch.removed, medium))
         run: list[bytes] = []
-        toks: list[bytes] = []
-        parent = None
+        infos: list[KeyInfo] = []
         for k, info in ch.stored:
             if run and info.parent != run[-1]:
-                events.append(stored_cls(block_hashes=run, parent_block_hash=parent, token_ids=_ids(toks),
-                                         block_size=block_size, lora_id=None, medium=medium))
-                run, toks = [], []
-            if not run:
-                parent = info.parent
+                events.append(_stored(stored_cls, fields, run, infos, block_size, medium))
+                run, infos = [], []
             run.append(k)
-            toks.append(info.tokens)
+            infos.append(info)
         if run:
-            events.append(stored_cls(block_hashes=run, parent_block_hash=parent, token_ids=_ids(toks),
-                                     block_size=block_size, lora_id=None, medium=medium))
+            events.append(_stored(stored_cls, fields, run, infos, block_size, medium))
     return events
+
+
+def _stored(stored_cls, fields: tuple[str, ...], run: list[bytes], infos: list[KeyInfo], block_size: int,
+            medium: str):
+    """One BlockStored. The adapter goes in ``lora_id`` (an int id) or ``lora_name`` (a named one)
+    where the schema has them; ``extra_keys`` (vLLM's: per block, what keyed it besides its tokens)
+    lists the hex hashes of the items a block overlaps, then the adapter's name. The tenant's salt
+    is never sent: its keys already keep tenants apart, and a digest of a guessable salt would let
+    a subscriber test guesses."""
+    lora = infos[0].lora  # one chain, one adapter
+    named = lora if isinstance(lora, str) else None
+    more = {}
+    if named is not None and "lora_name" in fields:
+        more["lora_name"] = named
+    if "extra_keys" in fields and (named is not None or any(i.items for i in infos)):
+        more["extra_keys"] = [tuple(d.hex() for d in i.items) + ((named,) if named is not None else ()) or None
+                              for i in infos]
+    return stored_cls(block_hashes=run, parent_block_hash=infos[0].parent, token_ids=_ids([i.tokens for i in infos]),
+                      block_size=block_size, lora_id=lora if isinstance(lora, int) else None, medium=medium, **more)
 
 
 def _ids(toks: list[bytes]) -> list[int]:

@@ -49,7 +49,7 @@ def admit(p: SchedulerParts, batch: StepBatch) -> None:
             # Only now is a read-only prefix match worth its hashing.
             loads, m = restoring, None
             if not restoring:
-                m = cache.match(req.token_ids, req.extra)
+                m = cache.match(req.token_ids, req.extra, req.cache_policy)
                 loads = any(judge_hits(p, len(m.device_blocks), len(m.host_blocks), len(m.storage_keys), count=False))
             if loads and loading and loading + n_blocks > p.max_loading_blocks:
                 table.stats.deferred_loads += 1
@@ -59,7 +59,8 @@ def admit(p: SchedulerParts, batch: StepBatch) -> None:
         if restoring:  # reserve a slot for a token sampled just before it was preempted
             a = cache.restore(req.request_id, reserve_tokens=req.num_tokens - req.num_slotted)
         else:
-            a = cache.allocate(req.request_id, req.token_ids, req.extra, hits=lambda *n: judge_hits(p, *n))
+            a = cache.allocate(req.request_id, req.token_ids, req.extra, policy=req.cache_policy,
+                               hits=lambda *n: judge_hits(p, *n))
         if a is None:
             return
         p.outbox.emit(a.plans)

@@ -34,6 +34,12 @@ def choose_mode(p: SchedulerParts, req: Request, force_recompute: bool) -> Preem
     if req.state is S.LOADING and cache.is_restoring(req.request_id):
         return M.OFFLOAD  # its host copies still hold all its KV: OFFLOADED again, nothing recomputed
     mode = req.preemption if req.preemption is not None else p.config.preemption
+    policy = req.cache_policy
+    if policy is not None:  # a copy it may not write or read back: storage falls back to offload, then recompute
+        if mode is M.STORAGE and not policy.may_store():
+            mode = M.OFFLOAD
+        if not policy.may_offload():
+            mode = M.RECOMPUTE
     if (mode is M.RECOMPUTE or force_recompute or req.state is not S.RUNNING or req.num_computed_tokens == 0
             or not cache.has_host_tier):
         return M.RECOMPUTE  # a LOADING request has nothing exact to copy yet

@@ -26,6 +26,7 @@ from enum import IntEnum
 import numpy as np
 
 from fastkv.cache.keys import ExtraKeys, as_tokens
+from fastkv.cache.request_policy import CachePolicy
 
 
 class RequestState(IntEnum):
@@ -86,6 +87,7 @@ class Request:
     preemption: PreemptionMode | None = None  # per-request override of the deployment's mode
     arrival_time: float | None = None  # None: the scheduler's clock at add_request
     extra: ExtraKeys | None = None  # what besides tokens keys its KV (LoRA, tenant, multimodal)
+    cache_policy: CachePolicy | None = None  # tiers it may read, whether it may write (None: all)
     output_token_ids: list[int] = field(default_factory=list)
 
     state: RequestState = field(default=S.WAITING, init=False)
@@ -135,6 +137,8 @@ class Request:
             self.preemption = PreemptionMode(self.preemption)
         if self.extra is not None and not isinstance(self.extra, ExtraKeys):
             raise TypeError(f"request {self.request_id}: extra must be an ExtraKeys")
+        if self.cache_policy is not None and not isinstance(self.cache_policy, CachePolicy):
+            raise TypeError(f"request {self.request_id}: cache_policy must be a CachePolicy")
         self.stop_token_ids = frozenset(int(t) for t in self.stop_token_ids)
         self.prompt_token_ids = prompt
         self.output_token_ids = outs

@@ -120,13 +120,13 @@ def reserve(p: SchedulerParts, req: Request, updating: bool, tail_key: bytes | N
         return _refuse(p, Refusal(rid, RefusalReason.WEIGHT_UPDATE, need, free, 0))
     if table.num_holding >= p.config.max_num_seqs:
         return _refuse(p, Refusal(rid, RefusalReason.TOO_MANY_SEQS, need, free, 0))
-    need -= cache.num_held_hits(cache.match(req.token_ids, req.extra))
+    need -= cache.num_held_hits(cache.match(req.token_ids, req.extra, req.cache_policy))
     overcommit = p.config.overcommit_growth
     need += _growth(p, req, p.config.reserve_init_blocks if overcommit else None)  # reserved from the start
     held = growth_reservation(p, overcommit)
     if free - held < need:
         return _refuse(p, Refusal(rid, RefusalReason.NO_ROOM, need, free, held))
-    a = cache.allocate(rid, req.token_ids, req.extra, tail_key=tail_key)
+    a = cache.allocate(rid, req.token_ids, req.extra, tail_key=tail_key, policy=req.cache_policy)
     if a is None:
         return _refuse(p, Refusal(rid, RefusalReason.NO_ROOM, need, free, held))
     p.outbox.emit(a.plans)

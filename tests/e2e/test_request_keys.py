@@ -25,7 +25,7 @@ def _spec(tmp_path, store: str) -> RunSpec:
     layout = KVLayout(num_layers=1, kv_heads=2, block_size=BS, head_dim=8, dtype="float32")
     # write-through: every block reaches the host tier and so the pool, for the restart to find
     return RunSpec(f"rk{uuid.uuid4().hex[:8]}", layout, 32, 64, storage_url=f"lmdb://{store}?max_bytes=64M",
-                   cache_policy="write_through",
+                   cache_policy="write_through", storage_lookup_timeout_s=10.0,  # a loaded machine answers late
                    out_dir=str(tmp_path / uuid.uuid4().hex[:6]), heartbeat_s=0.2)
 
 
@@ -97,12 +97,16 @@ def test_multimodal_requests_share_only_the_blocks_before_their_first_item(tmp_p
     _served(_spec(tmp_path, tmp_path / "pool"), body)
 
 
-def test_a_workload_files_tenants_keep_to_their_own_kv_in_a_shared_pool(tmp_path):
-    """Through the engine process the supervisor runs: run A stores its tenant's KV in the pool; a
-    restart serving the same prompts to another tenant finds none of it, the same tenant does."""
+@pytest.mark.parametrize("pool", ["lmdb", "redis", "mooncake"])
+def test_a_workload_files_tenants_keep_to_their_own_kv_in_a_shared_pool(tmp_path, request, pool):
+    """Through the engine process the supervisor runs: run A stores its tenant's KV in the pool
+    (LMDB, a Redis server, a Mooncake pool); a restart serving the same prompts to another tenant
+    finds none of it, the same tenant does."""
     from tests.e2e.test_engine_synthetic import run_once, workload
 
-    url = f"lmdb://{tmp_path}/store?max_bytes=64M"
+    url = f"lmdb://{tmp_path}/store?max_bytes=64M" if pool == "lmdb" else request.getfixturevalue(f"{pool}_url")
+    if pool == "mooncake":  # the module's pool: a fresh key prefix, so no other test's blocks are found
+        url += ("&" if "?" in url else "?") + f"prefix=rk{uuid.uuid4().hex[:8]}"
     wl = workload(9, 4, ["offload"])
     tenant = lambda name: [{**w, "cache_salt": name} for w in wl]  # noqa: E731
     _, a = run_once(tmp_path, "a", url, tenant("acme"), num_host_blocks=64)

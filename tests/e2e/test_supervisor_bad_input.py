@@ -43,6 +43,10 @@ def request(rid: str, prompt: list, max_new: int = 4, arrival: object = 0) -> st
      "request 'x': prompt[1] = 18446744073709551616 is not a token id in [0, 1024) (the vocab of 1024)"),
     ('{"id": "x", "arrival_s": 0, "prompt": [true], "max_new_tokens": 1}',
      "request 'x': prompt[0] = true is not a token id in [0, 1024) (the vocab of 1024)"),
+    ('{"id": "x", "arrival_s": 0, "prompt": [1], "max_new_tokens": 1, "cache": {"read": ["gpu"]}}',
+     "request 'x': cache.read: unknown tier 'gpu'; the tiers are device, host, storage"),
+    ('{"id": "x", "arrival_s": 0, "prompt": [1], "max_new_tokens": 1, "cache": {"write": ["device"]}}',
+     "request 'x': cache.write ['device']: a request writes every tier (the default) or none ([])"),
 ])
 def test_malformed_workload_lines_stop_the_run_up_front(tmp_path, line, message):
     path = tmp_path / "w.jsonl"

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
+import pytest
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -40,10 +41,13 @@ from hypothesis.stateful import (
 )
 
 from fastkv.cache.copies import Purpose
+from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
 from fastkv.cache.pool import BlockState
+from fastkv.cache.request_policy import CachePolicy as RequestPolicy
 from fastkv.cache.requests import ReqState
+from fastkv.cache.write_policy import Tier
 from fastkv.cache.write_policy import WritePolicy as Policy
 from tests.stateful.coverage import run_and_check_coverage
 
@@ -62,6 +66,10 @@ CASES = frozenset(
     # plan than its parent's, and a host eviction that passes over a parent for its child
     | {"a child lands on the host in a later plan than its parent", "the host passes over a parent for its child"})
 REACHED: Counter[str] = Counter()
+# what a request brings besides its tokens, (cache_salt, lora, image hash), and its cache policy
+TENANTS = [(None, None, None), ("acme", None, None), ("globex", None, None), (None, 1, None), (None, None, b"img-a"),
+           (None, None, b"img-b")]
+POLICIES = [None, False, {"read": ["device", "host"]}, {"read": ["device"]}, {"read": ["device"], "write": []}]
 
 
 def tokens_of(labels, tail: int) -> list[int]:
@@ -93,20 +101,26 @@ class ManagerMachine(RuleBasedStateMachine):
         # keys a loss took (a failure, a skipped copy, a dropped key, storage losing it): children
         # behind one of them, or behind a key dropped as their strand, may be stranded
         self.lost: set[bytes] = set()
+        self.extra: dict[int, ExtraKeys | None] = {}  # a request's extras (tenant, adapter, image)
+        self.policy: dict[int, RequestPolicy | None] = {}  # its cache policy
+        self.written: set[bytes] = set()  # keys of requests that may write: the only ones a tier may hold
         self.skips = 0  # skipped host copies seen so far (stats.skipped_copies)
         self.was_present: set[bytes] = set()
 
     # ------------------------------------------------------------------ model helpers
     def content(self, rid, i, upto):
         toks = self.tokens[rid]
-        keys = self.m.keys_for(toks[: (i + 1) * BS])
+        keys = self.m.keys_for(toks[: (i + 1) * BS], self.extra.get(rid))
         if (i + 1) * BS <= upto:
             return keys[i]
         parent = keys[i - 1] if i else b"root"
         return ("partial", parent, tuple(toks[i * BS: upto]))
 
-    def learn_parents(self, toks):
-        keys = self.m.keys_for(toks)
+    def learn_parents(self, toks, rid=None):
+        keys = self.m.keys_for(toks, self.extra.get(rid))
+        policy = self.policy.get(rid)
+        if policy is None or policy.write:
+            self.written.update(keys)
         for i in range(1, len(keys)):
             self.parent[keys[i]] = keys[i - 1]
 
@@ -151,17 +165,29 @@ class ManagerMachine(RuleBasedStateMachine):
         self.floods = getattr(self, "floods", 0) + 1
         self._allocate([1000 * self.floods + i for i in range(n * BS)], 0)
 
-    def _allocate(self, toks, reserve):
+    @rule(labels=LABELS, tail=st.integers(0, BS - 1), tenant=st.sampled_from(TENANTS),
+          policy=st.sampled_from(POLICIES))
+    def allocate_keyed(self, labels, tail, tenant, policy):
+        """A prompt of a tenant or an adapter, or with an image over its second block, under a
+        cache policy: its hits hold its own chain's bytes, from the tiers it may read only."""
+        extra = ExtraKeys.of(*tenant[:2], [(BS, 2 * BS, tenant[2])] if tenant[2] else ())
+        self._allocate(tokens_of(labels, tail), 0, extra, RequestPolicy.of(policy))
+
+    def _allocate(self, toks, reserve, extra=None, policy=None):
         if not toks:
             return
         rid = self.next_rid
         self.next_rid += 1
-        self.tokens[rid] = toks
-        self.learn_parents(toks)
-        a = self.m.allocate(rid, np.array(toks, np.int32), reserve_tokens=reserve)
+        self.tokens[rid], self.extra[rid], self.policy[rid] = toks, extra, policy
+        self.learn_parents(toks, rid)
+        a = self.m.allocate(rid, np.array(toks, np.int32), extra, reserve_tokens=reserve, policy=policy)
         if a is None:
             del self.tokens[rid]
             return
+        if policy is not None:
+            kinds = {p.kind for p in a.plans}
+            assert CopyKind.LOAD not in kinds or Tier.STORAGE in policy.readable, f"request {rid} loads from storage"
+            assert CopyKind.SWAP_IN not in kinds or Tier.HOST in policy.readable, f"request {rid} swaps in from host"
         for i in range(a.num_cached_tokens // BS):  # device hits hold the right bytes now
             assert self.dev_data[a.block_table[i]] == self.content(rid, i, len(toks))
         self.add(a.plans)
@@ -175,11 +201,13 @@ class ManagerMachine(RuleBasedStateMachine):
         if req.num_computed == req.num_tokens:
             if finish:
                 self.m.free(rid)
+                self._left_nothing(rid)
             return
         n = req.num_tokens if finish else data.draw(st.integers(req.num_computed + 1, req.num_tokens))
         self._compute(rid, n)
         if finish:
             self.m.free(rid)
+            self._left_nothing(rid)
 
     def _compute(self, rid, n):
         req = self.m._reqs[rid]
@@ -218,7 +246,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if g is None:
             return
         self.tokens[rid] += new
-        self.learn_parents(self.tokens[rid])
+        self.learn_parents(self.tokens[rid], rid)
         self.add(g.plans)
 
     @precondition(lambda self: self.m._reqs)
@@ -250,11 +278,26 @@ class ManagerMachine(RuleBasedStateMachine):
         self.freed.add(rid)
         self.m.free(rid, cache)
         assert rid not in self.m.request_ids(), f"request {rid} freed, still holding blocks"
+        self._left_nothing(rid)
+
+    def _left_nothing(self, rid):
+        """A request that may not write left no key of its own (one no writer computed) in a tier."""
+        policy = self.policy.get(rid)
+        if policy is None or policy.write:
+            return
+        m = self.m
+        own = set(m.keys_for(self.tokens[rid], self.extra[rid])) - self.written
+        left = own & (set(m.device.lookup) | set(m.host.lookup) | set(m.index.stored))
+        assert not left, f"request {rid} may not write, but {len(left)} of its keys are cached"
 
     @precondition(lambda self: self.m.host.capacity and self.running())
     @rule(data=st.data())
     def offload(self, data):
         rid = data.draw(st.sampled_from(self.running()))
+        if self.policy.get(rid) is not None and not self.policy[rid].write:
+            with pytest.raises(ValueError, match="lets it write nothing"):
+                self.m.offload(rid)
+            return
         plans = self.m.offload(rid)
         if plans is None:
             return

@@ -33,10 +33,14 @@ from hypothesis.stateful import (
     rule,
 )
 
+from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import CopyKind
 from fastkv.cache.pool import BlockState
+from fastkv.cache.request_policy import CachePolicy as RequestPolicy
+from fastkv.cache.requests import ReqState
 from fastkv.cache.write_policy import WritePolicy as CachePolicy
+from fastkv.routing import block_hashes
 from fastkv.sched import PreemptionMode, Request, RequestState, Reservation, Scheduler, SchedulerConfig, WeightUpdate
 from fastkv.sched.queues import QueuePolicy as Policy
 from tests.sched_harness import FakeTransfer, FakeWorker, Truth, sample
@@ -66,6 +70,11 @@ CASES = frozenset(
     # fair chunked prefill (SchedulerConfig.long_prefill_token_threshold)
     | {"a long prompt progresses beside another request", "a short prompt admitted beside a long prefill"})
 REACHED: Counter[str] = Counter()
+# what a request brings besides its tokens: (cache_salt, lora), an image's hash, its cache policy
+TENANTS = [(None, None), ("acme", None), ("globex", None), (None, 1), ("acme", 2)]
+IMAGES = [None, "aa" * 8, "bb" * 8]
+POLICIES = [None, False, {"read": ["device", "host"]}, {"read": ["device"]}, {"read": []},
+            {"read": ["device"], "write": []}]
 MAX_LIVE = 5  # enough requests for pressure; more only lengthen the teardown
 
 
@@ -117,6 +126,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.swap_in_failures: list[set[int]] = []
         self.owners: dict[int, tuple[int | None, str]] = {}  # plan id -> (request, its state at dispatch)
         self.aborted: set[int] = set()
+        self.keyed: dict[int, tuple[ExtraKeys | None, RequestPolicy | None]] = {}  # rid -> its extras, policy
+        self.elsewhere: set[bytes] = set()  # keys another engine stored
+        self.namespaces = [self.cache.namespace]
 
     # ------------------------------------------------------------------ helpers
     def _prompt(self, data) -> list[int]:
@@ -135,6 +147,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             if p.kind is K.SWAP_IN and req is not None and self.cache.is_restoring(req.request_id):
                 who += " restore"
             self.owners[p.plan_id] = (req and req.request_id, who)
+            policy = self.keyed.get(req.request_id, (None, None))[1] if req is not None else None
+            if policy is not None and p.kind in (K.LOAD, K.SWAP_IN):  # a prefix read: from storage, or the host
+                tier = "storage" if p.kind is K.LOAD else "host"
+                assert tier in [t.name.lower() for t in policy.readable], \
+                    f"request {req.request_id} may not read the {tier} tier ({policy}) but {p.kind.name}s from it"
         for rid in out.kv_writable:
             self.remote.append((rid, self.unwritable.pop(rid)))
         for r in out.finished:
@@ -147,15 +164,27 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), max_new=st.integers(2, 16), mode=st.sampled_from([None, None, *PreemptionMode]),
           priority=st.integers(0, 2), eos=st.booleans())
     def add(self, data, max_new, mode, priority, eos):
-        self._add(self._prompt(data), max_new, mode, priority, eos)
+        """A request; one in three with a tenant's salt, an adapter, an image over some of its tokens
+        and a cache policy: its blocks hit only blocks of the same extras, in the tiers it may read."""
+        prompt = self._prompt(data)
+        extra = policy = None
+        if data.draw(st.integers(0, 2)) == 0:
+            tenant, image = data.draw(st.sampled_from(TENANTS)), data.draw(st.sampled_from(IMAGES))
+            items = ()
+            if image is not None:
+                start = data.draw(st.integers(0, len(prompt) - 1))
+                items = ({"start": start, "end": data.draw(st.integers(start + 1, len(prompt))), "hash": image},)
+            extra, policy = ExtraKeys.of(*tenant, items), RequestPolicy.of(data.draw(st.sampled_from(POLICIES)))
+        self._add(prompt, max_new, mode, priority, eos, extra, policy)
 
-    def _add(self, prompt, max_new, mode, priority, eos):
+    def _add(self, prompt, max_new, mode, priority, eos, extra=None, policy=None):
         rid = self.next_id
         self.next_id += 1
         self.worker.add(rid, prompt)
         self.sched.add_request(Request(rid, np.array(prompt, np.int32), max_new, eos_token_id=0 if eos else None,
-                                       priority=priority, preemption=mode))
+                                       priority=priority, preemption=mode, extra=extra, cache_policy=policy))
         self.all_ids.add(rid)
+        self.keyed[rid] = (extra, policy)
 
     @precondition(lambda self: len(self.sched.requests) < MAX_LIVE and self.cache.index.storage
                   and self.sched.weight_update_state is WeightUpdate.NONE)
@@ -172,6 +201,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.transfer.storage[k] = (np.array(truth.tokens[span], np.int64), np.arange(span.start, span.stop),
                                         np.array(truth.digests[span], np.int64) ^ stamp)
         self.cache.confirm_stored(keys)
+        self.elsewhere.update(keys)
         self._add(prompt, max_new, None, 0, False)
 
     @rule(n=st.integers(1, 4), hold=st.booleans())
@@ -211,6 +241,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         in the queue was not admitted only for want of blocks (where nothing else can keep it
         out: no weight update, no watermark, no load to defer it behind, a sequence to spare)."""
         s, cfg = self.sched, self.sched.config
+        if any((x := self.keyed.get(q.request_id, (None,))[0]) is not None and x.mm for q in seqs):
+            return  # an image moves its chunk's end (sched.batch._whole_items): shares hold without images
         threshold = cfg.long_prefill_token_threshold
         share = 0 if not cfg.chunked_prefill else max(1, cfg.max_num_batched_tokens // 4) if threshold is None \
             else threshold
@@ -501,6 +533,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.versions += 1
         self.worker.weights_version = self.versions
         self.sched.finish_weight_update(f"w{self.versions}")
+        self.namespaces.append(self.cache.namespace)
 
     @precondition(lambda self: self.output is None and len(self.sched.requests) < MAX_LIVE)
     @rule(data=st.data(), max_new=st.integers(2, 6))
@@ -539,6 +572,28 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         self.sched.check_integrity()
         self._check_restores()
+        self._check_keyed()
+
+    def _check_keyed(self):
+        """The reference for a request's extras and policy: every keyed block of its table holds
+        the key a router computes for its tokens and extras (so a hit never crosses tenants,
+        adapters or images); a device block two requests hold is of one tenant and adapter; a
+        request is preempted by copy only where its policy lets it write and read back the copy."""
+        dev, holders = self.cache.device, {}
+        for rid, rec in self.cache.state.reqs.items():
+            req = self.sched.requests.get(rid)
+            extra, policy = self.keyed.get(rid, (None, None))
+            if req is None or rec.load is not None or rec.state is not ReqState.RUNNING:
+                continue
+            want = block_hashes(req.token_ids, self.cache.namespace, BS, extra)
+            for i in range(min(rec.num_keyed, len(want))):  # a prefilled one's cache may know a token more
+                k = dev.key[rec.table[i]]
+                assert k is None or k == want[i], f"request {rid} ({extra}): block {i} holds another chain's key"
+            for b in rec.table:
+                who = (extra.tenant_salt, extra.lora_id) if extra is not None else (None, None)
+                assert holders.setdefault(b, who) == who, f"device block {b} shared by {holders[b]} and {who}"
+            if policy is not None and req.mode_used in (PreemptionMode.OFFLOAD, PreemptionMode.STORAGE):
+                assert policy.may_offload(), f"request {rid} ({policy}) was preempted by {req.mode_used.name}"
 
     def _check_restores(self):
         """An offloaded request resumes with exactly its computed tokens (short only from a block
@@ -622,10 +677,28 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.cache.num_free_device_blocks == self.cache.config.num_device_blocks, \
             f"{self.cache.state.reserved} device blocks still reserved once every request finished"
         assert set(self.finished) == self.all_ids, f"lost requests: {self.all_ids - set(self.finished)}"
+        self._nothing_of_no_write_requests()
         for rid, r in self.finished.items():
             if r.state is not S.FINISHED_ABORTED:
                 assert r.output_token_ids == self.worker.truth[rid].tokens[r.num_prompt_tokens:], \
                     f"request {rid}: outputs differ from what the worker sampled"
+
+
+    def _nothing_of_no_write_requests(self):
+        """A request that may not write left no key of its own (one no other request computed) in
+        any tier: not on the device, the host nor in storage."""
+        def keys(rid, r):
+            return {k for ns in self.namespaces for k in block_hashes(r.token_ids, ns, BS, self.keyed[rid][0])}
+        kept = {rid: r for rid, r in self.finished.items() if rid in self.keyed}
+        written = set(self.elsewhere).union(*(keys(rid, r) for rid, r in kept.items()
+                                             if self.keyed[rid][1] is None or self.keyed[rid][1].write))
+        present = (set(self.cache.device.lookup) | set(self.cache.host.lookup) | set(self.cache.index.stored)
+                   | set(self.transfer.storage))
+        for rid, r in kept.items():
+            policy = self.keyed[rid][1]
+            if policy is not None and not policy.write:
+                left = (keys(rid, r) - written) & present
+                assert not left, f"request {rid} may not write, but {len(left)} of its keys are cached"
 
 
 # Every case, from any checkout: targeted rules (aborts and failures by copy kind and whom it
