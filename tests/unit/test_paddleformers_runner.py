@@ -15,7 +15,7 @@ require_paddleformers()  # a skip without the models extra, a failure under CI
 import paddle  # noqa: E402
 
 from fastkv.engine.runners import runner_class  # noqa: E402
-from tests.e2e.test_engine_paddleformers import FAMILIES, MAX_NEW, OPTIONS, PROMPTS, layout, oracle  # noqa: E402
+from tests.e2e.test_engine_paddleformers import FAMILIES, MAX_NEW, PROMPTS, layout, oracle, options  # noqa: E402
 from tests.runner_driver import drive  # noqa: E402
 
 BLOCKS = 96
@@ -24,11 +24,11 @@ BLOCKS = 96
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tensors", ["numpy", "paddle"])
 def test_adversarial_plans_give_the_oracle_tokens(family, tensors):
-    lay = layout(1)
+    lay = layout(family, 1)
     make = (lambda: np.zeros(lay.device_shape(BLOCKS), np.float32)) if tensors == "numpy" else \
         (lambda: paddle.zeros(lay.device_shape(BLOCKS), "float32"))
     k, v = [make() for _ in range(lay.num_layers)], [make() for _ in range(lay.num_layers)]
-    runner = runner_class(f"paddleformers:{family}")(lay, 0, 1, k, v, **OPTIONS)
+    runner = runner_class(f"paddleformers:{family}")(lay, 0, 1, k, v, **options(family))
     if tensors == "paddle":  # a CPU tensor would be written through its numpy view: take the other path
         runner.k_views = runner.v_views = [None] * lay.num_layers
     out, stats = drive(runner, dict(enumerate(PROMPTS.values())), MAX_NEW, np.random.default_rng(5), max_chunk=5,
@@ -43,8 +43,8 @@ def test_adversarial_plans_give_the_oracle_tokens(family, tensors):
 def test_a_token_outside_the_vocab_is_named(family):
     from fastkv.sched.output import SeqWork, StepPlan
 
-    lay = layout(1)
+    lay = layout(family, 1)
     k = [np.zeros(lay.device_shape(4), np.float32) for _ in range(lay.num_layers)]
-    runner = runner_class(f"paddleformers:{family}")(lay, 0, 1, k, [c.copy() for c in k], **OPTIONS)
+    runner = runner_class(f"paddleformers:{family}")(lay, 0, 1, k, [c.copy() for c in k], **options(family))
     with pytest.raises(ValueError, match=r"request 7 has a token id outside the vocab \[0, 256\)"):
         runner.step(StepPlan(0, [SeqWork(7, np.array([3, 256]), 0, np.arange(4), True)]))
