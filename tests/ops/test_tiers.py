@@ -1,7 +1,6 @@
 """Sharing the KV tiers of a rank: zero-copy across processes, byte-identical swaps, clean names."""
 from __future__ import annotations
 
-import itertools
 import multiprocessing as mp
 import os
 import signal
@@ -13,16 +12,16 @@ import pytest
 
 from fastkv.config import KVLayout
 from fastkv.transfer.tiers import DeviceTier, HostTier, device_tier_name, host_tier_name, paddle_to_numpy
+from tests.conftest import shm_test_name
 
 LAYOUT = KVLayout(num_layers=3, kv_heads=2, block_size=8, head_dim=16, dtype="bfloat16")
 NUM_DEV, NUM_HOST = 10, 7
 TIMEOUT = 60
-_counter = itertools.count()
 
 
 @pytest.fixture
 def prefix():
-    name = f"fkvt{os.getpid()}x{next(_counter)}_"
+    name = shm_test_name() + "_"  # carries this session's pid: a session beside ours does not count it
     yield name
     # A failing test must not also fail the session's leak check for what it left.
     for entry in Path("/dev/shm").glob(name + "*"):
