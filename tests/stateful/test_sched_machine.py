@@ -404,6 +404,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         elif then.endswith("update") and self.sched.weight_update_state is WeightUpdate.NONE:
             self.begin_weight_update(0, data.draw(st.booleans()), data.draw(st.booleans()))
 
+    @precondition(lambda self: self.cache.has_host_tier and len(self.sched.requests) < MAX_LIVE
+                  and self.sched.weight_update_state is WeightUpdate.NONE)
+    @rule(data=st.data(), drain=st.booleans(), free=st.booleans())
+    def weight_update_during_an_offload(self, data, drain, free):
+        """A request that offloads is added (the others' cache policies may forbid theirs) and steps
+        run with every copy in flight until an offload's copy flies; a weight update begins then."""
+        self._add(self._prompt(data), 16, PreemptionMode.OFFLOAD, 0, False)
+        for _ in range(8):
+            if self._pending_for("OFFLOADING", K.SWAP_OUT):
+                break
+            self._one_step(hold=True)
+        if self._pending_for("OFFLOADING", K.SWAP_OUT):
+            self.begin_weight_update(0, drain, free)
+
     @precondition(lambda self: self.transfer.pending)
     @rule(data=st.data())
     def transfer_dies(self, data):
