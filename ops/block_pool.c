@@ -1,7 +1,7 @@
 /* fastkv.native._pool: the block pool's loops that every block of every request passes through, in C:
  * evicting leaves for fresh blocks (BlockPool._evict_leaves), inserting computed keys
- * (insert_many), releasing a table (release_many), a prefix hit's increfs (incref_many), and the
- * LRU queue's links for them (LRUQueue.popleft_many, extend).
+ * (insert_many), releasing a table (release_many), and the LRU queue's links for the last two
+ * (LRUQueue.popleft_many, extend).
  *
  * Why C: in Python their bytecode cost about as much as the list and dict operations they do.
  * These are the same loops over the pool's own lists and dicts, with the rare cases (a key

@@ -28,11 +28,10 @@ Only when a whole turn of the queue finds no leaf (every child held or in flight
 evicted anyway (``forced_evictions``).
 
 Hot paths (``take``, ``incref``, ``release``) work on preallocated Python lists indexed by
-block id and allocate no objects, except the tuple reporting an eviction. The loops every block
-of every request passes through (evicting leaves, inserting computed keys, releasing a table, a
-prefix hit's increfs) are C (``fastkv.native._pool``, ops/block_pool.c) over these same lists and
-dicts; each has its Python definition beside it (``_*_reference``), which a property test
-compares it with.
+block id and allocate no objects, except the tuple reporting an eviction. The three loops every
+block of every request passes through (evicting leaves, inserting computed keys, releasing a
+table) are C (``fastkv.native._pool``, ops/block_pool.c) over these same lists and dicts; each has its
+Python definition beside it (``_*_reference``), which a property test compares it with.
 """
 from __future__ import annotations
 
