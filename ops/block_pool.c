@@ -295,59 +295,9 @@ static PyObject *lru_extend(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* incref_blocks(ref, state, blocks, nxt, prv, tier, free, cached, allocated) -> int: a prefix hit's
- * run of blocks, each one more holder; a CACHED one leaves the LRU queue's links (nxt/prv) and is
- * ALLOCATED. Returns how many left the queue. A FREE block is refused before anything changes. */
-static PyObject *incref_blocks(PyObject *self, PyObject *args) {
-    PyObject *ref, *state, *blocks, *nxt, *prv, *tier, *allocated_obj;
-    long free_state, cached_state;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!OllO", &PyList_Type, &ref, &PyList_Type, &state, &PyList_Type, &blocks,
-                          &PyList_Type, &nxt, &PyList_Type, &prv, &tier, &free_state, &cached_state, &allocated_obj))
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(blocks), bi;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *st = at(state, PyList_GET_ITEM(blocks, i), &bi);
-        if (st == NULL) return NULL;
-        long v = PyLong_AsLong(st);
-        if (v == -1 && PyErr_Occurred()) return NULL;
-        if (v == free_state)
-            return PyErr_Format(PyExc_ValueError, "%S block %zd is FREE: take() it, do not incref it", tier, bi);
-    }
-    PyObject *none = PyLong_FromLong(-1);
-    if (none == NULL) return NULL;
-    long left = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *b = PyList_GET_ITEM(blocks, i);
-        long v = PyLong_AsLong(at(state, b, &bi));
-        if (v == cached_state) {
-            PyObject *after = PyList_GET_ITEM(nxt, bi), *before = PyList_GET_ITEM(prv, bi);
-            Py_ssize_t ai, pi;
-            if (PyLong_AsLong(after) == -1) {
-                Py_DECREF(none);
-                return PyErr_Format(PyExc_AssertionError, "LRUQueue.remove: block %zd is not queued", bi);
-            }
-            if (at(nxt, before, &pi) == NULL || at(prv, after, &ai) == NULL || set_at(nxt, pi, after) < 0 ||
-                set_at(prv, ai, before) < 0 || set_at(nxt, bi, none) < 0 || set_at(prv, bi, none) < 0 ||
-                set_at(state, bi, allocated_obj) < 0) {
-                Py_DECREF(none);
-                return NULL;
-            }
-            left++;
-        }
-        long r = PyLong_AsLong(PyList_GET_ITEM(ref, bi));
-        if (r == -1 && PyErr_Occurred()) { Py_DECREF(none); return NULL; }
-        PyObject *nr = PyLong_FromLong(r + 1);
-        if (nr == NULL || PyList_SetItem(ref, bi, nr) < 0) { Py_DECREF(none); return NULL; }
-    }
-    Py_DECREF(none);
-    return PyLong_FromLong(left);
-}
-
 static PyMethodDef methods[] = {
     {"lru_popleft", lru_popleft, METH_VARARGS, "lru_popleft(nxt, prv, sentinel, n) -> list[int]"},
     {"lru_extend", lru_extend, METH_VARARGS, "lru_extend(nxt, prv, sentinel, blocks) -> None"},
-    {"incref_blocks", incref_blocks, METH_VARARGS,
-     "incref_blocks(ref, state, blocks, nxt, prv, tier, free, cached, allocated) -> int"},
     {"evict_batch", evict_batch, METH_VARARGS,
      "evict_batch(batch, key, lookup, parent, kids, out, evicted, queue, skips) -> (skips, passed, forced)"},
     {"insert_keys", insert_keys, METH_VARARGS,

@@ -38,7 +38,6 @@ from __future__ import annotations
 from enum import IntEnum
 
 from fastkv.cache.eviction import EvictionPolicy, make_policy
-from fastkv.cache.eviction.lru import LRUQueue
 from fastkv.native.compiled import load
 
 _pool = load("_pool")
@@ -281,28 +280,16 @@ class BlockPool:
         self.ref[block] += 1
 
     def incref_many(self, blocks: list[int]) -> None:
-        """``incref`` each block (a prefix hit's whole run: one call, not one per block); with the
-        LRU queue the loop is C (``fastkv.native._pool``); ``_incref_many_reference`` defines it."""
-        queued = self.evictable
-        if type(queued) is not LRUQueue:
-            self._incref_many_reference(blocks)
-            return
-        left = _pool.incref_blocks(self.ref, self.state, list(blocks), queued.next, queued.prev, self.tier,
-                                   _FREE, _CACHED, _ALLOCATED)
-        queued.unlinked(left)
-        self.num_allocated += left
-
-    def _incref_many_reference(self, blocks: list[int]) -> None:
+        """``incref`` each block, inline (a prefix hit's whole run: one call, not one per block)."""
         state, ref, queued = self.state, self.ref, self.evictable
-        for b in blocks:  # nothing changes when one is FREE
-            if state[b] == _FREE:
-                raise ValueError(f"{self.tier} block {b} is FREE: take() it, do not incref it")
         for b in blocks:
             st = state[b]
             if st == _CACHED:
                 queued.remove(b)
                 state[b] = _ALLOCATED
                 self.num_allocated += 1
+            elif st == _FREE:
+                raise ValueError(f"{self.tier} block {b} is FREE: take() it, do not incref it")
             ref[b] += 1
 
     def hold_keys(self, keys: list[bytes], skip: set[bytes]) -> tuple[list[int], list[bytes]]:

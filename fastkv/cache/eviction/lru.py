@@ -81,10 +81,6 @@ class LRUQueue:
         prv[s] = last
         self._len += len(blocks)
 
-    def unlinked(self, n: int) -> None:
-        """``n`` blocks left the queue through its links, in C (``BlockPool.incref_many``)."""
-        self._len -= n
-
     def touch(self, block: int) -> None:
         """Mark a queued block as the most recently used."""
         self.remove(block)

@@ -194,33 +194,3 @@ def test_lru_links_equal_their_reference(cap, ops):
             ref.append(b)
         assert (fast.next, fast.prev, len(fast)) == (ref.next, ref.prev, len(ref))
         fast.check_integrity()
-
-
-@st.composite
-def increfs(draw):
-    """A pool with blocks FREE, ALLOCATED (held, keyed or not) and CACHED (in the LRU queue, in
-    release order), and a prefix hit's run over them: repeats, and now and then a FREE block."""
-    cap = draw(st.integers(4, 12))
-    n = draw(st.integers(1, cap))
-    released = draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n))
-    free = draw(st.integers(0, cap - n))
-    run = draw(st.lists(st.integers(0, n - 1 + free), max_size=2 * cap))
-    return cap, n, released, run
-
-
-@given(increfs())
-def test_incref_many_equals_its_reference(scenario):
-    cap, n, released, run = scenario
-    pools = []
-    for _ in range(2):
-        p = BlockPool("device", cap)
-        ids = p.take_many(n)
-        for i in released:
-            p.set_key(ids[i], b"k%d" % ids[i])
-            p.release(ids[i])  # keyed: CACHED, queued as the most recently used
-        free = sorted(set(range(cap)) - set(ids))
-        pools.append((p, [(ids + free)[i] for i in run]))
-    (fast, table), (ref, _) = pools
-    assert outcome(lambda: fast.incref_many(table)) == outcome(lambda: ref._incref_many_reference(table))
-    assert snapshot(fast) == snapshot(ref) and len(fast.evictable) == len(ref.evictable)
-    fast.check_integrity()
