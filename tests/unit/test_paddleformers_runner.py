@@ -15,7 +15,7 @@ require_paddleformers()  # a skip without the models extra, a failure under CI
 import paddle  # noqa: E402
 
 from fastkv.engine.runners import runner_class  # noqa: E402
-from tests.e2e.test_engine_paddleformers import FAMILIES, MAX_NEW, PROMPTS, layout, oracle, options  # noqa: E402
+from tests.e2e.test_engine_paddleformers import FAMILIES, MAX_NEW, PROMPTS, layout, options, oracle  # noqa: E402
 from tests.runner_driver import drive  # noqa: E402
 
 BLOCKS = 96
