@@ -5,6 +5,7 @@ Paddle is deliberately not a hard dependency: a GPU deployment already has
 CPU machines install the ``cpu`` extra (``pip install -e '.[cpu]'``).
 """
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -33,6 +34,14 @@ class BuildPyWithOps(build_py):
             print(f"fastkv: pre-built ops at {ops.build(Path(self.build_lib) / 'fastkv' / '_prebuilt')}")
         except Exception as exc:  # a deployment without a compiler still installs; first use retries
             print(f"fastkv: pre-building the ops failed ({exc}); they will build just in time on first use")
+
+
+# BLAKE3's sources for the key chain: on x86-64 its SSE4.1 and AVX-512 compressions too, each
+# taken at run time only where the CPU has it.
+_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+_BLAKE3 = [f"ops/third_party/blake3/{name}.c" for name in ("blake3", "blake3_dispatch", "blake3_portable")]
+_BLAKE3 += ["ops/blake3_sse41.c", "ops/blake3_avx512.c"] if _X86_64 else []
+_BLAKE3_OFF = ["BLAKE3_NO_SSE2", "BLAKE3_NO_AVX2"] + ([] if _X86_64 else ["BLAKE3_NO_SSE41", "BLAKE3_NO_AVX512"])
 
 
 setup(
@@ -82,13 +91,12 @@ setup(
         # The synthetic runner's KV rows (fastkv/engine/runners/synthetic.py): ~30x numpy.
         Extension("fastkv.native._synthetic", ["ops/synthetic_rows.c"], extra_compile_args=["-O3", "-std=c11"]),
         # A request's chained block keys in one call (fastkv/cache/keys.py), with upstream BLAKE3's C
-        # implementation, its portable code only: a key hashes one short chunk, which its SIMD
-        # code (many chunks at once) does not speed up, nor, measured, its SSE4.1 compression.
-        Extension("fastkv.native._chain", ["ops/block_keys.c", "ops/third_party/blake3/blake3.c",
-                                    "ops/third_party/blake3/blake3_dispatch.c", "ops/third_party/blake3/blake3_portable.c"],
-                  depends=["ops/third_party/blake3/blake3.h", "ops/third_party/blake3/blake3_impl.h"],
-                  define_macros=[(m, "1") for m in ("BLAKE3_NO_SSE2", "BLAKE3_NO_SSE41", "BLAKE3_NO_AVX2",
-                                                    "BLAKE3_NO_AVX512")] + [("BLAKE3_USE_NEON", "0")],
+        # implementation: a key hashes one short chunk, so of its SIMD code only the one-block
+        # compressions help (SSE4.1, AVX-512); AVX2 has none, its path hashes many chunks at once.
+        Extension("fastkv.native._chain", ["ops/block_keys.c", *_BLAKE3],
+                  depends=["ops/third_party/blake3/blake3.h", "ops/third_party/blake3/blake3_impl.h",
+                           "ops/third_party/blake3/blake3_sse41.c", "ops/third_party/blake3/blake3_avx512.c"],
+                  define_macros=[(m, "1") for m in _BLAKE3_OFF] + [("BLAKE3_USE_NEON", "0")],
                   extra_compile_args=["-O3", "-std=c11"]),
         # The block pool's hot loops (fastkv/cache/pool.py: leaves-first eviction, insert_many, release_many).
         Extension("fastkv.native._pool", ["ops/block_pool.c"], extra_compile_args=["-O2", "-std=c11"]),
