@@ -11,7 +11,10 @@ cost model, with three routing policies side by side, on one of two workloads:
   answers of 64-256 tokens; conversations start as a Poisson process of ``--rate`` requests/s
   overall, a turn 1-4 s after the one before (open loop: it does not wait for the answer).
   The default rate is meant to overload round robin's engines, so that tokens/s measures what
-  each routing lets the engines serve.
+  each routing lets the engines serve. Its default host tier is twice the device's: the
+  documents and conversations outgrow one engine's tiers but not four engines' together,
+  which is when routing decides how much of the working set the fleet holds (with a host tier
+  big enough to hold everything on every engine, any routing hits nearly as often).
 
 Policies:
 
@@ -272,8 +275,8 @@ def main() -> int:
     p.add_argument("--requests", type=at_least(2), help="requests (default 1000 trace, 3000 shared)")
     p.add_argument("--docs", type=at_least(1), default=48, help="shared: system prompts / documents (default 48)")
     p.add_argument("--users", type=at_least(1), default=1000, help="shared: users (default 1000)")
-    p.add_argument("--rate", type=at_least(0.001, float), default=120.0,
-                   help="shared: requests per second over all engines (default 120)")
+    p.add_argument("--rate", type=at_least(0.001, float), default=60.0,
+                   help="shared: requests per second over all engines (default 60)")
     p.add_argument("--score", choices=("share", "work"),
                    help="indexer's score (docstring; default share for the trace, work for shared)")
     p.add_argument("--load-tokens", type=at_least(0.0, float), default=256.0,
@@ -283,7 +286,8 @@ def main() -> int:
     p.add_argument("--tokens-per-id", type=at_least(1), default=32,
                    help="trace: tokens per 512-token trace block (default 32: prompts scaled down 16x)")
     p.add_argument("--device-blocks", type=at_least(16), default=2048, help=f"per engine, of {BLOCK} tokens")
-    p.add_argument("--host-blocks", type=at_least(0), default=32768, help="per engine (a host tier 16x the device's)")
+    p.add_argument("--host-blocks", type=at_least(0),
+                   help="per engine (default 32768 for the trace: 16x the device's; 4096 for shared: 2x, docstring)")
     p.add_argument("--cost-model", default=LLAMA3_8B_H100.name, choices=sorted(DEPLOYMENTS))
     p.add_argument("--host-weight", type=at_least(0.0, float), default=0.8,
                    help="a host-cached block's worth against a device-cached one (default 0.8, llm-d's cpu tier)")
@@ -291,6 +295,8 @@ def main() -> int:
                    help="score lost per unfinished request beyond the least loaded engine's (default 0.05)")
     args = p.parse_args()
     args.score = args.score or ("work" if args.workload == "shared" else "share")
+    if args.host_blocks is None:
+        args.host_blocks = 4096 if args.workload == "shared" else 32768
     n = args.requests or (24 if args.smoke else 500 if args.quick else 3000 if args.workload == "shared" else 1000)
     if args.workload == "shared":
         reqs, sess = shared(n, args)
