@@ -101,6 +101,13 @@ class KVLayout:
         return (Part("k", 0, self.quant, d, 0), Part("k_scale", 0, "float32", 1, d),
                 Part("v", 1, self.quant, d, 0), Part("v_scale", 1, "float32", 1, d))
 
+    def as_raw(self) -> KVLayout:
+        """The same bytes as a plain layout (a quantized row as ``row_elems`` uint8 values): for a
+        runner that writes bytes without reading them as numbers (the synthetic runner)."""
+        if not self.quant:
+            return self
+        return KVLayout(self.num_layers, self.kv_heads, self.block_size, self.row_elems, "uint8", self.tp_size)
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one token's KV on this rank, scales included (what every tier and link moves)."""
