@@ -301,7 +301,7 @@ def main() -> int:
     modelled = args.runner == "synthetic" and args.cost_model != "flat"
     if args.kv_cache_dtype != "auto":
         if args.dtype is not None:
-            p.error("give the KV dtype as --dtype or as --kv-cache-dtype, not both")
+            raise SystemExit("bench_e2e: give the KV dtype as --dtype or as --kv-cache-dtype, not both")
         args.dtype = JobConfig.dtype  # the layout is --kv-cache-dtype's
     for name, value in run_defaults(args.workload, modelled).items():
         if getattr(args, name) is None:

@@ -22,8 +22,10 @@ Both are in the default set where the Mooncake client is installed.
 ``--kv-cache-dtypes bfloat16,fp8_e4m3`` measures the layout in each KV dtype, interleaved, and
 adds tokens/s (MB/s over the layout's bytes per token, scales included) and each dtype's
 tokens/s against the first's at batch 64: quantized KV moves about twice the tokens at the same
-bytes/s. The JSON's keys are the first dtype's; the others' carry their dtype
-(``lmdb_fp8_e4m3_put``).
+bytes/s. ``--link-mbps`` holds every batch to a link's speed (as the transfer process holds its
+storage I/O to the deployment's link under a cost model), so that the dtypes compare at the same
+bytes/s rather than at this machine's CPU-bound page-cache speed. The JSON's keys are the first
+dtype's; the others' carry their dtype (``lmdb_fp8_e4m3_put``).
 
 The last line is the issue's JSON: {"bench": "storage", "mbps": {...}} at batch 64.
 """
@@ -139,8 +141,17 @@ class MooncakeRaw:
         self.store.close()
 
 
-def measure(store: StorageBackend, host: np.ndarray, out: np.ndarray, batch: int, rounds: int) -> tuple[float, float]:
-    """Median put and get MB/s over ``rounds`` rounds of ``len(host)`` fresh blocks."""
+def _link(t0: float, nbytes: int, link_bps: float) -> None:
+    """Wait out what a link of ``link_bps`` bytes/s would still take for ``nbytes`` sent from ``t0``
+    (as the transfer process waits out its storage link under a cost model)."""
+    if link_bps > 0 and (rest := t0 + nbytes / link_bps - time.perf_counter()) > 0:
+        time.sleep(rest)
+
+
+def measure(store: StorageBackend, host: np.ndarray, out: np.ndarray, batch: int, rounds: int,
+            link_bps: float = 0.0) -> tuple[float, float]:
+    """Median put and get MB/s over ``rounds`` rounds of ``len(host)`` fresh blocks; ``link_bps`` > 0:
+    each batch takes at least its bytes' time on a link of that many bytes/s."""
     n = host.shape[0]
     total_mb = host.nbytes / 1e6
     puts, gets = [], []
@@ -148,14 +159,18 @@ def measure(store: StorageBackend, host: np.ndarray, out: np.ndarray, batch: int
         keys = [os.urandom(32) for _ in range(n)]
         t0 = time.perf_counter()
         for lo in range(0, n, batch):
+            tb = time.perf_counter()
             ok = store.put(keys[lo:lo + batch], host, range(lo, min(lo + batch, n)))
             if not all(ok):  # the backend could not be used (a server not there, a full disk)
                 raise OSError(f"put failed: {store.stats}")
+            _link(tb, host[lo:lo + batch].nbytes, link_bps)
         t1 = time.perf_counter()
         for lo in range(0, n, batch):
+            tb = time.perf_counter()
             ok = store.get(keys[lo:lo + batch], out, range(lo, min(lo + batch, n)))
             if not all(ok):
                 raise OSError(f"get failed: {store.stats}")
+            _link(tb, out[lo:lo + batch].nbytes, link_bps)
         t2 = time.perf_counter()
         if r == 0:
             assert np.array_equal(out, host), "loaded blocks differ from the stored ones"
@@ -177,6 +192,9 @@ def main() -> None:
     ap.add_argument("--tmpdir", help="where the LMDB environment goes (default: the system temp dir)")
     ap.add_argument("--kv-cache-dtypes", default="bfloat16", metavar="D1,D2,..",
                     help=f"the layout's KV dtypes, measured side by side, of {KV_CACHE_DTYPES[1:]} (default bfloat16)")
+    ap.add_argument("--link-mbps", type=at_least(0.0, float), default=0.0, metavar="MB/S",
+                    help="each batch takes at least its bytes' time on a link this fast, as under a cost model: "
+                    "every dtype at the same bytes/s, the tokens/s differ by bytes per token (default 0: none)")
     ap.add_argument("--smoke", action="store_true",
                     help="small layout, 64 blocks, 1 round (tests: numbers mean nothing)")
     args = ap.parse_args()
@@ -252,7 +270,7 @@ def main() -> None:
                 for backend, dtype in stores:
                     try:
                         rates[backend, dtype].append(
-                            measure(stores[backend, dtype], hosts[dtype], outs[dtype], batch, 1))
+                            measure(stores[backend, dtype], hosts[dtype], outs[dtype], batch, 1, args.link_mbps * 1e6))
                     except OSError as exc:
                         raise SystemExit(f"bench_storage: backend {backend} at {where[backend]!r}: {exc}") from None
             for (backend, dtype), got in rates.items():
@@ -268,7 +286,8 @@ def main() -> None:
 
     for dtype, layout in layouts.items():
         print(f"storage tier, {layout.block_bytes / (1 << 20):g} MiB blocks ({layout.describe()}), "
-              f"{blocks} blocks x {rounds} rounds, median MB/s (k tokens/s at {layout.bytes_per_token} bytes/token)")
+              f"{blocks} blocks x {rounds} rounds, median MB/s (k tokens/s at {layout.bytes_per_token} bytes/token)"
+              + (f", each batch at most {args.link_mbps:g} MB/s" if args.link_mbps else ""))
         print(f"{'backend':<13}" + "".join(f"{f'put b={b}':>18}{f'get b={b}':>18}" for b in BATCHES))
         for backend in backends:
             cells = [f"{mb:.0f} ({mb * 1e3 / layout.bytes_per_token:.0f})"

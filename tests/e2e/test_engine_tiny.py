@@ -145,6 +145,8 @@ def test_quantized_kv_equals_the_cache_free_reference(kv_cache_dtype, mode, tp, 
     if mode == "storage":
         assert tasks.get("store", 0) > 0 and summary["storage_errors"] == 0, summary
     assert summary["host_checksum_mismatches"] == 0, summary
+    assert summary["kv_cache_dtype"] == kv_cache_dtype
+    assert summary["kv_bytes_per_token"] == 2 * 2 * (4 // tp) * (16 + 4)  # layers x K,V x heads x (values + scale)
 
 
 @pytest.mark.slow
