@@ -45,8 +45,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastkv.config import SCALE_BYTES, KVLayout
-
 
 @dataclass(frozen=True)
 class Deployment:
@@ -173,15 +171,16 @@ def measure_copy_bandwidth(nbytes: int = 16 << 20, repeats: int = 5) -> float:
     return nbytes / best
 
 
-def with_kv_of(dep: Deployment, layout: KVLayout) -> Deployment:
-    """``dep`` with a quantized ``layout``'s KV: one byte per value and its scale per token-head, so
-    its copies and storage I/O move those bytes (a plain layout keeps the deployment's bf16)."""
+def with_kv_of(dep: Deployment, layout) -> Deployment:
+    """``dep`` with a quantized ``layout``'s KV (a ``fastkv.config.KVLayout``): one byte per value
+    and its scale per token-head, so its copies and storage I/O move those bytes (a plain layout
+    keeps the deployment's bf16)."""
     if not layout.quant:
         return dep
-    return dataclasses.replace(dep, kv_row_bytes=dep.head_dim + SCALE_BYTES)
+    return dataclasses.replace(dep, kv_row_bytes=dep.head_dim + layout.row_elems - layout.head_dim)
 
 
-def calibrate_for(dep: Deployment, layout: KVLayout, copy_bandwidth: float) -> ScaledCostModel:
+def calibrate_for(dep: Deployment, layout, copy_bandwidth: float) -> ScaledCostModel:
     """The deployment's model of a run on ``layout``, scaled to this machine's copies of its bytes."""
     return ScaledCostModel.calibrate(with_kv_of(dep, layout), layout.bytes_per_token, copy_bandwidth)
 
