@@ -4,6 +4,12 @@
 layer, a K and a V tensor ``[num_device_blocks, kv_heads, block_size, head_dim]``; the
 host tier is block-major ``[num_host_blocks, num_layers, 2, kv_heads, block_size,
 head_dim]`` so that one host block is one contiguous span (one write to storage).
+
+A quantized layout (``quant`` "fp8_e4m3" or "int8") keeps that addressing with a wider row:
+each token-head row of a K (or V) page is ``head_dim`` one-byte values and then their float32
+scale, ``head_dim + 4`` bytes of ``uint8``. The scales thus sit in the same page as the values
+they scale, so every tier, the checksum and the swap ops carry them with their block as bytes.
+``parts`` names what a row holds.
 """
 from __future__ import annotations
 
@@ -21,6 +27,25 @@ _DTYPES: dict[str, tuple[int, np.dtype]] = {
 }
 
 
+# Quantized KV dtypes (``KVLayout.quant``): one byte per value, one float32 scale per token-head.
+QUANT_DTYPES = ("fp8_e4m3", "int8")
+SCALE_BYTES = 4
+# --kv-cache-dtype's choices; "auto" keeps the job's ``dtype``.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", *QUANT_DTYPES)
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """What one token-head row of a layer's K or V page holds at ``offset`` bytes: ``count``
+    values of ``dtype``, named ``name`` (k, v, k_scale, v_scale)."""
+
+    name: str
+    page: int  # 0: the K page, 1: the V page
+    dtype: str
+    count: int
+    offset: int
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: how many blocks of ``b`` hold ``a`` tokens."""
     return -(-a // b)
@@ -36,6 +61,7 @@ class KVLayout:
     head_dim: int
     dtype: str = "bfloat16"
     tp_size: int = 1
+    quant: str = ""  # "": values of ``dtype``; else one of QUANT_DTYPES, with ``dtype`` "uint8"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size"):
@@ -44,6 +70,48 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"KVLayout.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.quant and self.quant not in QUANT_DTYPES:
+            raise ValueError(f"KVLayout.quant must be '' or one of {QUANT_DTYPES}, got {self.quant!r}")
+        if self.quant and self.dtype != "uint8":
+            raise ValueError(f"a quantized KVLayout holds bytes: dtype must be 'uint8', got {self.dtype!r}")
+
+    @classmethod
+    def of(cls, kv_cache_dtype: str, **fields) -> KVLayout:
+        """The layout of a ``--kv-cache-dtype`` other than auto (a float dtype or a quantized one)."""
+        if kv_cache_dtype in QUANT_DTYPES:
+            return cls(**fields, dtype="uint8", quant=kv_cache_dtype)
+        return cls(**fields, dtype=kv_cache_dtype)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV dtype by its user-facing name: the quantization, else ``dtype``."""
+        return self.quant or self.dtype
+
+    @property
+    def row_elems(self) -> int:
+        """Elements (of ``numpy_dtype``) of one token-head row: head_dim, plus the scale's bytes."""
+        return self.head_dim + (SCALE_BYTES if self.quant else 0)
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """What a token-head row of each page holds, by name."""
+        if not self.quant:
+            return (Part("k", 0, self.dtype, self.head_dim, 0), Part("v", 1, self.dtype, self.head_dim, 0))
+        d = self.head_dim
+        return (Part("k", 0, self.quant, d, 0), Part("k_scale", 0, "float32", 1, d),
+                Part("v", 1, self.quant, d, 0), Part("v_scale", 1, "float32", 1, d))
+
+    def as_raw(self) -> KVLayout:
+        """The same bytes as a plain layout (a quantized row as ``row_elems`` uint8 values): for a
+        runner that writes bytes without reading them as numbers (the synthetic runner)."""
+        if not self.quant:
+            return self
+        return KVLayout(self.num_layers, self.kv_heads, self.block_size, self.row_elems, "uint8", self.tp_size)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token's KV on this rank, scales included (what every tier and link moves)."""
+        return self.block_bytes // self.block_size
 
     @property
     def itemsize(self) -> int:
@@ -56,8 +124,8 @@ class KVLayout:
 
     @property
     def page_elems(self) -> int:
-        """Elements of one block of one layer's K (or V)."""
-        return self.kv_heads * self.block_size * self.head_dim
+        """Elements of one block of one layer's K (or V), its scales included."""
+        return self.kv_heads * self.block_size * self.row_elems
 
     @property
     def page_bytes(self) -> int:
@@ -69,14 +137,15 @@ class KVLayout:
         return self.num_layers * 2 * self.page_bytes
 
     def device_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (num_blocks, self.kv_heads, self.block_size, self.head_dim)
+        return (num_blocks, self.kv_heads, self.block_size, self.row_elems)
 
     def host_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (num_blocks, self.num_layers, 2, self.kv_heads, self.block_size, self.head_dim)
+        return (num_blocks, self.num_layers, 2, self.kv_heads, self.block_size, self.row_elems)
 
     def describe(self) -> str:
         """A canonical string of everything that changes the bytes of a block."""
         return (
             f"layers={self.num_layers};kv_heads={self.kv_heads};block={self.block_size};"
             f"head_dim={self.head_dim};dtype={self.dtype};tp={self.tp_size}"
+            + (f";quant={self.quant};scales=token_head_f32" if self.quant else "")
         )

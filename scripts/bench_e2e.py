@@ -79,10 +79,11 @@ from fastkv.cli import (  # noqa: E402
     report,  # noqa: E402
 )
 from fastkv.cli.supervisor import Supervisor  # noqa: E402
+from fastkv.config import KV_CACHE_DTYPES, QUANT_DTYPES  # noqa: E402
 from fastkv.deploy.cost_model import (  # noqa: E402
     DEPLOYMENTS,
     LLAMA3_8B_H100,
-    ScaledCostModel,
+    calibrate_for,
     deployment,
     measure_copy_bandwidth,
 )
@@ -139,13 +140,16 @@ def mixed_workload(path: Path, seed: int = 0) -> Path:
 
 
 SYNC = "/sync"  # a label's suffix: the run with --async-scheduling off
+# A label's suffix under a quantized --kv-cache-dtype: the same run with bfloat16 KV, to compare with.
+BF16 = "@bfloat16"
 
 
 def run_config(base: JobConfig, label: str, out: Path) -> JobConfig:
     """The job of run ``label``: the base settings, its preemption mode and its tiers."""
-    mode, host = RUNS[label.removesuffix(SYNC)]
+    mode, host = RUNS[label.removesuffix(SYNC).removesuffix(BF16)]
+    kv = {"kv_cache_dtype": "auto", "dtype": "bfloat16"} if label.endswith(BF16) else {}
     try:
-        return JobConfig(**{**base.__dict__, "preemption": mode, "async_scheduling": "off" if label.endswith(SYNC)
+        return JobConfig(**{**base.__dict__, **kv, "preemption": mode, "async_scheduling": "off" if label.endswith(SYNC)
                             else base.async_scheduling, "host_blocks": base.host_blocks if host else 0,
                             "storage": base.storage if host else "none",
                             "storage_write": base.storage_write if host else JobConfig.storage_write, "out": str(out)})
@@ -212,6 +216,9 @@ def paired_ratios(runs: dict[str, list[dict]]) -> dict[str, dict]:
             for m in RUNS:
                 per.setdefault(f"{m}: async/sync", []).append(
                     runs[m][r]["tokens_per_s"] / max(runs[m + SYNC][r]["tokens_per_s"], 1e-9))
+        if "offload" + BF16 in runs:  # the quantized KV's offload against bfloat16's, same round
+            per.setdefault(f"offload/offload{BF16}", []).append(
+                runs["offload"][r]["tokens_per_s"] / max(runs["offload" + BF16][r]["tokens_per_s"], 1e-9))
     out = {}
     for name, values in per.items():
         s = spread(values, 3)
@@ -258,6 +265,9 @@ def main() -> int:
                    f"{JobConfig.kv_heads} with --cost-model flat)")
     p.add_argument("--dtype", help=f"KV dtype (default {MODEL_LAYOUT['dtype']}; {JobConfig.dtype} with --cost-model "
                    "flat)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="as fastkv-supervisor (default auto: --dtype); fp8_e4m3 or int8 also runs offload with "
+                   f"bfloat16 KV in each round (offload{BF16}), and reports the ratio")
     p.add_argument("--device-blocks", type=int, help="default: the supervisor's for the workload; "
                    f"{MIXED['device_blocks']} with --workload mixed")
     p.add_argument("--host-blocks", type=int, help=f"default {JobConfig.host_blocks}; "
@@ -289,6 +299,10 @@ def main() -> int:
     if args.verify and args.runner != "synthetic":
         p.error(f"--verify is the synthetic runner's; --runner {args.runner} has no byte checks to set")
     modelled = args.runner == "synthetic" and args.cost_model != "flat"
+    if args.kv_cache_dtype != "auto":
+        if args.dtype is not None:
+            raise SystemExit("bench_e2e: give the KV dtype as --dtype or as --kv-cache-dtype, not both")
+        args.dtype = JobConfig.dtype  # the layout is --kv-cache-dtype's
     for name, value in run_defaults(args.workload, modelled).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -305,13 +319,16 @@ def main() -> int:
         options["verify"] = args.verify
     rounds = args.rounds or (1 if args.smoke else QUICK_ROUNDS if args.quick else 5)
     labels = [*RUNS, *(label + SYNC for label in RUNS)] if args.async_scheduling == "both" else list(RUNS)
+    if args.kv_cache_dtype in QUANT_DTYPES:
+        labels.append("offload" + BF16)
     runs: dict[str, list[dict]] = {label: [] for label in labels}
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fastkv-bench-e2e-"))
     try:
         workload = str(mixed_workload(root / "mixed.jsonl")) if args.workload == "mixed" else args.workload
         try:  # bad settings: one line naming the setting, as fastkv-supervisor says it
             base = JobConfig(runner=args.runner, tp=args.tp, layers=args.layers, kv_heads=args.kv_heads,
-                             dtype=args.dtype, device_blocks=args.device_blocks, host_blocks=args.host_blocks,
+                             dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device_blocks=args.device_blocks,
+                             host_blocks=args.host_blocks,
                              cache_policy=args.cache_policy, storage=args.storage, storage_write=args.storage_write,
                              quick=args.quick or args.smoke,
                              async_scheduling="off" if args.async_scheduling == "off" else "on",
@@ -350,16 +367,17 @@ def main() -> int:
     for label, d in results.items():
         print(fmt_row(label, d))
     every_run = [d for ds in runs.values() for d in ds]
-    outputs = [d["outputs"] for d in every_run]
+    # (the synthetic model's tokens depend on the KV dtype: the bfloat16 run is checked alone, below)
+    outputs = [d["outputs"] for label, ds in runs.items() if not label.endswith(BF16) for d in ds]
     finished = all(finish in ("length", "stop") for finish, _ in outputs[0].values())
     identical = finished and all(o == outputs[0] for o in outputs)
     correct = [d.get("outputs_correct") for d in every_run]
     correct = None if None in correct else all(correct)
     if options:  # what preempting costs under the model, beside what the copy path costs here
         layout = base.layout()
-        costs = {k: round(v, 2) for k, v in ScaledCostModel.calibrate(
-            deployment(options["cost_model"]), layout.block_bytes // layout.block_size,
-            options["copy_gbps"] * 1e9).preemption_costs().items()}
+        costs = {k: round(v, 2) for k, v in calibrate_for(
+            deployment(options["cost_model"]), layout, options["copy_gbps"] * 1e9).preemption_costs().items()}
+        print(f"\nKV {layout.kv_cache_dtype}: {layout.bytes_per_token} bytes per token per rank")
         print(f"\nunder {options['cost_model']} here: recompute {costs['recompute_us_per_token']} us per token, "
               f"copy {costs['copy_us_per_token']} us per token each way; a decode step of 16 x 1024 tokens "
               f"{costs['decode_step_us']:.0f} us carries {costs['free_recompute_tokens']:.0f} recomputed tokens "

@@ -19,6 +19,14 @@ with no fastkv code (``batch_put_from`` / ``batch_get_into`` of the bare blocks,
 buffers, no header, no checksum, no staging): the ceiling fastkv's backend is measured against.
 Both are in the default set where the Mooncake client is installed.
 
+``--kv-cache-dtypes bfloat16,fp8_e4m3`` measures the layout in each KV dtype, interleaved, and
+adds tokens/s (MB/s over the layout's bytes per token, scales included) and each dtype's
+tokens/s against the first's at batch 64: quantized KV moves about twice the tokens at the same
+bytes/s. ``--link-mbps`` holds every batch to a link's speed (as the transfer process holds its
+storage I/O to the deployment's link under a cost model), so that the dtypes compare at the same
+bytes/s rather than at this machine's CPU-bound page-cache speed. The JSON's keys are the first
+dtype's; the others' carry their dtype (``lmdb_fp8_e4m3_put``).
+
 The last line is the issue's JSON: {"bench": "storage", "mbps": {...}} at batch 64.
 """
 from __future__ import annotations
@@ -39,7 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastkv.cli import at_least  # noqa: E402
-from fastkv.config import KVLayout  # noqa: E402
+from fastkv.config import KV_CACHE_DTYPES, KVLayout  # noqa: E402
 from fastkv.storage import StorageBackend, namespace_fingerprint, open_store  # noqa: E402
 from fastkv.storage.base import HEADER_BYTES, Verdict  # noqa: E402
 from fastkv.storage.local_mooncake import LocalMooncake  # noqa: E402
@@ -133,8 +141,17 @@ class MooncakeRaw:
         self.store.close()
 
 
-def measure(store: StorageBackend, host: np.ndarray, out: np.ndarray, batch: int, rounds: int) -> tuple[float, float]:
-    """Median put and get MB/s over ``rounds`` rounds of ``len(host)`` fresh blocks."""
+def _link(t0: float, nbytes: int, link_bps: float) -> None:
+    """Wait out what a link of ``link_bps`` bytes/s would still take for ``nbytes`` sent from ``t0``
+    (as the transfer process waits out its storage link under a cost model)."""
+    if link_bps > 0 and (rest := t0 + nbytes / link_bps - time.perf_counter()) > 0:
+        time.sleep(rest)
+
+
+def measure(store: StorageBackend, host: np.ndarray, out: np.ndarray, batch: int, rounds: int,
+            link_bps: float = 0.0) -> tuple[float, float]:
+    """Median put and get MB/s over ``rounds`` rounds of ``len(host)`` fresh blocks; ``link_bps`` > 0:
+    each batch takes at least its bytes' time on a link of that many bytes/s."""
     n = host.shape[0]
     total_mb = host.nbytes / 1e6
     puts, gets = [], []
@@ -142,14 +159,18 @@ def measure(store: StorageBackend, host: np.ndarray, out: np.ndarray, batch: int
         keys = [os.urandom(32) for _ in range(n)]
         t0 = time.perf_counter()
         for lo in range(0, n, batch):
+            tb = time.perf_counter()
             ok = store.put(keys[lo:lo + batch], host, range(lo, min(lo + batch, n)))
             if not all(ok):  # the backend could not be used (a server not there, a full disk)
                 raise OSError(f"put failed: {store.stats}")
+            _link(tb, host[lo:lo + batch].nbytes, link_bps)
         t1 = time.perf_counter()
         for lo in range(0, n, batch):
+            tb = time.perf_counter()
             ok = store.get(keys[lo:lo + batch], out, range(lo, min(lo + batch, n)))
             if not all(ok):
                 raise OSError(f"get failed: {store.stats}")
+            _link(tb, out[lo:lo + batch].nbytes, link_bps)
         t2 = time.perf_counter()
         if r == 0:
             assert np.array_equal(out, host), "loaded blocks differ from the stored ones"
@@ -169,12 +190,23 @@ def main() -> None:
     ap.add_argument("--backends", default=DEFAULT_BACKENDS, help=f"comma-separated: {','.join(BACKENDS)} "
                     f"(default {DEFAULT_BACKENDS})")
     ap.add_argument("--tmpdir", help="where the LMDB environment goes (default: the system temp dir)")
+    ap.add_argument("--kv-cache-dtypes", default="bfloat16", metavar="D1,D2,..",
+                    help=f"the layout's KV dtypes, measured side by side, of {KV_CACHE_DTYPES[1:]} (default bfloat16)")
+    ap.add_argument("--link-mbps", type=at_least(0.0, float), default=0.0, metavar="MB/S",
+                    help="each batch takes at least its bytes' time on a link this fast, as under a cost model: "
+                    "every dtype at the same bytes/s, the tokens/s differ by bytes per token (default 0: none)")
     ap.add_argument("--smoke", action="store_true",
                     help="small layout, 64 blocks, 1 round (tests: numbers mean nothing)")
     args = ap.parse_args()
     if args.smoke:
         args.layout, args.blocks, args.rounds = "small", args.blocks or max(BATCHES), args.rounds or 1
-    layout = LAYOUTS[args.layout]
+    base = LAYOUTS[args.layout]
+    dtypes = [d for d in args.kv_cache_dtypes.split(",") if d]
+    if not dtypes or any(d not in KV_CACHE_DTYPES[1:] for d in dtypes) or len(set(dtypes)) < len(dtypes):
+        raise SystemExit(f"bench_storage: --kv-cache-dtypes must name distinct dtypes of {KV_CACHE_DTYPES[1:]}, "
+                         f"got {args.kv_cache_dtypes!r}")
+    layouts = {d: KVLayout.of(d, num_layers=base.num_layers, kv_heads=base.kv_heads, block_size=base.block_size,
+                              head_dim=base.head_dim) for d in dtypes}
     blocks = args.blocks or (64 if args.quick else 128)
     rounds = args.rounds or (3 if args.quick else 5)
     backends = [b for b in args.backends.split(",") if b]
@@ -185,30 +217,33 @@ def main() -> None:
         raise SystemExit(f"--blocks must be at least {max(BATCHES)}")
 
     rng = np.random.default_rng(0)
-    host = rng.integers(0, 1 << 16, size=layout.host_shape(blocks), dtype=np.uint16)
-    out = np.zeros_like(host)
-    namespace = namespace_fingerprint("bench", layout.describe())
+    hosts = {d: rng.integers(0, 256, lay.block_bytes * blocks, np.uint8).view(lay.numpy_dtype).reshape(
+        lay.host_shape(blocks)) for d, lay in layouts.items()}
+    outs = {d: np.zeros_like(h) for d, h in hosts.items()}
+    host_bytes = max(h.nbytes for h in hosts.values())
     try:
         workdir = tempfile.mkdtemp(prefix="fkv-bench-storage-", dir=args.tmpdir)
     except OSError as exc:
         raise SystemExit(f"bench_storage: --tmpdir: {exc}") from None
     server: LocalRedis | None = None
     pool: LocalMooncake | None = None
-    results: dict[tuple[str, int], tuple[float, float]] = {}
-    stores: dict[str, StorageBackend] = {}
+    results: dict[tuple[str, str, int], tuple[float, float]] = {}
+    stores: dict[tuple[str, str], StorageBackend] = {}
     where: dict[str, str] = {}
     stack = contextlib.ExitStack()
     try:
-        for backend in backends:
+        for backend, dtype in ((b, d) for b in backends for d in dtypes):
+            host, out = hosts[dtype], outs[dtype]
+            namespace = namespace_fingerprint("bench", layouts[dtype].describe())
             if backend == "lmdb":
                 # Room for one round plus what the freed pages of earlier rounds pin.
-                url = f"lmdb://{workdir}/lmdb?max_bytes={4 * host.nbytes}"
+                url = f"lmdb://{workdir}/lmdb-{dtype}?max_bytes={4 * host.nbytes}"
             elif backend.startswith("mooncake"):
                 if pool is None:
                     if not MOONCAKE:
                         raise SystemExit("bench_storage: the Mooncake client is not installed "
                                          "(pip install -e '.[mooncake]')")
-                    pool = LocalMooncake(segment_size=4 * host.nbytes + (64 << 20), lease_ttl_ms=2000)
+                    pool = LocalMooncake(segment_size=4 * host_bytes * len(dtypes) + (64 << 20), lease_ttl_ms=2000)
                     pool.start()
                 url = pool.url + f"&local_buffer_size={16 << 20}"
             else:
@@ -222,7 +257,7 @@ def main() -> None:
                 url = f"{args.redis_url}{'&' if '?' in args.redis_url else '?'}timeout=10"
             where[backend] = args.redis_url if backend.startswith("redis") else url
             try:
-                stores[backend] = stack.enter_context(
+                stores[backend, dtype] = stack.enter_context(
                     RedisPyStore(args.redis_url, namespace, timeout=10) if backend == "redis-py"
                     else MooncakeRaw(url, host, out) if backend == "mooncake-raw" else open_store(url, namespace))
             except OSError as exc:
@@ -230,15 +265,17 @@ def main() -> None:
         # Rounds interleave the backends (A, B, A, B, ...), so that the machine's load at any one
         # moment falls on all of them alike.
         for batch in BATCHES:
-            rates: dict[str, list[tuple[float, float]]] = {b: [] for b in backends}
+            rates: dict[tuple[str, str], list[tuple[float, float]]] = {bd: [] for bd in stores}
             for _ in range(rounds):
-                for backend in backends:
+                for backend, dtype in stores:
                     try:
-                        rates[backend].append(measure(stores[backend], host, out, batch, 1))
+                        rates[backend, dtype].append(
+                            measure(stores[backend, dtype], hosts[dtype], outs[dtype], batch, 1, args.link_mbps * 1e6))
                     except OSError as exc:
                         raise SystemExit(f"bench_storage: backend {backend} at {where[backend]!r}: {exc}") from None
-            for backend, got in rates.items():
-                results[backend, batch] = (statistics.median(p for p, _ in got), statistics.median(g for _, g in got))
+            for (backend, dtype), got in rates.items():
+                results[backend, dtype, batch] = (statistics.median(p for p, _ in got),
+                                                  statistics.median(g for _, g in got))
     finally:
         stack.close()
         if server is not None:
@@ -247,17 +284,28 @@ def main() -> None:
             pool.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
-    print(f"storage tier, {layout.block_bytes / (1 << 20):g} MiB blocks ({layout.describe()}), "
-          f"{blocks} blocks x {rounds} rounds, median MB/s")
-    print(f"{'backend':<13}" + "".join(f"{f'put b={b}':>12}{f'get b={b}':>12}" for b in BATCHES))
-    for backend in backends:
-        print(f"{backend:<13}" + "".join(f"{results[backend, b][0]:>12.0f}{results[backend, b][1]:>12.0f}"
-                                         for b in BATCHES))
+    for dtype, layout in layouts.items():
+        print(f"storage tier, {layout.block_bytes / (1 << 20):g} MiB blocks ({layout.describe()}), "
+              f"{blocks} blocks x {rounds} rounds, median MB/s (k tokens/s at {layout.bytes_per_token} bytes/token)"
+              + (f", each batch at most {args.link_mbps:g} MB/s" if args.link_mbps else ""))
+        print(f"{'backend':<13}" + "".join(f"{f'put b={b}':>18}{f'get b={b}':>18}" for b in BATCHES))
+        for backend in backends:
+            cells = [f"{mb:.0f} ({mb * 1e3 / layout.bytes_per_token:.0f})"
+                     for b in BATCHES for mb in results[backend, dtype, b]]
+            print(f"{backend:<13}" + "".join(f"{c:>18}" for c in cells))
+    first = dtypes[0]
+    for dtype in dtypes[1:]:  # tokens/s against the first dtype's, at batch 64
+        ratio = {f"{backend} {op}": (results[backend, dtype, 64][i] / layouts[dtype].bytes_per_token)
+                 / (results[backend, first, 64][i] / layouts[first].bytes_per_token)
+                 for backend in backends for i, op in enumerate(("put", "get"))}
+        print(f"tokens/s {dtype} / {first} at batch 64: " + ", ".join(f"{k} {v:.2f}" for k, v in ratio.items())
+              + f"; at equal bytes/s: {layouts[first].bytes_per_token / layouts[dtype].bytes_per_token:.2f}")
     mbps = {}
-    for backend in backends:
-        put, get = results[backend, 64]
-        mbps[f"{backend.replace('-', '_')}_put"] = round(put, 1)
-        mbps[f"{backend.replace('-', '_')}_get"] = round(get, 1)
+    for backend, dtype in stores:
+        put, get = results[backend, dtype, 64]
+        name = backend.replace("-", "_") + ("" if dtype == first else f"_{dtype}")
+        mbps[f"{name}_put"] = round(put, 1)
+        mbps[f"{name}_get"] = round(get, 1)
     print(json.dumps({"bench": "storage", "mbps": mbps}))
 
 

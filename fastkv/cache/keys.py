@@ -89,7 +89,8 @@ class KeyNamespace:
 
     @classmethod
     def for_layout(cls, model_id: str, weights_version: str, layout: KVLayout) -> KeyNamespace:
-        return cls(model_id, str(weights_version), layout.describe(), layout.dtype, layout.block_size, layout.tp_size)
+        return cls(model_id, str(weights_version), layout.describe(), layout.kv_cache_dtype, layout.block_size,
+                   layout.tp_size)
 
     def with_weights(self, weights_version: str) -> KeyNamespace:
         return KeyNamespace(self.model_id, str(weights_version), self.layout, self.kv_dtype, self.block_size,

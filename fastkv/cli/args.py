@@ -8,6 +8,7 @@ from typing import Any
 
 from fastkv.cache.eviction import POLICIES
 from fastkv.cli.job import CACHE_POLICIES, DEMO_DEVICE_BLOCKS, ROLES, RUNNERS, STORAGE_WRITES, JobConfig
+from fastkv.config import KV_CACHE_DTYPES
 from fastkv.events.config import SCHEMAS as EVENT_SCHEMAS
 from fastkv.procs.cpu_policy import CPU_POLICIES
 from fastkv.sched.hits import HIT_POLICIES
@@ -31,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-heads", type=int, help="KV heads per rank (default 2)")
     a("--head-dim", type=int, help="head dimension (default 64)")
     a("--dtype", help="KV dtype (default float32)")
+    a("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="vLLM's name: the KV dtype; auto (default) = --dtype; "
+      "fp8_e4m3 and int8 store one byte per value and a float32 scale per token-head (the config file also "
+      "takes FastDeploy's kv_cache_quant_type = int8 | fp8)")
     a("--device-blocks", type=int, help=f"device tier capacity in blocks per rank (default {DEMO_DEVICE_BLOCKS}; "
       "a trace or a workload file defaults to room for its longest request, up to 1 GiB per rank)")
     a("--host-blocks", type=int, help="host tier capacity in blocks per rank, 0 = none (default 1024); under "

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fastkv.cache.eviction import POLICIES
-from fastkv.config import KVLayout
+from fastkv.config import KV_CACHE_DTYPES, QUANT_DTYPES, KVLayout
 from fastkv.procs.cpu_policy import CPU_POLICIES
 from fastkv.sched.config import SchedulerConfig
 from fastkv.sched.hits import HIT_POLICIES
@@ -35,6 +35,8 @@ DEFAULT_RUNNER_OPTIONS = {"synthetic": {"compute_us_per_token": 300.0, "verify":
                           **{name: {} for name in RUNNERS if name.startswith("paddleformers:")}}
 CACHE_POLICIES = ("write_back", "write_through", "write_through_selective")
 STORAGE_WRITES = ("preempted", "through", "back")  # fastkv.cache.storage_writes: what each costs
+# FastDeploy's kv_cache_quant_type values that fastkv supports, as kv_cache_dtype
+FASTDEPLOY_QUANT_TYPES = {"int8": "int8", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
 QUICK_DEMO = {"conversations": 8, "turns": 3}
 DEMO_DEVICE_BLOCKS = 64  # the demo's conversations need several times this: memory pressure
 AUTO_DEVICE_BYTES = 1 << 30  # the most device tier per rank a workload's longest request sizes by default
@@ -51,6 +53,10 @@ class JobConfig:
     kv_heads: int = 2  # per rank
     head_dim: int = 64
     dtype: str = "float32"
+    # vLLM's name, KV_CACHE_DTYPES: "auto" keeps ``dtype``; fp8_e4m3 / int8 quantize the KV with a
+    # float32 scale per token-head (fastkv.config); FastDeploy's name is kv_cache_quant_type
+    kv_cache_dtype: str = "auto"
+    kv_cache_quant_type: str = ""
     # 0: the workload's default: DEMO_DEVICE_BLOCKS, or room for the longest request of a trace or a file
     device_blocks: int = 0
     host_blocks: int = 1024  # 0 = no host tier
@@ -151,8 +157,9 @@ class JobConfig:
         if self.storage not in ("default", "none") and self.storage.split("://")[0] not in STORAGE_SCHEMES:
             raise ValueError(f"setting 'storage' must be 'default', 'none' or a URL with scheme in {STORAGE_SCHEMES}, "
                              f"got {self.storage!r}")
-        if self.runner == "tiny" and self.dtype != "float32":
-            raise ValueError(f"the tiny runner needs dtype 'float32', got {self.dtype!r}")
+        if self.runner == "tiny" and self.layout().kv_cache_dtype not in ("float32", *QUANT_DTYPES):
+            raise ValueError(f"the tiny runner needs KV dtype 'float32' or one of {QUANT_DTYPES}, "
+                             f"got {self.layout().kv_cache_dtype!r}")
         if self.runner == "synthetic" and self.head_dim <= 8:
             raise ValueError(f"the synthetic runner needs head_dim > 8, got {self.head_dim}")
         self._check_scheduler()
@@ -190,7 +197,9 @@ class JobConfig:
 
     def _fastdeploy_names(self) -> None:
         """FastDeploy's settings, mapped onto fastkv's own: swap_space (GiB per rank) or
-        num_cpu_blocks -> host_blocks; kvcache_storage_backend -> storage."""
+        num_cpu_blocks -> host_blocks; kvcache_storage_backend -> storage; kv_cache_quant_type ->
+        kv_cache_dtype."""
+        self._kv_cache_dtype()
         if self.swap_space < 0 or self.num_cpu_blocks < 0:
             raise ValueError("settings 'swap_space' and 'num_cpu_blocks' must be >= 0")
         if self.swap_space and self.num_cpu_blocks:
@@ -214,6 +223,21 @@ class JobConfig:
 
                 storage = mooncake_config.to_url(mooncake_config.resolve(self.kvcache_storage_config))
             object.__setattr__(self, "storage", storage)
+
+    def _kv_cache_dtype(self) -> None:
+        if self.kv_cache_quant_type:
+            if self.kv_cache_dtype != "auto":
+                raise ValueError("give the KV cache dtype as 'kv_cache_dtype' or as 'kv_cache_quant_type', not both")
+            quant = FASTDEPLOY_QUANT_TYPES.get(self.kv_cache_quant_type)
+            if quant is None:
+                raise ValueError(f"setting 'kv_cache_quant_type' must be one of {tuple(FASTDEPLOY_QUANT_TYPES)}, "
+                                 f"got {self.kv_cache_quant_type!r}")
+            object.__setattr__(self, "kv_cache_dtype", quant)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"setting 'kv_cache_dtype' must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.dtype != JobConfig.dtype:
+            raise ValueError(f"give the KV dtype as 'dtype' or as 'kv_cache_dtype', not both (got {self.dtype!r} "
+                             f"and {self.kv_cache_dtype!r})")
 
     def _check_scheduler(self) -> None:
         from fastkv.sched.config import SchedulerConfig
@@ -312,8 +336,11 @@ class JobConfig:
         return cfg
 
     def layout(self) -> KVLayout:
-        return KVLayout(num_layers=self.layers, kv_heads=self.kv_heads, block_size=self.block_size,
-                        head_dim=self.head_dim, dtype=self.dtype, tp_size=self.tp)
+        shape = dict(num_layers=self.layers, kv_heads=self.kv_heads, block_size=self.block_size,
+                     head_dim=self.head_dim, tp_size=self.tp)
+        if self.kv_cache_dtype != "auto":
+            return KVLayout.of(self.kv_cache_dtype, **shape)
+        return KVLayout(**shape, dtype=self.dtype)
 
     def demo_config(self) -> ConversationConfig:
         known = {f.name for f in dataclasses.fields(ConversationConfig)}

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 ALIASES: dict[str, tuple[str, ...]] = {
     "host tier": ("host_blocks", "swap_space", "num_cpu_blocks"),
     "storage tier": ("storage", "kvcache_storage_backend"),
+    "KV cache dtype": ("kv_cache_dtype", "kv_cache_quant_type"),
 }
 _GROUP = {name: group for group, names in ALIASES.items() for name in names}
 

@@ -68,6 +68,7 @@ class Deployment:
     hbm_efficiency: float = 0.8
     pcie_efficiency: float = 0.8
     dtype_bytes: int = 2
+    kv_row_bytes: int = 0  # one token-head's K (or V); 0: head_dim values of dtype_bytes
     tp: int = 1
     storage: str = "nvme"  # a STORAGE_LINKS name: what the storage tier sits behind, per rank
     storage_efficiency: float = 0.8
@@ -86,7 +87,8 @@ class Deployment:
     @property
     def kv_bytes_per_token(self) -> int:
         """One rank's KV of one token."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes // self.tp
+        row = self.kv_row_bytes or self.head_dim * self.dtype_bytes
+        return 2 * self.layers * self.kv_heads * row // self.tp
 
     def step_seconds(self, seqs: Iterable[tuple[int, int]]) -> float:
         """GPU time of one step over sequences given as (start_pos, end_pos): positions
@@ -169,14 +171,28 @@ def measure_copy_bandwidth(nbytes: int = 16 << 20, repeats: int = 5) -> float:
     return nbytes / best
 
 
+def with_kv_of(dep: Deployment, layout) -> Deployment:
+    """``dep`` with a quantized ``layout``'s KV (a ``fastkv.config.KVLayout``): one byte per value
+    and its scale per token-head, so its copies and storage I/O move those bytes (a plain layout
+    keeps the deployment's bf16)."""
+    if not layout.quant:
+        return dep
+    return dataclasses.replace(dep, kv_row_bytes=dep.head_dim + layout.row_elems - layout.head_dim)
+
+
+def calibrate_for(dep: Deployment, layout, copy_bandwidth: float) -> ScaledCostModel:
+    """The deployment's model of a run on ``layout``, scaled to this machine's copies of its bytes."""
+    return ScaledCostModel.calibrate(with_kv_of(dep, layout), layout.bytes_per_token, copy_bandwidth)
+
+
 def scaled_for(runner: str, runner_options: dict, layout) -> ScaledCostModel | None:
     """The synthetic runner's cost model of a run (its ``cost_model`` and ``copy_gbps`` options,
     ``layout`` its KVLayout), calibrated here; None without one."""
     if runner != "synthetic" or not runner_options.get("cost_model"):
         return None
     gbps = float(runner_options.get("copy_gbps") or 0.0)
-    return ScaledCostModel.calibrate(deployment(runner_options["cost_model"]), layout.block_bytes // layout.block_size,
-                                     gbps * 1e9 if gbps > 0 else measure_copy_bandwidth())
+    return calibrate_for(deployment(runner_options["cost_model"]), layout,
+                         gbps * 1e9 if gbps > 0 else measure_copy_bandwidth())
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ PROMPTS = {f"q{i}": (SYSTEM if i % 2 else []) + [(i * 37 + j * 13) % 500 for j i
            for i in range(8)}
 
 
-def layout(tp: int) -> KVLayout:
-    return KVLayout(num_layers=2, kv_heads=4 // tp, block_size=4, head_dim=16, dtype="float32", tp_size=tp)
+def layout(tp: int, kv_cache_dtype: str = "float32") -> KVLayout:
+    return KVLayout.of(kv_cache_dtype, num_layers=2, kv_heads=4 // tp, block_size=4, head_dim=16, tp_size=tp)
 
 
 @cache
@@ -53,10 +53,19 @@ def workload() -> list[dict]:
             for rid, p in PROMPTS.items()]
 
 
-def run_tiny(tp: int, mode: str, out_dir, storage_url: str = "", async_scheduling: bool = True) -> tuple[dict, dict]:
+@cache
+def quantized_reference(kv_cache_dtype: str) -> dict[str, list[int]]:
+    """Each prompt through the cache-free numpy model (tests/unit) that rounds K and V as the runner writes them."""
+    from tests.unit.test_tiny_decoder import reference as dense
+
+    return {rid: dense(p, MAX_NEW, layout(1, kv_cache_dtype), TinyConfig(**CFG))[0] for rid, p in PROMPTS.items()}
+
+
+def run_tiny(tp: int, mode: str, out_dir, storage_url: str = "", async_scheduling: bool = True,
+             kv_cache_dtype: str = "float32") -> tuple[dict, dict]:
     pressure = mode != "none"
     # Storage mode: a small host tier, so that host copies are evicted and resumes LOAD from storage.
-    spec = RunSpec(new_run_id(), layout(tp), num_device_blocks=20 if pressure else 128,
+    spec = RunSpec(new_run_id(), layout(tp, kv_cache_dtype), num_device_blocks=20 if pressure else 128,
                    num_host_blocks=8 if storage_url else 48,
                    storage_url=storage_url, runner="tiny", runner_options={"config": CFG},
                    scheduler={"preemption": mode if pressure else "recompute", "max_num_batched_tokens": 48},
@@ -114,6 +123,30 @@ def test_outputs_identical_in_every_mode(tp, mode, async_scheduling, tmp_path, r
         # (with async scheduling a victim is never one in the step in flight: which requests are
         # preempted, and where in their blocks, depends on timing, and may recompute nothing)
         assert summary["recomputed_tokens"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("mode", ["recompute", "offload", "storage", "auto"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_quantized_kv_equals_the_cache_free_reference(kv_cache_dtype, mode, tp, tmp_path):
+    """Quantized K and V with their scales through every tier: the tokens are those of the
+    cache-free model that rounds K and V the same way."""
+    url = f"lmdb://{tmp_path}/lmdb?max_bytes=64M" if mode in ("storage", "auto") else ""
+    results, summary = run_tiny(tp, mode, tmp_path / "out", url, kv_cache_dtype=kv_cache_dtype)
+    want = quantized_reference(kv_cache_dtype)
+    assert sorted(results) == sorted(want)
+    for rid, row in results.items():
+        assert row["finish"] == "length" and row["output"] == want[rid], f"{rid}: {row} != {want[rid]}"
+    pre, tasks = summary["preemptions"], summary["copy_tasks"]
+    assert sum(pre.values()) > 0 and (mode == "auto" or pre[mode] > 0), f"no {mode} preemption: {summary}"
+    if mode == "offload":
+        assert summary["recomputed_tokens"] == 0 and tasks.get("swap_in", 0) > 0, summary
+    if mode == "storage":
+        assert tasks.get("store", 0) > 0 and summary["storage_errors"] == 0, summary
+    assert summary["host_checksum_mismatches"] == 0, summary
+    assert summary["kv_cache_dtype"] == kv_cache_dtype
+    assert summary["kv_bytes_per_token"] == 2 * 2 * (4 // tp) * (16 + 4)  # layers x K,V x heads x (values + scale)
 
 
 @pytest.mark.slow

@@ -166,6 +166,9 @@ def test_table_rows_say_what_they_count():
     assert "storage lookups" not in decode and "200 blocks, 13.4 MB" in decode, decode
     rows = report.table(report.build(base, [{"id": str(i), "finish": "length"} for i in range(3)]))
     assert "3 finished of 3  (3 reached max_new_tokens)" in rows and "(length" not in rows, rows
+    assert "KV cache" not in rows  # a summary from before the field
+    fp8 = report.table(report.build({**base, "kv_cache_dtype": "fp8_e4m3", "kv_bytes_per_token": 17408}, []))
+    assert "KV cache" in fp8 and "fp8_e4m3, 17408 bytes per token per rank" in fp8, fp8
     assert report.title("decode", "/x/pre/workload.jsonl", "offload") == \
         "fastkv decode run, workload workload.jsonl, preemption offload"
     assert report.build(base, [])["timeline_columns"] == ["t_s", "finished_requests", "generated_tokens",

@@ -95,7 +95,7 @@ def test_json_config_and_quick(tmp_path):
     ({"host_blocks": 0}, "preemption 'offload' needs a host tier"),
     ({"host_blocks": 0, "preemption": "storage"}, "preemption 'storage' needs a host tier"),
     ({"host_blocks": 0, "preemption": "recompute", "storage": "lmdb:///tmp/x"}, "storage tier needs a host tier"),
-    ({"runner": "tiny", "dtype": "bfloat16"}, "tiny runner needs dtype 'float32'"),
+    ({"runner": "tiny", "dtype": "bfloat16"}, "tiny runner needs KV dtype 'float32'"),
     ({"head_dim": 8}, "synthetic runner needs head_dim > 8"),
     ({"dtype": "float64"}, "KVLayout.dtype must be one of"),
     ({"metrics_port": 70000}, "'metrics_port' must be in"),

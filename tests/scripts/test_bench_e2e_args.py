@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--layers", "0"], "setting 'layers' must be >= 1, got 0"),
     (["--workload", "no-such-file.jsonl"], "workload file 'no-such-file.jsonl' not found"),
     (["--storage", "none"], "run 'storage': preemption 'storage' needs a storage tier"),  # not a traceback
+    (["--kv-cache-dtype", "fp8_e4m3", "--dtype", "float16"], "as --dtype or as --kv-cache-dtype, not both"),
 ])
 def test_a_bad_setting_is_one_line_naming_it(args, says, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e.py"), "--smoke", "--copy-gbps", "10",

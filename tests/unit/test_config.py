@@ -27,6 +27,36 @@ def test_layout_rejects_unknown_dtype():
         KVLayout(2, 2, 16, 64, dtype="float64")
 
 
+def test_default_layout_description_is_unchanged():
+    """Keys and stores of today's layouts stay valid: a quantized layout only adds to the description."""
+    layout = KVLayout(num_layers=8, kv_heads=8, block_size=64, head_dim=128, dtype="bfloat16", tp_size=2)
+    assert layout.describe() == "layers=8;kv_heads=8;block=64;head_dim=128;dtype=bfloat16;tp=2"
+    assert layout.kv_cache_dtype == "bfloat16" and [p.name for p in layout.parts] == ["k", "v"]
+
+
+@pytest.mark.parametrize("quant", ["fp8_e4m3", "int8"])
+def test_quantized_layout_packs_scales_beside_values(quant):
+    bf16 = KVLayout(num_layers=8, kv_heads=8, block_size=64, head_dim=128, dtype="bfloat16")
+    layout = KVLayout.of(quant, num_layers=8, kv_heads=8, block_size=64, head_dim=128)
+    assert layout.dtype == "uint8" and layout.quant == quant and layout.kv_cache_dtype == quant
+    assert layout.device_shape(5) == (5, 8, 64, 132) and layout.host_shape(3) == (3, 8, 2, 8, 64, 132)
+    assert layout.page_bytes == 8 * 64 * (128 + 4)
+    assert layout.bytes_per_token == 2 * 8 * 8 * (128 + 4) == bf16.bytes_per_token * 132 // 256
+    assert {p.name: (p.page, p.dtype, p.count, p.offset) for p in layout.parts} == {
+        "k": (0, quant, 128, 0), "k_scale": (0, "float32", 1, 128),
+        "v": (1, quant, 128, 0), "v_scale": (1, "float32", 1, 128)}
+    assert layout.describe() != KVLayout.of("int8" if quant == "fp8_e4m3" else "fp8_e4m3", num_layers=8, kv_heads=8,
+                                            block_size=64, head_dim=128).describe()
+    assert f"quant={quant}" in layout.describe()
+
+
+def test_quantized_layout_rejects_bad_fields():
+    with pytest.raises(ValueError, match="quant must be"):
+        KVLayout(2, 2, 16, 64, dtype="uint8", quant="fp4")
+    with pytest.raises(ValueError, match="dtype must be 'uint8'"):
+        KVLayout(2, 2, 16, 64, dtype="bfloat16", quant="int8")
+
+
 def test_plan_validates_lengths():
     plan = CopyPlan(1, CopyKind.SWAP_OUT, [1, 2], [3, 4])
     assert plan.src.dtype == np.int32 and plan.num_blocks == 2

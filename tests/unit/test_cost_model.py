@@ -7,13 +7,17 @@ import numpy as np
 import pytest
 
 from fastkv.cli import JobConfig
+from fastkv.config import KVLayout
 from fastkv.deploy.cost_model import (
     LLAMA3_8B_H100,
     LLAMA3_8B_H100_POOL,
     LLAMA3_70B_H100_TP4,
     ScaledCostModel,
+    calibrate_for,
     deployment,
+    with_kv_of,
 )
+from fastkv.engine.runners.synthetic import reference_output
 from fastkv.sched.output import SeqWork, StepPlan
 from tests.unit.test_synthetic_runner import layout, make
 
@@ -170,3 +174,30 @@ def test_the_transfer_process_throttles_storage_only_under_a_cost_model():
     assert seconds(spec.block_bytes) == pytest.approx(
         ScaledCostModel.calibrate(D, spec.block_bytes // spec.block_size, 12e9).storage_seconds(spec.block_bytes))
     assert storage_time_model(RunSpec(**{**base.__dict__, "runner_options": {}})) is None
+
+
+@pytest.mark.parametrize("quant", ["fp8_e4m3", "int8"])
+def test_a_quantized_layout_moves_its_bytes_at_the_same_modelled_compute(quant):
+    """fp8 / int8 KV: the deployment copies and stores one byte per value plus a scale per token-head,
+    while its compute stays bf16's: the scale (compute against this machine's copies) is unchanged."""
+    shape = dict(num_layers=16, kv_heads=8, block_size=16, head_dim=64)
+    bf16 = KVLayout(**shape, dtype="bfloat16")
+    q = KVLayout.of(quant, **shape)
+    dep = with_kv_of(D, q)
+    assert dep.kv_bytes_per_token == 2 * 32 * 8 * (128 + 4) and with_kv_of(D, bf16) is D
+    a, b = calibrate_for(D, bf16, 10e9), calibrate_for(D, q, 10e9)
+    # (within the scales' share: 4 bytes per 64 values here, per 128 in the deployment)
+    assert b.scale == pytest.approx(a.scale, rel=0.04)
+    assert b.deployment.copy_seconds_per_token() < 0.52 * a.deployment.copy_seconds_per_token()
+    seqs = [(0, 512)]  # a prefill: compute bound, the same; a decode over a long context reads less KV
+    assert b.step_seconds(seqs) == pytest.approx(a.step_seconds(seqs), rel=0.04)
+    assert b.step_seconds([(8000, 8001)] * 64) < a.step_seconds([(8000, 8001)] * 64)
+
+
+def test_the_synthetic_runner_writes_quantized_rows_as_bytes():
+    lay = KVLayout.of("fp8_e4m3", num_layers=2, kv_heads=2, block_size=4, head_dim=16)
+    runner, k, _ = make(lay, cost_model=D.name, copy_gbps=10.0)
+    assert runner.cost.scale == pytest.approx(calibrate_for(D, lay, 10e9).scale)
+    out = runner.step(StepPlan(0, [SeqWork(1, np.arange(6), 0, np.array([3, 4]), True)]))
+    assert out.sampled[1] == reference_output(list(range(6)), 1, 1024, "uint8")[0]
+    assert k[0][3].any() and k[0][4, :, :2].any() and not k[0][4, :, 2:].any()

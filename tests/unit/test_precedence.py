@@ -40,6 +40,8 @@ CASES = {
     "free_memory_on_update": ("free_memory_on_update = false\n", ["--free-memory-on-update"],
                               {"free_memory_on_update": True}),
     "device_ids": ('tp = 2\ndevice_ids = "1,0"\n', ["--device-ids", "0,1"], {"device_ids": "0,1"}),
+    "kv_cache_quant_type": ('kv_cache_quant_type = "int8"\n', ["--kv-cache-dtype", "fp8_e4m3"],
+                            {"kv_cache_dtype": "fp8_e4m3"}),
 }
 
 
@@ -92,6 +94,42 @@ def test_two_names_of_one_setting_in_one_layer_are_an_error_naming_both(tmp_path
     with pytest.raises(ValueError, match="given twice") as exc:
         JobConfig.from_sources(path, flags(*argv))
     assert all(name in str(exc.value) for name in both), exc.value
+
+
+@pytest.mark.parametrize(("text", "argv", "want", "bytes_per_token"), [
+    ("", [], "float32", 2 * 4 * 2 * 64 * 4),
+    ("", ["--kv-cache-dtype", "bfloat16"], "bfloat16", 2 * 4 * 2 * 64 * 2),
+    ('kv_cache_quant_type = "fp8"\n', [], "fp8_e4m3", 2 * 4 * 2 * (64 + 4)),
+    ('kv_cache_dtype = "int8"\n', [], "int8", 2 * 4 * 2 * (64 + 4)),
+    ('kv_cache_dtype = "int8"\n', ["--kv-cache-dtype", "auto"], "float32", 2 * 4 * 2 * 64 * 4),
+])
+def test_the_kv_cache_dtype_sets_the_layout_and_its_bytes(tmp_path, text, argv, want, bytes_per_token):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    cfg = JobConfig.from_sources(path, flags(*argv))
+    layout = cfg.layout()
+    assert layout.kv_cache_dtype == want and layout.bytes_per_token == bytes_per_token
+    assert cfg.to_spec("r", tmp_path).layout == layout
+    # --swap-space sizes the host tier by the layout's real block bytes
+    cfg = JobConfig.from_sources(path, flags(*argv, "--swap-space", "0.5"))
+    assert cfg.host_blocks == 2**29 // (bytes_per_token * cfg.block_size)
+
+
+@pytest.mark.parametrize(("text", "argv", "match"), [
+    ("", ["--kv-cache-dtype", "fp4"], "argument --kv-cache-dtype: invalid choice: 'fp4'"),
+    ('kv_cache_quant_type = "int4_zp"\n', [], "setting 'kv_cache_quant_type' must be one of"),
+    ('kv_cache_dtype = "fp8"\n', [], "setting 'kv_cache_dtype' must be one of"),
+    ('kv_cache_dtype = "int8"\nkv_cache_quant_type = "int8"\n', [], "given twice, as kv_cache_dtype"),
+    ("", ["--dtype", "bfloat16", "--kv-cache-dtype", "int8"], "as 'dtype' or as 'kv_cache_dtype', not both"),
+    ("", ["--runner", "tiny", "--kv-cache-dtype", "bfloat16"], "the tiny runner needs KV dtype 'float32'"),
+])
+def test_a_bad_kv_cache_dtype_is_one_clear_line(tmp_path, capsys, text, argv, match):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    with pytest.raises((ValueError, SystemExit)) as exc:
+        JobConfig.from_sources(path, flags(*argv))
+    said = capsys.readouterr().err.strip().splitlines()[-1:] if exc.type is SystemExit else [str(exc.value)]
+    assert len(said) == 1 and "\n" not in said[0] and match in said[0], said
 
 
 def test_help_states_the_rule():

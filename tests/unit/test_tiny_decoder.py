@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastkv.config import KVLayout
+from fastkv.engine.runners.kv_quant import QUANTUM, fake_quantize, quantize
 from fastkv.engine.runners.tiny_decoder import (
     ACT_BITS,
     CLIP,
@@ -79,6 +80,9 @@ def reference(prompt, max_new, layout=LAYOUT, cfg=CFG):
             q = rope(_g(h @ w[f"{i}.wq"]).reshape(n, Q, D), pos)
             k = rope(_g(h @ w[f"{i}.wk"]).reshape(n, Hkv, D), pos)
             v = _g(h @ w[f"{i}.wv"]).reshape(n, Hkv, D)
+            if layout.quant:  # what the cache gives back: rounded once, as written
+                min_scale = 2.0**-ACT_BITS / QUANTUM[layout.quant]
+                k, v = fake_quantize(k, layout.quant, min_scale), fake_quantize(v, layout.quant, min_scale)
             ks.append(k.transpose(1, 0, 2))
             vs.append(v.transpose(1, 0, 2))
             o = np.empty((n, Q, D))
@@ -117,6 +121,52 @@ def test_matches_dense_reference_tokens_and_kv_bits():
     for layer in range(LAYOUT.num_layers):
         np.testing.assert_array_equal(seq_kv(LAYOUT, k[layer], table, n), ks[layer][:, :n].astype(np.float32))
         np.testing.assert_array_equal(seq_kv(LAYOUT, v[layer], table, n), vs[layer][:, :n].astype(np.float32))
+
+
+def quant_layout(kind, tp=1):
+    return KVLayout.of(kind, num_layers=2, kv_heads=2 // tp, block_size=4, head_dim=16, tp_size=tp)
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "int8"])
+def test_quantized_kv_matches_the_reference_that_rounds_the_same(kind):
+    """Tokens equal the cache-free model's with K and V rounded as written, and each cache row
+    is the quantized row of the reference's K and V, scale included."""
+    layout = quant_layout(kind)
+    prompt = [5, 77, 300, 12, 9, 401, 250]
+    want, ks, vs = reference(prompt, 6, layout)
+    runner, k, v = make_runner(layout, fill=0xFF)  # unwritten rows are NaN codes and NaN scales
+    assert solo(runner, prompt, 6) == want
+    n = len(prompt) + 5
+    table = np.arange(-(-(len(prompt) + 6) // layout.block_size))
+    for layer in range(layout.num_layers):
+        for got, ref in ((k[layer], ks[layer]), (v[layer], vs[layer])):
+            rows = got[table].transpose(1, 0, 2, 3).reshape(layout.kv_heads, -1, layout.row_elems)[:, :n]
+            np.testing.assert_array_equal(rows, quantize(ref[:, :n], kind, runner.min_scale))
+
+
+def test_quantization_changes_what_attention_reads():
+    """The oracle is sensitive to the rounding: it reaches the next layer's K, and fp8's reaches tokens."""
+    prompts = [[t, t + 1, t + 2, 3 * t % 500] for t in range(0, 400, 40)]
+    plain = [reference(p, 6) for p in prompts]
+    for kind in ("fp8_e4m3", "int8"):
+        quant = [reference(p, 6, quant_layout(kind)) for p in prompts]
+        assert all(not np.array_equal(a[1][-1], b[1][-1]) for a, b in zip(plain, quant, strict=True)), kind
+    fp8 = [reference(p, 6, quant_layout("fp8_e4m3"))[0] for p in prompts]
+    assert fp8 != [a[0] for a in plain]
+
+
+@settings(max_examples=8 * SCALE)
+@given(prompts=st.lists(st.lists(st.integers(0, CFG.vocab - 1), min_size=1, max_size=14), min_size=1, max_size=3),
+       seed=st.integers(0, 2**32 - 1),
+       max_chunk=st.integers(1, 9), kind=st.sampled_from(["fp8_e4m3", "int8"]))
+def test_quantized_kv_is_invariant_to_chunking_batching_and_recompute(prompts, seed, max_chunk, kind):
+    layout, max_new = quant_layout(kind), 4
+    runner, _, _ = make_runner(layout, fill=0xFF)
+    want = {rid: solo(runner, p, max_new) for rid, p in enumerate(prompts)}
+    runner, _, _ = make_runner(layout, fill=0x7F)
+    got, stats = drive(runner, dict(enumerate(prompts)), max_new, np.random.default_rng(seed),
+                       max_chunk=max_chunk, preempt_prob=0.3)
+    assert got == want, stats
 
 
 def test_outputs_are_not_degenerate():
@@ -196,6 +246,15 @@ def test_bad_input_is_rejected():
         runner.step(StepPlan(0, [SeqWork(1, np.arange(5), 0, np.array([0]), True)]))
     with pytest.raises(ValueError, match="float32"):
         make_runner(KVLayout(2, 2, 4, 16, dtype="bfloat16"))
+
+
+
+def test_quantized_kv_on_accelerator_caches_is_refused(monkeypatch):
+    from fastkv.engine.runners import base
+
+    monkeypatch.setattr(base, "host_view", lambda tensor: None)  # as for tensors on a GPU
+    with pytest.raises(ValueError, match="int8 KV mode needs host-memory caches"):
+        make_runner(quant_layout("int8"))
     with pytest.raises(ValueError, match="collective"):
         k, v = caches(KVLayout(2, 1, 4, 16, dtype="float32", tp_size=2))
         TinyDecoderRunner(KVLayout(2, 1, 4, 16, dtype="float32", tp_size=2), 0, 2, k, v, config=CFG)

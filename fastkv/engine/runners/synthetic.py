@@ -37,7 +37,7 @@ import numpy as np
 import xxhash
 
 from fastkv.config import KVLayout
-from fastkv.deploy.cost_model import ScaledCostModel, deployment, measure_copy_bandwidth
+from fastkv.deploy.cost_model import calibrate_for, deployment, measure_copy_bandwidth
 from fastkv.engine.runners.base import ModelRunner
 from fastkv.native.compiled import load
 from fastkv.run import VERIFY_COUNTERS
@@ -403,6 +403,7 @@ class SyntheticRunner(ModelRunner):
         copy_gbps: float = 0.0,
         max_tracked_requests: int = 65536,
     ) -> None:
+        kv_layout, layout = layout, layout.as_raw()  # its KV is bytes: quantized rows are rows of bytes
         super().__init__(layout, rank, tp_size, k_caches, v_caches)
         if layout.head_dim <= HEADER:
             raise ValueError(f"the synthetic runner needs head_dim > {HEADER}, got {layout.head_dim}")
@@ -421,8 +422,8 @@ class SyntheticRunner(ModelRunner):
         if cost_model:
             if self.compute_us_per_token:
                 raise ValueError("give the synthetic runner compute_us_per_token or cost_model, not both")
-            self.cost = ScaledCostModel.calibrate(deployment(cost_model), layout.block_bytes // layout.block_size,
-                                                  copy_gbps * 1e9 if copy_gbps > 0 else measure_copy_bandwidth())
+            self.cost = calibrate_for(deployment(cost_model), kv_layout,
+                                      copy_gbps * 1e9 if copy_gbps > 0 else measure_copy_bandwidth())
         self.max_tracked_requests = max_tracked_requests
         # request id -> (tokens whose KV this runner knows, block table of its last step)
         self._history: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()

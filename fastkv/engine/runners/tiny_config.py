@@ -34,16 +34,17 @@ class TinyConfig:
             raise ValueError(f"num_q_heads {q} must be a multiple of the {kv} KV heads")
         if layout.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {layout.head_dim}")
-        if layout.dtype != "float32":
-            raise ValueError(f"the tiny decoder needs a float32 KV layout, got {layout.dtype}")
+        if layout.dtype != "float32" and not layout.quant:
+            raise ValueError(f"the tiny decoder needs a float32 or quantized KV layout, got {layout.dtype}")
         # Exactness budget (bits of grid units, must stay < 53): a reduction of K terms of
         # a x b units takes bits(a) + bits(b) + log2(K).
         act = ACT_BITS + int(math.log2(CLIP))  # 20
+        kv = act + (1 if layout.quant else 0)  # a dequantized value may pass CLIP by half a scale
         budgets = {
             "hidden": act + ACT_BITS + math.log2(max(self.hidden, q * layout.head_dim)),
             "intermediate": act + ACT_BITS + math.log2(self.intermediate),
-            "head_dim": 2 * act + math.log2(layout.head_dim),
-            "max_positions": P_BITS + 1 + act + math.log2(self.max_positions),
+            "head_dim": act + kv + math.log2(layout.head_dim),
+            "max_positions": P_BITS + 1 + kv + math.log2(self.max_positions),
         }
         for name, bits in budgets.items():
             if bits > 52:

@@ -15,6 +15,11 @@ K and V are exact in float32 (<= 21 significant bits), so the cache is float32: 
 cache would need rounding on write and re-gridding on read, and Paddle's CPU gather has
 no float16 kernel.
 
+A quantized layout (fp8_e4m3 or int8, ``KVLayout.quant``) quantizes K and V on write and
+dequantizes on read (``kv_quant``): power-of-two scales of at least 2^-12 / the code's step keep
+what is read back on the 2^-12 grid (one more bit of magnitude, in the exactness budget), so the
+outputs are still exact, and equal those of a cache-free model that rounds K and V the same way.
+
 The model: token embedding, ``num_layers`` blocks of RMSNorm -> GQA attention with RoPE ->
 residual -> RMSNorm -> SwiGLU MLP -> residual, final RMSNorm, untied LM head; weights
 drawn from ``seed`` and the weights version (``weights_seed``; ``load_weights`` switches).
@@ -36,6 +41,7 @@ import paddle
 import xxhash
 
 from fastkv.config import KVLayout
+from fastkv.engine.runners import kv_quant
 from fastkv.engine.runners.base import ModelRunner
 from fastkv.engine.runners.tiny_config import ACT_BITS, CLIP, P_BITS, TinyConfig
 from fastkv.ipc.collective import ShmCollective
@@ -144,12 +150,19 @@ class TinyDecoderRunner(ModelRunner):
         self.scale = 1.0 / math.sqrt(D)
         self.load_weights(weights_version)
 
+    @property
+    def min_scale(self) -> float:
+        """The smallest quantization scale: a grid value small enough for it is stored exactly."""
+        return 2.0**-ACT_BITS / kv_quant.QUANTUM[self.layout.quant]
+
     def set_caches(self, k_caches: Sequence[Any], v_caches: Sequence[Any]) -> None:
         super().set_caches(k_caches, v_caches)
         # Numpy caches are wrapped zero-copy so attention can gather blocks in Paddle.
         wrap = lambda c: paddle.utils.dlpack.from_dlpack(c.__dlpack__()) if isinstance(c, np.ndarray) else c
         self.k_caches = [wrap(c) for c in self.k_caches]
         self.v_caches = [wrap(c) for c in self.v_caches]
+        if self.layout.quant and any(view is None for view in (*self.k_views, *self.v_views)):
+            raise ValueError(f"the tiny decoder's {self.layout.quant} KV mode needs host-memory caches")
 
     def load_weights(self, weights_version: str) -> None:
         """This rank's shard of the weights drawn from ``weights_seed(config.seed, weights_version)``."""
@@ -217,7 +230,10 @@ class TinyDecoderRunner(ModelRunner):
     def _write_kv(self, layer: int, k: paddle.Tensor, v: paddle.Tensor, b: _Batch) -> None:
         """Store the new tokens' K/V [T, h, D] in their slots, in place, touching no other slot."""
         for views, caches, val in ((self.k_views, self.k_caches, k), (self.v_views, self.v_caches, v)):
-            if views[layer] is not None:
+            if self.layout.quant:  # the values' bytes and their scales, one row per token-head
+                rows = kv_quant.quantize(val.numpy(), self.layout.quant, self.min_scale)
+                views[layer][b.slot_blocks, :, b.slot_offsets, :] = rows
+            elif views[layer] is not None:
                 views[layer][b.slot_blocks, :, b.slot_offsets, :] = val.numpy().astype(np.float32)
             else:  # an accelerator tensor: Paddle's index_put writes in place
                 caches[layer][paddle.to_tensor(b.slot_blocks), :, paddle.to_tensor(b.slot_offsets), :] = val.astype(
@@ -231,6 +247,12 @@ class TinyDecoderRunner(ModelRunner):
         another request's data or none: V there is zeroed so that 0 * garbage cannot become
         NaN (K there is masked out of the scores).
         """
+        if self.layout.quant:  # (garbage past a sequence's end may read as NaN: masked as below)
+            with np.errstate(invalid="ignore", over="ignore"):
+                k = kv_quant.dequantize(self.k_views[layer][b.tables], self.layout.quant)
+                v = kv_quant.dequantize(self.v_views[layer][b.tables], self.layout.quant)
+            v[b.invalid[0], b.invalid[1], :, b.invalid[2], :] = 0.0
+            return _from_numpy(k), _from_numpy(v)
         if self.k_views[layer] is not None:  # host memory: numpy's gather beats Paddle's cast + where
             k = self.k_views[layer][b.tables].astype(np.float64)
             v = self.v_views[layer][b.tables].astype(np.float64)
