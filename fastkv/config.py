@@ -4,10 +4,15 @@
 layer, a K and a V tensor ``[num_device_blocks, kv_heads, block_size, head_dim]``; the
 host tier is block-major ``[num_host_blocks, num_layers, 2, kv_heads, block_size,
 head_dim]`` so that one host block is one contiguous span (one write to storage).
+
+A layer attends over every earlier position (full attention) or only over the last ``w``
+positions (a sliding window of ``w``): ``windows`` names each layer's (0: full). Layers of one
+kind form a KV cache *group* (``groups``); a sliding group needs only its window's blocks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,6 +31,45 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class KVGroup(NamedTuple):
+    """Layers of one attention kind: ``window`` 0 for full attention, else the sliding window."""
+
+    window: int
+    layers: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        return "sliding_window" if self.window else "full_attention"
+
+    def first_needed(self, num_tokens: int, block_size: int) -> int:
+        """The first block the query at position ``num_tokens`` reads: it attends over
+        [num_tokens - window + 1, num_tokens], so blocks wholly before are never read again."""
+        if not self.window:
+            return 0
+        return max(0, num_tokens - self.window + 1) // block_size
+
+    def max_blocks(self, block_size: int, chunk: int = 1) -> int | None:
+        """The most blocks one request holds while a step computes ``chunk`` of its tokens
+        (None: no bound, a full group holds its whole context)."""
+        if not self.window:
+            return None
+        return cdiv(self.window - 1 + chunk, block_size) + 1
+
+    def blocks_for(self, num_tokens: int, block_size: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds in this group between its steps."""
+        n = cdiv(num_tokens, block_size)
+        return n - self.first_needed(num_tokens, block_size) if self.window else n
+
+
+def _windows_text(windows: tuple[int, ...]) -> str:
+    """The shortest repeating pattern of ``windows`` and its count ("(128,0)x12"), or the list."""
+    n = len(windows)
+    for period in range(1, n + 1):
+        if n % period == 0 and windows == windows[:period] * (n // period):
+            return f"({','.join(map(str, windows[:period]))})x{n // period}"
+    raise AssertionError("unreachable: the whole list is its own period")
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """The KV cache of one tensor-parallel rank."""
@@ -36,6 +80,8 @@ class KVLayout:
     head_dim: int
     dtype: str = "bfloat16"
     tp_size: int = 1
+    # per layer: 0 full attention, w > 0 a sliding window of w tokens; () every layer full
+    windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size"):
@@ -44,6 +90,36 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"KVLayout.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        windows = tuple(self.windows)  # a list from JSON (RunSpec) is the same layout
+        if windows and len(windows) != self.num_layers:
+            raise ValueError(f"KVLayout.windows must name each of the {self.num_layers} layers, got {len(windows)}")
+        for w in windows:
+            if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+                raise ValueError(f"KVLayout.windows must be ints >= 0 (0: full attention), got {w!r}")
+        object.__setattr__(self, "windows", windows if any(windows) else ())  # all full: the default layout
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        """The KV cache groups: layers of one window each, in order of their first layer."""
+        if not self.windows:
+            return (KVGroup(0, tuple(range(self.num_layers))),)
+        layers: dict[int, list[int]] = {}
+        for i, w in enumerate(self.windows):
+            layers.setdefault(w, []).append(i)
+        return tuple(KVGroup(w, tuple(ls)) for w, ls in layers.items())
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layer slides: the groups hold different blocks."""
+        return bool(self.windows)
+
+    def group_block_bytes(self, group: KVGroup) -> int:
+        """Bytes of one block of ``group``'s layers, K and V."""
+        return len(group.layers) * 2 * self.page_bytes
+
+    def bytes_per_request(self, num_tokens: int) -> int:
+        """KV bytes one request of ``num_tokens`` tokens holds between steps, over every group."""
+        return sum(g.blocks_for(num_tokens, self.block_size) * self.group_block_bytes(g) for g in self.groups)
 
     @property
     def itemsize(self) -> int:
@@ -79,4 +155,5 @@ class KVLayout:
         return (
             f"layers={self.num_layers};kv_heads={self.kv_heads};block={self.block_size};"
             f"head_dim={self.head_dim};dtype={self.dtype};tp={self.tp_size}"
+            + (f";windows={_windows_text(self.windows)}" if self.windows else "")
         )
