@@ -170,3 +170,35 @@ def test_the_transfer_process_throttles_storage_only_under_a_cost_model():
     assert seconds(spec.block_bytes) == pytest.approx(
         ScaledCostModel.calibrate(D, spec.block_bytes // spec.block_size, 12e9).storage_seconds(spec.block_bytes))
     assert storage_time_model(RunSpec(**{**base.__dict__, "runner_options": {}})) is None
+
+
+def test_a_hybrids_sliding_layers_read_and_attend_over_their_window_only():
+    """gpt-oss-20b: half its layers slide (w = 128). Its step reads and attends over what a
+    brute-force count of each layer's positions gives; cached by groups, a request of L tokens
+    holds the full layers' blocks and a window's worth of the sliding ones."""
+    import dataclasses
+
+    from fastkv.deploy.cost_model import GPT_OSS_20B_H100 as G
+
+    def brute(start, end):
+        attended = read = 0
+        for w in G.windows:
+            seen = set()
+            for p in range(start, end):
+                lo = max(0, p - w + 1) if w else 0
+                attended += p + 1 - lo
+                seen.update(range(lo, p + 1))
+            read += len(seen)
+        return attended, read * G.kv_bytes_per_layer_token
+
+    for start, end in [(0, 1), (0, 100), (0, 300), (127, 128), (200, 201), (100, 400), (4000, 4096)]:
+        assert G._attention(start, end) == brute(start, end)
+    full = dataclasses.replace(G, windows=())
+    assert G.kv_bytes_per_token == full.kv_bytes_per_token == 2 * 24 * 8 * 64 * 2
+    assert G.step_seconds([(8191, 8192)] * 8) < full.step_seconds([(8191, 8192)] * 8)
+    assert G.step_seconds([(0, 64)]) == full.step_seconds([(0, 64)])  # below the window: the same model
+    bs, L = 16, 32768
+    per_block = G.kv_bytes_per_layer_token * bs
+    assert G.kv_bytes_held(L, bs, grouped=False) == 24 * (L // bs) * per_block
+    assert G.kv_bytes_held(L, bs) == 12 * (L // bs) * per_block + 12 * 8 * per_block  # blocks of [L - 127, L)
+    assert G.weight_bytes == 20_900_000_000 * 2
