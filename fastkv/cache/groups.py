@@ -165,7 +165,9 @@ class GroupedCache:
         missing = []
         for gp in self.groups:
             h = gp.held[request_id]
-            new = [i for i in gp.needed(start, start + count) if i not in h.table]
+            need = gp.needed(start, start + count)
+            # a full group's table is dense from block 0: only its tail can be missing
+            new = [i for i in need if i not in h.table] if gp.group.window else range(len(h.table), need.stop)
             if gp.available + h.reserved < len(new):
                 return None
             missing.append((gp, h, new))
@@ -226,9 +228,11 @@ class GroupedCache:
         out = []
         for gp in self.groups:
             t = gp.held[request_id].table
-            arr = np.full(max(t) + 1 if t else 0, -1, dtype=np.int32)
-            for i, b in t.items():
-                arr[i] = b
+            if gp.group.window:
+                arr = np.full(max(t) + 1 if t else 0, -1, dtype=np.int32)
+                arr[np.fromiter(t, np.int64, len(t))] = np.fromiter(t.values(), np.int32, len(t))
+            else:  # dense, filled in block order
+                arr = np.fromiter(t.values(), np.int32, len(t))
             out.append(arr)
         return out
 
@@ -262,3 +266,25 @@ class GroupedCache:
             assert gp.reserved <= pool.num_available, f"group {gp.index}: {gp.reserved} reserved, " \
                                                       f"{pool.num_available} available"
         assert all(set(gp.held) == set(self._reqs) for gp in self.groups)
+
+
+def split_device_tier(layout: KVLayout, device_bytes: int, num_tokens: int, chunk: int, prefills: int = 1) -> list[int]:
+    """Blocks per group for a device tier of ``device_bytes``, in the proportions requests of
+    ``num_tokens`` tokens need them: a full group their every block, a sliding group its bound
+    while decoding, and the bound for ``chunk`` tokens for ``prefills`` requests prefilling at once."""
+    bs = layout.block_size
+    if device_bytes <= 0 or num_tokens <= 0 or chunk <= 0 or prefills < 0:
+        raise ValueError(f"device_bytes, num_tokens and chunk must be > 0 and prefills >= 0, got "
+                         f"{device_bytes}, {num_tokens}, {chunk}, {prefills}")
+    groups = layout.groups
+    per_req = [g.max_blocks(bs) or cdiv(num_tokens, bs) for g in groups]
+    extra = [(g.max_blocks(bs, chunk) - g.max_blocks(bs)) * prefills if g.window else 0 for g in groups]
+    sizes = [layout.group_block_bytes(g) for g in groups]
+    fixed = sum(e * s for e, s in zip(extra, sizes, strict=True))
+    requests = max(0, device_bytes - fixed) / sum(n * s for n, s in zip(per_req, sizes, strict=True))
+    caps = [-int(-requests * n // 1) + e for n, e in zip(per_req, extra, strict=True)]  # rounded up
+    full = next((i for i, g in enumerate(groups) if not g.window), None)
+    if full is not None:  # a full group takes what is left: it bounds how many requests fit
+        caps[full] = 0
+        caps[full] = (device_bytes - sum(c * s for c, s in zip(caps, sizes, strict=True))) // sizes[full]
+    return caps
