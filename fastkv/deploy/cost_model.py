@@ -104,15 +104,15 @@ class Deployment:
 
     def kv_bytes_held(self, num_tokens: int, block_size: int, grouped: bool = True) -> int:
         """KV bytes one rank holds for a request of ``num_tokens`` tokens in blocks of
-        ``block_size``: ``grouped``, a sliding layer only the blocks its next query reads
-        (``fastkv.config.KVGroup.blocks_for``); else every layer every block."""
-        from fastkv.config import KVGroup  # config is the floor below: no cycle, nothing heavy
-
+        ``block_size``: ``grouped``, a sliding layer only the blocks from the one holding the
+        first position its next query reads, n - w + 1 (as ``fastkv.config.KVGroup.blocks_for``,
+        on this package's floor); else every layer every block."""
         blocks = -(-num_tokens // block_size)
         per_block = self.kv_bytes_per_layer_token * block_size
         if not grouped or not self.windows:
             return self.layers * blocks * per_block
-        return sum(KVGroup(w, ()).blocks_for(num_tokens, block_size) * per_block for w in self.windows)
+        return sum((blocks - (max(0, num_tokens - w + 1) // block_size if w else 0)) * per_block
+                   for w in self.windows)
 
     def _attention(self, start: int, end: int) -> tuple[float, int]:
         """Positions attended by the new tokens of (start, end), summed over layers, and the KV

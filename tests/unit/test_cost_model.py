@@ -202,3 +202,13 @@ def test_a_hybrids_sliding_layers_read_and_attend_over_their_window_only():
     assert G.kv_bytes_held(L, bs, grouped=False) == 24 * (L // bs) * per_block
     assert G.kv_bytes_held(L, bs) == 12 * (L // bs) * per_block + 12 * 8 * per_block  # blocks of [L - 127, L)
     assert G.weight_bytes == 20_900_000_000 * 2
+
+
+def test_kv_bytes_held_counts_the_blocks_the_group_core_holds():
+    from fastkv.config import KVLayout
+    from fastkv.deploy.cost_model import GPT_OSS_20B_H100 as G
+
+    for bs in (16, 64):
+        layout = KVLayout(G.layers, G.kv_heads, bs, G.head_dim, windows=G.windows)
+        for n in (1, 100, 127, 128, 129, 1000, 32768):
+            assert G.kv_bytes_held(n, bs) == layout.bytes_per_request(n)
