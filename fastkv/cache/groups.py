@@ -21,7 +21,8 @@ again: a full group the rest of its prompt, a sliding group its bound for the re
 A block a sliding group lets go of is room again only if no other request holds it, so a
 request sharing its window's blocks may find its reservation short later: ``slots`` then
 takes what is free, or answers None (the caller preempts, as for a full group's growth).
-Device tier only: offload, host and storage copies of groups are not built here.
+A request may be offloaded to each group's host pool and restored (``fastkv.cache.group_tiers``);
+storage copies of groups are not built.
 """
 from __future__ import annotations
 
@@ -48,15 +49,19 @@ class _Request:
     num_tokens: int
     chunk: int
     num_computed: int = 0
+    state: str = "running"  # or offloading, offloaded, restoring (fastkv.cache.group_tiers)
 
 
 class GroupPool:
     """One group's pool and the requests' tables in it."""
 
-    def __init__(self, index: int, group: KVGroup, block_size: int, capacity: int, eviction: str) -> None:
+    def __init__(self, index: int, group: KVGroup, block_size: int, capacity: int, eviction: str,
+                 host_capacity: int = 0) -> None:
         self.index, self.group, self.block_size = index, group, block_size
         self.pool = BlockPool(f"group {index} device", capacity, eviction)
+        self.host = BlockPool(f"group {index} host", host_capacity, eviction)
         self.held: dict[object, _Held] = {}
+        self.offloaded: dict[object, dict[int, int]] = {}  # request -> its host table (block number -> host block)
         self.reserved = 0  # every request's reservation
         self.hit_blocks = 0
 
@@ -81,14 +86,18 @@ class GroupPool:
 class GroupedCache:
     """Device block tables per KV cache group (module docstring). ``capacities``: blocks per group."""
 
-    def __init__(self, layout: KVLayout, capacities: Sequence[int], eviction: str = "lru") -> None:
+    def __init__(self, layout: KVLayout, capacities: Sequence[int], eviction: str = "lru",
+                 host_capacities: Sequence[int] | None = None) -> None:
         groups = layout.groups
-        if len(capacities) != len(groups):
-            raise ValueError(f"capacities must name each of the {len(groups)} groups, got {len(capacities)}")
+        hosts = list(host_capacities) if host_capacities is not None else [0] * len(groups)
+        if len(capacities) != len(groups) or len(hosts) != len(groups):
+            raise ValueError(f"capacities and host_capacities must name each of the {len(groups)} groups, "
+                             f"got {len(capacities)} and {len(hosts)}")
         self.layout, self.block_size = layout, layout.block_size
-        self.groups = [GroupPool(i, g, layout.block_size, c, eviction)
-                       for i, (g, c) in enumerate(zip(groups, capacities, strict=True))]
+        self.groups = [GroupPool(i, g, layout.block_size, c, eviction, h)
+                       for i, (g, c, h) in enumerate(zip(groups, capacities, hosts, strict=True))]
         self._reqs: dict[object, _Request] = {}
+        self.next_plan = 1
 
     # ------------------------------------------------------------------ admission
     def match(self, keys: Sequence[bytes], num_tokens: int) -> int:
@@ -144,7 +153,7 @@ class GroupedCache:
 
     def set_chunk(self, request_id: object, chunk: int) -> None:
         """The request computes at most ``chunk`` tokens a step from now on (1: it decodes)."""
-        req = self._get(request_id)
+        req = self._get(request_id, "running")
         if not 0 < chunk <= req.chunk:
             raise ValueError(f"request {request_id!r}: chunk may only go down, from {req.chunk} to > 0, got {chunk!r}")
         req.chunk = chunk
@@ -158,7 +167,7 @@ class GroupedCache:
         """Blocks for a step computing positions [start, start + count): per group, its table up
         to the last of them (-1 where it holds nothing). None (nothing changed) when a group
         lacks blocks beyond the request's reservation."""
-        req = self._get(request_id)
+        req = self._get(request_id, "running")
         if start != req.num_computed or not 0 < count <= req.chunk:
             raise ValueError(f"request {request_id!r}: a step over [{start}, {start + count}) after "
                              f"{req.num_computed} computed tokens (chunk {req.chunk})")
@@ -183,7 +192,7 @@ class GroupedCache:
     def computed(self, request_id: object, num_computed: int, keys: Sequence[bytes]) -> None:
         """The first ``num_computed`` tokens' KV is on the device (``keys``: the request's keys so
         far): full blocks get their keys, and each sliding group lets go of what slid out."""
-        req = self._get(request_id)
+        req = self._get(request_id, "running")
         if not req.num_computed <= num_computed <= req.num_tokens:
             raise ValueError(f"request {request_id!r}: num_computed {num_computed} outside "
                              f"[{req.num_computed}, {req.num_tokens}]")
@@ -208,18 +217,23 @@ class GroupedCache:
 
     def free(self, request_id: object, cache: bool = True) -> None:
         """The request is done: its keyed blocks stay CACHED (unless ``cache`` is False)."""
-        self._get(request_id)
+        self._get(request_id, "running", "offloaded")
         del self._reqs[request_id]
         for gp in self.groups:
             h = gp.held.pop(request_id)
             gp.reserve(h, 0)
             gp.pool.release_many([h.table[i] for i in sorted(h.table, reverse=True)], keep=cache)
+            host = gp.offloaded.pop(request_id, None)
+            if host:
+                gp.host.release_many(list(host.values()), keep=False)
 
     # ------------------------------------------------------------------ queries
-    def _get(self, request_id: object) -> _Request:
+    def _get(self, request_id: object, *states: str) -> _Request:
         req = self._reqs.get(request_id)
         if req is None:
             raise ValueError(f"unknown request {request_id!r}")
+        if states and req.state not in states:
+            raise ValueError(f"request {request_id!r} is {req.state}, not {' or '.join(states)}")
         return req
 
     def tables(self, request_id: object) -> list[np.ndarray]:
@@ -248,12 +262,19 @@ class GroupedCache:
         for gp in self.groups:
             pool = gp.pool
             pool.check_integrity()
+            gp.host.check_integrity()
+            host_holders = [0] * gp.host.capacity
+            for rid, t in gp.offloaded.items():
+                assert self._reqs[rid].state != "running", f"group {gp.index}: running request {rid!r} has host blocks"
+                for b in t.values():
+                    host_holders[b] += 1
+            assert gp.host.ref == host_holders, f"group {gp.index}: host refcounts are not the offloaded tables'"
             holders = [0] * pool.capacity
             for rid, h in gp.held.items():
                 req = self._reqs[rid]
                 for b in h.table.values():
                     holders[b] += 1
-                if gp.group.window:
+                if gp.group.window and req.state == "running":
                     first = gp.group.first_needed(req.num_computed, bs)
                     assert all(i >= first for i in h.table), \
                         f"group {gp.index}: request {rid!r} holds blocks before {first}: {sorted(h.table)}"

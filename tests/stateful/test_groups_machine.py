@@ -7,8 +7,10 @@ request's table of every group, then reads back every position each layer kind a
 reference's; the next token depends on what was read. A block released too early, handed to
 another request while still needed, or served as a hit for other tokens reads a wrong value.
 Small pools make requests evict each other's cached blocks and share prefixes longer than a
-window. After every step: ``check_integrity()`` and the bound ceil(w / bs) + 1 of a decoding
-request's sliding tables."""
+window. Requests are offloaded to each group's host pool and restored later (the copies done
+here, at once, between other requests' steps): each group must move exactly the blocks it
+holds, and the restored request read the reference again. After every step:
+``check_integrity()`` and the bound ceil(w / bs) + 1 of a decoding request's sliding tables."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,13 +18,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from fastkv.cache import group_tiers
 from fastkv.cache.groups import GroupedCache
 from fastkv.cache.keys import as_tokens, block_keys
+from fastkv.cache.plan import CopyKind
 from fastkv.config import KVLayout, cdiv
 
 BS = 4
 LAYOUT = KVLayout(4, 1, BS, 8, windows=(6, 0, 6, 0))  # a sliding group (w = 6) and a full one
 CAPACITY = (10, 24)
+HOST = (6, 20)
 ROOT = b"r" * 32
 PREFIXES = [list(range(1, 14)), [7] * 9, list(range(40, 51))]
 VOCAB = 97
@@ -39,8 +44,10 @@ def value(tokens: list[int], p: int) -> int:
 class GroupsMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.cache = GroupedCache(LAYOUT, CAPACITY)
+        self.cache = GroupedCache(LAYOUT, CAPACITY, host_capacities=HOST)
         self.store = [np.zeros((c, BS), dtype=np.int64) for c in CAPACITY]
+        self.host = [np.zeros((c, BS), dtype=np.int64) for c in HOST]
+        self.offloaded: dict[int, dict] = {}
         self.reqs: dict[int, dict] = {}
         self.next_id = 0
         self.hit_tokens = 0
@@ -73,6 +80,51 @@ class GroupsMachine(RuleBasedStateMachine):
         self.reqs[rid] = dict(tokens=tokens, prompt=len(tokens), computed=got, chunk=chunk, out=out)
         if got:  # what a hit serves is exactly what this request's own compute would be
             self.read(rid, tokens, got - 1)
+
+    def copy(self, copies, kind):
+        for gc in copies:
+            assert gc.plan.kind is kind
+            src, dst = (self.store, self.host) if kind is CopyKind.SWAP_OUT else (self.host, self.store)
+            dst[gc.group][gc.plan.dst] = src[gc.group][gc.plan.src]
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), ok=st.booleans())
+    def offload(self, data, ok):
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        tables = [dict(enumerate(t)) for t in self.cache.tables(rid)]
+        copies = group_tiers.offload(self.cache, rid)
+        if copies is None:
+            return
+        for gc, table in zip(copies, tables, strict=True):  # exactly what the group holds, in block order
+            assert list(gc.plan.src) == [b for _, b in sorted(table.items()) if b >= 0]
+        if ok:
+            self.copy(copies, CopyKind.SWAP_OUT)
+        group_tiers.offloaded(self.cache, rid, ok)
+        if ok:
+            self.offloaded[rid] = self.reqs.pop(rid)
+
+    @precondition(lambda self: self.offloaded)
+    @rule(data=st.data(), ok=st.booleans())
+    def restore(self, data, ok):
+        rid = data.draw(st.sampled_from(sorted(self.offloaded)))
+        copies = group_tiers.restore(self.cache, rid)
+        if copies is None:
+            return
+        if ok:
+            self.copy(copies, CopyKind.SWAP_IN)
+        group_tiers.restored(self.cache, rid, ok)
+        r = self.offloaded.pop(rid)
+        if ok:  # resumed exactly where it stopped: every group reads the reference again
+            self.reqs[rid] = r
+            if r["computed"]:
+                self.read(rid, r["tokens"], r["computed"] - 1)
+
+    @precondition(lambda self: self.offloaded)
+    @rule(data=st.data())
+    def drop_offloaded(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.offloaded)))
+        self.cache.free(rid)
+        del self.offloaded[rid]
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
@@ -149,3 +201,27 @@ def test_a_long_prefix_shared_past_the_window_hits_in_every_group():
     gp = cache.groups[0]
     gp.pool.evict(gp.pool.lookup[keys[2]])
     assert cache.match(block_keys(as_tokens(b), BS, ROOT), len(b)) == 2
+
+
+def test_offloading_a_long_request_moves_only_the_windows_blocks_of_the_sliding_group():
+    """A 64-token request (16 blocks) offloads its 16 full-group blocks and, of the sliding
+    group, only the two its next query reads; restored, both groups serve its next steps."""
+    cache = GroupedCache(LAYOUT, CAPACITY, host_capacities=HOST)
+    toks = list(range(1, 65))
+    keys = block_keys(as_tokens(toks), BS, ROOT)
+    assert cache.allocate("a", keys, len(toks), 8) == 0
+    for start in range(0, 64, 8):
+        cache.slots("a", start, 8)
+        cache.computed("a", start + 8, keys)
+    cache.set_chunk("a", 1)
+    copies = group_tiers.offload(cache, "a")
+    moved = [len(gc.plan.src) for gc in copies]
+    assert moved == [2, 16] and moved[0] <= cdiv(6, BS) + 1  # blocks 14, 15: positions 59..63 for the query at 64
+    group_tiers.offloaded(cache, "a", True)
+    assert cache.held_blocks("a") == [0, 0]
+    back = group_tiers.restore(cache, "a")
+    assert [len(gc.plan.dst) for gc in back] == [2, 16]
+    group_tiers.restored(cache, "a", True)
+    assert [list(np.nonzero(t >= 0)[0]) for t in cache.tables("a")] == [[14, 15], list(range(16))]
+    cache.slots("a", 64, 1)
+    cache.check_integrity()
