@@ -194,9 +194,9 @@ def run(layout: KVLayout, caps: list[int], dep: Deployment, seqs: list[Seq], chu
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--requests", type=int, default=72)
     p.add_argument("--prompt", type=int, default=32768, help="prompt tokens")
-    p.add_argument("--output", type=int, default=512, help="generated tokens per request")
+    p.add_argument("--output", type=int, default=2048, help="generated tokens per request")
     p.add_argument("--share", type=int, default=4, help="requests per shared prefix")
     p.add_argument("--device-gb", type=float, default=30.0,
                    help="KV device tier per GPU (an H100's 80 GB less 42 GB of bf16 weights and working memory)")
