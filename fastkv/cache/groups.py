@@ -63,7 +63,7 @@ class GroupPool:
         self.held: dict[object, _Held] = {}
         self.offloaded: dict[object, dict[int, int]] = {}  # request -> its host table (block number -> host block)
         self.reserved = 0  # every request's reservation
-        self.hit_blocks = 0
+        self.hit_blocks = 0  # blocks admissions found here: the group's hits
 
     def needed(self, first: int, end: int) -> range:
         """Block numbers a step over positions [first, end) reads or writes in this group."""
@@ -84,7 +84,8 @@ class GroupPool:
 
 
 class GroupedCache:
-    """Device block tables per KV cache group (module docstring). ``capacities``: blocks per group."""
+    """Block tables per KV cache group (module docstring). ``capacities``: device blocks per
+    group; ``host_capacities``: host blocks per group, for offload (``fastkv.cache.group_tiers``)."""
 
     def __init__(self, layout: KVLayout, capacities: Sequence[int], eviction: str = "lru",
                  host_capacities: Sequence[int] | None = None) -> None:
@@ -115,12 +116,12 @@ class GroupedCache:
             n -= 1
         return n
 
-    def _need(self, gp: GroupPool, held: int, num_tokens: int, chunk: int, grown: int = 0) -> int:
+    def _need(self, gp: GroupPool, held: int, num_tokens: int, chunk: int) -> int:
         """What ``gp`` reserves for a request holding ``held`` blocks: a full group the rest of
-        its first ``num_tokens`` tokens (``grown`` blocks of them taken), a sliding group up to its bound."""
+        its first ``num_tokens`` tokens, a sliding group up to its bound for ``chunk``."""
         bound = gp.group.max_blocks(self.block_size, chunk)
         if bound is None:
-            return max(0, cdiv(num_tokens, self.block_size) - held - grown)
+            return max(0, cdiv(num_tokens, self.block_size) - held)
         return max(0, bound - held)
 
     def allocate(self, request_id: object, keys: Sequence[bytes], num_tokens: int, chunk: int) -> int | None:

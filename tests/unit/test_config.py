@@ -76,3 +76,12 @@ def test_sliding_group_bounds_hold_what_a_query_reads(window, bs):
         assert first * bs <= reads[0] < (first + 1) * bs or n - window + 1 <= 0 and first == 0
         assert n // bs - first + 1 <= -(-window // bs) + 1 == g.max_blocks(bs)
         assert g.blocks_for(n, bs) == -(-n // bs) - first <= g.max_blocks(bs)
+
+
+def test_hybrid_layout_survives_the_run_specs_json():
+    import dataclasses
+    import json
+
+    layout = KVLayout(4, 2, 16, 64, windows=(8, 0, 8, 0))
+    back = KVLayout(**json.loads(json.dumps(dataclasses.asdict(layout))))
+    assert back == layout and back.describe() == layout.describe() and back.groups == layout.groups
