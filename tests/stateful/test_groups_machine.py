@@ -55,12 +55,13 @@ class GroupsMachine(RuleBasedStateMachine):
     def keys(self, tokens):
         return block_keys(as_tokens(tokens), BS, ROOT)
 
-    def read(self, rid, tokens, p):
-        """Assert every position query p attends to, in each group, reads the reference."""
+    def read(self, rid, tokens, p, cached_only=False):
+        """Assert every position query p attends to, in each group, reads the reference
+        (``cached_only``: those before p, all a query not yet computed finds in the cache)."""
         tables = self.cache.tables(rid)
         for gp, table, store in zip(self.cache.groups, tables, self.store, strict=True):
             w = gp.group.window
-            for q in range(max(0, p - w + 1) if w else 0, p + 1):
+            for q in range(max(0, p - w + 1) if w else 0, p if cached_only else p + 1):
                 b = table[q // BS]
                 assert b >= 0, f"group {gp.index}: position {q} (query {p}) has no block"
                 assert store[b, q % BS] == value(tokens, q), \
@@ -78,8 +79,8 @@ class GroupsMachine(RuleBasedStateMachine):
         assert got % BS == 0 and got <= len(tokens) - 1
         self.hit_tokens += got
         self.reqs[rid] = dict(tokens=tokens, prompt=len(tokens), computed=got, chunk=chunk, out=out)
-        if got:  # what a hit serves is exactly what this request's own compute would be
-            self.read(rid, tokens, got - 1)
+        if got:  # what a hit serves the query at ``got`` is exactly what this request's own compute would be
+            self.read(rid, tokens, got, cached_only=True)
 
     def copy(self, copies, kind):
         for gc in copies:
@@ -114,10 +115,9 @@ class GroupsMachine(RuleBasedStateMachine):
             self.copy(copies, CopyKind.SWAP_IN)
         group_tiers.restored(self.cache, rid, ok)
         r = self.offloaded.pop(rid)
-        if ok:  # resumed exactly where it stopped: every group reads the reference again
+        if ok:  # resumed exactly where it stopped: its next query reads the reference in every group
             self.reqs[rid] = r
-            if r["computed"]:
-                self.read(rid, r["tokens"], r["computed"] - 1)
+            self.read(rid, r["tokens"], r["computed"], cached_only=True)
 
     @precondition(lambda self: self.offloaded)
     @rule(data=st.data())
