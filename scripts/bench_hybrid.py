@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fastkv.cache.groups import GroupedCache, split_device_tier  # noqa: E402
 from fastkv.cache.keys import as_tokens, block_keys  # noqa: E402
+from fastkv.cli import at_least  # noqa: E402
 from fastkv.config import KVLayout  # noqa: E402
 from fastkv.deploy.cost_model import GPT_OSS_20B_H100, Deployment  # noqa: E402
 
@@ -129,7 +130,9 @@ def run(layout: KVLayout, caps: list[int], dep: Deployment, seqs: list[Seq], chu
             s.computed, s.admitted = got, len(s.tokens)
             hit_tokens += got
             running.append(s)
-        assert running, "a request does not fit the device tier alone"
+        if not running:
+            sys.exit(f"--device-gb: {layout.describe()} in blocks {caps} cannot hold one request of "
+                     f"{len(waiting[0].tokens)} tokens")
         work: list[tuple[Seq, int, int]] = []
         left = budget
         for s in sorted(running, key=lambda s: s.computed < s.admitted):  # decodes first
@@ -194,25 +197,21 @@ def run(layout: KVLayout, caps: list[int], dep: Deployment, seqs: list[Seq], chu
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=72)
-    p.add_argument("--prompt", type=int, default=32768, help="prompt tokens")
-    p.add_argument("--output", type=int, default=2048, help="generated tokens per request")
-    p.add_argument("--share", type=int, default=4, help="requests per shared prefix")
-    p.add_argument("--device-gb", type=float, default=30.0,
+    p.add_argument("--requests", type=at_least(1), default=72)
+    p.add_argument("--prompt", type=at_least(1), default=32768, help="prompt tokens")
+    p.add_argument("--output", type=at_least(1), default=2048, help="generated tokens per request")
+    p.add_argument("--share", type=at_least(1), default=4, help="requests per shared prefix")
+    p.add_argument("--device-gb", type=at_least(0.001, float), default=30.0,
                    help="KV device tier per GPU (an H100's 80 GB less 42 GB of bf16 weights and working memory)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--chunk", type=int, default=2048, help="prefill tokens per request and step")
-    p.add_argument("--budget", type=int, default=4096, help="tokens per step")
+    p.add_argument("--block-size", type=at_least(1), default=16)
+    p.add_argument("--chunk", type=at_least(1), default=2048, help="prefill tokens per request and step")
+    p.add_argument("--budget", type=at_least(1), default=4096, help="tokens per step")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes (tests: numbers mean nothing)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, each flag given still counts (tests: "
+                   "numbers mean nothing)")
+    if "--smoke" in sys.argv[1:]:
+        p.set_defaults(requests=6, prompt=600, output=12, device_gb=0.25, chunk=256, budget=512)
     args = p.parse_args()
-    if args.smoke:
-        args.requests, args.prompt, args.output, args.device_gb, args.chunk, args.budget = 6, 600, 12, 0.25, 256, 512
-    for name in ("requests", "prompt", "output", "share", "block_size", "chunk", "budget"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be > 0")
-    if args.device_gb <= 0:
-        p.error("--device-gb must be > 0")
     dep = GPT_OSS_20B_H100
     shape = dict(num_layers=dep.layers, kv_heads=dep.kv_heads, block_size=args.block_size, head_dim=dep.head_dim)
     hybrid, all_full = KVLayout(**shape, windows=dep.windows), KVLayout(**shape)
@@ -221,8 +220,11 @@ def main() -> None:
     seqs = workload(args.requests, args.prompt, args.output, args.share, max(dep.windows), args.seed)
     # as many requests prefill at once as chunks fit a step's budget: each reserves its window and chunk
     prefills = max(1, args.budget // args.chunk)
-    caps = {"hybrid": split_device_tier(hybrid, device, context, args.chunk, prefills),
-            "all_full": [device // all_full.block_bytes]}
+    try:
+        caps = {"hybrid": split_device_tier(hybrid, device, context, args.chunk, prefills),
+                "all_full": [device // all_full.block_bytes]}
+    except ValueError as exc:
+        sys.exit(f"--device-gb: {exc}")
     res = {}
     for name, layout in (("hybrid", hybrid), ("all_full", all_full)):
         t0 = time.perf_counter()

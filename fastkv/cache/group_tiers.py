@@ -34,7 +34,7 @@ def _plan(cache: GroupedCache, kind: CopyKind, src: list[int], dst: list[int]) -
 
 def offload(cache: GroupedCache, request_id: object) -> list[GroupCopy] | None:
     """SWAP_OUT plans of the blocks the request holds, one per group."""
-    req = cache._get(request_id, "running")
+    req = cache.record(request_id, "running")
     if any(gp.host.num_available < len(gp.held[request_id].table) for gp in cache.groups):
         return None
     copies = []
@@ -51,7 +51,7 @@ def offload(cache: GroupedCache, request_id: object) -> list[GroupCopy] | None:
 def offloaded(cache: GroupedCache, request_id: object, ok: bool) -> None:
     """The offload's copies are done: its device blocks and reservations go (keyed ones CACHED).
     A failed copy leaves the request running on its device blocks."""
-    req = cache._get(request_id, "offloading")
+    req = cache.record(request_id, "offloading")
     for gp in cache.groups:
         host = gp.offloaded.pop(request_id) if not ok else None
         if host is not None:
@@ -67,11 +67,11 @@ def offloaded(cache: GroupedCache, request_id: object, ok: bool) -> None:
 def restore(cache: GroupedCache, request_id: object) -> list[GroupCopy] | None:
     """SWAP_IN plans bringing the request's host blocks back into fresh device blocks, with its
     reservations as at admission."""
-    req = cache._get(request_id, "offloaded")
+    req = cache.record(request_id, "offloaded")
     needs = []
     for gp in cache.groups:
         n = len(gp.offloaded[request_id])
-        need = cache._need(gp, n, req.num_tokens, req.chunk)
+        need = cache.reservation(gp, n, req.num_tokens, req.chunk)
         if gp.available < n + need:
             return None
         needs.append(need)
@@ -91,7 +91,7 @@ def restore(cache: GroupedCache, request_id: object) -> list[GroupCopy] | None:
 def restored(cache: GroupedCache, request_id: object, ok: bool) -> None:
     """The restore's copies are done: the host blocks go. A failed one loses the request's KV:
     it is freed (the caller recomputes it)."""
-    req = cache._get(request_id, "restoring")
+    req = cache.record(request_id, "restoring")
     for gp in cache.groups:
         host = gp.offloaded.pop(request_id)
         gp.host.release_many(list(host.values()), keep=False)

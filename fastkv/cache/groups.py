@@ -116,7 +116,7 @@ class GroupedCache:
             n -= 1
         return n
 
-    def _need(self, gp: GroupPool, held: int, num_tokens: int, chunk: int) -> int:
+    def reservation(self, gp: GroupPool, held: int, num_tokens: int, chunk: int) -> int:
         """What ``gp`` reserves for a request holding ``held`` blocks: a full group the rest of
         its first ``num_tokens`` tokens, a sliding group up to its bound for ``chunk``."""
         bound = gp.group.max_blocks(self.block_size, chunk)
@@ -138,7 +138,7 @@ class GroupedCache:
         for gp in self.groups:
             blocks = [gp.pool.lookup[keys[i]] for i in gp.needed(n * bs, n * bs)]
             cached = sum(1 for b in blocks if gp.pool.state[b] == BlockState.CACHED)
-            need = self._need(gp, len(blocks), num_tokens, chunk)
+            need = self.reservation(gp, len(blocks), num_tokens, chunk)
             if gp.available - cached < need:
                 return None
             hits.append((gp, blocks, need))
@@ -154,21 +154,21 @@ class GroupedCache:
 
     def set_chunk(self, request_id: object, chunk: int) -> None:
         """The request computes at most ``chunk`` tokens a step from now on (1: it decodes)."""
-        req = self._get(request_id, "running")
+        req = self.record(request_id, "running")
         if not 0 < chunk <= req.chunk:
             raise ValueError(f"request {request_id!r}: chunk may only go down, from {req.chunk} to > 0, got {chunk!r}")
         req.chunk = chunk
         for gp in self.groups:
             if gp.group.window:
                 h = gp.held[request_id]
-                gp.reserve(h, min(h.reserved, self._need(gp, len(h.table), req.num_tokens, chunk)))
+                gp.reserve(h, min(h.reserved, self.reservation(gp, len(h.table), req.num_tokens, chunk)))
 
     # ------------------------------------------------------------------ steps
     def slots(self, request_id: object, start: int, count: int) -> list[np.ndarray] | None:
         """Blocks for a step computing positions [start, start + count): per group, its table up
         to the last of them (-1 where it holds nothing). None (nothing changed) when a group
         lacks blocks beyond the request's reservation."""
-        req = self._get(request_id, "running")
+        req = self.record(request_id, "running")
         if start != req.num_computed or not 0 < count <= req.chunk:
             raise ValueError(f"request {request_id!r}: a step over [{start}, {start + count}) after "
                              f"{req.num_computed} computed tokens (chunk {req.chunk})")
@@ -193,7 +193,7 @@ class GroupedCache:
     def computed(self, request_id: object, num_computed: int, keys: Sequence[bytes]) -> None:
         """The first ``num_computed`` tokens' KV is on the device (``keys``: the request's keys so
         far): full blocks get their keys, and each sliding group lets go of what slid out."""
-        req = self._get(request_id, "running")
+        req = self.record(request_id, "running")
         if not req.num_computed <= num_computed <= req.num_tokens:
             raise ValueError(f"request {request_id!r}: num_computed {num_computed} outside "
                              f"[{req.num_computed}, {req.num_tokens}]")
@@ -214,11 +214,11 @@ class GroupedCache:
                     gp.pool.release_many(blocks)
                     # only what no other request holds is room again: a shared block stays taken
                     room = sum(1 for b in blocks if gp.pool.ref[b] == 0)
-                    gp.reserve(h, min(h.reserved + room, self._need(gp, len(h.table), req.num_tokens, req.chunk)))
+                    gp.reserve(h, min(h.reserved + room, self.reservation(gp, len(h.table), req.num_tokens, req.chunk)))
 
     def free(self, request_id: object, cache: bool = True) -> None:
         """The request is done: its keyed blocks stay CACHED (unless ``cache`` is False)."""
-        self._get(request_id, "running", "offloaded")
+        self.record(request_id, "running", "offloaded")
         del self._reqs[request_id]
         for gp in self.groups:
             h = gp.held.pop(request_id)
@@ -229,7 +229,8 @@ class GroupedCache:
                 gp.host.release_many(list(host.values()), keep=False)
 
     # ------------------------------------------------------------------ queries
-    def _get(self, request_id: object, *states: str) -> _Request:
+    def record(self, request_id: object, *states: str) -> _Request:
+        """The request's record, refused unless it is in one of ``states`` (any, if none)."""
         req = self._reqs.get(request_id)
         if req is None:
             raise ValueError(f"unknown request {request_id!r}")
@@ -239,7 +240,7 @@ class GroupedCache:
 
     def tables(self, request_id: object) -> list[np.ndarray]:
         """Per group, the request's table indexed by block number (-1: a hole)."""
-        self._get(request_id)
+        self.record(request_id)
         out = []
         for gp in self.groups:
             t = gp.held[request_id].table
@@ -253,7 +254,7 @@ class GroupedCache:
 
     def held_blocks(self, request_id: object) -> list[int]:
         """Blocks the request holds, per group."""
-        self._get(request_id)
+        self.record(request_id)
         return [len(gp.held[request_id].table) for gp in self.groups]
 
     def check_integrity(self) -> None:
@@ -309,4 +310,7 @@ def split_device_tier(layout: KVLayout, device_bytes: int, num_tokens: int, chun
     if full is not None:  # a full group takes what is left: it bounds how many requests fit
         caps[full] = 0
         caps[full] = (device_bytes - sum(c * s for c, s in zip(caps, sizes, strict=True))) // sizes[full]
+    if min(caps) <= 0:
+        raise ValueError(f"a device tier of {device_bytes} bytes cannot hold one request of {num_tokens} tokens "
+                         f"in every group of {layout.describe()}")
     return caps
