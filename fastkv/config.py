@@ -10,10 +10,15 @@ each token-head row of a K (or V) page is ``head_dim`` one-byte values and then 
 scale, ``head_dim + 4`` bytes of ``uint8``. The scales thus sit in the same page as the values
 they scale, so every tier, the checksum and the swap ops carry them with their block as bytes.
 ``parts`` names what a row holds.
+
+A layer attends over every earlier position (full attention) or only over the last ``w``
+positions (a sliding window of ``w``): ``windows`` names each layer's (0: full). Layers of one
+kind form a KV cache *group* (``groups``); a sliding group needs only its window's blocks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,6 +56,45 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class KVGroup(NamedTuple):
+    """Layers of one attention kind: ``window`` 0 for full attention, else the sliding window."""
+
+    window: int
+    layers: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        return "sliding_window" if self.window else "full_attention"
+
+    def first_needed(self, num_tokens: int, block_size: int) -> int:
+        """The first block the query at position ``num_tokens`` reads: it attends over
+        [num_tokens - window + 1, num_tokens], so blocks wholly before are never read again."""
+        if not self.window:
+            return 0
+        return max(0, num_tokens - self.window + 1) // block_size
+
+    def max_blocks(self, block_size: int, chunk: int = 1) -> int | None:
+        """The most blocks one request holds while a step computes ``chunk`` of its tokens
+        (None: no bound, a full group holds its whole context)."""
+        if not self.window:
+            return None
+        return cdiv(self.window - 1 + chunk, block_size) + 1
+
+    def blocks_for(self, num_tokens: int, block_size: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens holds in this group between its steps."""
+        n = cdiv(num_tokens, block_size)
+        return n - self.first_needed(num_tokens, block_size) if self.window else n
+
+
+def _windows_text(windows: tuple[int, ...]) -> str:
+    """The shortest repeating pattern of ``windows`` and its count ("(128,0)x12"), or the list."""
+    n = len(windows)
+    for period in range(1, n + 1):
+        if n % period == 0 and windows == windows[:period] * (n // period):
+            return f"({','.join(map(str, windows[:period]))})x{n // period}"
+    raise AssertionError("unreachable: the whole list is its own period")
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """The KV cache of one tensor-parallel rank."""
@@ -62,6 +106,8 @@ class KVLayout:
     dtype: str = "bfloat16"
     tp_size: int = 1
     quant: str = ""  # "": values of ``dtype``; else one of QUANT_DTYPES, with ``dtype`` "uint8"
+    # per layer: 0 full attention, w > 0 a sliding window of w tokens; () every layer full
+    windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size"):
@@ -74,6 +120,13 @@ class KVLayout:
             raise ValueError(f"KVLayout.quant must be '' or one of {QUANT_DTYPES}, got {self.quant!r}")
         if self.quant and self.dtype != "uint8":
             raise ValueError(f"a quantized KVLayout holds bytes: dtype must be 'uint8', got {self.dtype!r}")
+        windows = tuple(self.windows)  # a list from JSON (RunSpec) is the same layout
+        if windows and len(windows) != self.num_layers:
+            raise ValueError(f"KVLayout.windows must name each of the {self.num_layers} layers, got {len(windows)}")
+        for w in windows:
+            if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+                raise ValueError(f"KVLayout.windows must be ints >= 0 (0: full attention), got {w!r}")
+        object.__setattr__(self, "windows", windows if any(windows) else ())  # all full: the default layout
 
     @classmethod
     def of(cls, kv_cache_dtype: str, **fields) -> KVLayout:
@@ -106,12 +159,36 @@ class KVLayout:
         runner that writes bytes without reading them as numbers (the synthetic runner)."""
         if not self.quant:
             return self
-        return KVLayout(self.num_layers, self.kv_heads, self.block_size, self.row_elems, "uint8", self.tp_size)
+        return KVLayout(self.num_layers, self.kv_heads, self.block_size, self.row_elems, "uint8", self.tp_size,
+                        windows=self.windows)
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one token's KV on this rank, scales included (what every tier and link moves)."""
         return self.block_bytes // self.block_size
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        """The KV cache groups: layers of one window each, in order of their first layer."""
+        if not self.windows:
+            return (KVGroup(0, tuple(range(self.num_layers))),)
+        layers: dict[int, list[int]] = {}
+        for i, w in enumerate(self.windows):
+            layers.setdefault(w, []).append(i)
+        return tuple(KVGroup(w, tuple(ls)) for w, ls in layers.items())
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layer slides: the groups hold different blocks."""
+        return bool(self.windows)
+
+    def group_block_bytes(self, group: KVGroup) -> int:
+        """Bytes of one block of ``group``'s layers, K and V."""
+        return len(group.layers) * 2 * self.page_bytes
+
+    def bytes_per_request(self, num_tokens: int) -> int:
+        """KV bytes one request of ``num_tokens`` tokens holds between steps, over every group."""
+        return sum(g.blocks_for(num_tokens, self.block_size) * self.group_block_bytes(g) for g in self.groups)
 
     @property
     def itemsize(self) -> int:
@@ -148,4 +225,5 @@ class KVLayout:
             f"layers={self.num_layers};kv_heads={self.kv_heads};block={self.block_size};"
             f"head_dim={self.head_dim};dtype={self.dtype};tp={self.tp_size}"
             + (f";quant={self.quant};scales=token_head_f32" if self.quant else "")
+            + (f";windows={_windows_text(self.windows)}" if self.windows else "")
         )

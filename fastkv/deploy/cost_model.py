@@ -26,6 +26,12 @@ Public constants (dense bf16, no sparsity):
 - Achievable fractions (assumptions, not specs): 50 % of peak FLOPs in prefill (the MFU large
   prefill batches reach), 80 % of HBM and of PCIe bandwidth. They put a prefill token at
   ~30 us and its KV copy at ~2.6 us each way.
+- gpt-oss-20b (OpenAI's model card and config.json): 24 layers, hidden 2880, 64 query heads
+  and 8 KV heads of 64, 32 experts of 2880 with 4 active per token (so ``ffn`` 4 x 2880 is
+  what a token multiplies through), vocab 201088, 20.9 B parameters; layers alternate a
+  128-token sliding window and full attention, from layer 0 (``windows``). Every parameter is
+  taken as bf16 (the released experts are MXFP4: an assumption on the heavy side) and a
+  decode batch reads every expert. A sliding layer reads and attends over at most its window.
 - Storage: each deployment names the link its storage tier sits behind (``STORAGE_LINKS``):
   a local NVMe Gen4 x4 SSD (7 GB/s sequential read, ~6 GB/s write: the write side counts, as
   write-throughs are most of what a tier moves) or a shared pool over 100 GbE (12.5 GB/s) or
@@ -72,6 +78,13 @@ class Deployment:
     tp: int = 1
     storage: str = "nvme"  # a STORAGE_LINKS name: what the storage tier sits behind, per rank
     storage_efficiency: float = 0.8
+    # per layer: 0 full attention, w > 0 a sliding window of w tokens (KVLayout.windows); () all full
+    windows: tuple[int, ...] = ()
+    params: int = 0  # parameters held (every expert of an MoE); 0: those a token multiplies through
+
+    def __post_init__(self) -> None:
+        if self.windows and len(self.windows) != self.layers:
+            raise ValueError(f"{self.name}: windows must name each of the {self.layers} layers")
 
     @property
     def matmul_params(self) -> int:
@@ -82,7 +95,42 @@ class Deployment:
     @property
     def weight_bytes(self) -> int:
         """One rank's parameters (input embedding included: a decode step reads rows of it, counted whole)."""
-        return (self.matmul_params + self.vocab * self.hidden) * self.dtype_bytes // self.tp
+        params = self.params or self.matmul_params + self.vocab * self.hidden
+        return params * self.dtype_bytes // self.tp
+
+    @property
+    def kv_bytes_per_layer_token(self) -> int:
+        """One rank's KV of one token in one layer."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes // self.tp
+
+    def kv_bytes_held(self, num_tokens: int, block_size: int, grouped: bool = True) -> int:
+        """KV bytes one rank holds for a request of ``num_tokens`` tokens in blocks of
+        ``block_size``: ``grouped``, a sliding layer only the blocks from the one holding the
+        first position its next query reads, n - w + 1 (as ``fastkv.config.KVGroup.blocks_for``,
+        on this package's floor); else every layer every block."""
+        blocks = -(-num_tokens // block_size)
+        per_block = self.kv_bytes_per_layer_token * block_size
+        if not grouped or not self.windows:
+            return self.layers * blocks * per_block
+        return sum((blocks - (max(0, num_tokens - w + 1) // block_size if w else 0)) * per_block
+                   for w in self.windows)
+
+    def _attention(self, start: int, end: int) -> tuple[float, int]:
+        """Positions attended by the new tokens of (start, end), summed over layers, and the KV
+        bytes the step reads for them: a sliding layer at most its window."""
+        n = end - start
+        if not self.windows:
+            return self.layers * n * (start + end + 1) / 2, end * self.kv_bytes_per_token
+        attended, read = 0.0, 0
+        for w in self.windows:
+            if not w or end <= w:
+                attended += n * (start + end + 1) / 2
+                read += end
+            else:  # position p attends to min(p + 1, w) positions: [p - w + 1, p]
+                below = max(0, min(end, w) - start)  # new positions p < w attend to p + 1
+                attended += below * (2 * start + below + 1) / 2 + (n - below) * w
+                read += end - max(0, start - w + 1)
+        return attended, read * self.kv_bytes_per_layer_token
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -99,10 +147,11 @@ class Deployment:
             n = end - start
             if n <= 0:
                 continue
-            # Each new token at position p attends to p + 1 positions: 4 FLOPs per (query head, dim).
-            attended = n * (start + end + 1) / 2
-            flops += 2.0 * self.matmul_params * n + 4.0 * self.layers * self.q_heads * self.head_dim * attended
-            kv_read += end * self.kv_bytes_per_token
+            # Each new token at position p attends to p + 1 positions (a sliding layer at most its
+            # window): 4 FLOPs per (query head, dim).
+            attended, read = self._attention(start, end)
+            flops += 2.0 * self.matmul_params * n + 4.0 * self.q_heads * self.head_dim * attended
+            kv_read += read
         if not flops:
             return 0.0
         flops /= self.tp
@@ -115,8 +164,8 @@ class Deployment:
         n = end - start
         if n <= 0:
             return 0.0
-        attended = n * (start + end + 1) / 2
-        flops = 2.0 * self.matmul_params * n + 4.0 * self.layers * self.q_heads * self.head_dim * attended
+        attended, _ = self._attention(start, end)
+        flops = 2.0 * self.matmul_params * n + 4.0 * self.q_heads * self.head_dim * attended
         return flops / self.tp / (self.peak_flops * self.mfu)
 
     def copy_seconds_per_token(self) -> float:
@@ -148,7 +197,14 @@ LLAMA3_8B_H100_POOL = Deployment(
 )
 # The same over 10 GbE: loading a hit is slower than recomputing it.
 LLAMA3_8B_H100_POOL10G = dataclasses.replace(LLAMA3_8B_H100_POOL, name="llama3-8b-h100-sxm-pool10g", storage="10gbe")
-DEPLOYMENTS = {d.name: d for d in (LLAMA3_8B_H100, LLAMA3_8B_H100_POOL, LLAMA3_8B_H100_POOL10G, LLAMA3_70B_H100_TP4)}
+# A sliding-window hybrid (module docstring): half its layers read 128 tokens of KV.
+GPT_OSS_20B_H100 = Deployment(
+    name="gpt-oss-20b-h100-sxm", layers=24, hidden=2880, q_heads=64, kv_heads=8, head_dim=64, ffn=4 * 2880,
+    vocab=201088, peak_flops=989e12, hbm_bandwidth=3.35e12, pcie_bandwidth=64e9, windows=(128, 0) * 12,
+    params=20_900_000_000,
+)
+DEPLOYMENTS = {d.name: d for d in (LLAMA3_8B_H100, LLAMA3_8B_H100_POOL, LLAMA3_8B_H100_POOL10G, LLAMA3_70B_H100_TP4,
+                                   GPT_OSS_20B_H100)}
 
 
 def deployment(name: str) -> Deployment:

@@ -64,3 +64,54 @@ def test_plan_validates_lengths():
         CopyPlan(2, CopyKind.SWAP_IN, [1, 2], [3])
     with pytest.raises(ValueError, match="one key per"):
         CopyPlan(3, CopyKind.STORE, [1, 2], keys=(b"k",))
+
+
+def test_all_full_layout_is_todays():
+    """No windows, or all zeros, is today's layout: the same describe(), hence the same keys."""
+    plain = KVLayout(4, 2, 16, 64)
+    assert plain.describe() == "layers=4;kv_heads=2;block=16;head_dim=64;dtype=bfloat16;tp=1"
+    zeros = KVLayout(4, 2, 16, 64, windows=(0, 0, 0, 0))
+    assert zeros == plain and zeros.describe() == plain.describe() and not zeros.is_hybrid
+    assert plain.groups == ((0, (0, 1, 2, 3)),)
+
+
+def test_hybrid_layout_groups_and_describe():
+    gpt_oss = KVLayout(24, 8, 16, 64, windows=(128, 0) * 12)
+    assert [(g.kind, g.window, g.layers) for g in gpt_oss.groups] == [
+        ("sliding_window", 128, tuple(range(0, 24, 2))), ("full_attention", 0, tuple(range(1, 24, 2)))]
+    assert gpt_oss.describe().endswith(";windows=(128,0)x12")
+    gemma = KVLayout(6, 1, 16, 64, windows=[512] * 5 + [0])  # a list (JSON) is the tuple
+    assert gemma.windows == (512,) * 5 + (0,)
+    assert gemma.describe().endswith(";windows=(512,512,512,512,512,0)x1")
+    assert len({KVLayout(4, 2, 16, 64, windows=w).describe() for w in [(), (8, 0, 8, 0), (16, 0, 16, 0),
+                                                                       (0, 8, 0, 8)]}) == 4
+    assert gpt_oss.group_block_bytes(gpt_oss.groups[0]) * 2 == gpt_oss.block_bytes
+
+
+@pytest.mark.parametrize("windows,match", [((8, 0), "each of the 4 layers"), ((8, 0, -1, 0), "ints >= 0"),
+                                           ((8, 0, True, 0), "ints >= 0")])
+def test_layout_rejects_bad_windows(windows, match):
+    with pytest.raises(ValueError, match=match):
+        KVLayout(4, 2, 16, 64, windows=windows)
+
+
+@pytest.mark.parametrize("window,bs", [(1, 4), (4, 4), (5, 4), (7, 3), (128, 16), (16, 16)])
+def test_sliding_group_bounds_hold_what_a_query_reads(window, bs):
+    """Between steps a sliding group holds the blocks from ``first_needed`` to the one being
+    written: every position the next query reads, never more than ceil(w / bs) + 1 blocks."""
+    g = KVLayout(2, 1, bs, 8, windows=(window, 0)).groups[0]
+    for n in range(0, 6 * window + 3 * bs):
+        first = g.first_needed(n, bs)
+        reads = range(max(0, n - window + 1), n + 1)
+        assert first * bs <= reads[0] < (first + 1) * bs or n - window + 1 <= 0 and first == 0
+        assert n // bs - first + 1 <= -(-window // bs) + 1 == g.max_blocks(bs)
+        assert g.blocks_for(n, bs) == -(-n // bs) - first <= g.max_blocks(bs)
+
+
+def test_hybrid_layout_survives_the_run_specs_json():
+    import dataclasses
+    import json
+
+    layout = KVLayout(4, 2, 16, 64, windows=(8, 0, 8, 0))
+    back = KVLayout(**json.loads(json.dumps(dataclasses.asdict(layout))))
+    assert back == layout and back.describe() == layout.describe() and back.groups == layout.groups

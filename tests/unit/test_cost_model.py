@@ -201,3 +201,45 @@ def test_the_synthetic_runner_writes_quantized_rows_as_bytes():
     out = runner.step(StepPlan(0, [SeqWork(1, np.arange(6), 0, np.array([3, 4]), True)]))
     assert out.sampled[1] == reference_output(list(range(6)), 1, 1024, "uint8")[0]
     assert k[0][3].any() and k[0][4, :, :2].any() and not k[0][4, :, 2:].any()
+
+
+def test_a_hybrids_sliding_layers_read_and_attend_over_their_window_only():
+    """gpt-oss-20b: half its layers slide (w = 128). Its step reads and attends over what a
+    brute-force count of each layer's positions gives; cached by groups, a request of L tokens
+    holds the full layers' blocks and a window's worth of the sliding ones."""
+    import dataclasses
+
+    from fastkv.deploy.cost_model import GPT_OSS_20B_H100 as G
+
+    def brute(start, end):
+        attended = read = 0
+        for w in G.windows:
+            seen = set()
+            for p in range(start, end):
+                lo = max(0, p - w + 1) if w else 0
+                attended += p + 1 - lo
+                seen.update(range(lo, p + 1))
+            read += len(seen)
+        return attended, read * G.kv_bytes_per_layer_token
+
+    for start, end in [(0, 1), (0, 100), (0, 300), (127, 128), (200, 201), (100, 400), (4000, 4096)]:
+        assert G._attention(start, end) == brute(start, end)
+    full = dataclasses.replace(G, windows=())
+    assert G.kv_bytes_per_token == full.kv_bytes_per_token == 2 * 24 * 8 * 64 * 2
+    assert G.step_seconds([(8191, 8192)] * 8) < full.step_seconds([(8191, 8192)] * 8)
+    assert G.step_seconds([(0, 64)]) == full.step_seconds([(0, 64)])  # below the window: the same model
+    bs, L = 16, 32768
+    per_block = G.kv_bytes_per_layer_token * bs
+    assert G.kv_bytes_held(L, bs, grouped=False) == 24 * (L // bs) * per_block
+    assert G.kv_bytes_held(L, bs) == 12 * (L // bs) * per_block + 12 * 8 * per_block  # blocks of [L - 127, L)
+    assert G.weight_bytes == 20_900_000_000 * 2
+
+
+def test_kv_bytes_held_counts_the_blocks_the_group_core_holds():
+    from fastkv.config import KVLayout
+    from fastkv.deploy.cost_model import GPT_OSS_20B_H100 as G
+
+    for bs in (16, 64):
+        layout = KVLayout(G.layers, G.kv_heads, bs, G.head_dim, windows=G.windows)
+        for n in (1, 100, 127, 128, 129, 1000, 32768):
+            assert G.kv_bytes_held(n, bs) == layout.bytes_per_request(n)
