@@ -3,8 +3,9 @@
 The storage tier is a pool that outlives this engine (a restart, or another engine on the
 same LMDB directory or Redis), so the cache index cannot know what it holds from this
 engine's own writes. A new request is parked here instead of going straight to the
-scheduler; every engine step turns the parked requests not yet asked into one LOOKUP task
-per admission wave (every rank gets the same task: one round trip per rank), naming for
+scheduler (unless it could load nothing: its cache policy may not read storage, or the hit
+policy is ``recompute``); every engine step turns the parked requests not yet asked into one
+LOOKUP task per admission wave (every rank gets the same task: one round trip per rank), naming for
 each request the keys of its prompt past the device, host and known-stored match. Each
 rank answers, per request, the run of those keys its shard holds (``fastkv.storage.lookup``);
 the run every rank confirms joins the cache index as stored, so the request's admission
