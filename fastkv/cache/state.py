@@ -97,7 +97,10 @@ class CacheStats:
     failed_copies: int = 0  # plans completed with ok=False
     load_misses: int = 0  # blocks of failed LOADs
     skipped_copies: int = 0  # host copies not made when due: no host block free
-    skipped_stores: int = 0  # blocks a write policy would store, skipped: storage was behind (storage_writes.py)
+    skipped_stores: int = 0  # blocks a write policy would store, skipped: storage was behind (store_backlog.py)
+    skipped_tail_stores: int = 0  # of those, blocks of unshared tails
+    skipped_shared_stores: int = 0  # of those, shared blocks (or near their chain's root)
+    already_stored_skips: int = 0  # blocks a write policy would store that the pool already held
     late_copies: int = 0  # skipped write-throughs made later, once host blocks were free
     chain_spills: int = 0  # running requests' chain holds let go of for want of host room (tiering.make_host_room)
     offloads: int = 0
@@ -111,6 +114,11 @@ class CacheStats:
         """Prompt-token hit ratio, overall or of one tier ("device", "host", "storage")."""
         hits = self.hit_tokens if tier is None else getattr(self, f"{tier}_hit_tokens")
         return hits / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def skipped_by(self) -> dict[str, int]:
+        """Blocks a write policy wanted stored and did not, by reason (``store_backlog.REASONS``)."""
+        return {"already_stored": self.already_stored_skips, "tail": self.skipped_tail_stores,
+                "shared": self.skipped_shared_stores}
 
     def snapshot(self) -> dict[str, float]:
         out: dict[str, float] = asdict(self)

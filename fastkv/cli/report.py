@@ -193,8 +193,10 @@ def storage_behind(data: dict[str, Any]) -> str:
     stored, skipped = data.get("storage_blocks_stored", 0), data.get("storage_blocks_skipped", 0)
     if not skipped or skipped < BEHIND_SHARE * (stored + skipped):
         return ""
+    by = data.get("storage_blocks_skipped_by", {})
+    split = f", {by['tail']} unshared tails and {by['shared']} shared" if "tail" in by else ""
     return (f"{skipped} of the {stored + skipped} blocks its write policy wanted stored were skipped "
-            f"({skipped / (stored + skipped):.0%}): a restart or another engine recomputes them")
+            f"({skipped / (stored + skipped):.0%}{split}): a restart or another engine recomputes them")
 
 
 def _fmt_counts(counts: dict[str, Any]) -> str:

@@ -51,6 +51,9 @@ def counters(engine: Engine) -> dict[str, Any]:
         # because the storage tier was behind (fastkv.cache.storage_writes): never a stalled step
         "storage_blocks_stored": engine.cache.stats.store_blocks,
         "storage_blocks_skipped": engine.cache.stats.skipped_stores,
+        # why blocks a write policy wanted stored were not: the pool held them, or storage was
+        # behind and they were unshared tails or (last) shared prefixes (fastkv.cache.store_backlog)
+        "storage_blocks_skipped_by": engine.cache.stats.skipped_by(),
         # what the shared store was asked at admission and what it confirmed (fastkv.engine.lookup)
         "storage_lookup": {} if engine.lookups is None else {
             **engine.lookups.stats.to_json(),
