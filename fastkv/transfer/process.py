@@ -32,6 +32,7 @@ import threading
 import time
 
 from fastkv.cache.plan import CopyKind
+from fastkv.cache.store_backlog import TAIL_SHARE
 from fastkv.ipc import BadMessage, ChannelClosed, DoneMsg, Namespace, PeerDied, PeerTimeout, SignalArray, TaskMsg
 from fastkv.ipc.peers import me
 from fastkv.kernels import ops
@@ -67,7 +68,10 @@ class TransferLoop:
         self.executed = 0
         self.dropped = 0  # stale tasks left by a predecessor
         self.published = {"host_checksum_mismatches": 0, "released_bytes": 0}  # already added to the signals
-        self.storage = StorageLane(self._run_stored, f"transfer{rank}-storage")
+        # STOREs hurry once half of what the engine lets unshared tails fill is queued here, before
+        # it skips any (fastkv.cache.store_backlog)
+        self.storage = StorageLane(self._run_stored, f"transfer{rank}-storage",
+                                   urgent_store_blocks=int(spec.storage_backlog_blocks * TAIL_SHARE / 2))
         self._acking = threading.Lock()  # both lanes ack on the one done ring
 
     def beat(self) -> None:
