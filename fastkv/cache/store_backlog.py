@@ -12,6 +12,11 @@ should be what is worth least to a restart or another engine. In that order:
    than one child here (a branch point), or one near the chain's root, where prompts share
    their system prompt and preamble: every request with that prefix hits it.
 
+A skipped block is deferred, not dropped: its host copy still holds the bytes, so it is stored
+once the STOREs in flight have drained to half of what tails may fill (``DeferredStores``, best
+first). Only one whose host copy was evicted meanwhile, or that is still waiting when the run
+ends, is lost to the pool, and counted by reason.
+
 The order holds across calls, not only within one: a tail may take only the first
 ``TAIL_SHARE`` of the backlog, so shared blocks find room while tails are being skipped. Within a
 call the blocks go shared first, then tails by depth (a chain's order). A block's depth is how
@@ -57,3 +62,31 @@ def admit(ranks: list[tuple[int, int]], in_flight: int, backlog: int) -> list[bo
             keep[i] = True
             used += 1
     return keep
+
+
+class DeferredStores:
+    """Optional STOREs skipped while storage was behind: key -> its ``rank`` then. The host still
+    holds their bytes, so they are made once the STOREs in flight drain (``storage_writes.catch_up``),
+    best first; one whose host copy is gone by then is lost to the pool."""
+
+    __slots__ = ("ranks",)
+
+    def __init__(self) -> None:
+        self.ranks: dict[bytes, tuple[int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def defer(self, key: bytes, rank: tuple[int, int]) -> None:
+        self.ranks[key] = rank
+
+    def take_all(self) -> list[tuple[bytes, tuple[int, int]]]:
+        """Every deferred key with its rank, best first (the order deferred breaks ties); forgets them."""
+        items = sorted(self.ranks.items(), key=lambda kv: kv[1])
+        self.ranks = {}
+        return items
+
+    def count(self) -> dict[str, int]:
+        """The deferred keys by reason (``tail``, ``shared``): what the pool misses while they wait."""
+        tails = sum(1 for value, _ in self.ranks.values() if value == TAIL)
+        return {"tail": tails, "shared": len(self.ranks) - tails}

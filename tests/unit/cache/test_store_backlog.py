@@ -1,6 +1,7 @@
-"""The store backlog's skip order (fastkv.cache.store_backlog): under pressure the pool loses
-blocks it already holds first, then deep tails of unshared suffixes, and shared prefixes last,
-across calls as well as within one; each skip is counted by reason."""
+"""The store backlog's order (fastkv.cache.store_backlog): under pressure blocks the pool already
+holds are skipped, then deep tails of unshared suffixes deferred, and shared prefixes last, across
+calls as well as within one; deferred STOREs are made best first once the backlog drains; what is
+not stored is counted by reason."""
 import math
 
 from hypothesis import given
@@ -32,10 +33,11 @@ def test_admit_keeps_what_the_reference_order_keeps(ranks, in_flight, backlog):
     assert admit(ranks, in_flight, backlog) == reference(ranks, in_flight, backlog)
 
 
-def test_a_deep_tail_is_skipped_while_later_shared_prefixes_are_stored():
+def test_a_deep_tail_is_deferred_while_later_shared_prefixes_are_stored():
     """Backlog 4 (tails may fill 2): one request's two tail blocks fill the tails' share; the next
-    tails are skipped, while a new prompt's first blocks (near the root) still get their STOREs.
-    Without the order the second request's tails would take the room and the prefixes be lost."""
+    tails are deferred, while a new prompt's first blocks (near the root) still get their STOREs.
+    Without the order the second request's tails would take the room and the prefixes wait. Once
+    the backlog drains the deferred ones are stored, shared first."""
     m = pool(StorageWrites.THROUGH, dev=16, host=16, storage_backlog_blocks=4)
     prefix = list(range(1, NEAR_ROOT_BLOCKS + 1))
     drain(m, m.allocate("p", toks(*prefix)).plans)
@@ -51,13 +53,19 @@ def test_a_deep_tail_is_skipped_while_later_shared_prefixes_are_stored():
 
     (tails_x,) = computed("x", [*prefix, 11, 12])  # past the near-root blocks: a tail, with room
     assert list(tails_x.keys) == m.keys_for(toks(*prefix, 11, 12))[-2:]
-    assert computed("z", [*prefix, 21, 22]) == []  # the tails' share is full: skipped
+    assert computed("z", [*prefix, 21, 22]) == []  # the tails' share is full: deferred
     (shared_y,) = computed("y", [31, 32])  # a new chain's first blocks: room kept for them
     assert list(shared_y.keys) == m.keys_for(toks(31, 32))
-    assert m.stats.skipped_by() == {"already_stored": 0, "tail": 2, "shared": 0}
-    assert m.stats.skipped_stores == 2
-    assert computed("w", [41]) == [] and m.stats.skipped_by()["shared"] == 1  # the whole backlog is full
-    drain(m, [tails_x, shared_y])
+    assert m.skipped_stores() == {"already_stored": 0, "tail": 2, "shared": 0}  # waiting
+    assert computed("w", [41]) == [] and m.skipped_stores()["shared"] == 1  # the whole backlog is full
+    assert m.complete(tails_x, True).plans == ()  # 2 in flight: not drained enough yet (to 1)
+    (late,) = m.complete(shared_y, True).plans  # drained: the deferred, best first, as room allows
+    z_tails, w = m.keys_for(toks(*prefix, 21, 22))[-2:], m.keys_for(toks(41))
+    assert list(late.keys) == w + z_tails[:1]  # the shared block, then the shallower tail (tails fill 2)
+    (last,) = m.complete(late, True).plans
+    assert list(last.keys) == z_tails[1:]
+    drain(m, [last])
+    assert m.stats.late_stores == 3 and m.skipped_stores() == {"already_stored": 0, "tail": 0, "shared": 0}
     m.check_integrity()
 
 
