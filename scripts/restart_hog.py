@@ -70,8 +70,10 @@ def main() -> int:
     print(json.dumps({"bench": "restart_hog", "requests": args.requests, "hogs": args.hogs, "ttft_p50_s": ttft,
                       **got, "a_stored": a.get("storage_blocks_stored", 0),
                       "a_skipped_by": a.get("storage_blocks_skipped_by", {}),
-                      "b_lookup": {k: b.get("storage_lookup", {}).get(k, 0) for k in ("keys_asked", "keys_found",
-                                                                                     "timed_out", "failed")},
+                      "a_stored_late": a.get("storage_blocks_stored_late", 0),
+                      "b_hits": {k: b.get("hits", {}).get(k, {}) for k in ("loaded_tokens", "recomputed_tokens")},
+                      "b_lookup": {k: b.get("storage_lookup", {}).get(k, 0) for k in (
+                          "requests", "keys_asked", "keys_found", "timed_out", "failed", "latency_ms_mean")},
                       "goals_met": got["storage_hit_ratio"] >= GOALS["storage_hit_ratio"]
                       and got["ttft_p50_ratio"] <= GOALS["ttft_p50_ratio"]}))
     return 0

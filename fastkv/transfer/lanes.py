@@ -59,7 +59,9 @@ block i+1 loads.
 
 Within the storage lane, a LOOKUP or LOAD goes ahead of the STOREs queued before it: a request
 waits for those, nobody for a STORE, and behind a backlog of write-through STOREs at the
-storage link's speed an admission's LOOKUP would wait out all of them. Nothing depends on the
+storage link's speed an admission's LOOKUP would wait out all of them. A LOOKUP also goes ahead
+of the LOADs queued, and runs between the parts of the LOAD or STORE running
+(``run_waiting_lookups``): it is one small batch, and a new request's admission waits for it. Nothing depends on the
 order: a STORE's host blocks are pinned, never a LOAD's destination, and a key is looked up or
 loaded only once its STORE landed (else it is a miss, as in any other order).
 """
@@ -79,6 +81,9 @@ log = logging.getLogger(__name__)
 GIL_SWITCH_S = 2e-4  # the longest a woken loop thread waits for the GIL the storage lane holds
 STORAGE_NICE = 19  # added to the storage thread's nice value (Linux: per thread; capped at 19)
 BACKGROUND_KIND = int(CopyKind.STORE)  # the storage task nobody waits for
+LOOKUP_KIND = int(CopyKind.LOOKUP)
+# the order of the lane's queue: LOOKUPs (an admission waits for each), LOADs (a request waits), STOREs
+_ORDER = {LOOKUP_KIND: 0, int(CopyKind.LOAD): 1, BACKGROUND_KIND: 2}
 
 
 class Priority:
@@ -172,8 +177,8 @@ class HostHolds:
 
 
 class StorageLane:
-    """One thread running storage tasks in the order they were submitted, LOOKUPs and LOADs
-    ahead of the STOREs queued before them (module docstring).
+    """One thread running storage tasks in the order they were submitted, LOOKUPs ahead of the
+    LOADs and STOREs queued before them, LOADs ahead of the STOREs (module docstring).
 
     ``run(msg, hold)`` executes and acks one task. An exception out of it (the engine is
     gone, or a bug) ends the lane: the tasks still queued are dropped, their holds released,
@@ -201,10 +206,11 @@ class StorageLane:
             queue = self._queue
             if msg.kind == BACKGROUND_KIND:
                 self._store_blocks += len(msg.src)
-            if msg.kind == BACKGROUND_KIND or not queue or queue[-1][0].kind != BACKGROUND_KIND:
+            rank = _ORDER.get(msg.kind, 1)
+            if not queue or _ORDER.get(queue[-1][0].kind, 1) <= rank:
                 queue.append((msg, hold))
-            else:  # ahead of the queued STOREs, behind the LOOKUPs and LOADs queued before it
-                queue.insert(next(i for i, (m, _) in enumerate(queue) if m.kind == BACKGROUND_KIND), (msg, hold))
+            else:  # ahead of the tasks of a later rank, behind those of its own queued before it
+                queue.insert(next(i for i, (m, _) in enumerate(queue) if _ORDER.get(m.kind, 1) > rank), (msg, hold))
             if self._busy is not None and self._priority is not None:  # the running STORE may have to hurry
                 self._priority.set(low=self._low(self._busy))
             self._cond.notify()
@@ -241,6 +247,18 @@ class StorageLane:
             if msg.kind == BACKGROUND_KIND:
                 self._store_blocks -= len(msg.src)
             hold.release()
+
+    def run_waiting_lookups(self) -> None:
+        """Runs the LOOKUPs queued now; called on the lane's thread between the parts of the task
+        it runs (they touch no host block, so they may run inside a LOAD or STORE)."""
+        while True:
+            with self._cond:
+                if self._closed or self._error is not None or not self._queue:
+                    return
+                if self._queue[0][0].kind != LOOKUP_KIND:
+                    return
+                msg, hold = self._queue.popleft()
+            self._run(msg, hold)
 
     def _low(self, msg: TaskMsg) -> bool:
         """Whether ``msg`` runs under SCHED_IDLE now (under ``_cond``): a STORE, unless a LOOKUP

@@ -138,7 +138,13 @@ class TransferLoop:
         self.finish(self.executor.run(msg, progress=self.beat))
 
     def _run_stored(self, msg: TaskMsg, hold: Hold) -> None:
-        self.finish(self.executor.run(msg, progress=self.beat, hold=hold))
+        self.finish(self.executor.run(msg, progress=self._between_parts, hold=hold))
+
+    def _between_parts(self) -> None:
+        """A storage task's part is done: beat, and answer the LOOKUPs that came meanwhile (a
+        request waits for each; a LOAD or STORE of many blocks takes long on a busy machine)."""
+        self.beat()
+        self.storage.run_waiting_lookups()
 
     def barrier(self) -> None:
         """Returns once every task dispatched so far has finished and been acked."""
