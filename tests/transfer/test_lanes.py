@@ -319,8 +319,8 @@ def test_lookups_and_loads_go_ahead_of_queued_stores_in_their_own_order():
 
 def test_a_lookup_goes_ahead_of_queued_loads_and_runs_between_the_parts_of_the_running_task():
     """An admission waits for its LOOKUP: behind a LOAD or STORE of many blocks on a busy machine
-    it timed out (351 ms mean beside a CPU hog, against a 0.2 s bound). It goes ahead of the
-    queued LOADs and runs at the running task's next part boundary."""
+    it timed out (beside a CPU hog). It goes ahead of the queued LOADs and runs at the running
+    task's next part boundary."""
     holds, ran, gate, started = HostHolds(), [], threading.Event(), threading.Event()
     lane = StorageLane(lambda msg, hold: None, "test-storage")
 
