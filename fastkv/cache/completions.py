@@ -16,7 +16,7 @@ from fastkv.cache.pool import BlockState
 from fastkv.cache.release import release_host_refs, release_table
 from fastkv.cache.requests import CacheRecord, LoadProgress, ReqState
 from fastkv.cache.state import CacheState
-from fastkv.cache.storage_writes import landed_stores, offload_stores
+from fastkv.cache.storage_writes import catch_up, landed_stores, offload_stores
 from fastkv.cache.strands import parent_present, present
 from fastkv.cache.tiering import swap_in
 from fastkv.cache.write_policy import Tier
@@ -55,6 +55,7 @@ def finish(state: CacheState, rec: CopyRecord, ok: bool) -> Completion:
         if ok:
             for k in rec.keys:
                 state.index.remember_stored(k)
+        plans += catch_up(state)
     else:
         assert p is Purpose.CONTROL, f"completion of unknown purpose {p!r}"
     return Completion(tuple(plans), tuple(ready), tuple(offloaded), tuple(failed))

@@ -153,6 +153,14 @@ class CacheManager:
         dstate = self.device.state
         return sum(1 for b in match.device_blocks if dstate[b] != _CACHED)
 
+    def skipped_stores(self) -> dict[str, int]:
+        """Blocks a write policy wanted stored that the pool lacks, by reason (``store_backlog``):
+        those lost, and those deferred and still waiting (lost if the run ended now)."""
+        by = self.state.stats.skipped_by()
+        for reason, n in self.state.deferred_stores.count().items():
+            by[reason] += n
+        return by
+
     def queued_blocks(self) -> tuple[int, int]:
         """Blocks of the SWAP_INs and of the LOADs in flight: the host and storage links' queues."""
         return self.state.copies.swaps_in_flight, len(self.state.copies.loading)

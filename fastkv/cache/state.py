@@ -21,6 +21,7 @@ from fastkv.cache.index import Cause, PrefixIndex
 from fastkv.cache.keys import BlockKey, KeyNamespace, ResumeKey, root_key
 from fastkv.cache.pool import BlockPool
 from fastkv.cache.requests import CacheRecord, ReqState
+from fastkv.cache.store_backlog import DeferredStores
 from fastkv.cache.strands import note_lost
 from fastkv.cache.write_policy import StorageWrites, Tier, WritePolicy
 from fastkv.config import KVLayout
@@ -97,7 +98,13 @@ class CacheStats:
     failed_copies: int = 0  # plans completed with ok=False
     load_misses: int = 0  # blocks of failed LOADs
     skipped_copies: int = 0  # host copies not made when due: no host block free
-    skipped_stores: int = 0  # blocks a write policy would store, skipped: storage was behind (storage_writes.py)
+    # blocks a write policy would store, lost to the pool: deferred while storage was behind and
+    # evicted from the host before it caught up (store_backlog.py); and of those, by reason
+    skipped_stores: int = 0
+    skipped_tail_stores: int = 0  # blocks of unshared tails
+    skipped_shared_stores: int = 0  # shared blocks (or near their chain's root)
+    late_stores: int = 0  # deferred STOREs made once storage caught up
+    already_stored_skips: int = 0  # blocks a write policy would store that the pool already held
     late_copies: int = 0  # skipped write-throughs made later, once host blocks were free
     chain_spills: int = 0  # running requests' chain holds let go of for want of host room (tiering.make_host_room)
     offloads: int = 0
@@ -111,6 +118,11 @@ class CacheStats:
         """Prompt-token hit ratio, overall or of one tier ("device", "host", "storage")."""
         hits = self.hit_tokens if tier is None else getattr(self, f"{tier}_hit_tokens")
         return hits / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def skipped_by(self) -> dict[str, int]:
+        """Blocks a write policy wanted stored and did not, by reason (``store_backlog.REASONS``)."""
+        return {"already_stored": self.already_stored_skips, "tail": self.skipped_tail_stores,
+                "shared": self.skipped_shared_stores}
 
     def snapshot(self) -> dict[str, float]:
         out: dict[str, float] = asdict(self)
@@ -322,6 +334,7 @@ class CacheState:
         self.through = ThroughBook()
         self.preemptions = Preemptions(config.history)
         self.flush = BackFlush()
+        self.deferred_stores = DeferredStores()  # optional STOREs waiting for the backlog to drain
         self.run = os.urandom(16)  # scopes resume keys to this cache (keys.resume_key)
         # a device victim without a host copy is written back to the host: always under WRITE_BACK;
         # under WRITE_THROUGH, when the host evicted its copy first (a child's copy was still

@@ -30,17 +30,21 @@ CLOCK), so flushing keeps pace with evictions instead of writing the whole host 
 
 What THROUGH and BACK store is optional: the host holds the bytes either way. When the storage
 tier is slower than the engine makes blocks, STOREs pile up; past ``storage_backlog_blocks`` in
-flight, those optional STOREs are skipped and counted (``skipped_stores``), so storage falls
-behind instead of pinning host blocks without bound or stalling a step. A request preempted
+flight, those optional STOREs are deferred (made once the backlog drains, if the host still holds
+the block) or, failing that, skipped and counted (``skipped_stores``, by reason), so storage falls
+behind instead of pinning host blocks without bound or stalling a step. Unshared tails are
+deferred before shared prefixes (``fastkv.cache.store_backlog``). A request preempted
 to storage (or under PREEMPTED) is always stored: it resumes from what was written.
 """
 from __future__ import annotations
 
+import math
 from itertools import islice
 
 from fastkv.cache.plan import CopyPlan
 from fastkv.cache.requests import CacheRecord
 from fastkv.cache.state import CacheState
+from fastkv.cache.store_backlog import SHARED, TAIL_SHARE, admit, rank
 from fastkv.cache.tiering import store
 from fastkv.cache.write_policy import StorageWrites
 
@@ -73,18 +77,69 @@ def _flush_back(state: CacheState) -> list[CopyPlan]:
 
 
 def optional_store(state: CacheState, blocks: list[int], keys: list[bytes]) -> list[CopyPlan]:
-    """STOREs a write policy wants but nobody needs: as many as the backlog has room for, the
-    rest skipped and counted (module docstring)."""
-    stored = state.index.stored
-    if any(k in stored for k in keys):  # those need no STORE, and skip none
+    """STOREs a write policy wants but nobody needs: those the backlog has room for; the least
+    valuable deferred first (``fastkv.cache.store_backlog``)."""
+    stored, stats = state.index.stored, state.stats
+    if any(k in stored for k in keys):  # those need no STORE
         pairs = [(b, k) for b, k in zip(blocks, keys, strict=True) if k not in stored]
+        stats.already_stored_skips += len(blocks) - len(pairs)
         blocks, keys = [b for b, _ in pairs], [k for _, k in pairs]
-    room = state.config.storage_backlog_blocks - state.copies.stores_in_flight
-    if room < len(blocks):
-        room = max(room, 0)
-        state.stats.skipped_stores += len(blocks) - room
-        blocks, keys = blocks[:room], keys[:room]
+    backlog, in_flight = state.config.storage_backlog_blocks, state.copies.stores_in_flight
+    if in_flight + len(blocks) > math.ceil(backlog * TAIL_SHARE):  # under pressure: rank them
+        host, dev, parents = state.host, state.device, state.index.parents
+        ranks = [rank(host, dev, parents, b, k) for b, k in zip(blocks, keys, strict=True)]
+        keep = admit(ranks, in_flight, backlog)
+        # deferred while a STORE is in flight: its completion catches up; else nothing would
+        later = in_flight > 0 or any(keep)
+        for k, r, kept in zip(keys, ranks, keep, strict=True):
+            if kept:
+                continue
+            if later:
+                state.deferred_stores.defer(k, r)
+            else:
+                _lost(state, r)
+        blocks = [b for b, kept in zip(blocks, keep, strict=True) if kept]
+        keys = [k for k, kept in zip(keys, keep, strict=True) if kept]
     return store(state, blocks, keys) if blocks else []
+
+
+def catch_up(state: CacheState) -> list[CopyPlan]:
+    """A STORE landed or failed: once those in flight have drained to half of what tails may fill,
+    the deferred STOREs whose blocks the host still holds, best first, as far as the backlog has
+    room (the rest wait for the next); one whose host copy is gone is lost to the pool."""
+    deferred = state.deferred_stores
+    backlog, in_flight = state.config.storage_backlog_blocks, state.copies.stores_in_flight
+    if not deferred or in_flight > math.ceil(backlog * TAIL_SHARE) // 2:
+        return []
+    lookup, stored = state.host.lookup, state.index.stored
+    blocks, keys, ranks = [], [], []
+    for k, r in deferred.take_all():
+        b = lookup.get(k)
+        if k in stored:  # another STORE or a lookup put it there meanwhile
+            continue
+        if b is None:
+            _lost(state, r)
+            continue
+        blocks.append(b)
+        keys.append(k)
+        ranks.append(r)
+    keep = admit(ranks, in_flight, backlog)
+    for k, r, kept in zip(keys, ranks, keep, strict=True):
+        if not kept:
+            deferred.defer(k, r)
+    blocks = [b for b, kept in zip(blocks, keep, strict=True) if kept]
+    keys = [k for k, kept in zip(keys, keep, strict=True) if kept]
+    state.stats.late_stores += len(keys)
+    return store(state, blocks, keys) if blocks else []
+
+
+def _lost(state: CacheState, r: tuple[int, int]) -> None:
+    stats = state.stats
+    stats.skipped_stores += 1
+    if r[0] == SHARED:
+        stats.skipped_shared_stores += 1
+    else:
+        stats.skipped_tail_stores += 1
 
 
 def landed_stores(state: CacheState, blocks: list[int], keys: list[bytes]) -> list[CopyPlan]:

@@ -190,13 +190,15 @@ BEHIND_SHARE = 0.05
 
 def storage_behind(data: dict[str, Any]) -> str:
     """How much a storage tier that fell behind left unstored, in words ('' if under BEHIND_SHARE):
-    the optional STOREs skipped because too many were in flight, which a restart or another
-    engine will miss."""
+    the optional STOREs deferred while too many were in flight and never made (the host evicted
+    the block first, or the run ended), which a restart or another engine will miss."""
     stored, skipped = data.get("storage_blocks_stored", 0), data.get("storage_blocks_skipped", 0)
     if not skipped or skipped < BEHIND_SHARE * (stored + skipped):
         return ""
-    return (f"{skipped} of the {stored + skipped} blocks its write policy wanted stored were skipped "
-            f"({skipped / (stored + skipped):.0%}): a restart or another engine recomputes them")
+    by = data.get("storage_blocks_skipped_by", {})
+    split = f", {by['tail']} unshared tails and {by['shared']} shared" if "tail" in by else ""
+    return (f"{skipped} of the {stored + skipped} blocks its write policy wanted stored were not stored "
+            f"({skipped / (stored + skipped):.0%}{split}): a restart or another engine recomputes them")
 
 
 def _fmt_counts(counts: dict[str, Any]) -> str:

@@ -274,7 +274,10 @@ class Engine:
 
     def _enter(self, req: Request, ext: str) -> None:
         try:
-            if self.lookups is None or not request_policy.reads(req.cache_policy, Tier.STORAGE):  # no LOOKUP for it
+            # no LOOKUP for a request that could load nothing it found: the hit policy recomputes
+            # every hit, or its cache policy may not read storage
+            if (self.lookups is None or not self.sched.hits.loads_any
+                    or not request_policy.reads(req.cache_policy, Tier.STORAGE)):
                 self.sched.add_request(req)
             else:
                 self.sched.check_request(req)

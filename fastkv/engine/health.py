@@ -50,7 +50,11 @@ def counters(engine: Engine) -> dict[str, Any]:
         # blocks written to the storage tier, and those a write policy wanted stored but skipped
         # because the storage tier was behind (fastkv.cache.storage_writes): never a stalled step
         "storage_blocks_stored": engine.cache.stats.store_blocks,
-        "storage_blocks_skipped": engine.cache.stats.skipped_stores,
+        "storage_blocks_skipped": sum(n for r, n in engine.cache.skipped_stores().items() if r != "already_stored"),
+        "storage_blocks_stored_late": engine.cache.stats.late_stores,  # deferred, stored once storage caught up
+        # why blocks a write policy wanted stored were not: the pool held them, or storage was
+        # behind and they were unshared tails or (last) shared prefixes (fastkv.cache.store_backlog)
+        "storage_blocks_skipped_by": engine.cache.skipped_stores(),
         # what the shared store was asked at admission and what it confirmed (fastkv.engine.lookup)
         "storage_lookup": {} if engine.lookups is None else {
             **engine.lookups.stats.to_json(),

@@ -3,8 +3,9 @@
 The storage tier is a pool that outlives this engine (a restart, or another engine on the
 same LMDB directory or Redis), so the cache index cannot know what it holds from this
 engine's own writes. A new request is parked here instead of going straight to the
-scheduler; every engine step turns the parked requests not yet asked into one LOOKUP task
-per admission wave (every rank gets the same task: one round trip per rank), naming for
+scheduler (unless it could load nothing: its cache policy may not read storage, or the hit
+policy is ``recompute``); every engine step turns the parked requests not yet asked into one
+LOOKUP task per admission wave (every rank gets the same task: one round trip per rank), naming for
 each request the keys of its prompt past the device, host and known-stored match. Each
 rank answers, per request, the run of those keys its shard holds (``fastkv.storage.lookup``);
 the run every rank confirms joins the cache index as stored, so the request's admission
@@ -15,11 +16,13 @@ checksum by then fails the LOAD: a miss, and the request recomputes from that bl
 The scheduler never waits on a lookup. A parked request goes to the scheduler once its
 lookup is answered, or once the prefetch policy's wait for it is over (``fastkv.sched.prefetch``:
 by default ``timeout_s`` after it was parked), whichever comes first (it then goes with what is
-confirmed, never worse than without a lookup). Requests leave in the
-order they came, so FCFS holds: a late lookup delays the ones behind it, within the same
-bound. A failed LOOKUP (a rank down, storage unavailable) confirms nothing. With async
-scheduling the engine waits for a wave's answers before its next plan while the step in flight
-runs (``Engine._await_lookups``): the requests join that plan, not the one after it.
+confirmed, never worse than without a lookup). Under ``timeout``, where this machine's lookups
+take longer than that (a busy machine), the wait stretches to twice their recent round trip,
+at most ten times the setting (``deadline``). Requests leave in the order they came, so FCFS
+holds: a late lookup delays the ones behind it, within the same bound. A failed LOOKUP (a
+rank down, storage unavailable) confirms nothing. With async scheduling the engine waits for
+a wave's answers before its next plan while the step in flight runs
+(``Engine._await_lookups``): the requests join that plan, not the one after it.
 """
 from __future__ import annotations
 
@@ -39,12 +42,16 @@ from fastkv.storage.lookup import confirmed
 
 TASK_ID_BASE = 1 << 48  # far above the cache's plan ids, which count from 1
 MAX_KEYS_PER_TASK = 4096  # 128 KiB of keys: a wave larger than this goes as several tasks
+RTT_ALPHA = 0.2  # weight of a new round trip in rtt_s
+RTT_SLACK = 2.0  # a request waits for this many round trips where lookups take longer than its wait
+STRETCH_MAX = 10.0  # ... and at most this many times its wait
 
 
 @dataclass(slots=True, eq=False)
 class _Parked:
     req: Request
-    deadline: float
+    parked: float
+    wait: float  # the prefetch policy's bound, before any stretch (StorageLookup.deadline)
     asked: bool = False
     answered: bool = False
     aborted: bool = False
@@ -88,6 +95,7 @@ class StorageLookup:
         self.policy, self.per_1k_tokens_s = policy, float(per_1k_tokens_s)
         self.max_keys = max(1, min(max_keys, MAX_KEYS_PER_TASK))
         self.stats = LookupStats()
+        self.rtt_s = 0.0  # answered LOOKUPs' round trip (EWMA; 0: none yet)
         self._parked: deque[_Parked] = deque()
         self._by_id: dict[int, _Parked] = {}
         self._waves: dict[int, _Wave] = {}
@@ -102,8 +110,8 @@ class StorageLookup:
     def park(self, req: Request) -> None:
         if req.arrival_time is None:  # its wait here counts toward its TTFT
             req.arrival_time = self.clock()
-        p = _Parked(req, self.clock() + lookup_wait_s(self.policy, self.timeout_s, self.per_1k_tokens_s,
-                                                      req.num_tokens))
+        p = _Parked(req, self.clock(), lookup_wait_s(self.policy, self.timeout_s, self.per_1k_tokens_s,
+                                                     req.num_tokens))
         self._parked.append(p)
         self._by_id[req.request_id] = p
 
@@ -173,8 +181,10 @@ class StorageLookup:
         wave = self._waves.pop(task_id)
         st = self.stats
         if ok and len(wave.found) == tp_size:
+            rtt = self.clock() - wave.sent
             st.answered += 1
-            st.seconds += self.clock() - wave.sent
+            st.seconds += rtt
+            self.rtt_s += (RTT_ALPHA if self.rtt_s else 1.0) * (rtt - self.rtt_s)
             found = confirmed(list(wave.found.values()), len(wave.chains))
         else:
             st.failed += 1
@@ -191,7 +201,7 @@ class StorageLookup:
         while self._parked:
             p = self._parked[0]
             if not p.answered:
-                if now < p.deadline:
+                if now < self.deadline(p):
                     break
                 self.stats.timed_out += 1
             self._parked.popleft()
@@ -207,4 +217,14 @@ class StorageLookup:
         """How long the engine may block for copies before the head request's deadline."""
         if not self._parked or self._parked[0].answered:
             return limit
-        return max(0.0, min(limit, self._parked[0].deadline - self.clock()))
+        return max(0.0, min(limit, self.deadline(self._parked[0]) - self.clock()))
+
+    def deadline(self, p: _Parked) -> float:
+        """When ``p`` goes without its answer: the prefetch policy's wait, stretched under the
+        ``timeout`` policy to ``RTT_SLACK`` of the recent round trips where lookups take longer
+        (at most ``STRETCH_MAX`` times the wait): a request released before its answer recomputes
+        all the answer would have let it load, which on a busy machine is most of its prompt."""
+        wait = p.wait
+        if self.policy == "timeout" and self.rtt_s > wait:
+            wait = min(RTT_SLACK * self.rtt_s, STRETCH_MAX * wait)
+        return p.parked + wait

@@ -247,8 +247,17 @@ class _SchedulerCollector:
         yield pre
         yield CounterMetricFamily("fastkv_recomputed_tokens", "Tokens computed again after a preemption",
                                   value=s.stats.recomputed_tokens)
-        yield CounterMetricFamily("fastkv_storage_skipped_blocks", "Blocks a storage write policy wanted stored "
-                                  "but skipped: the storage tier was behind", value=stats.skipped_stores)
+        yield CounterMetricFamily("fastkv_storage_skipped_blocks", "Blocks a storage write policy wanted stored, "
+                                  "lost to the pool: deferred while the storage tier was behind and evicted from "
+                                  "the host before it caught up", value=stats.skipped_stores)
+        by_reason = CounterMetricFamily("fastkv_storage_skipped_blocks_by_reason", "Blocks a storage write policy "
+                                        "wanted stored and did not: already_stored (the pool held them), or lost "
+                                        "while storage was behind: tail (unshared), shared", labels=["reason"])
+        for reason, n in stats.skipped_by().items():
+            by_reason.add_metric([reason], n)
+        yield by_reason
+        yield CounterMetricFamily("fastkv_storage_late_blocks", "Blocks whose STORE was deferred while the storage "
+                                  "tier was behind, stored once it caught up", value=stats.late_stores)
         if m.events is not None:
             ev = m.events.stats()
             batches = CounterMetricFamily("fastkv_kv_event_batches", "KV event batches: published, and those "

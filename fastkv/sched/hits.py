@@ -9,7 +9,8 @@ recomputed. The prefill already queued on the GPU is left out: it would race a G
 model knows against a copy time it underestimates (a LOAD also reads, checks and stages), and a
 load that loses that race delays its request most. A storage run follows the host run, so a
 host run cut short drops the storage hits too. ``load`` keeps every hit (the engine's
-behaviour without a cost to judge by), ``recompute`` none. Recomputed KV is the KV the hit
+behaviour without a cost to judge by), ``recompute`` none (so the engine asks storage nothing:
+``loads_any``). Recomputed KV is the KV the hit
 held (same tokens, same weights: the keys say so), so outputs never depend on the policy.
 
 The costs are the synthetic runner's cost model (``HitCosts.of``), each copy's at least what
@@ -69,6 +70,11 @@ class HitPolicy:
         self.block_size, self.policy, self.costs = block_size, policy, costs
         self.stats = HitStats()
         self.measured = [0.0, 0.0]  # seconds per byte of SWAP_IN and of LOAD tasks here (EWMA; 0: none yet)
+
+    @property
+    def loads_any(self) -> bool:
+        """False when every hit is recomputed: then storage need not even be asked what it holds."""
+        return self.policy != "recompute"
 
     def observe(self, storage: bool, nbytes: int, seconds: float) -> None:
         """A SWAP_IN or LOAD of ``nbytes`` took ``seconds`` on a rank: the link's cost as it is."""

@@ -5,7 +5,9 @@ holds (``fastkv.engine.lookup``): ``best_effort`` never holds a request back (it
 is already known to be stored), ``wait_complete`` holds it until the answer comes (a failed or
 timed-out LOOKUP task answers too: ``task_timeout_s`` bounds it), ``timeout`` holds it at most
 ``base + per_1k_tokens x prompt tokens / 1000`` seconds: a long prompt has more to gain from its
-answer. ``timeout`` with the per-token part 0 is the engine's bounded lookup wait, the default.
+answer. ``timeout`` with the per-token part 0 is the engine's bounded lookup wait, the default;
+where lookups take longer than that bound the engine stretches it to twice their recent round
+trip, at most ten times (``fastkv.engine.lookup``).
 A LOAD, once admission planned it, is always waited for (the request is LOADING, and requests
 that need no copy are admitted past it, ``fastkv.sched.admission``).
 """

@@ -21,7 +21,11 @@ Value format (little endian), 128-byte header then the payload (one host block):
 
 The checksum covers the header too, so a flipped bit anywhere in a value is caught; the
 explicit fields make a mismatch name its cause. A value that fails any check is a miss:
-the backend deletes it, counts it as ``corrupt`` and leaves the host block untouched.
+the backend deletes it and counts it as ``corrupt``. The host block of a miss holds no verified
+bytes: most backends leave it untouched; one that ``lands_in_place`` (Mooncake: the payload is
+read straight into it, with no staging copy) may leave a rejected value there. Callers load only
+into blocks nothing else reads, and key them only once the load succeeded: the cache LOADs into
+fresh host blocks and keys them on success, the executor unseals a block whose load failed.
 
 Every backend operation is a batch and never raises for a server failure: a failed
 ``get`` is a miss, a failed ``put`` returns False, and ``errors`` counts them. Bad input
@@ -121,6 +125,31 @@ class ValueCodec:
             return Verdict.CHECKSUM
         return Verdict.OK
 
+    def verify_split(self, key: bytes, header, payload, nbytes: int, payload_bytes: int) -> Verdict:
+        """``verify`` of a value of ``nbytes`` that landed in two buffers: its header and its
+        payload (a host block, for a backend that ``lands_in_place``)."""
+        hv, pv = memoryview(header), memoryview(payload)
+        if nbytes != HEADER_BYTES + payload_bytes or hv.nbytes != HEADER_BYTES or pv.nbytes != payload_bytes:
+            return Verdict.SHORT if nbytes < HEADER_BYTES else Verdict.LENGTH
+        magic, version, rank, tp_size, length, namespace, vkey = _PREFIX.unpack_from(hv)
+        if magic != MAGIC:
+            return Verdict.MAGIC
+        if version != FORMAT_VERSION:
+            return Verdict.VERSION
+        if namespace != self.namespace or tp_size != self.tp_size:
+            return Verdict.NAMESPACE
+        if vkey != key:
+            return Verdict.KEY
+        if rank != self.rank:
+            return Verdict.RANK
+        if length != payload_bytes:
+            return Verdict.LENGTH
+        h = xxhash.xxh3_128(hv[:_CHECKSUM_AT])
+        h.update(pv)
+        if h.digest() != hv[_CHECKSUM_AT:HEADER_BYTES]:
+            return Verdict.CHECKSUM
+        return Verdict.OK
+
 
 @dataclass(slots=True)
 class StoreStats:
@@ -196,6 +225,9 @@ class StorageBackend(ABC):
     # immutable). Either is correct here: a block key addresses its content, so both carry the
     # same bytes.
     overwrites: bool = True
+    # True where ``get`` reads a payload straight into its host block and checks it there, so a
+    # block whose result is False may hold a rejected value's bytes (module docstring)
+    lands_in_place: bool = False
 
     def __init__(self, namespace: bytes, rank: int, tp_size: int) -> None:
         self.codec = ValueCodec(namespace, rank, tp_size)
@@ -220,7 +252,7 @@ class StorageBackend(ABC):
     @abstractmethod
     def get(self, keys: Sequence[bytes], host: np.ndarray, block_ids) -> list[bool]:
         """Loads ``keys[i]`` into host block ``block_ids[i]``; True where loaded and verified.
-        A block whose result is False is left untouched."""
+        A block whose result is False holds no verified bytes (untouched unless ``lands_in_place``)."""
 
     @abstractmethod
     def delete(self, keys: Sequence[bytes]) -> None:

@@ -6,10 +6,13 @@ raises ImportError saying so. Settings and URL: mooncake_config.py.
 
 Each operation is one batched Mooncake call: ``batch_is_exist``; ``batch_put_from_multi_buffers``
 (the header from a small staging array, the payload straight from the host block: no join
-copy); ``batch_get_into`` into a staging array, verified there and only then copied into the
-host block, so a corrupt value never touches it (base.py's contract). The host tier and the
-staging arrays are registered with ``register_buffer``, so transfers go straight from and to
-them (RDMA needs that; TCP is simply faster for it).
+copy); ``batch_get_into_multi_buffers`` the same way back, the header into the staging array and
+the payload straight into the LOAD's host block, verified there (no staging copy of the block:
+``lands_in_place``, base.py). A value of another length fails that split get like a lost segment
+(TRANSFER_FAIL), so those keys are asked again whole into a staging array, which tells a corrupt
+value (a miss, deleted) from a lost one. The host tier and the staging arrays are registered
+with ``register_buffer``, so transfers go straight from and to them (RDMA needs that; TCP is
+simply faster for it).
 
 What the pool does: objects live in the segments of the processes that lend memory
 (``global_segment_size``) and die with them; a value whose segment is gone is a miss
@@ -24,6 +27,7 @@ counts an error and opens a circuit like the Redis backend's: for ``backoff`` se
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import time
@@ -80,6 +84,7 @@ class MooncakeStore(StorageBackend):
     """One rank's view of a Mooncake pool; the keyword arguments are FastDeploy's keys."""
 
     overwrites = False  # Mooncake objects are immutable: a put of a stored key keeps it
+    lands_in_place = True  # get: the payload lands in its host block before its checksum is checked
 
     def __init__(
         self,
@@ -191,15 +196,39 @@ class MooncakeStore(StorageBackend):
         results = [False] * n
         if not n or not self._available():
             return self.stats.count_get(results, size)
-        width = HEADER_BYTES + size
-        stage = self._stage_rows(n, width)
-        sbase = stage.ctypes.data
-        codes = self._store.batch_get_into([self._mkey(k) for k in keys], [sbase + i * width for i in range(n)],
-                                           [width] * n)
+        if len(set(ids)) < n:  # two values into one block would land together: in runs, the later wins
+            runs, seen = [0], set()
+            for i, b in enumerate(ids):
+                if b in seen:
+                    runs.append(i)
+                    seen.clear()
+                seen.add(b)
+            runs.append(n)
+            return [ok for lo, hi in itertools.pairwise(runs) for ok in self.get(keys[lo:hi], host, ids[lo:hi])]
+        base = self._register_host(blocks)
+        headers = self._header_rows(n)
+        hbase = headers.ctypes.data
+        mkeys = [self._mkey(k) for k in keys]
+        # the header lands beside, the payload straight in its host block (lands_in_place)
+        codes = self._store.batch_get_into_multi_buffers(
+            mkeys, [[hbase + i * HEADER_BYTES, base + b * size] for i, b in enumerate(ids)], [[HEADER_BYTES, size]] * n)
+        # a value of another length fails the split get as a lost segment does: asked again whole
+        staged = {i: j for j, i in enumerate(i for i, c in enumerate(codes) if c == _TRANSFER_FAIL)}
+        if staged:
+            stage = self._stage_rows(len(staged), HEADER_BYTES + size)
+            again = self._store.batch_get_into([mkeys[i] for i in staged], [row.ctypes.data for row in stage],
+                                               [HEADER_BYTES + size] * len(staged))
+            for i, j in staged.items():
+                codes[i] = again[j]
         corrupt, lost, failed, expired = [], [], 0, 0
         for i, code in enumerate(codes):
             if code >= 0:
-                verdict = self.codec.verify(keys[i], stage[i, :code], size)
+                if i in staged:  # read whole the second time (usually of another length: a miss)
+                    verdict = self.codec.verify(keys[i], stage[staged[i], :code], size)
+                    if verdict is Verdict.OK:
+                        blocks[ids[i]] = stage[staged[i], HEADER_BYTES:]
+                else:
+                    verdict = self.codec.verify_split(keys[i], headers[i], blocks[ids[i]], code, size)
             elif code == _TOO_SMALL:
                 verdict = Verdict.LENGTH  # longer than header + block: not one of ours
             elif code in _ABSENT:
@@ -214,7 +243,6 @@ class MooncakeStore(StorageBackend):
                 failed = failed or code
                 continue
             if verdict is Verdict.OK:
-                blocks[ids[i]] = stage[i, HEADER_BYTES:]
                 results[i] = True
             else:
                 log.warning("mooncake: corrupt value for key %s rank %d: %s", keys[i].hex(), self.rank, verdict.name)

@@ -195,7 +195,9 @@ class TaskExecutor:
         for a bad or failed task. ``hold``: the host blocks a storage task was dispatched
         on, released part by part and all at the end."""
         t0 = time.perf_counter()
-        self._task.progress, self._task.hold = progress, hold
+        task = self._task
+        outer = getattr(task, "progress", None), getattr(task, "hold", None)  # a LOOKUP run between parts
+        task.progress, task.hold = progress, hold
         found = None
         try:
             if msg.kind == CopyKind.LOOKUP:
@@ -209,6 +211,7 @@ class TaskExecutor:
         finally:
             if hold is not None:
                 hold.release()
+            task.progress, task.hold = outer
         done = DoneMsg(msg.task_id, self.rank, not error, nbytes, time.perf_counter() - t0, error)
         if found is not None and not error:
             done.found = found.astype(np.int32).tobytes()
@@ -287,12 +290,16 @@ class TaskExecutor:
     def _faults_of(self, store: StorageBackend) -> Iterator[None]:
         """Counts what ``store`` failed meanwhile: operations that failed on the server, or
         that a backoff after failures answered without it (a skipped STORE is a lost one)."""
-        stats = store.stats
+        stats, task = store.stats, self._task
         before = stats.errors + stats.skipped, stats.corrupt
+        depth = getattr(task, "faults_depth", 0)  # a LOOKUP run between a task's parts: counted by the task
+        task.faults_depth = depth + 1
         try:
             yield
         finally:
-            self._count_faults(stats.errors + stats.skipped - before[0], stats.corrupt - before[1])
+            task.faults_depth = depth
+            if not depth:
+                self._count_faults(stats.errors + stats.skipped - before[0], stats.corrupt - before[1])
 
     def _count_faults(self, errors: int, corrupt: int) -> None:
         with self._counting:

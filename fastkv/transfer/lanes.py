@@ -25,7 +25,11 @@ idle when it places a woken thread, and preempts them at once for it. LOOKUP and
 request waits for, run at the thread's own priority where the kernel lets it return
 (``Priority``). Idle cores still run the storage thread at full speed, and ``SCHED_IDLE`` is a
 low weight, not a strict priority: a STORE on machines whose cores are all busy still moves,
-slowly.
+slowly. Too slowly in two cases, where a STORE runs at the thread's own priority instead: while a
+LOOKUP or LOAD waits behind it (the lane runs one task at a time, so a request would wait out the
+starved STORE: a priority inversion, which timed lookups out beside a CPU hog), and while the
+STOREs queued here pass ``urgent_store_blocks`` (the engine is about to skip STOREs, and the pool
+would miss what the run computed).
 
 The swap lane holds the GIL while it is awake. A thread under ``SCHED_IDLE`` that holds the
 GIL when a busy core preempts it keeps it until the kernel runs it again, which on a machine
@@ -55,7 +59,9 @@ block i+1 loads.
 
 Within the storage lane, a LOOKUP or LOAD goes ahead of the STOREs queued before it: a request
 waits for those, nobody for a STORE, and behind a backlog of write-through STOREs at the
-storage link's speed an admission's LOOKUP would wait out all of them. Nothing depends on the
+storage link's speed an admission's LOOKUP would wait out all of them. A LOOKUP also goes ahead
+of the LOADs queued, and runs between the parts of the LOAD or STORE running
+(``run_waiting_lookups``): it is one small batch, and a new request's admission waits for it. Nothing depends on the
 order: a STORE's host blocks are pinned, never a LOAD's destination, and a key is looked up or
 loaded only once its STORE landed (else it is a miss, as in any other order).
 """
@@ -75,6 +81,9 @@ log = logging.getLogger(__name__)
 GIL_SWITCH_S = 2e-4  # the longest a woken loop thread waits for the GIL the storage lane holds
 STORAGE_NICE = 19  # added to the storage thread's nice value (Linux: per thread; capped at 19)
 BACKGROUND_KIND = int(CopyKind.STORE)  # the storage task nobody waits for
+LOOKUP_KIND = int(CopyKind.LOOKUP)
+# the order of the lane's queue: LOOKUPs (an admission waits for each), LOADs (a request waits), STOREs
+_ORDER = {LOOKUP_KIND: 0, int(CopyKind.LOAD): 1, BACKGROUND_KIND: 2}
 
 
 class Priority:
@@ -168,18 +177,22 @@ class HostHolds:
 
 
 class StorageLane:
-    """One thread running storage tasks in the order they were submitted, LOOKUPs and LOADs
-    ahead of the STOREs queued before them (module docstring).
+    """One thread running storage tasks in the order they were submitted, LOOKUPs ahead of the
+    LOADs and STOREs queued before them, LOADs ahead of the STOREs (module docstring).
 
     ``run(msg, hold)`` executes and acks one task. An exception out of it (the engine is
     gone, or a bug) ends the lane: the tasks still queued are dropped, their holds released,
     and ``check``/``drain`` re-raise it in the loop thread."""
 
-    def __init__(self, run: Callable[[TaskMsg, Hold], None], name: str) -> None:
+    def __init__(self, run: Callable[[TaskMsg, Hold], None], name: str, urgent_store_blocks: int | None = None) -> None:
         self._run, self._name = run, name
         self._cond = threading.Condition()
         self._queue: deque[tuple[TaskMsg, Hold]] = deque()
-        self._busy = False
+        self._busy: TaskMsg | None = None  # the task running
+        # STORE blocks queued past which STOREs run at the thread's own priority (None: never)
+        self.urgent_store_blocks = urgent_store_blocks
+        self._store_blocks = 0  # STORE blocks queued or running
+        self._priority: Priority | None = None
         self._closed = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -191,10 +204,15 @@ class StorageLane:
                 self.check()
                 return
             queue = self._queue
-            if msg.kind == BACKGROUND_KIND or not queue or queue[-1][0].kind != BACKGROUND_KIND:
+            if msg.kind == BACKGROUND_KIND:
+                self._store_blocks += len(msg.src)
+            rank = _ORDER.get(msg.kind, 1)
+            if not queue or _ORDER.get(queue[-1][0].kind, 1) <= rank:
                 queue.append((msg, hold))
-            else:  # ahead of the queued STOREs, behind the LOOKUPs and LOADs queued before it
-                queue.insert(next(i for i, (m, _) in enumerate(queue) if m.kind == BACKGROUND_KIND), (msg, hold))
+            else:  # ahead of the tasks of a later rank, behind those of its own queued before it
+                queue.insert(next(i for i, (m, _) in enumerate(queue) if _ORDER.get(m.kind, 1) > rank), (msg, hold))
+            if self._busy is not None and self._priority is not None:  # the running STORE may have to hurry
+                self._priority.set(low=self._low(self._busy))
             self._cond.notify()
         if self._thread is None:  # started on the first storage task: runs without storage have none
             sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
@@ -209,7 +227,7 @@ class StorageLane:
     def drain(self, progress: Callable[[], None], slice_s: float) -> None:
         """Returns once every submitted task has run, calling ``progress()`` every ``slice_s``."""
         with self._cond:
-            while self._queue or self._busy:
+            while self._queue or self._busy is not None:
                 if not self._cond.wait(slice_s):
                     progress()
         self.check()
@@ -225,7 +243,33 @@ class StorageLane:
 
     def _drop(self) -> None:
         while self._queue:
-            self._queue.popleft()[1].release()
+            msg, hold = self._queue.popleft()
+            if msg.kind == BACKGROUND_KIND:
+                self._store_blocks -= len(msg.src)
+            hold.release()
+
+    def run_waiting_lookups(self) -> None:
+        """Runs the LOOKUPs queued now; called on the lane's thread between the parts of the task
+        it runs (they touch no host block, so they may run inside a LOAD or STORE)."""
+        while True:
+            with self._cond:
+                if self._closed or self._error is not None or not self._queue:
+                    return
+                if self._queue[0][0].kind != LOOKUP_KIND:
+                    return
+                msg, hold = self._queue.popleft()
+            self._run(msg, hold)
+
+    def _low(self, msg: TaskMsg) -> bool:
+        """Whether ``msg`` runs under SCHED_IDLE now (under ``_cond``): a STORE, unless a LOOKUP
+        or LOAD waits behind it (it would wait out the STORE's starved run: a priority
+        inversion) or STOREs are queued past ``urgent_store_blocks`` (the engine would soon skip
+        STOREs: on a machine whose cores are all busy, SCHED_IDLE's share cannot keep up)."""
+        if msg.kind != BACKGROUND_KIND:
+            return False
+        if self._queue and self._queue[0][0].kind != BACKGROUND_KIND:
+            return False
+        return self.urgent_store_blocks is None or self._store_blocks < self.urgent_store_blocks
 
     def _serve(self) -> None:
         priority = Priority(threading.get_native_id(), self._name)
@@ -236,15 +280,18 @@ class StorageLane:
                 if self._closed:
                     return
                 msg, hold = self._queue.popleft()
-                self._busy = True
+                self._busy = msg
+                self._priority = priority
+                priority.set(low=self._low(msg))
             try:
-                priority.set(low=msg.kind == BACKGROUND_KIND)
                 self._run(msg, hold)
             except BaseException as exc:  # noqa: BLE001 - handed to the loop thread, which raises it
                 self._error = exc
                 hold.release()
             with self._cond:
-                self._busy = False
+                self._busy = None
+                if msg.kind == BACKGROUND_KIND:
+                    self._store_blocks -= len(msg.src)
                 if self._error is not None:
                     self._drop()
                 self._cond.notify_all()

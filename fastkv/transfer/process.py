@@ -32,6 +32,7 @@ import threading
 import time
 
 from fastkv.cache.plan import CopyKind
+from fastkv.cache.store_backlog import TAIL_SHARE
 from fastkv.ipc import BadMessage, ChannelClosed, DoneMsg, Namespace, PeerDied, PeerTimeout, SignalArray, TaskMsg
 from fastkv.ipc.peers import me
 from fastkv.kernels import ops
@@ -67,7 +68,10 @@ class TransferLoop:
         self.executed = 0
         self.dropped = 0  # stale tasks left by a predecessor
         self.published = {"host_checksum_mismatches": 0, "released_bytes": 0}  # already added to the signals
-        self.storage = StorageLane(self._run_stored, f"transfer{rank}-storage")
+        # STOREs hurry once half of what the engine lets unshared tails fill is queued here, before
+        # it skips any (fastkv.cache.store_backlog)
+        self.storage = StorageLane(self._run_stored, f"transfer{rank}-storage",
+                                   urgent_store_blocks=int(spec.storage_backlog_blocks * TAIL_SHARE / 2))
         self._acking = threading.Lock()  # both lanes ack on the one done ring
 
     def beat(self) -> None:
@@ -134,7 +138,13 @@ class TransferLoop:
         self.finish(self.executor.run(msg, progress=self.beat))
 
     def _run_stored(self, msg: TaskMsg, hold: Hold) -> None:
-        self.finish(self.executor.run(msg, progress=self.beat, hold=hold))
+        self.finish(self.executor.run(msg, progress=self._between_parts, hold=hold))
+
+    def _between_parts(self) -> None:
+        """A storage task's part is done: beat, and answer the LOOKUPs that came meanwhile (a
+        request waits for each; a LOAD or STORE of many blocks takes long on a busy machine)."""
+        self.beat()
+        self.storage.run_waiting_lookups()
 
     def barrier(self) -> None:
         """Returns once every task dispatched so far has finished and been acked."""

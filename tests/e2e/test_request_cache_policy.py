@@ -1,8 +1,11 @@
 """A request's cache policy (``cache=``) through the public API and the supervisor's workload file:
 ``cache=False`` (``{"write": []}``) leaves no key of the request in any tier once it finished, and
 stores nothing in the pool; a read filter without "storage" never asks the pool (no LOOKUP, no
-LOAD), while the same request without it is served from there; a bad tier is refused naming it."""
+LOAD), while the same request without it is served from there, and neither does an engine whose hit
+policy recomputes every hit; a bad tier is refused naming it."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -42,6 +45,13 @@ def test_a_request_that_may_not_write_leaves_nothing_and_a_read_filter_never_ask
         assert _hits(engine) == FULL and stats.storage_hit_tokens == FULL
 
     _served(_spec(tmp_path, store), restarted)
+
+    def recomputing(engine: Engine) -> None:  # the pool holds the prompt, but nothing it holds is loaded
+        stats, lookups = engine.cache.stats, engine.lookups.stats
+        assert _hits(engine) == 0 and _hits(engine) == FULL  # recomputed, then a device hit
+        assert (lookups.lookups, lookups.keys_asked, stats.storage_hit_tokens) == (0, 0, 0)  # no LOOKUP, no LOAD
+
+    _served(dataclasses.replace(_spec(tmp_path, store), hit_policy="recompute"), recomputing)
 
 
 def test_a_workload_files_uncached_requests_store_nothing_in_the_pool(tmp_path):

@@ -311,6 +311,9 @@ def test_a_storage_tier_that_falls_behind_is_said_at_the_end(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["storage_blocks_skipped"] > 0 and summary["storage_blocks_stored"] == 0, summary
+    by = summary["storage_blocks_skipped_by"]
+    assert by["tail"] + by["shared"] == summary["storage_blocks_skipped"] and by["shared"] > 0, by
     warned = [line for line in done.stderr.splitlines() if "fell behind" in line]
     assert len(warned) == 1 and "--storage-backlog-blocks 0" in warned[0], done.stderr[-2000:]
     assert f"{summary['storage_blocks_skipped']} of the {summary['storage_blocks_skipped']} blocks" in warned[0]
+    assert f"{by['tail']} unshared tails and {by['shared']} shared" in warned[0], warned[0]

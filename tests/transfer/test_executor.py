@@ -221,6 +221,46 @@ def test_host_blocks_changed_since_they_landed_are_never_copied(sup, ex):
     assert np.array_equal(device_blocks(dev, [7])[0].view(np.uint8), device_blocks(dev, [0])[0].view(np.uint8))
 
 
+@pytest.mark.mooncake
+def test_a_mooncake_load_lands_in_its_host_block_and_a_rejected_value_never_swaps_in(tmp_path):
+    """Mooncake's get reads a payload straight into the LOAD's host block (no staging copy) and
+    checks it there: a value that fails its checksum fails the LOAD, is deleted, and the block it
+    landed in is unsealed, so neither a SWAP_IN nor a STORE ever reads its bytes."""
+    from fastkv.storage import mooncake_store
+    from fastkv.storage.local_mooncake import LocalMooncake
+    from tests.optional import MOONCAKE, missing
+
+    if not mooncake_store.AVAILABLE:
+        missing("the Mooncake client", MOONCAKE)
+    with LocalMooncake(segment_size=64 << 20) as pool:
+        sup = Supervisor(storage_url=pool.url)
+        ex = TaskExecutor(sup.spec, 1)
+        try:
+            rng = np.random.default_rng(4)
+            dev, host = sup.devices[1], sup.hosts[1]
+            fill_random(dev, rng)
+            bb = sup.spec.layout.block_bytes
+            expect_ok(ex.run(task(CopyKind.SWAP_OUT, [0, 1], [2, 3])), 2 * bb)
+            expect_ok(ex.run(task(CopyKind.STORE, [2, 3], [], [key(0), key(1)])), 2 * bb)
+            expect_ok(ex.run(task(CopyKind.LOAD, [], [10, 11], [key(0), key(1)])), 2 * bb)
+            assert np.array_equal(host.array[10:12].view(np.uint8), host.array[2:4].view(np.uint8))
+            assert ex.store.lands_in_place and ex.store._stage.size == 0, "the values went through a staging copy"
+            with open_store(pool.url, storage_namespace(sup.spec, "0"), 1, 2) as other:
+                value = bytearray(other.get_raw(key(1)))
+                value[-5] ^= 0x40  # a payload byte: only the checksum can tell
+                other.put_raw(key(1), bytes(value))
+                done = ex.run(task(CopyKind.LOAD, [], [12], [key(1)]))
+                assert not done.ok and done.error == "loaded 0 of 1 blocks; not loaded: host blocks [12]", done.error
+                assert other.exists([key(1)]) == [False], "the rejected value was not deleted"
+            assert host.corrupt([12]) == [12], "a block holding a rejected value is still sealed"
+            done = ex.run(task(CopyKind.SWAP_IN, [12], [5]))
+            assert not done.ok and "host blocks [12]" in done.error
+            assert not ex.run(task(CopyKind.STORE, [12], [], [key(2)])).ok
+        finally:
+            ex.close()
+            sup.close()
+
+
 def test_host_checksums_can_be_switched_off(sup):
     ex = TaskExecutor(dataclasses.replace(sup.spec, host_checksums=False), 1)
     try:

@@ -317,6 +317,38 @@ def test_lookups_and_loads_go_ahead_of_queued_stores_in_their_own_order():
         lane.close()
 
 
+def test_a_lookup_goes_ahead_of_queued_loads_and_runs_between_the_parts_of_the_running_task():
+    """An admission waits for its LOOKUP: behind a LOAD or STORE of many blocks on a busy machine
+    it timed out (beside a CPU hog). It goes ahead of the queued LOADs and runs at the running
+    task's next part boundary."""
+    holds, ran, gate, started = HostHolds(), [], threading.Event(), threading.Event()
+    lane = StorageLane(lambda msg, hold: None, "test-storage")
+
+    def run(msg, hold):
+        if msg.task_id == 0:  # a long LOAD: its first part, then the lookups that came, then the rest
+            started.set()
+            gate.wait(10)
+            ran.append("0: part 1")
+            lane.run_waiting_lookups()
+            ran.append("0: part 2")
+        else:
+            ran.append(msg.task_id)
+        hold.release()
+
+    lane._run = run
+    try:
+        lane.submit(TaskMsg(0, int(CopyKind.LOAD)), holds.hold([0], writes=True))
+        assert started.wait(10)
+        for i, kind in enumerate([CopyKind.STORE, CopyKind.LOAD, CopyKind.LOOKUP, CopyKind.LOOKUP], 1):
+            lane.submit(TaskMsg(i, int(kind)), holds.hold([i] if kind != CopyKind.LOOKUP else [], writes=False))
+        gate.set()
+        lane.drain(lambda: None, 0.05)
+        assert ran == ["0: part 1", 3, 4, "0: part 2", 2, 1]
+    finally:
+        gate.set()
+        lane.close()
+
+
 def test_the_storage_lane_cuts_the_gil_switch_interval_so_a_woken_swap_waits_a_fraction_of_5_ms():
     """A woken thread waits for the GIL up to the switch interval (CPython's default: 5 ms)
     while another thread runs Python: starting the storage lane must cut it. (What that
@@ -390,9 +422,47 @@ def test_stores_run_under_sched_idle_lookups_and_loads_do_not_and_the_loop_threa
         pytest.skip("this process may not leave SCHED_IDLE (no CAP_SYS_NICE): every storage task runs low")
     mine = os.sched_getscheduler(threading.get_native_id())
     kinds = (CopyKind.STORE, CopyKind.LOAD, CopyKind.STORE, CopyKind.LOOKUP, CopyKind.STORE)
-    assert storage_thread_sees(os.sched_getscheduler, kinds) == [
+    # one by one: a STORE with a LOOKUP or LOAD behind it hurries (the test below)
+    assert storage_thread_sees(os.sched_getscheduler, kinds, one_by_one=True) == [
         os.SCHED_IDLE, mine, os.SCHED_IDLE, mine, os.SCHED_IDLE] and mine != os.SCHED_IDLE
     assert os.sched_getscheduler(threading.get_native_id()) == mine, "the loop thread went SCHED_IDLE too"
+
+
+def test_a_store_hurries_while_a_lookup_waits_behind_it_or_while_stores_pile_up():
+    """A STORE under SCHED_IDLE on a machine whose cores are all busy barely runs: a LOOKUP
+    queued behind it would wait that out (a priority inversion: lookups timed out beside a CPU
+    hog), and STOREs queued past ``urgent_store_blocks`` would soon be skipped by the engine.
+    Either way the running STORE takes the thread's own priority at once."""
+    if not may_leave_sched_idle():
+        pytest.skip("this process may not leave SCHED_IDLE (no CAP_SYS_NICE): every storage task runs low")
+    mine = os.sched_getscheduler(threading.get_native_id())
+    holds, started, gate = HostHolds(), threading.Event(), threading.Event()
+
+    def run(msg, hold):
+        if msg.kind == CopyKind.STORE:
+            started.set()
+            gate.wait(10)
+        hold.release()
+
+    def store(i, nblocks):
+        return TaskMsg(i, int(CopyKind.STORE), np.arange(nblocks, dtype=np.int32), np.zeros(0, np.int32), ())
+
+    lane = StorageLane(run, "test-storage", urgent_store_blocks=4)
+    try:
+        for behind in (TaskMsg(2, int(CopyKind.LOOKUP)), store(4, 3)):
+            started.clear()
+            gate.clear()
+            lane.submit(store(1, 1), holds.hold([0], writes=False))
+            assert started.wait(10)
+            policy = lambda: os.sched_getscheduler(lane._thread.native_id)  # noqa: E731
+            assert policy() == os.SCHED_IDLE  # alone: nobody waits for it
+            lane.submit(behind, holds.hold([1], writes=False))
+            assert policy() == mine, f"the STORE stayed under SCHED_IDLE with {CopyKind(behind.kind).name} behind"
+            gate.set()
+            lane.drain(lambda: None, 0.05)
+    finally:
+        gate.set()
+        lane.close()
 
 
 def test_where_sched_idle_is_refused_the_storage_thread_is_niced(monkeypatch):

@@ -102,6 +102,10 @@ def test_counters_for_copies_by_kind_and_bytes_and_storage_faults():
     m.scheduler.cache.stats.skipped_stores = 5  # read at scrape time
     assert ("fastkv_storage_skipped_blocks_total", 5) in {(s.name, s.value) for s in samples(
         generate_latest(m.registry).decode())}
+    m.scheduler.cache.stats.skipped_tail_stores = 3
+    assert ("fastkv_storage_skipped_blocks_by_reason_total", (("reason", "tail"),), 3) in {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("role", "run_id"))), s.value)
+        for s in samples(generate_latest(m.registry).decode())}
     m.scheduler.hits.stats.recomputed_tokens["storage"] = 48  # the hit policy's choices, read at scrape time
     assert ("fastkv_hit_choice_tokens_total", (("choice", "recompute"), ("tier", "storage")), 48) in {
         (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("role", "run_id"))), s.value)

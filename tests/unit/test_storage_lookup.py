@@ -122,6 +122,37 @@ def test_prefetch_wait_complete_holds_a_request_until_its_answer():
     assert [r for r, _ in lk.release()] == [a] and len(cache.match(a.token_ids).storage_keys) == 2
 
 
+def test_where_lookups_take_longer_than_the_timeout_the_wait_stretches_to_two_round_trips():
+    """A busy machine answered lookups later than the 0.2 s default, so requests
+    went without them and recomputed what storage held. The wait stretches to twice the recent
+    round trip (at most 10x the setting), and stays the setting where lookups are quick."""
+    cache, clock, lk = setup(timeout=0.5)
+
+    def answered_after(rtt, n=9):
+        lk.park(Request(n, list(range(n * 100, n * 100 + 9)), 4))
+        (plan,) = lk.wave()
+        clock.t += rtt
+        lk.on_ack(ack(plan.plan_id, 0, [0]))
+        lk.complete(plan.plan_id, True, 1)
+        lk.release()
+
+    answered_after(0.1)
+    late = Request(0, list(range(9)), 4)
+    lk.park(late)
+    lk.wave()
+    clock.t += 0.6  # past the setting, and lookups are quick here: it goes
+    assert [r for r, _ in lk.release()] == [late] and lk.stats.timed_out == 1
+    answered_after(1.0, 10)  # slow now: EWMA 0.1 + 0.2 x 0.9 = 0.28; a second: 0.28 + 0.2 x 1.72 = 0.624
+    answered_after(2.0, 11)
+    slow = Request(1, list(range(50, 59)), 4)
+    lk.park(slow)
+    lk.wave()
+    clock.t += 1.2  # within 2 x 0.624
+    assert lk.release() == [] and lk.wait_s(1.0) == pytest.approx(0.048)
+    clock.t += 0.1
+    assert [r for r, _ in lk.release()] == [slow] and lk.stats.timed_out == 2
+
+
 def test_prefetch_timeout_grows_with_the_prompt():
     cache = CacheManager(CacheConfig(num_device_blocks=1024, num_host_blocks=16, block_size=BS, storage=True))
     clock = Clock()

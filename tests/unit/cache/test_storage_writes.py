@@ -148,26 +148,40 @@ def test_a_resume_key_matches_once_only_for_the_request_it_was_stored_for():
     assert again.num_cached_tokens + again.num_pending_tokens == 2 * BS
 
 
-def test_through_skips_and_counts_stores_past_the_backlog_and_stores_again_once_it_drains():
+def test_through_defers_stores_past_the_backlog_and_makes_them_once_it_drains():
     """Storage slower than the engine makes blocks: past ``storage_backlog_blocks`` STORE blocks
-    in flight the write-through STOREs are skipped and counted, never queued without bound."""
+    in flight the write-through STOREs are deferred, never queued without bound, and made once
+    the STOREs in flight land, while the host still holds their blocks."""
     m = pool(StorageWrites.THROUGH, dev=8, host=8, storage_backlog_blocks=2)
     assert not m.allocate("a", toks(1, 2, 3)).plans
     (through,) = m.mark_computed("a", 3 * BS)
     (store,) = m.complete(through, True).plans
-    assert store.kind is CopyKind.STORE and len(store.src) == 2 and m.stats.skipped_stores == 1
+    assert store.kind is CopyKind.STORE and len(store.src) == 2 and len(m.state.deferred_stores) == 1
     assert not m.allocate("b", toks(4)).plans
     (through_b,) = m.mark_computed("b", BS)
-    assert m.complete(through_b, True).plans == () and m.stats.skipped_stores == 2  # the backlog is full
-    assert m.complete(store, True).plans == ()
-    assert m.stats.store_blocks == 2 and len(m.index.stored) == 2
+    assert m.complete(through_b, True).plans == () and len(m.state.deferred_stores) == 2  # the backlog is full
+    assert m.skipped_stores() == {"already_stored": 0, "tail": 0, "shared": 2}  # lost if the run ended now
+    (late,) = m.complete(store, True).plans  # it drained: the deferred ones, the host still holds them
+    assert set(late.keys) == {m.keys_for(toks(1, 2, 3))[2], m.keys_for(toks(4))[0]}
+    drain(m, [late])
+    assert m.stats.store_blocks == 4 and m.stats.late_stores == 2 and m.stats.skipped_stores == 0
+    assert m.skipped_stores() == {"already_stored": 0, "tail": 0, "shared": 0}
+    m.check_integrity()
+
+
+def test_a_deferred_store_whose_block_left_the_host_is_lost_and_counted():
+    m = pool(StorageWrites.THROUGH, dev=4, host=3, storage_backlog_blocks=1)
+    drain(m, m.allocate("a", toks(1, 2)).plans)
+    (through,) = m.mark_computed("a", 2 * BS)
+    (store,) = m.complete(through, True).plans  # one block stored, one deferred
+    assert len(store.src) == 1 and len(m.state.deferred_stores) == 1
     m.free("a")
-    m.free("b")
-    assert not m.allocate("c", toks(5)).plans  # the backlog drained: stored again
-    (through_c,) = m.mark_computed("c", BS)
-    (store_c,) = m.complete(through_c, True).plans
-    assert list(store_c.keys) == m.keys_for(toks(5)) and m.stats.skipped_stores == 2
-    drain(m, [store_c])
+    run_prompt(m, "b", toks(5, 6, 7))  # the host evicts a's unstored block for b's
+    deferred = m.keys_for(toks(1, 2))[1]
+    assert deferred not in m.host.lookup
+    (late,) = [p for p in m.complete(store, True).plans if p.kind is CopyKind.STORE]  # b's, still on the host
+    assert deferred not in late.keys and m.stats.late_stores == len(late.keys)
+    assert m.stats.skipped_stores == 1 and m.stats.skipped_shared_stores == 1
     m.check_integrity()
 
 
@@ -175,7 +189,7 @@ def test_a_request_preempted_to_storage_is_stored_whatever_the_backlog():
     m = pool(StorageWrites.THROUGH, dev=6, host=6, storage_backlog_blocks=0)
     drain(m, m.allocate("b", toks(3, 4, extra=2)).plans)
     drain(m, m.mark_computed("b", 2 * BS + 2))
-    assert m.stats.skipped_stores == 2 and not m.index.stored  # write-through STOREs: skipped
+    assert m.stats.skipped_stores == 2 and not m.index.stored  # write-through STOREs: none in flight, lost
     drain(m, m.offload("b", to_storage=True))  # the victim resumes from storage: stored, backlog or not
     assert all(k in m.index.stored for k in m.keys_for(toks(3, 4)))
     assert m.stats.skipped_stores == 2 and m.stats.store_blocks == 3  # its partial block too
