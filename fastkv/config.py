@@ -10,6 +10,11 @@ each token-head row of a K (or V) page is ``head_dim`` one-byte values and then 
 scale, ``head_dim + 4`` bytes of ``uint8``. The scales thus sit in the same page as the values
 they scale, so every tier, the checksum and the swap ops carry them with their block as bytes.
 ``parts`` names what a row holds.
+
+An MLA layout (``mla``) has one page per layer, the latent (DeepSeek's compressed KV and its
+rope dims, ``head_dim`` values per token, ``kv_heads`` 1), and no V: the device tier holds one
+tensor per layer and a host block is ``[num_layers, 1, 1, block_size, head_dim]``. The latent is
+the same on every tensor-parallel rank, so every rank holds all of it.
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ class Part:
     values of ``dtype``, named ``name`` (k, v, k_scale, v_scale)."""
 
     name: str
-    page: int  # 0: the K page, 1: the V page
+    page: int  # 0: the K page (MLA: the latent's), 1: the V page
     dtype: str
     count: int
     offset: int
@@ -62,6 +67,7 @@ class KVLayout:
     dtype: str = "bfloat16"
     tp_size: int = 1
     quant: str = ""  # "": values of ``dtype``; else one of QUANT_DTYPES, with ``dtype`` "uint8"
+    mla: bool = False  # one latent page per layer instead of K and V
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size"):
@@ -74,6 +80,12 @@ class KVLayout:
             raise ValueError(f"KVLayout.quant must be '' or one of {QUANT_DTYPES}, got {self.quant!r}")
         if self.quant and self.dtype != "uint8":
             raise ValueError(f"a quantized KVLayout holds bytes: dtype must be 'uint8', got {self.dtype!r}")
+        if not isinstance(self.mla, bool):
+            raise ValueError(f"KVLayout.mla must be a bool, got {self.mla!r}")
+        if self.mla and self.kv_heads != 1:
+            raise ValueError(f"an MLA KVLayout holds one latent per token: kv_heads must be 1, got {self.kv_heads}")
+        if self.mla and self.quant:
+            raise ValueError(f"a quantized MLA latent is not supported, got quant={self.quant!r}")
 
     @classmethod
     def of(cls, kv_cache_dtype: str, **fields) -> KVLayout:
@@ -93,8 +105,15 @@ class KVLayout:
         return self.head_dim + (SCALE_BYTES if self.quant else 0)
 
     @property
+    def kv_pages(self) -> int:
+        """Pages per layer in a block: K and V, or MLA's latent alone."""
+        return 1 if self.mla else 2
+
+    @property
     def parts(self) -> tuple[Part, ...]:
         """What a token-head row of each page holds, by name."""
+        if self.mla:
+            return (Part("latent", 0, self.dtype, self.head_dim, 0),)
         if not self.quant:
             return (Part("k", 0, self.dtype, self.head_dim, 0), Part("v", 1, self.dtype, self.head_dim, 0))
         d = self.head_dim
@@ -133,14 +152,14 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one whole block across layers, K and V: one host block."""
-        return self.num_layers * 2 * self.page_bytes
+        """Bytes of one whole block across layers, K and V (or the latent): one host block."""
+        return self.num_layers * self.kv_pages * self.page_bytes
 
     def device_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.kv_heads, self.block_size, self.row_elems)
 
     def host_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (num_blocks, self.num_layers, 2, self.kv_heads, self.block_size, self.row_elems)
+        return (num_blocks, self.num_layers, self.kv_pages, self.kv_heads, self.block_size, self.row_elems)
 
     def describe(self) -> str:
         """A canonical string of everything that changes the bytes of a block."""
@@ -148,4 +167,5 @@ class KVLayout:
             f"layers={self.num_layers};kv_heads={self.kv_heads};block={self.block_size};"
             f"head_dim={self.head_dim};dtype={self.dtype};tp={self.tp_size}"
             + (f";quant={self.quant};scales=token_head_f32" if self.quant else "")
+            + (";mla=latent" if self.mla else "")
         )
