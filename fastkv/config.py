@@ -35,6 +35,8 @@ _DTYPES: dict[str, tuple[int, np.dtype]] = {
 # Quantized KV dtypes (``KVLayout.quant``): one byte per value, one float32 scale per token-head.
 QUANT_DTYPES = ("fp8_e4m3", "int8")
 SCALE_BYTES = 4
+# --kv-layout's choices: a K and a V page per layer, or MLA's one latent page (``KVLayout.mla``).
+KV_LAYOUTS = ("kv", "mla")
 # --kv-cache-dtype's choices; "auto" keeps the job's ``dtype``.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", *QUANT_DTYPES)
 
