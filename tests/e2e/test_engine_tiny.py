@@ -182,6 +182,7 @@ def test_mla_latent_equals_the_cache_free_reference(mode, tp, tmp_path):
         assert summary["recomputed_tokens"] == 0 and tasks.get("swap_in", 0) > 0, summary
     assert summary["host_checksum_mismatches"] == 0 and summary["storage_errors"] == 0, summary
     assert summary["kv_bytes_per_token"] == 2 * 16 * 4  # layers x latent x float32, at any tp
+    assert summary["kv_layout"] == "mla"
     if mode == "storage":
         assert tasks.get("store", 0) > 0, summary
         stored_bytes, families = lmdb_contents(path)
