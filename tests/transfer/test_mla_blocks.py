@@ -30,7 +30,7 @@ def task(kind, src=(), dst=(), keys=()) -> TaskMsg:
 
 @pytest.fixture
 def sup(tmp_path):
-    sup = Supervisor(layout=LAYOUT, storage_url=f"lmdb://{tmp_path}/store")
+    sup = Supervisor(layout=LAYOUT, storage_url=f"lmdb://{tmp_path}/store", runner="tiny")
     yield sup
     sup.close()
 

@@ -87,3 +87,13 @@ def test_plan_validates_lengths():
         CopyPlan(2, CopyKind.SWAP_IN, [1, 2], [3])
     with pytest.raises(ValueError, match="one key per"):
         CopyPlan(3, CopyKind.STORE, [1, 2], keys=(b"k",))
+
+
+def test_a_run_spec_with_an_mla_layout_needs_the_tiny_runner():
+    from fastkv.run import RunSpec
+
+    layout = KVLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=16, dtype="float32", mla=True)
+    with pytest.raises(ValueError, match="RunSpec: an MLA layout needs runner 'tiny'.*got 'synthetic'"):
+        RunSpec("r", layout, num_device_blocks=8, num_host_blocks=8)
+    spec = RunSpec("r", layout, num_device_blocks=8, num_host_blocks=8, runner="tiny")
+    assert RunSpec.from_json(spec.to_json()).layout == layout
