@@ -14,6 +14,11 @@ they scale, so every tier, the checksum and the swap ops carry them with their b
 A layer attends over every earlier position (full attention) or only over the last ``w``
 positions (a sliding window of ``w``): ``windows`` names each layer's (0: full). Layers of one
 kind form a KV cache *group* (``groups``); a sliding group needs only its window's blocks.
+
+An MLA layout (``mla``) has one page per layer, the latent (DeepSeek's compressed KV and its
+rope dims, ``head_dim`` values per token, ``kv_heads`` 1), and no V: the device tier holds one
+tensor per layer and a host block is ``[num_layers, 1, 1, block_size, head_dim]``. The latent is
+the same on every tensor-parallel rank, so every rank holds all of it.
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ _DTYPES: dict[str, tuple[int, np.dtype]] = {
 # Quantized KV dtypes (``KVLayout.quant``): one byte per value, one float32 scale per token-head.
 QUANT_DTYPES = ("fp8_e4m3", "int8")
 SCALE_BYTES = 4
+# --kv-layout's choices: a K and a V page per layer, or MLA's one latent page (``KVLayout.mla``).
+KV_LAYOUTS = ("kv", "mla")
 # --kv-cache-dtype's choices; "auto" keeps the job's ``dtype``.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", *QUANT_DTYPES)
 
@@ -45,7 +52,7 @@ class Part:
     values of ``dtype``, named ``name`` (k, v, k_scale, v_scale)."""
 
     name: str
-    page: int  # 0: the K page, 1: the V page
+    page: int  # 0: the K page (MLA: the latent's), 1: the V page
     dtype: str
     count: int
     offset: int
@@ -108,6 +115,7 @@ class KVLayout:
     quant: str = ""  # "": values of ``dtype``; else one of QUANT_DTYPES, with ``dtype`` "uint8"
     # per layer: 0 full attention, w > 0 a sliding window of w tokens; () every layer full
     windows: tuple[int, ...] = ()
+    mla: bool = False  # one latent page per layer instead of K and V
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "block_size", "head_dim", "tp_size"):
@@ -127,6 +135,12 @@ class KVLayout:
             if not isinstance(w, int) or isinstance(w, bool) or w < 0:
                 raise ValueError(f"KVLayout.windows must be ints >= 0 (0: full attention), got {w!r}")
         object.__setattr__(self, "windows", windows if any(windows) else ())  # all full: the default layout
+        if not isinstance(self.mla, bool):
+            raise ValueError(f"KVLayout.mla must be a bool, got {self.mla!r}")
+        if self.mla and self.kv_heads != 1:
+            raise ValueError(f"an MLA KVLayout holds one latent per token: kv_heads must be 1, got {self.kv_heads}")
+        if self.mla and self.quant:
+            raise ValueError(f"a quantized MLA latent is not supported, got quant={self.quant!r}")
 
     @classmethod
     def of(cls, kv_cache_dtype: str, **fields) -> KVLayout:
@@ -146,8 +160,15 @@ class KVLayout:
         return self.head_dim + (SCALE_BYTES if self.quant else 0)
 
     @property
+    def kv_pages(self) -> int:
+        """Pages per layer in a block: K and V, or MLA's latent alone."""
+        return 1 if self.mla else 2
+
+    @property
     def parts(self) -> tuple[Part, ...]:
         """What a token-head row of each page holds, by name."""
+        if self.mla:
+            return (Part("latent", 0, self.dtype, self.head_dim, 0),)
         if not self.quant:
             return (Part("k", 0, self.dtype, self.head_dim, 0), Part("v", 1, self.dtype, self.head_dim, 0))
         d = self.head_dim
@@ -183,8 +204,8 @@ class KVLayout:
         return bool(self.windows)
 
     def group_block_bytes(self, group: KVGroup) -> int:
-        """Bytes of one block of ``group``'s layers, K and V."""
-        return len(group.layers) * 2 * self.page_bytes
+        """Bytes of one block of ``group``'s layers, every page (K and V, or the latent)."""
+        return len(group.layers) * self.kv_pages * self.page_bytes
 
     def bytes_per_request(self, num_tokens: int) -> int:
         """KV bytes one request of ``num_tokens`` tokens holds between steps, over every group."""
@@ -210,14 +231,14 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one whole block across layers, K and V: one host block."""
-        return self.num_layers * 2 * self.page_bytes
+        """Bytes of one whole block across layers, K and V (or the latent): one host block."""
+        return self.num_layers * self.kv_pages * self.page_bytes
 
     def device_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.kv_heads, self.block_size, self.row_elems)
 
     def host_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (num_blocks, self.num_layers, 2, self.kv_heads, self.block_size, self.row_elems)
+        return (num_blocks, self.num_layers, self.kv_pages, self.kv_heads, self.block_size, self.row_elems)
 
     def describe(self) -> str:
         """A canonical string of everything that changes the bytes of a block."""
@@ -226,4 +247,5 @@ class KVLayout:
             f"head_dim={self.head_dim};dtype={self.dtype};tp={self.tp_size}"
             + (f";quant={self.quant};scales=token_head_f32" if self.quant else "")
             + (f";windows={_windows_text(self.windows)}" if self.windows else "")
+            + (";mla=latent" if self.mla else "")
         )

@@ -109,6 +109,9 @@ class RunSpec:
             raise ValueError(f"RunSpec: metrics_port must be in [0, 65536), got {self.metrics_port}")
         if not 0 <= self.metrics_linger_s < 3600:
             raise ValueError(f"RunSpec: metrics_linger_s must be in [0, 3600) seconds, got {self.metrics_linger_s}")
+        if self.layout.mla and self.runner != "tiny":
+            raise ValueError(f"RunSpec: an MLA layout needs runner 'tiny' (the runner with MLA attention), "
+                             f"got {self.runner!r}")
         object.__setattr__(self, "update_weights_at", tuple(self.update_weights_at))
         self.events_config()
         object.__setattr__(self, "device_ids", tuple(self.device_ids))

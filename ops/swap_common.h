@@ -8,6 +8,8 @@
 //   host:   [num_host_blocks, layers, 2, kv_heads, block_size, head_dim]; one host block is
 //           block_bytes = layers * 2 * page_bytes contiguous bytes, page (l, kv) at offset
 //           (2 * l + kv) * page_bytes.
+//   MLA (no V: dev_v is null): one page per layer, the latent, in dev_k; host [.., layers, 1, ..],
+//           page l at offset l * page_bytes. kv_pages says which (2 or 1).
 // A swap copies, for every pair i, block src[i] of the source tier to block dst[i] of the
 // destination tier, all layers, K and V.
 #pragma once
@@ -34,7 +36,9 @@ struct SwapGeometry {
   int64_t page_bytes = 0;  // one block of one layer's K or V
   int64_t num_dev_blocks = 0;
   int64_t num_host_blocks = 0;
-  int64_t block_bytes() const { return num_layers * 2 * page_bytes; }
+  int64_t kv_pages = 2;  // pages per layer: K and V, or MLA's latent alone
+  int64_t pages_per_block() const { return num_layers * kv_pages; }
+  int64_t block_bytes() const { return pages_per_block() * page_bytes; }
 };
 
 // A run of `len` pairs with consecutive source and destination ids: contiguous per layer on
@@ -75,6 +79,7 @@ inline std::string check_geometry(const SwapGeometry& g) {
   if (g.num_layers <= 0) return "num_layers must be positive, got " + std::to_string(g.num_layers);
   if (g.page_bytes <= 0) return "page_bytes must be positive, got " + std::to_string(g.page_bytes);
   if (g.num_dev_blocks <= 0 || g.num_host_blocks <= 0) return "both tiers need at least one block";
+  if (g.kv_pages != 1 && g.kv_pages != 2) return "kv_pages must be 1 or 2, got " + std::to_string(g.kv_pages);
   if (g.num_dev_blocks > INT32_MAX || g.num_host_blocks > INT32_MAX) return "block counts must fit in int32";
   return "";
 }
@@ -222,14 +227,14 @@ inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const
                        const int32_t* src, const int32_t* dst, const int32_t* order, int64_t n, bool to_host,
                        bool streaming, int64_t begin, int64_t end, PageDigest hash = nullptr,
                        uint64_t* digests = nullptr, PageCopyHash fused = nullptr) {
-  const int64_t pages_per_pair = 2 * g.num_layers;
+  const int64_t pages_per_pair = g.pages_per_block();
   const int64_t page = g.page_bytes;
   const int64_t block = g.block_bytes();
   auto locate = [&](int64_t p, char** to, const char** from) -> int64_t {
     const int64_t pair = order[to_host ? p % n : p / pages_per_pair];
-    const int64_t slot = to_host ? p / n : p % pages_per_pair;  // 2 * layer + kv: the page's index in a host block
-    const int64_t layer = slot / 2;
-    char* dev_base = (slot % 2 == 0) ? dev_k[layer] : dev_v[layer];
+    const int64_t slot = to_host ? p / n : p % pages_per_pair;  // kv_pages * layer + kv: the page's index in a host block
+    const int64_t layer = slot / g.kv_pages;
+    char* dev_base = (slot % g.kv_pages == 0) ? dev_k[layer] : dev_v[layer];
     const int64_t dev_id = to_host ? src[pair] : dst[pair];
     const int64_t host_id = to_host ? dst[pair] : src[pair];
     char* dev_page = dev_base + dev_id * page;
@@ -297,7 +302,7 @@ inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const
 inline void swap_cpu(char* const* dev_k, char* const* dev_v, char* host, const SwapGeometry& g, const int32_t* src,
                      const int32_t* dst, int64_t n, bool to_host, CopyChoice how, PageDigest hash = nullptr,
                      uint64_t* digests = nullptr, PageCopyHash fused = nullptr) {
-  const int64_t total_pages = n * 2 * g.num_layers;
+  const int64_t total_pages = n * g.pages_per_block();
   if (total_pages == 0) return;
   const int64_t threads = std::min<int64_t>(std::max(how.threads, 1), total_pages);
   const bool streaming = how.streaming;

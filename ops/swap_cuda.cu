@@ -95,7 +95,7 @@ int reserve(DeviceState& s, size_t bytes) {
 }
 
 // One thread block per page of the flattened (pair, layer, kv) space, as in swap_common.h.
-// bases[2 * layer + kv] is the device tensor of that layer's K (kv = 0) or V (kv = 1).
+// bases[kv_pages * layer + kv] is the device tensor of that layer's K (kv = 0) or V (kv = 1).
 template <typename Word>
 __global__ void gather_pages(char* const* bases, char* host, const int32_t* src, const int32_t* dst,
                              int64_t pages_per_pair, int64_t page_bytes, int to_host) {
@@ -158,12 +158,13 @@ int swap_impl(void* const* dev_k, void* const* dev_v, int64_t num_layers, void* 
               int64_t num_dev_blocks, int64_t num_host_blocks, const int32_t* src, const int32_t* dst, int64_t n,
               int32_t to_host, int64_t dma_min_bytes, void* after_stream, int32_t sync, fkv_landed_fn landed,
               void* ctx, int64_t unit_pairs) {
-  fkv::SwapGeometry g{num_layers, page_bytes, num_dev_blocks, num_host_blocks};
+  // dev_v null: an MLA tier, one latent page per layer (swap_common.h)
+  fkv::SwapGeometry g{num_layers, page_bytes, num_dev_blocks, num_host_blocks, dev_v == nullptr ? 1 : 2};
   std::string problem = fkv::check_geometry(g);
   if (!problem.empty()) return fail(problem);
   if (n < 0) return fail("negative pair count");
   if (n > 0 && (src == nullptr || dst == nullptr)) return fail("null id array");
-  if (dev_k == nullptr || dev_v == nullptr || host == nullptr) return fail("null tier pointer");
+  if (dev_k == nullptr || host == nullptr) return fail("null tier pointer");
   problem = to_host ? fkv::check_ids(src, dst, n, num_dev_blocks, num_host_blocks)
                     : fkv::check_ids(src, dst, n, num_host_blocks, num_dev_blocks);
   if (!problem.empty()) return fail(problem);
@@ -173,7 +174,7 @@ int swap_impl(void* const* dev_k, void* const* dev_v, int64_t num_layers, void* 
   FKV_CUDA(cudaGetDevice(&device));
   bool aligned = page_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(host) % 16 == 0;
   for (int64_t l = 0; l < num_layers; ++l) {
-    for (const void* base : {dev_k[l], dev_v[l]}) {
+    for (const void* base : {dev_k[l], g.kv_pages == 2 ? dev_v[l] : dev_k[l]}) {
       if (base == nullptr) return fail("null device tensor of layer " + std::to_string(l));
       if (check_device_pointer(base, device, ("device tensor of layer " + std::to_string(l)).c_str())) return -1;
       aligned = aligned && reinterpret_cast<uintptr_t>(base) % 16 == 0;
@@ -214,7 +215,7 @@ int swap_impl(void* const* dev_k, void* const* dev_v, int64_t num_layers, void* 
     start += r.len;
   }
 
-  const int64_t pages_per_pair = 2 * num_layers;
+  const int64_t pages_per_pair = g.pages_per_block();
   for (const Unit& u : units) {
     if (static_cast<int64_t>(u.k_src.size()) * pages_per_pair > INT32_MAX) {
       return fail("too many scattered pages for one kernel launch: split the swap");
@@ -238,8 +239,8 @@ int swap_impl(void* const* dev_k, void* const* dev_v, int64_t num_layers, void* 
       if (reserve(*s, table_bytes + ids_total)) return -1;
       char** table = reinterpret_cast<char**>(s->staging);
       for (int64_t l = 0; l < num_layers; ++l) {
-        table[2 * l] = static_cast<char*>(dev_k[l]);
-        table[2 * l + 1] = static_cast<char*>(dev_v[l]);
+        table[g.kv_pages * l] = static_cast<char*>(dev_k[l]);
+        if (g.kv_pages == 2) table[2 * l + 1] = static_cast<char*>(dev_v[l]);
       }
       size_t at = table_bytes;
       for (const Unit& u : units) {
@@ -278,7 +279,8 @@ int swap_impl(void* const* dev_k, void* const* dev_v, int64_t num_layers, void* 
         const int64_t host_id = to_host ? r.dst : r.src;
         for (int64_t slot = 0; slot < pages_per_pair; ++slot) {
           char* dev_span =
-              static_cast<char*>(slot % 2 == 0 ? dev_k[slot / 2] : dev_v[slot / 2]) + dev_id * page_bytes;
+              static_cast<char*>(slot % g.kv_pages == 0 ? dev_k[slot / g.kv_pages] : dev_v[slot / g.kv_pages]) +
+              dev_id * page_bytes;
           char* host_span = host_bytes + host_id * block + slot * page_bytes;
           if (block <= s->max_pitch) {
             if (to_host) {
@@ -344,7 +346,7 @@ int fkv_cuda_swap_landed(void* const* dev_k, void* const* dev_v, int64_t num_lay
                          int64_t n, int64_t dma_min_bytes, void* after_stream, int64_t unit_bytes,
                          fkv_landed_fn landed, void* ctx) {
   if (landed == nullptr) return fail("swap_landed needs a callback");
-  const int64_t block = 2 * num_layers * page_bytes;
+  const int64_t block = (dev_v == nullptr ? 1 : 2) * num_layers * page_bytes;
   const int64_t unit_pairs = block > 0 ? std::max<int64_t>(1, unit_bytes / block) : 1;
   return swap_impl(dev_k, dev_v, num_layers, host, page_bytes, num_dev_blocks, num_host_blocks, src, dst, n, 1,
                    dma_min_bytes, after_stream, 1, landed, ctx, unit_pairs);

@@ -83,7 +83,7 @@ void swap_cpu_sealed(char* const* dev_k, char* const* dev_v, char* host, const f
     fkv::swap_cpu(dev_k, dev_v, host, g, src, dst, n, to_host, how);
     return;
   }
-  const int64_t pages = 2 * g.num_layers;
+  const int64_t pages = g.pages_per_block();
   std::vector<uint64_t> digests(static_cast<size_t>(n * pages));
   // The fused copy streams its stores at every size: the policy's regular stores (measured per
   // machine for plain copies) read each destination line first, which the hash's arithmetic
@@ -105,7 +105,7 @@ struct LandedSeal {
 
 void seal_landed(void* ctx, const int32_t* pairs, int64_t count) {
   const LandedSeal& seal = *static_cast<const LandedSeal*>(ctx);
-  const int64_t pages = 2 * seal.g.num_layers;
+  const int64_t pages = seal.g.pages_per_block();
   const fkv::PageHash hash = fkv::page_hash();
   std::vector<uint64_t> digests(static_cast<size_t>(pages));
   for (int64_t j = 0; j < count; ++j) {
@@ -126,7 +126,9 @@ std::vector<paddle::Tensor> SwapBlocks(const std::vector<paddle::Tensor>& k, con
                                        const paddle::Tensor& dst, bool to_host, int num_threads,
                                        int64_t dma_min_bytes, int64_t sums_addr) {
   PD_CHECK(!k.empty(), kOp, "need at least one layer");
-  PD_CHECK(k.size() == v.size(), kOp, "got ", k.size(), " K tensors but ", v.size(), " V tensors");
+  // No V tensors: an MLA tier, one latent page per layer (in K).
+  PD_CHECK(v.empty() || k.size() == v.size(), kOp, "got ", k.size(), " K tensors but ", v.size(), " V tensors");
+  const int kv_pages = v.empty() ? 1 : 2;
   PD_CHECK(num_threads >= 1, kOp, "num_threads must be >= 1, got ", num_threads);
   check_dense(k[0], "K[0]");
   const std::vector<int64_t> dev_shape = k[0].shape();
@@ -139,7 +141,7 @@ std::vector<paddle::Tensor> SwapBlocks(const std::vector<paddle::Tensor>& k, con
   std::vector<char*> k_ptrs(layers), v_ptrs(layers);
   std::vector<std::pair<uintptr_t, uintptr_t>> spans;
   for (int64_t l = 0; l < layers; ++l) {
-    for (int kv = 0; kv < 2; ++kv) {
+    for (int kv = 0; kv < kv_pages; ++kv) {
       const paddle::Tensor& t = kv == 0 ? k[l] : v[l];
       const std::string what = std::string(kv == 0 ? "K[" : "V[") + std::to_string(l) + "]";
       check_dense(t, what);
@@ -155,13 +157,13 @@ std::vector<paddle::Tensor> SwapBlocks(const std::vector<paddle::Tensor>& k, con
   }
   check_dense(host, "Host");
   const std::vector<int64_t> host_shape = host.shape();
-  PD_CHECK(host_shape.size() == 6, kOp, "Host must be [blocks, layers, 2, kv_heads, block_size, head_dim], got ",
-           shape_str(host_shape));
-  PD_CHECK(host_shape[1] == layers && host_shape[2] == 2 && host_shape[3] == dev_shape[1] &&
+  PD_CHECK(host_shape.size() == 6, kOp, "Host must be [blocks, layers, ", kv_pages,
+           ", kv_heads, block_size, head_dim], got ", shape_str(host_shape));
+  PD_CHECK(host_shape[1] == layers && host_shape[2] == kv_pages && host_shape[3] == dev_shape[1] &&
                host_shape[4] == dev_shape[2] && host_shape[5] == dev_shape[3],
            kOp, "Host shape ", shape_str(host_shape), " does not match ", layers, " layers of device shape ",
-           shape_str(dev_shape), " (expected [blocks, ", layers, ", 2, ", dev_shape[1], ", ", dev_shape[2], ", ",
-           dev_shape[3], "])");
+           shape_str(dev_shape), " (expected [blocks, ", layers, ", ", kv_pages, ", ", dev_shape[1], ", ",
+           dev_shape[2], ", ", dev_shape[3], "])");
   PD_CHECK(host.dtype() == dtype, kOp, "Host has dtype ", dtype_str(host.dtype()), ", device tensors have ",
            dtype_str(dtype));
   PD_CHECK(host.is_cpu(), kOp, "Host must be a CPU tensor");
@@ -180,6 +182,7 @@ std::vector<paddle::Tensor> SwapBlocks(const std::vector<paddle::Tensor>& k, con
   g.page_bytes = dev_shape[1] * dev_shape[2] * dev_shape[3] * static_cast<int64_t>(phi::SizeOf(dtype));
   g.num_dev_blocks = dev_shape[0];
   g.num_host_blocks = host_shape[0];
+  g.kv_pages = kv_pages;
   std::string problem = fkv::check_geometry(g);
   PD_CHECK(problem.empty(), kOp, problem);
   const int32_t* src_ids = src.data<int32_t>();
@@ -189,7 +192,7 @@ std::vector<paddle::Tensor> SwapBlocks(const std::vector<paddle::Tensor>& k, con
   if (on_gpu) {
 #ifdef FASTKV_WITH_CUDA
     auto* dev_k = reinterpret_cast<void* const*>(k_ptrs.data());
-    auto* dev_v = reinterpret_cast<void* const*>(v_ptrs.data());
+    auto* dev_v = kv_pages == 2 ? reinterpret_cast<void* const*>(v_ptrs.data()) : nullptr;
     void* stream = static_cast<void*>(k[0].stream());
     int rc = 0;
     if (to_host && sums != nullptr) {
@@ -208,7 +211,7 @@ std::vector<paddle::Tensor> SwapBlocks(const std::vector<paddle::Tensor>& k, con
     problem = to_host ? fkv::check_ids(src_ids, dst_ids, n, g.num_dev_blocks, g.num_host_blocks)
                       : fkv::check_ids(src_ids, dst_ids, n, g.num_host_blocks, g.num_dev_blocks);
     PD_CHECK(problem.empty(), kOp, problem);
-    swap_cpu_sealed(k_ptrs.data(), v_ptrs.data(), host_ptr, g, src_ids, dst_ids, n, to_host,
+    swap_cpu_sealed(k_ptrs.data(), kv_pages == 2 ? v_ptrs.data() : nullptr, host_ptr, g, src_ids, dst_ids, n, to_host,
                     g_policy.pick(n * g.block_bytes(), num_threads), sums);
   }
   return {};
@@ -232,11 +235,11 @@ extern "C" const char* fkv_cpu_last_error() { return g_cpu_error.c_str(); }
 // at most num_threads threads; 0 regular, 1 streaming stores on exactly num_threads (calibration).
 // sums (to_host only; may be null): the host tier's checksums, [num_host_blocks][16]; each
 // destination block's is written from its pages, hashed in the same pass as their copy
-// (block_digest.h).
+// (block_digest.h). dev_v null: an MLA tier, one page per layer (dev_k's).
 extern "C" int fkv_cpu_swap(char* const* dev_k, char* const* dev_v, int64_t num_layers, char* host, int64_t page_bytes,
                             int64_t num_dev_blocks, int64_t num_host_blocks, const int32_t* src, const int32_t* dst,
                             int64_t n, int32_t to_host, int32_t num_threads, int32_t method, uint8_t* sums) {
-  fkv::SwapGeometry g{num_layers, page_bytes, num_dev_blocks, num_host_blocks};
+  fkv::SwapGeometry g{num_layers, page_bytes, num_dev_blocks, num_host_blocks, dev_v == nullptr ? 1 : 2};
   std::string problem = fkv::check_geometry(g);
   if (problem.empty() && (num_threads < 1 || method < -1 || method > 1)) {
     problem = "num_threads must be >= 1 and method in {-1, 0, 1}";
@@ -256,13 +259,13 @@ extern "C" int fkv_cpu_swap(char* const* dev_k, char* const* dev_v, int64_t num_
 }
 
 // The checksums of host blocks ids[0..n) from their bytes, into out[j * 16] (block_digest.h).
-extern "C" int fkv_cpu_block_checksums(const char* host, int64_t num_layers, int64_t page_bytes,
+// pages: a block's pages (layers * 2, or layers for MLA).
+extern "C" int fkv_cpu_block_checksums(const char* host, int64_t pages, int64_t page_bytes,
                                        int64_t num_host_blocks, const int32_t* ids, int64_t n, uint8_t* out) {
-  if (num_layers < 1 || page_bytes < 1) {
-    g_cpu_error = "num_layers and page_bytes must be >= 1";
+  if (pages < 1 || page_bytes < 1) {
+    g_cpu_error = "pages and page_bytes must be >= 1";
     return -1;
   }
-  const int64_t pages = 2 * num_layers;
   const fkv::PageHash hash = fkv::page_hash();
   std::vector<uint64_t> digests(static_cast<size_t>(pages));
   for (int64_t j = 0; j < n; ++j) {

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastkv.cache.eviction import POLICIES
 from fastkv.cli.job import CACHE_POLICIES, DEMO_DEVICE_BLOCKS, ROLES, RUNNERS, STORAGE_WRITES, JobConfig
-from fastkv.config import KV_CACHE_DTYPES
+from fastkv.config import KV_CACHE_DTYPES, KV_LAYOUTS
 from fastkv.events.config import SCHEMAS as EVENT_SCHEMAS
 from fastkv.procs.cpu_policy import CPU_POLICIES
 from fastkv.sched.hits import HIT_POLICIES
@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="vLLM's name: the KV dtype; auto (default) = --dtype; "
       "fp8_e4m3 and int8 store one byte per value and a float32 scale per token-head (the config file also "
       "takes FastDeploy's kv_cache_quant_type = int8 | fp8)")
+    a("--kv-layout", choices=KV_LAYOUTS, help="kv (default): a K and a V per layer; mla: one latent of "
+      "--head-dim values per token and layer, the same on every rank (needs --kv-heads 1 and --runner tiny)")
     a("--device-blocks", type=int, help=f"device tier capacity in blocks per rank (default {DEMO_DEVICE_BLOCKS}; "
       "a trace or a workload file defaults to room for its longest request, up to 1 GiB per rank)")
     a("--host-blocks", type=int, help="host tier capacity in blocks per rank, 0 = none (default 1024); under "

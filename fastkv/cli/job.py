@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fastkv.cache.eviction import POLICIES
-from fastkv.config import KV_CACHE_DTYPES, QUANT_DTYPES, KVLayout
+from fastkv.config import KV_CACHE_DTYPES, KV_LAYOUTS, QUANT_DTYPES, KVLayout
 from fastkv.procs.cpu_policy import CPU_POLICIES
 from fastkv.sched.config import SchedulerConfig
 from fastkv.sched.hits import HIT_POLICIES
@@ -57,6 +57,9 @@ class JobConfig:
     # float32 scale per token-head (fastkv.config); FastDeploy's name is kv_cache_quant_type
     kv_cache_dtype: str = "auto"
     kv_cache_quant_type: str = ""
+    # KV_LAYOUTS: "kv" a K and a V per layer; "mla" one latent of head_dim values per token and
+    # layer, whole on every rank (kv_heads 1; the tiny runner's MLA mode)
+    kv_layout: str = "kv"
     # 0: the workload's default: DEMO_DEVICE_BLOCKS, or room for the longest request of a trace or a file
     device_blocks: int = 0
     host_blocks: int = 1024  # 0 = no host tier
@@ -138,7 +141,8 @@ class JobConfig:
         for name, choices in (("prefetch_policy", PREFETCH_POLICIES), ("hit_policy", HIT_POLICIES),
                               ("cache_policy", CACHE_POLICIES), ("async_scheduling", ("on", "off")),
                               ("engine_cpu_policy", CPU_POLICIES), ("storage_write", STORAGE_WRITES),
-                              ("eviction", sorted(POLICIES)), ("preemption", PREEMPTION_MODES), ("runner", RUNNERS)):
+                              ("eviction", sorted(POLICIES)), ("preemption", PREEMPTION_MODES), ("runner", RUNNERS),
+                              ("kv_layout", KV_LAYOUTS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"setting {name!r} must be one of {choices}, got {getattr(self, name)!r}")
         if self.preemption == "storage" and self.storage == "none":
@@ -157,6 +161,15 @@ class JobConfig:
         if self.storage not in ("default", "none") and self.storage.split("://")[0] not in STORAGE_SCHEMES:
             raise ValueError(f"setting 'storage' must be 'default', 'none' or a URL with scheme in {STORAGE_SCHEMES}, "
                              f"got {self.storage!r}")
+        if self.kv_layout == "mla" and self.kv_heads != 1:
+            raise ValueError(f"setting 'kv_layout' 'mla' caches one latent per token: set 'kv_heads' to 1, "
+                             f"got {self.kv_heads}")
+        if self.kv_layout == "mla" and self.runner != "tiny":
+            raise ValueError(f"setting 'kv_layout' 'mla' needs runner 'tiny' (the runner with MLA attention), "
+                             f"got {self.runner!r}")
+        if self.kv_layout == "mla" and self.kv_cache_dtype in QUANT_DTYPES:
+            raise ValueError(f"setting 'kv_layout' 'mla' takes no quantized KV, got 'kv_cache_dtype' "
+                             f"{self.kv_cache_dtype!r}")
         if self.runner == "tiny" and self.layout().kv_cache_dtype not in ("float32", *QUANT_DTYPES):
             raise ValueError(f"the tiny runner needs KV dtype 'float32' or one of {QUANT_DTYPES}, "
                              f"got {self.layout().kv_cache_dtype!r}")
@@ -337,7 +350,7 @@ class JobConfig:
 
     def layout(self) -> KVLayout:
         shape = dict(num_layers=self.layers, kv_heads=self.kv_heads, block_size=self.block_size,
-                     head_dim=self.head_dim, tp_size=self.tp)
+                     head_dim=self.head_dim, tp_size=self.tp, mla=self.kv_layout == "mla")
         if self.kv_cache_dtype != "auto":
             return KVLayout.of(self.kv_cache_dtype, **shape)
         return KVLayout(**shape, dtype=self.dtype)

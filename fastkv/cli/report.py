@@ -149,7 +149,8 @@ def table(data: dict[str, Any]) -> str:
         ("hit ratio", ", ".join(f"{t} {100 * data['hit_ratio'][t]:.1f}%" for t in TIERS)),
         ("storage faults", storage_faults(data) or "none"),
         ("copy bandwidth", f"{data['copy_gbps']:.2f} GB/s"),
-        *([("KV cache", f"{data['kv_cache_dtype']}, {data['kv_bytes_per_token']} bytes per token per rank (what "
+        *([("KV cache", f"{data['kv_cache_dtype']}{' MLA latent' if data.get('kv_layout') == 'mla' else ''}, "
+                        f"{data['kv_bytes_per_token']} bytes per token per rank (what "
                         "each copy moves, scales included)")] if "kv_cache_dtype" in data else []),
         ("step time", f"p50 {data['step_ms_p50']:.2f} ms, p99 {data['step_ms_p99']:.2f} ms"),
         ("copy task time", f"p50 {data['task_ms_p50']:.2f} ms"),

@@ -70,6 +70,7 @@ def counters(engine: Engine) -> dict[str, Any]:
         "runner": engine.spec.runner, "tp": engine.spec.tp_size, "role": engine.spec.role,
         # the KV's dtype and one token's bytes on one rank, scales included: what every tier moves
         "kv_cache_dtype": engine.spec.layout.kv_cache_dtype, "kv_bytes_per_token": engine.spec.layout.bytes_per_token,
+        "kv_layout": "mla" if engine.spec.layout.mla else "kv",  # --kv-layout
         "host_checksum_mismatches": sum(sig[f"transfer{r}.host_checksum_mismatches"] for r in ranks),
         "weight_updates": engine.weight_updates,
         # steps planned and sent while the one before ran (async scheduling; 0 when off)

@@ -179,10 +179,11 @@ if __name__ == "__main__":
 
 
 def _swap_args(dev_k: list[int], dev_v: list[int], src: np.ndarray, dst: np.ndarray) -> tuple:
-    """The block pairs as contiguous int32 arrays and the per-layer K and V pointer arrays."""
+    """The block pairs as contiguous int32 arrays and the per-layer K and V pointer arrays (no V:
+    an MLA tier, passed as a null V array)."""
     src = np.ascontiguousarray(src, dtype=np.int32)
     dst = np.ascontiguousarray(dst, dtype=np.int32)
-    if len(src) != len(dst) or len(dev_k) != len(dev_v):
+    if len(src) != len(dst) or (dev_v and len(dev_k) != len(dev_v)):
         raise ValueError(f"need equal lengths: {len(src)} src, {len(dst)} dst, {len(dev_k)} K, {len(dev_v)} V")
     layers = len(dev_k)
-    return src, dst, (_P * layers)(*dev_k), (_P * layers)(*dev_v), layers
+    return src, dst, (_P * layers)(*dev_k), (_P * layers)(*dev_v) if dev_v else None, layers

@@ -507,7 +507,8 @@ def swap_blocks(
 
     k_caches, v_caches: per layer, the device tier's ``[dev_blocks, kv_heads, block_size,
     head_dim]`` tensors. host: the host tier ``[host_blocks, layers, 2, kv_heads, block_size,
-    head_dim]``. to_host=True: src are device block ids, dst host block ids (SWAP_OUT); False:
+    head_dim]``. An MLA tier has no V: ``v_caches`` empty, k_caches the latent pages, host
+    ``[host_blocks, layers, 1, ...]``. to_host=True: src are device block ids, dst host block ids (SWAP_OUT); False:
     the reverse (SWAP_IN). src/dst: 1-D integer arrays (numpy, lists or paddle tensors) of
     equal length; dst ids must be unique. num_threads: CPU threads (default: every core this
     process may use). sums_addr (a SWAP_OUT's; 0: none): the address of the host tier's
@@ -567,8 +568,9 @@ class BoundSwap:
         self.on_gpu = bool(host.place.is_gpu_place() or self._k[0].place.is_gpu_place())
         layers = len(self._k)
         self._k_ptrs = (ctypes.c_void_p * layers)(*(t.data_ptr() for t in self._k))
-        self._v_ptrs = (ctypes.c_void_p * layers)(*(t.data_ptr() for t in self._v))
-        shape = host.shape  # [blocks, layers, 2, kv_heads, block_size, head_dim]
+        # None (a null pointer to the kernel): an MLA tier, one latent page per layer
+        self._v_ptrs = (ctypes.c_void_p * layers)(*(t.data_ptr() for t in self._v)) if self._v else None
+        shape = host.shape  # [blocks, layers, 2 (1: MLA), kv_heads, block_size, head_dim]
         self._geometry = (layers, host.data_ptr(), int(np.prod(shape[3:])) * host.element_size(),
                           self._k[0].shape[0], shape[0])
         self._lib = c_abi(hold_gil)
@@ -634,9 +636,9 @@ def block_checksums(host: np.ndarray, ids: Sequence[int], hold_gil: bool = False
         raise ValueError("host must be a C-contiguous host tier array [blocks, layers, 2, ...]")
     ids = _ids_fast(ids, "ids")
     out = np.empty((len(ids), 16), np.uint8)
-    layers, page = host.shape[1], host[0, 0, 0].nbytes
+    pages, page = host.shape[1] * host.shape[2], host[0, 0, 0].nbytes
     lib = c_abi(hold_gil)
-    if lib.fkv_cpu_block_checksums(host.ctypes.data, layers, page, host.shape[0], ids.ctypes.data, len(ids),
+    if lib.fkv_cpu_block_checksums(host.ctypes.data, pages, page, host.shape[0], ids.ctypes.data, len(ids),
                                    out.ctypes.data) != 0:
         raise ValueError(lib.fkv_cpu_last_error().decode())
     return out
@@ -678,15 +680,15 @@ def swap_blocks_ref(
     *,
     to_host: bool,
 ) -> None:
-    """The op's meaning, one block of one layer at a time."""
+    """The op's meaning, one block of one page at a time (no V: an MLA tier)."""
+    pages = [list(k_caches)] + ([list(v_caches)] if len(v_caches) else [])
     for s, d in zip(src, dst, strict=True):
-        for layer, (k, v) in enumerate(zip(k_caches, v_caches, strict=True)):
-            if to_host:
-                host[d, layer, 0] = k[s]
-                host[d, layer, 1] = v[s]
-            else:
-                k[d] = host[s, layer, 0]
-                v[d] = host[s, layer, 1]
+        for kv, caches in enumerate(pages):
+            for layer, c in enumerate(caches):
+                if to_host:
+                    host[d, layer, kv] = c[s]
+                else:
+                    c[d] = host[s, layer, kv]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

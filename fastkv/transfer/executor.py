@@ -41,6 +41,11 @@ failed copy (the request recomputes from that block; a failed STORE leaves stora
 the key). ``checksum_mismatches``
 counts the bad blocks (the transfer loop publishes it to the run's signals).
 
+MLA (``layout.mla``). The latent is the same on every rank, so the storage tier holds it once:
+every rank opens the store as the one shard of rank 0 of 1, rank 0 writes each value and the
+other ranks acknowledge a STORE without writing; LOADs run on every rank, each reading the
+same value into its own host tier. The storage bytes per token do not grow with tp.
+
 Weight updates. The engine sends CLEAR once no request and no copy is left (the cache
 core refuses ``begin_weight_update`` otherwise), then has the workers load the new weights,
 then sends RESTORE.
@@ -162,8 +167,9 @@ class TaskExecutor:
         if not self.spec.storage_url:
             return
         namespace = storage_namespace(self.spec, self.weights_version)
+        shard, shards = (0, 1) if self.spec.layout.mla else (self.rank, self.spec.tp_size)
         try:
-            self.store = open_store(self.spec.storage_url, namespace, self.rank, self.spec.tp_size)
+            self.store = open_store(self.spec.storage_url, namespace, shard, shards)
         except Exception as exc:  # degrade: STORE/LOAD fail with this text, swaps go on
             self.store_error = f"storage tier {self.spec.storage_url!r} unavailable: {type(exc).__name__}: {exc}"
             log.error("transfer[%d]: %s", self.rank, self.store_error)
@@ -327,6 +333,8 @@ class TaskExecutor:
         store, host, done = self.store, self.host.array, []
         self._check_ids(plan.src if plan.kind is CopyKind.STORE else plan.dst, self.spec.num_host_blocks, "host")
         load = plan.kind is CopyKind.LOAD
+        if not load and self.spec.layout.mla and self.rank != 0:
+            return 0, ""  # rank 0 writes the latent every rank holds (module docstring)
         if load:
             verb, ids, move = "loaded", plan.dst, store.get
         else:

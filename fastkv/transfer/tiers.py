@@ -19,6 +19,8 @@ Byte layout of both segments::
         kind 1: per layer l, K[l] then V[l], each [num_blocks, kv_heads, block_size, head_dim]
         kind 2: JSON list of Paddle's CUDA IPC metadata (``_share_cuda``), K[0], V[0], K[1], ...
         kind 3: [num_blocks, layers, 2, kv_heads, block_size, head_dim]
+        An MLA layout has no V: per layer the latent alone, and 1 for 2 in kind 3.
+        ``layout.kv_pages`` tensors per layer.
     kind 3 only: [4096 + payload, + 16 * num_blocks) one checksum per host block
         (``block_checksum``), written by the transfer process when a block lands (SWAP_OUT,
         LOAD) and checked before it leaves (SWAP_IN, STORE): host memory that changed in
@@ -202,7 +204,8 @@ def paddle_to_numpy(tensor: Any) -> np.ndarray:
 
 @dataclass(slots=True)
 class DeviceTier:
-    """One rank's device tier: per layer, a K and a V tensor ``layout.device_shape(num_blocks)``.
+    """One rank's device tier: per layer, a K and a V tensor ``layout.device_shape(num_blocks)``
+    (MLA: the latent in ``k``, and ``v`` empty).
 
     ``k_arrays``/``v_arrays`` are numpy views of the same bytes on the shm backend (empty on CUDA).
     """
@@ -229,7 +232,8 @@ class DeviceTier:
             backend = "cuda" if _cuda_available() else "shm"
         if backend == "shm":
             layer_bytes = num_blocks * layout.page_bytes
-            segment = ShmSegment(name, HEADER_BYTES + 2 * layout.num_layers * layer_bytes, create=True,
+            payload = layout.kv_pages * layout.num_layers * layer_bytes
+            segment = ShmSegment(name, HEADER_BYTES + payload, create=True,
                                  populate=populate)
             try:
                 tier = cls(layout, num_blocks, name, TierKind.DEVICE_SHM, _segment=segment)
@@ -237,7 +241,7 @@ class DeviceTier:
             except BaseException:
                 segment.unlink()
                 raise
-            _write_header(segment.buf, TierKind.DEVICE_SHM, num_blocks, 2 * layout.num_layers * layer_bytes, layout)
+            _write_header(segment.buf, TierKind.DEVICE_SHM, num_blocks, payload, layout)
             return tier
         if backend == "cuda":
             return cls._create_cuda(name, layout, num_blocks)
@@ -254,7 +258,7 @@ class DeviceTier:
         )
         tier = cls(layout, num_blocks, name, kind, _segment=segment)
         if kind is TierKind.DEVICE_SHM:
-            expected = HEADER_BYTES + 2 * layout.num_layers * num_blocks * layout.page_bytes
+            expected = HEADER_BYTES + layout.kv_pages * layout.num_layers * num_blocks * layout.page_bytes
             if segment.size != expected:
                 raise ValueError(f"shm segment {name!r} has {segment.size} bytes, expected {expected}")
             tier._map_shm()
@@ -267,11 +271,12 @@ class DeviceTier:
         layer_bytes = self.num_blocks * self.layout.page_bytes
         shape = self.layout.device_shape(self.num_blocks)
         views = []
-        for i in range(2 * self.layout.num_layers):
+        pages = self.layout.kv_pages
+        for i in range(pages * self.layout.num_layers):
             offset = HEADER_BYTES + i * layer_bytes
             views.append(np.frombuffer(self._segment.buf, self.layout.numpy_dtype, layer_bytes // self.layout.itemsize,
                                        offset).reshape(shape))
-        self.k_arrays, self.v_arrays = views[0::2], views[1::2]
+        self.k_arrays, self.v_arrays = _split_pages(views, pages)
         self.k = [numpy_to_paddle(a, self.layout.dtype) for a in self.k_arrays]
         self.v = [numpy_to_paddle(a, self.layout.dtype) for a in self.v_arrays]
 
@@ -280,13 +285,14 @@ class DeviceTier:
         import paddle
 
         shape = list(layout.device_shape(num_blocks))
-        tensors = [paddle.zeros(shape, dtype=layout.dtype) for _ in range(2 * layout.num_layers)]
-        return cls._publish_cuda(name, layout, num_blocks, tensors[0::2], tensors[1::2])
+        pages = layout.kv_pages
+        tensors = [paddle.zeros(shape, dtype=layout.dtype) for _ in range(pages * layout.num_layers)]
+        return cls._publish_cuda(name, layout, num_blocks, *_split_pages(tensors, pages))
 
     @classmethod
     def _publish_cuda(cls, name: str, layout: KVLayout, num_blocks: int, k: list, v: list) -> DeviceTier:
         """Writes the CUDA IPC handles of ``k``/``v`` (interleaved K[0], V[0], ...) under ``name``."""
-        tensors = [t for pair in zip(k, v, strict=True) for t in pair]
+        tensors = [t for pair in zip(k, v, strict=True) for t in pair] if v else list(k)
         metas = [t.value().get_tensor()._share_cuda() for t in tensors]
         if any(len(m) != 7 for m in metas):
             raise RuntimeError(
@@ -324,10 +330,11 @@ class DeviceTier:
     def _open_cuda(self, metas: list) -> None:
         import paddle
 
-        if len(metas) != 2 * self.layout.num_layers:
-            raise ValueError(f"{self.name!r} shares {len(metas)} tensors, expected {2 * self.layout.num_layers}")
+        pages = self.layout.kv_pages
+        if len(metas) != pages * self.layout.num_layers:
+            raise ValueError(f"{self.name!r} shares {len(metas)} tensors, expected {pages * self.layout.num_layers}")
         tensors = [paddle.to_tensor(paddle.base.core.DenseTensor._new_shared_cuda(_decode_meta(m))) for m in metas]
-        self.k, self.v = tensors[0::2], tensors[1::2]
+        self.k, self.v = _split_pages(tensors, pages)
 
     def unlink(self) -> None:
         """Removes the name (the creator, at shutdown); attached processes keep their mappings."""
@@ -499,10 +506,17 @@ class HostTier:
         self._segment = None
 
 
+def _split_pages(tensors: list, pages: int) -> tuple[list, list]:
+    """Tensors in tier order (K[0], V[0], K[1], ...; MLA: the latents) -> (K, V); V empty for MLA."""
+    return (tensors[0::2], tensors[1::2]) if pages == 2 else (list(tensors), [])
+
+
 def _check_caches(layout: KVLayout, k_caches: list, v_caches: list) -> int:
     """How many blocks caches of ``layout``'s shape hold (ValueError naming the first cache that differs)."""
-    if len(k_caches) != layout.num_layers or len(v_caches) != layout.num_layers:
-        raise ValueError(f"need {layout.num_layers} K and V caches (one per layer), got {len(k_caches)} and "
+    v_want = layout.num_layers if layout.kv_pages == 2 else 0
+    if len(k_caches) != layout.num_layers or len(v_caches) != v_want:
+        what = "K and V caches" if v_want else "latent caches and no V"
+        raise ValueError(f"need {layout.num_layers} {what} (one per layer), got {len(k_caches)} and "
                          f"{len(v_caches)}")
     num_blocks = int(k_caches[0].shape[0])
     _check_blocks(num_blocks)

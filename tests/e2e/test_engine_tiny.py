@@ -16,6 +16,7 @@ from fastkv.config import KVLayout
 from fastkv.engine.runners.tiny_decoder import TinyConfig, TinyDecoderRunner
 from fastkv.run import RunSpec
 from fastkv.sched.output import SeqWork, StepPlan
+from fastkv.storage.base import HEADER_BYTES as VALUE_HEADER_BYTES
 from tests.e2e.launch import Run, new_run_id
 
 CFG = dict(vocab=512, hidden=64, intermediate=128, max_positions=256, seed=11)
@@ -27,6 +28,11 @@ PROMPTS = {f"q{i}": (SYSTEM if i % 2 else []) + [(i * 37 + j * 13) % 500 for j i
 
 def layout(tp: int, kv_cache_dtype: str = "float32") -> KVLayout:
     return KVLayout.of(kv_cache_dtype, num_layers=2, kv_heads=4 // tp, block_size=4, head_dim=16, tp_size=tp)
+
+
+def mla_layout(tp: int) -> KVLayout:
+    """One latent of 16 (12 content + 4 RoPE dims) per token and layer, whole on every rank."""
+    return KVLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=16, dtype="float32", tp_size=tp, mla=True)
 
 
 @cache
@@ -61,11 +67,19 @@ def quantized_reference(kv_cache_dtype: str) -> dict[str, list[int]]:
     return {rid: dense(p, MAX_NEW, layout(1, kv_cache_dtype), TinyConfig(**CFG))[0] for rid, p in PROMPTS.items()}
 
 
+@cache
+def mla_reference() -> dict[str, list[int]]:
+    """Each prompt through the cache-free numpy MLA model (tests/unit)."""
+    from tests.unit.test_tiny_mla import mla_reference as dense
+
+    return {rid: dense(p, MAX_NEW, mla_layout(1), TinyConfig(**CFG))[0] for rid, p in PROMPTS.items()}
+
+
 def run_tiny(tp: int, mode: str, out_dir, storage_url: str = "", async_scheduling: bool = True,
-             kv_cache_dtype: str = "float32") -> tuple[dict, dict]:
+             kv_cache_dtype: str = "float32", lay: KVLayout | None = None) -> tuple[dict, dict]:
     pressure = mode != "none"
     # Storage mode: a small host tier, so that host copies are evicted and resumes LOAD from storage.
-    spec = RunSpec(new_run_id(), layout(tp, kv_cache_dtype), num_device_blocks=20 if pressure else 128,
+    spec = RunSpec(new_run_id(), lay or layout(tp, kv_cache_dtype), num_device_blocks=20 if pressure else 128,
                    num_host_blocks=8 if storage_url else 48,
                    storage_url=storage_url, runner="tiny", runner_options={"config": CFG},
                    scheduler={"preemption": mode if pressure else "recompute", "max_num_batched_tokens": 48},
@@ -147,6 +161,44 @@ def test_quantized_kv_equals_the_cache_free_reference(kv_cache_dtype, mode, tp, 
     assert summary["host_checksum_mismatches"] == 0, summary
     assert summary["kv_cache_dtype"] == kv_cache_dtype
     assert summary["kv_bytes_per_token"] == 2 * 2 * (4 // tp) * (16 + 4)  # layers x K,V x heads x (values + scale)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("mode", ["recompute", "offload", "storage", "auto"])
+def test_mla_latent_equals_the_cache_free_reference(mode, tp, tmp_path):
+    """MLA's latent cache through every tier: the tokens are the cache-free MLA model's. With
+    storage, the tier holds each latent block once, whatever tp (rank 0 writes it)."""
+    path = tmp_path / "lmdb"
+    url = f"lmdb://{path}?max_bytes=64M" if mode in ("storage", "auto") else ""
+    results, summary = run_tiny(tp, mode, tmp_path / "out", url, lay=mla_layout(tp))
+    want = mla_reference()
+    assert sorted(results) == sorted(want)
+    for rid, row in results.items():
+        assert row["finish"] == "length" and row["output"] == want[rid], f"{rid}: {row} != {want[rid]}"
+    pre, tasks = summary["preemptions"], summary["copy_tasks"]
+    assert sum(pre.values()) > 0 and (mode == "auto" or pre[mode] > 0), f"no {mode} preemption: {summary}"
+    if mode == "offload":
+        assert summary["recomputed_tokens"] == 0 and tasks.get("swap_in", 0) > 0, summary
+    assert summary["host_checksum_mismatches"] == 0 and summary["storage_errors"] == 0, summary
+    assert summary["kv_bytes_per_token"] == 2 * 16 * 4  # layers x latent x float32, at any tp
+    assert summary["kv_layout"] == "mla"
+    if mode == "storage":
+        assert tasks.get("store", 0) > 0, summary
+        stored_bytes, families = lmdb_contents(path)
+        assert families > 0
+        # bytes stored per token: one value (header + one host block) per block, at tp 1 and tp 2
+        per_token = (stored_bytes - families * VALUE_HEADER_BYTES) / (families * mla_layout(tp).block_size)
+        assert per_token == mla_layout(tp).bytes_per_token == 2 * 16 * 4
+
+
+def lmdb_contents(path) -> tuple[int, int]:
+    """(value bytes, key families) the LMDB store at ``path`` holds."""
+    from fastkv.storage.lmdb_store import LMDBStore
+
+    with LMDBStore(str(path), bytes(32), max_bytes=64 << 20) as store:
+        store.check_integrity()
+        return store.used_bytes(), len(store.families_lru())
 
 
 @pytest.mark.slow

@@ -169,6 +169,9 @@ def test_table_rows_say_what_they_count():
     assert "KV cache" not in rows  # a summary from before the field
     fp8 = report.table(report.build({**base, "kv_cache_dtype": "fp8_e4m3", "kv_bytes_per_token": 17408}, []))
     assert "KV cache" in fp8 and "fp8_e4m3, 17408 bytes per token per rank" in fp8, fp8
+    mla = report.table(report.build({**base, "kv_cache_dtype": "bfloat16", "kv_bytes_per_token": 70272,
+                                     "kv_layout": "mla"}, []))
+    assert "bfloat16 MLA latent, 70272 bytes per token per rank" in mla, mla
     assert report.title("decode", "/x/pre/workload.jsonl", "offload") == \
         "fastkv decode run, workload workload.jsonl, preemption offload"
     assert report.build(base, [])["timeline_columns"] == ["t_s", "finished_requests", "generated_tokens",

@@ -31,7 +31,8 @@ class Tiers:
             return rng.integers(0, 256, nbytes, dtype=np.uint8).view(layout.numpy_dtype).reshape(shape)
 
         self.k = [random_array(layout.device_shape(num_dev)) for _ in range(layout.num_layers)]
-        self.v = [random_array(layout.device_shape(num_dev)) for _ in range(layout.num_layers)]
+        v_layers = layout.num_layers if layout.kv_pages == 2 else 0  # MLA: no V
+        self.v = [random_array(layout.device_shape(num_dev)) for _ in range(v_layers)]
         self.host = random_array(layout.host_shape(num_host))
         self.k_t = [numpy_to_paddle(a, layout.dtype) for a in self.k]
         self.v_t = [numpy_to_paddle(a, layout.dtype) for a in self.v]

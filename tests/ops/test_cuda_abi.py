@@ -62,8 +62,10 @@ class GpuTiers:
         self.lib, self.layout = lib, layout
         rng = np.random.default_rng(seed)
         self.k = [rng.integers(0, 256, (num_dev, layout.page_bytes), dtype=np.uint8) for _ in range(layout.num_layers)]
-        self.v = [rng.integers(0, 256, (num_dev, layout.page_bytes), dtype=np.uint8) for _ in range(layout.num_layers)]
-        self.host = rng.integers(0, 256, (num_host, layout.num_layers, 2, layout.page_bytes), dtype=np.uint8)
+        self.v = [rng.integers(0, 256, (num_dev, layout.page_bytes), dtype=np.uint8)
+                  for _ in range(layout.num_layers if layout.kv_pages == 2 else 0)]  # MLA: no V
+        self.host = rng.integers(0, 256, (num_host, layout.num_layers, layout.kv_pages, layout.page_bytes),
+                                 dtype=np.uint8)
         self.dk = [self._upload(a) for a in self.k]
         self.dv = [self._upload(a) for a in self.v]
         self.hp = lib.host_alloc(self.host.nbytes)
@@ -91,8 +93,10 @@ class GpuTiers:
 @pytest.mark.parametrize("mode", ["all-dma", "all-kernel", "mixed"])
 @pytest.mark.parametrize("to_host", [True, False])
 @pytest.mark.parametrize("page_align", [True, False], ids=["16B-pages", "odd-pages"])
-def test_gpu_swap_matches_reference(gpu, mode, to_host, page_align):
-    layout = KVLayout(num_layers=3, kv_heads=2, block_size=16, head_dim=64 if page_align else 3, dtype="uint8")
+@pytest.mark.parametrize("mla", [False, True], ids=["kv", "mla"])
+def test_gpu_swap_matches_reference(gpu, mode, to_host, page_align, mla):
+    layout = KVLayout(num_layers=3, kv_heads=1 if mla else 2, block_size=16, head_dim=64 if page_align else 3,
+                      dtype="uint8", mla=mla)
     # mixed: the 5-block run goes to the DMA engines, single blocks to the gather kernel.
     dma_min_bytes = {"all-dma": 0, "all-kernel": 1 << 62, "mixed": 3 * layout.page_bytes}[mode]
     num_dev, num_host = 24, 20

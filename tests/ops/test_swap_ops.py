@@ -17,12 +17,14 @@ DTYPES = ["float32", "float16", "bfloat16", "uint8", "int8"]
 
 @st.composite
 def swap_cases(draw):
+    mla = draw(st.booleans())  # one latent page per layer, no V
     layout = KVLayout(
         num_layers=draw(st.integers(1, 4)),
-        kv_heads=draw(st.integers(1, 3)),
+        kv_heads=1 if mla else draw(st.integers(1, 3)),
         block_size=draw(st.integers(1, 4)),
         head_dim=draw(st.integers(1, 8)),
         dtype=draw(st.sampled_from(DTYPES)),
+        mla=mla,
     )
     num_dev, num_host = draw(st.integers(1, 10)), draw(st.integers(1, 10))
     to_host = draw(st.booleans())

@@ -57,6 +57,29 @@ def test_quantized_layout_rejects_bad_fields():
         KVLayout(2, 2, 16, 64, dtype="bfloat16", quant="int8")
 
 
+def test_mla_layout_holds_one_latent_page_per_layer():
+    """DeepSeek V3's latent: 512 + 64 rope dims, one page per layer, the same at every tp."""
+    dense = KVLayout(num_layers=4, kv_heads=1, block_size=64, head_dim=576, dtype="bfloat16", tp_size=2)
+    mla = KVLayout(num_layers=4, kv_heads=1, block_size=64, head_dim=576, dtype="bfloat16", tp_size=2, mla=True)
+    assert [p.name for p in mla.parts] == ["latent"] and mla.kv_pages == 1
+    assert mla.host_shape(3) == (3, 4, 1, 1, 64, 576)
+    assert mla.device_shape(3) == dense.device_shape(3)
+    assert mla.block_bytes == 4 * 64 * 576 * 2 == dense.block_bytes // 2
+    assert mla.bytes_per_token == 4 * 576 * 2
+    assert mla.describe() == dense.describe() + ";mla=latent"
+
+
+@pytest.mark.parametrize("fields,fragment", [
+    (dict(kv_heads=2), "kv_heads must be 1"),
+    (dict(dtype="uint8", quant="int8"), "quantized MLA latent is not supported"),
+    (dict(mla=1), "mla must be a bool"),
+])
+def test_mla_layout_rejects_bad_fields(fields, fragment):
+    base = dict(num_layers=2, kv_heads=1, block_size=4, head_dim=8, dtype="float32", mla=True)
+    with pytest.raises(ValueError, match=fragment):
+        KVLayout(**{**base, **fields})
+
+
 def test_plan_validates_lengths():
     plan = CopyPlan(1, CopyKind.SWAP_OUT, [1, 2], [3, 4])
     assert plan.src.dtype == np.int32 and plan.num_blocks == 2
@@ -115,3 +138,11 @@ def test_hybrid_layout_survives_the_run_specs_json():
     layout = KVLayout(4, 2, 16, 64, windows=(8, 0, 8, 0))
     back = KVLayout(**json.loads(json.dumps(dataclasses.asdict(layout))))
     assert back == layout and back.describe() == layout.describe() and back.groups == layout.groups
+def test_a_run_spec_with_an_mla_layout_needs_the_tiny_runner():
+    from fastkv.run import RunSpec
+
+    layout = KVLayout(num_layers=2, kv_heads=1, block_size=4, head_dim=16, dtype="float32", mla=True)
+    with pytest.raises(ValueError, match="RunSpec: an MLA layout needs runner 'tiny'.*got 'synthetic'"):
+        RunSpec("r", layout, num_device_blocks=8, num_host_blocks=8)
+    spec = RunSpec("r", layout, num_device_blocks=8, num_host_blocks=8, runner="tiny")
+    assert RunSpec.from_json(spec.to_json()).layout == layout

@@ -115,6 +115,34 @@ def test_the_kv_cache_dtype_sets_the_layout_and_its_bytes(tmp_path, text, argv, 
     assert cfg.host_blocks == 2**29 // (bytes_per_token * cfg.block_size)
 
 
+def test_kv_layout_mla_gives_one_latent_per_token_at_every_tp(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('kv_layout = "mla"\nrunner = "tiny"\n')
+    for tp in (1, 2):
+        cfg = JobConfig.from_sources(path, flags("--kv-heads", "1", "--head-dim", "32", "--tp", str(tp)))
+        layout = cfg.layout()
+        assert layout.mla and layout.kv_heads == 1 and layout.bytes_per_token == 4 * 32 * 4  # layers x latent x f32
+        assert cfg.to_spec("r", tmp_path).layout == layout
+    assert not JobConfig.from_sources(None, flags()).layout().mla
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--kv-layout", "gqa"], "argument --kv-layout: invalid choice: 'gqa'"),
+    (["--kv-layout", "mla", "--runner", "tiny"], "setting 'kv_layout' 'mla' caches one latent per token: set "
+                                                 "'kv_heads' to 1, got 2"),
+    (["--kv-layout", "mla", "--kv-heads", "1"], "setting 'kv_layout' 'mla' needs runner 'tiny'"),
+    (["--kv-layout", "mla", "--kv-heads", "1", "--runner", "tiny", "--kv-cache-dtype", "int8"],
+     "setting 'kv_layout' 'mla' takes no quantized KV"),
+    (["--kv-layout", "mla", "--kv-heads", "1", "--runner", "tiny", "--head-dim", "12"],
+     "the tiny runner cannot run this shape: the MLA latent needs head_dim a multiple of 8"),
+])
+def test_bad_kv_layouts_are_one_line_errors(capsys, argv, match):
+    with pytest.raises((ValueError, SystemExit)) as exc:
+        JobConfig.from_sources(None, flags(*argv))
+    said = capsys.readouterr().err.strip().splitlines()[-1:] if exc.type is SystemExit else [str(exc.value)]
+    assert len(said) == 1 and "\n" not in said[0] and match in said[0], said
+
+
 @pytest.mark.parametrize(("text", "argv", "match"), [
     ("", ["--kv-cache-dtype", "fp4"], "argument --kv-cache-dtype: invalid choice: 'fp4'"),
     ('kv_cache_quant_type = "int4_zp"\n', [], "setting 'kv_cache_quant_type' must be one of"),

@@ -57,7 +57,8 @@ class ModelRunner(ABC):
     """One tensor-parallel rank's model runner.
 
     Constructed with the rank's ``KVLayout``, its ``rank`` in ``[0, tp_size)``, and per-layer
-    lists of K and V cache tensors of shape ``layout.device_shape(num_device_blocks)``
+    lists of K and V cache tensors of shape ``layout.device_shape(num_device_blocks)`` (an MLA
+    layout: the latents as K, and no V)
     (Paddle tensors, or numpy arrays for runners that never compute in Paddle).
     """
 
@@ -79,9 +80,11 @@ class ModelRunner(ABC):
         """(Re)bind the per-layer caches: at construction, and when the worker re-created its
         device tier after a weight update that freed it."""
         layout = self.layout
-        if len(k_caches) != layout.num_layers or len(v_caches) != layout.num_layers:
+        v_layers = layout.num_layers if layout.kv_pages == 2 else 0  # MLA: the latents in k_caches, no V
+        if len(k_caches) != layout.num_layers or len(v_caches) != v_layers:
+            what = "K and V caches" if v_layers else "latent caches and no V"
             raise ValueError(
-                f"need {layout.num_layers} K and V caches (one per layer), got {len(k_caches)} and {len(v_caches)}"
+                f"need {layout.num_layers} {what} (one per layer), got {len(k_caches)} and {len(v_caches)}"
             )
         shape0 = tuple(k_caches[0].shape)
         if len(shape0) != 4 or shape0 != layout.device_shape(shape0[0]):

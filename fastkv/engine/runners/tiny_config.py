@@ -12,6 +12,13 @@ P_BITS = 16  # softmax numerators and sigmoid: multiples of 2^-16 in [0, 1]
 CLIP = 256.0  # activation magnitude bound
 
 
+def mla_dims(latent_dim: int) -> tuple[int, int, int]:
+    """The MLA mode's (content dims C, RoPE dims R, per-head dims) of a latent of ``latent_dim``
+    = C + R values: R a quarter of it, each head's K and V C / 2 dims decompressed from the C."""
+    rope = latent_dim // 4
+    return latent_dim - rope, rope, (latent_dim - rope) // 2
+
+
 @dataclass(frozen=True, slots=True)
 class TinyConfig:
     """Model hyper-parameters; layers, KV heads and head_dim come from the KVLayout (times tp_size)."""
@@ -27,10 +34,21 @@ class TinyConfig:
     def q_heads(self, total_kv_heads: int) -> int:
         return self.num_q_heads or total_kv_heads * max(1, 4 // total_kv_heads)
 
+    def mla_q_heads(self) -> int:
+        """Query heads of the MLA mode (every head reads the one latent): 4 by default."""
+        return self.num_q_heads or 4
+
     def check(self, layout: KVLayout) -> None:
         kv = layout.kv_heads * layout.tp_size
         q = self.q_heads(kv)
-        if q % kv:
+        if layout.mla:
+            q = self.mla_q_heads()
+            if q % layout.tp_size:
+                raise ValueError(f"num_q_heads {q} must be a multiple of tp_size {layout.tp_size}")
+            if layout.head_dim % 8:
+                raise ValueError(f"the MLA latent needs head_dim a multiple of 8 (a quarter of it is RoPE "
+                                 f"dims, an even number), got {layout.head_dim}")
+        elif q % kv:
             raise ValueError(f"num_q_heads {q} must be a multiple of the {kv} KV heads")
         if layout.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {layout.head_dim}")

@@ -27,6 +27,13 @@ Tensor parallel over KV heads: rank r owns KV heads [r*h, (r+1)*h)
 and their query heads, writes only its KV shard, and the ranks all-gather per-head
 attention outputs before the (replicated) output projection; exact arithmetic makes
 tp=2 bit-identical to tp=1.
+
+MLA mode (``KVLayout.mla``): DeepSeek's multi-head latent attention, in its naive form. Each
+token's latent (``head_dim`` = C content dims and R RoPE dims, ``mla_dims``) is projected
+from the normed hidden state, its RoPE part rotated, and cached: one row per token and layer.
+Attention decompresses each head's K (its C / 2 dims, then the shared R rotated dims) and V
+from the cached content part. Every rank computes and caches the whole latent (the same bytes)
+and owns a slice of the query heads.
 """
 from __future__ import annotations
 
@@ -43,7 +50,7 @@ import xxhash
 from fastkv.config import KVLayout
 from fastkv.engine.runners import kv_quant
 from fastkv.engine.runners.base import ModelRunner
-from fastkv.engine.runners.tiny_config import ACT_BITS, CLIP, P_BITS, TinyConfig
+from fastkv.engine.runners.tiny_config import ACT_BITS, CLIP, P_BITS, TinyConfig, mla_dims
 from fastkv.ipc.collective import ShmCollective
 from fastkv.sched.output import StepOutput, StepPlan, validate_plan
 
@@ -56,8 +63,10 @@ def _grid(x: np.ndarray, bits: int, bound: float) -> np.ndarray:
     return np.clip(np.round(x * s) / s, -bound, bound)
 
 
-def full_weights(cfg: TinyConfig, num_layers: int, total_kv_heads: int, head_dim: int) -> dict[str, np.ndarray]:
-    """The whole (tp=1) model's weights, float64 on the grid, drawn in a fixed order from ``cfg.seed``."""
+def full_weights(cfg: TinyConfig, num_layers: int, total_kv_heads: int, head_dim: int,
+                 mla: bool = False) -> dict[str, np.ndarray]:
+    """The whole (tp=1) model's weights, float64 on the grid, drawn in a fixed order from ``cfg.seed``.
+    ``mla``: the MLA mode's attention (``head_dim`` is the latent's), whose names differ."""
     rng = np.random.default_rng(cfg.seed)
     H, inter, q = cfg.hidden, cfg.intermediate, cfg.q_heads(total_kv_heads)
     wmax = 1.0 - 2.0**-ACT_BITS
@@ -71,10 +80,18 @@ def full_weights(cfg: TinyConfig, num_layers: int, total_kv_heads: int, head_dim
     w = {"embed": _grid(rng.standard_normal((cfg.vocab, H)), ACT_BITS, 4.0)}
     for i in range(num_layers):
         w[f"{i}.ln1"] = gain(H)
-        w[f"{i}.wq"] = linear(H, q * head_dim)
-        w[f"{i}.wk"] = linear(H, total_kv_heads * head_dim)
-        w[f"{i}.wv"] = linear(H, total_kv_heads * head_dim)
-        w[f"{i}.wo"] = linear(q * head_dim, H)
+        if mla:
+            q, (c, r, dh) = cfg.mla_q_heads(), mla_dims(head_dim)
+            w[f"{i}.wq"] = linear(H, q * (dh + r))  # per head: dh content dims, then r RoPE dims
+            w[f"{i}.wdkv"] = linear(H, head_dim)  # the latent: c content dims, then r RoPE dims
+            w[f"{i}.wuk"] = linear(c, q * dh)
+            w[f"{i}.wuv"] = linear(c, q * dh)
+            w[f"{i}.wo"] = linear(q * dh, H)
+        else:
+            w[f"{i}.wq"] = linear(H, q * head_dim)
+            w[f"{i}.wk"] = linear(H, total_kv_heads * head_dim)
+            w[f"{i}.wv"] = linear(H, total_kv_heads * head_dim)
+            w[f"{i}.wo"] = linear(q * head_dim, H)
         w[f"{i}.ln2"] = gain(H)
         w[f"{i}.wg"] = linear(H, inter)
         w[f"{i}.wu"] = linear(H, inter)
@@ -145,9 +162,16 @@ class TinyDecoderRunner(ModelRunner):
         D, h = layout.head_dim, layout.kv_heads
         self.total_kv_heads = h * tp_size
         self.q_heads = cfg.q_heads(self.total_kv_heads) // tp_size  # this rank's
-        cos, sin = rope_tables(cfg, D)
+        rope_dims, qk_dims = D, D
+        if layout.mla:
+            if layout.quant:
+                raise ValueError("the tiny decoder's MLA mode takes a float32 latent")
+            _, rope_dims, dh = mla_dims(D)
+            qk_dims = dh + rope_dims
+            self.q_heads = cfg.mla_q_heads() // tp_size
+        cos, sin = rope_tables(cfg, rope_dims)
         self.cos, self.sin = _t(cos), _t(sin)
-        self.scale = 1.0 / math.sqrt(D)
+        self.scale = 1.0 / math.sqrt(qk_dims)
         self.load_weights(weights_version)
 
     @property
@@ -170,17 +194,22 @@ class TinyDecoderRunner(ModelRunner):
         kv_cols = slice(rank * h * D, (rank + 1) * h * D)
         q_cols = slice(rank * self.q_heads * D, (rank + 1) * self.q_heads * D)
         cfg = dataclasses.replace(self.config, seed=weights_seed(self.config.seed, weights_version))
-        full = full_weights(cfg, layout.num_layers, self.total_kv_heads, D)
+        full = full_weights(cfg, layout.num_layers, self.total_kv_heads, D, mla=layout.mla)
         self.embed, self.norm, self.lm_head = _t(full["embed"]), _t(full["norm"]), _t(full["lm_head"])
         self.layers = []
         for i in range(layout.num_layers):
-            wq, wk, wv = full[f"{i}.wq"][:, q_cols], full[f"{i}.wk"][:, kv_cols], full[f"{i}.wv"][:, kv_cols]
-            qkv = np.concatenate([wq, wk, wv], axis=1)
             gate_up = np.concatenate([full[f"{i}.wg"], full[f"{i}.wu"]], axis=1)
-            self.layers.append(
-                dict(ln1=_t(full[f"{i}.ln1"]), qkv=_t(qkv), wo=_t(full[f"{i}.wo"]), ln2=_t(full[f"{i}.ln2"]),
+            w = dict(ln1=_t(full[f"{i}.ln1"]), wo=_t(full[f"{i}.wo"]), ln2=_t(full[f"{i}.ln2"]),
                      gate_up=_t(gate_up), wd=_t(full[f"{i}.wd"]))
-            )
+            if layout.mla:  # this rank's query heads; the latent's projection whole
+                _, r, dh = mla_dims(D)
+                n0, n1 = rank * self.q_heads, (rank + 1) * self.q_heads
+                w.update(wq=_t(full[f"{i}.wq"][:, n0 * (dh + r) : n1 * (dh + r)]), wdkv=_t(full[f"{i}.wdkv"]),
+                         wuk=_t(full[f"{i}.wuk"][:, n0 * dh : n1 * dh]), wuv=_t(full[f"{i}.wuv"][:, n0 * dh : n1 * dh]))
+            else:
+                wq, wk, wv = full[f"{i}.wq"][:, q_cols], full[f"{i}.wk"][:, kv_cols], full[f"{i}.wv"][:, kv_cols]
+                w["qkv"] = _t(np.concatenate([wq, wk, wv], axis=1))
+            self.layers.append(w)
         self.weights_version = str(weights_version)
 
     # -- one step ---------------------------------------------------------------------
@@ -204,13 +233,18 @@ class TinyDecoderRunner(ModelRunner):
         sin = paddle.gather(self.sin, b.positions).unsqueeze(1)
         D, h, g = self.layout.head_dim, self.layout.kv_heads, self.q_heads // self.layout.kv_heads
         for i, w in enumerate(self.layers):
-            qkv = _q(paddle.matmul(_rms_norm(x, w["ln1"]), w["qkv"]))
-            qn = self.q_heads * D
-            q = _rope(qkv[:, :qn].reshape([-1, self.q_heads, D]), cos, sin)
-            k = _rope(qkv[:, qn : qn + h * D].reshape([-1, h, D]), cos, sin)
-            v = qkv[:, qn + h * D :].reshape([-1, h, D])
-            self._write_kv(i, k, v, b)
-            o = self._attend(i, q, b, g)  # [T, q_heads * D]
+            hn = _rms_norm(x, w["ln1"])
+            if self.layout.mla:
+                o = self._mla(i, hn, w, b, cos, sin)
+            else:
+                qkv = _q(paddle.matmul(hn, w["qkv"]))
+                qn = self.q_heads * D
+                q = _rope(qkv[:, :qn].reshape([-1, self.q_heads, D]), cos, sin)
+                k = _rope(qkv[:, qn : qn + h * D].reshape([-1, h, D]), cos, sin)
+                v = qkv[:, qn + h * D :].reshape([-1, h, D])
+                self._write_kv(i, k, v, b)
+                kc, vc = self._gather(i, b)
+                o = self._attend(q, kc, vc, b, h, g)  # [T, q_heads * D]
             if self.collective is not None:
                 o = paddle.to_tensor(np.concatenate(self.collective.all_gather(o.numpy()), axis=1))
             x = _q(x + _q(paddle.matmul(o, w["wo"])))
@@ -227,9 +261,30 @@ class TinyDecoderRunner(ModelRunner):
                 sampled[rid] = int(tok)
         return StepOutput(plan.step_id, sampled, time.perf_counter() - t0)
 
-    def _write_kv(self, layer: int, k: paddle.Tensor, v: paddle.Tensor, b: _Batch) -> None:
-        """Store the new tokens' K/V [T, h, D] in their slots, in place, touching no other slot."""
-        for views, caches, val in ((self.k_views, self.k_caches, k), (self.v_views, self.v_caches, v)):
+    def _mla(self, layer: int, hn: paddle.Tensor, w: dict, b: _Batch, cos: paddle.Tensor,
+             sin: paddle.Tensor) -> paddle.Tensor:
+        """MLA attention of the new tokens (normed hidden ``hn`` [T, H]): write their latents, then
+        attend over each sequence's cached latents. Returns [T, q_heads * dh]."""
+        c, r, dh = mla_dims(self.layout.head_dim)
+        nh = self.q_heads
+        q = _q(paddle.matmul(hn, w["wq"])).reshape([-1, nh, dh + r])
+        q = paddle.concat([q[..., :dh], _rope(q[..., dh:], cos, sin)], axis=-1)
+        lat = _q(paddle.matmul(hn, w["wdkv"]))
+        lat = paddle.concat([lat[:, :c], _rope(lat[:, c:].unsqueeze(1), cos, sin).squeeze(1)], axis=-1)
+        self._write_kv(layer, lat.unsqueeze(1), None, b)
+        cached, _ = self._gather(layer, b)  # [S, nb, 1, bs, c + r]; zero past each sequence's end
+        S, nb, _, bs, _ = cached.shape
+        heads = lambda t: t.reshape([S, nb, bs, nh, dh]).transpose([0, 1, 3, 2, 4])  # noqa: E731
+        k_nope = heads(_q(paddle.matmul(cached[..., :c], w["wuk"])))
+        v = heads(_q(paddle.matmul(cached[..., :c], w["wuv"])))
+        k = paddle.concat([k_nope, cached[..., c:].expand([S, nb, nh, bs, r])], axis=-1)
+        return self._attend(q, k, v, b, nh, 1)
+
+    def _write_kv(self, layer: int, k: paddle.Tensor, v: paddle.Tensor | None, b: _Batch) -> None:
+        """Store the new tokens' K/V [T, h, D] (MLA: latents [T, 1, D], no V) in their slots, in
+        place, touching no other slot."""
+        pairs = ((self.k_views, self.k_caches, k), (self.v_views, self.v_caches, v))
+        for views, caches, val in pairs[: self.layout.kv_pages]:
             if self.layout.quant:  # the values' bytes and their scales, one row per token-head
                 rows = kv_quant.quantize(val.numpy(), self.layout.quant, self.min_scale)
                 views[layer][b.slot_blocks, :, b.slot_offsets, :] = rows
@@ -240,13 +295,22 @@ class TinyDecoderRunner(ModelRunner):
                     caches[layer].dtype
                 )
 
-    def _gather(self, layer: int, b: _Batch) -> tuple[paddle.Tensor, paddle.Tensor]:
+    def _gather(self, layer: int, b: _Batch) -> tuple[paddle.Tensor, paddle.Tensor | None]:
         """K and V [S, blocks, h, block_size, D] float64 of every sequence's blocks, block-major.
 
         Slots past a sequence's length (the tail of its last block, padding blocks) hold
         another request's data or none: V there is zeroed so that 0 * garbage cannot become
-        NaN (K there is masked out of the scores).
+        NaN (K there is masked out of the scores). MLA: the latents, zeroed there (they make V), and None.
         """
+        if self.layout.mla:
+            if self.k_views[layer] is not None:
+                lat = self.k_views[layer][b.tables].astype(np.float64)
+                lat[b.invalid[0], b.invalid[1], :, b.invalid[2], :] = 0.0
+                return _from_numpy(lat), None
+            idx = paddle.to_tensor(b.tables.reshape(-1))
+            shape = [*b.tables.shape, *self.layout.device_shape(0)[1:]]
+            lat = paddle.index_select(self.k_caches[layer], idx, axis=0).reshape(shape).astype("float64")
+            return paddle.where(paddle.to_tensor(b.key_valid), lat, paddle.zeros_like(lat)), None
         if self.layout.quant:  # (garbage past a sequence's end may read as NaN: masked as below)
             with np.errstate(invalid="ignore", over="ignore"):
                 k = kv_quant.dequantize(self.k_views[layer][b.tables], self.layout.quant)
@@ -264,15 +328,16 @@ class TinyDecoderRunner(ModelRunner):
         v = paddle.index_select(self.v_caches[layer], idx, axis=0).reshape(shape).astype("float64")
         return k, paddle.where(paddle.to_tensor(b.key_valid), v, paddle.zeros_like(v))
 
-    def _attend(self, layer: int, q: paddle.Tensor, b: _Batch, g: int) -> paddle.Tensor:
-        """Causal attention of the new tokens' queries [T, q_heads, D] over each sequence's paged KV.
+    def _attend(self, q: paddle.Tensor, kc: paddle.Tensor, vc: paddle.Tensor, b: _Batch, h: int,
+                g: int) -> paddle.Tensor:
+        """Causal attention of the new tokens' queries [T, h * g, D] over each sequence's paged
+        K [S, blocks, h, block_size, D] and V [..., Dv]: [T, h * g * Dv].
 
         Scores stay block-major [S, blocks, h, g*Q, block_size] so the gathered blocks are used
         as they lie (no transpose copy); softmax reduces over (blocks, slots).
         """
-        D, h, bs = self.layout.head_dim, self.layout.kv_heads, self.layout.block_size
+        D, Dv, bs = q.shape[-1], vc.shape[-1], self.layout.block_size
         S, Q, nb = len(b.starts), b.max_new, b.tables.shape[1]
-        kc, vc = self._gather(layer, b)
         qp = paddle.gather(paddle.concat([q, paddle.zeros([1, *q.shape[1:]], q.dtype)]), b.pad_index)
         qp = qp.reshape([S, Q, h, g, D]).transpose([0, 2, 3, 1, 4]).reshape([S, 1, h, g * Q, D])
         scores = (paddle.matmul(qp, kc, transpose_y=True) * self.scale).reshape([S, nb, h, g, Q, bs])
@@ -281,8 +346,8 @@ class TinyDecoderRunner(ModelRunner):
         p = _q(e, P_BITS)
         denom = paddle.sum(p, axis=[1, 5])  # exact; >= 1 (the max term is 1)
         o = paddle.sum(paddle.matmul(p.reshape([S, nb, h, g * Q, bs]), vc), axis=1)  # exact
-        o = _q(o.reshape([S, h, g, Q, D]) / denom.unsqueeze(-1))
-        o = o.transpose([0, 3, 1, 2, 4]).reshape([S * Q, h * g * D])
+        o = _q(o.reshape([S, h, g, Q, Dv]) / denom.unsqueeze(-1))
+        o = o.transpose([0, 3, 1, 2, 4]).reshape([S * Q, h * g * Dv])
         return paddle.gather(o, b.token_rows)
 
 
