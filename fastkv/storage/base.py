@@ -106,24 +106,12 @@ class ValueCodec:
         mv = memoryview(value)
         if mv.nbytes < HEADER_BYTES:
             return Verdict.SHORT
-        magic, version, rank, tp_size, length, namespace, vkey = _PREFIX.unpack_from(mv)
-        if magic != MAGIC:
-            return Verdict.MAGIC
-        if version != FORMAT_VERSION:
-            return Verdict.VERSION
-        if namespace != self.namespace or tp_size != self.tp_size:
-            return Verdict.NAMESPACE
-        if vkey != key:
-            return Verdict.KEY
-        if rank != self.rank:
-            return Verdict.RANK
-        if length != payload_bytes or mv.nbytes != HEADER_BYTES + payload_bytes:
+        verdict = self._header_verdict(key, mv, payload_bytes)
+        if verdict is not Verdict.OK:
+            return verdict
+        if mv.nbytes != HEADER_BYTES + payload_bytes:
             return Verdict.LENGTH
-        h = xxhash.xxh3_128(mv[:_CHECKSUM_AT])
-        h.update(mv[HEADER_BYTES:])
-        if h.digest() != mv[_CHECKSUM_AT:HEADER_BYTES]:
-            return Verdict.CHECKSUM
-        return Verdict.OK
+        return self._checksum_verdict(mv[:HEADER_BYTES], mv[HEADER_BYTES:])
 
     def verify_split(self, key: bytes, header, payload, nbytes: int, payload_bytes: int) -> Verdict:
         """``verify`` of a value of ``nbytes`` that landed in two buffers: its header and its
@@ -131,6 +119,10 @@ class ValueCodec:
         hv, pv = memoryview(header), memoryview(payload)
         if nbytes != HEADER_BYTES + payload_bytes or hv.nbytes != HEADER_BYTES or pv.nbytes != payload_bytes:
             return Verdict.SHORT if nbytes < HEADER_BYTES else Verdict.LENGTH
+        verdict = self._header_verdict(key, hv, payload_bytes)
+        return verdict if verdict is not Verdict.OK else self._checksum_verdict(hv, pv)
+
+    def _header_verdict(self, key: bytes, hv: memoryview, payload_bytes: int) -> Verdict:
         magic, version, rank, tp_size, length, namespace, vkey = _PREFIX.unpack_from(hv)
         if magic != MAGIC:
             return Verdict.MAGIC
@@ -144,11 +136,13 @@ class ValueCodec:
             return Verdict.RANK
         if length != payload_bytes:
             return Verdict.LENGTH
+        return Verdict.OK
+
+    @staticmethod
+    def _checksum_verdict(hv: memoryview, pv: memoryview) -> Verdict:
         h = xxhash.xxh3_128(hv[:_CHECKSUM_AT])
         h.update(pv)
-        if h.digest() != hv[_CHECKSUM_AT:HEADER_BYTES]:
-            return Verdict.CHECKSUM
-        return Verdict.OK
+        return Verdict.OK if h.digest() == hv[_CHECKSUM_AT:HEADER_BYTES] else Verdict.CHECKSUM
 
 
 @dataclass(slots=True)
