@@ -561,6 +561,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if isinstance(got, Reservation):
             assert got.last_position == len(prompt)
             self.worker.add(rid, prompt, [first])
+            self.keyed[rid] = (None, None)  # no extras, the default policy: its blocks may be cached
             if got.writable:
                 self.remote.append((rid, got))
             else:
