@@ -139,6 +139,17 @@ def test_outputs_identical_in_every_mode(tp, mode, async_scheduling, tmp_path, r
         assert summary["recomputed_tokens"] > 0
 
 
+def _assert_the_reference_with_preemptions(results, summary, want, mode):
+    """Every request's tokens are the reference's, and the mode preempted (an offload without recompute)."""
+    assert sorted(results) == sorted(want)
+    for rid, row in results.items():
+        assert row["finish"] == "length" and row["output"] == want[rid], f"{rid}: {row} != {want[rid]}"
+    pre, tasks = summary["preemptions"], summary["copy_tasks"]
+    assert sum(pre.values()) > 0 and (mode == "auto" or pre[mode] > 0), f"no {mode} preemption: {summary}"
+    if mode == "offload":
+        assert summary["recomputed_tokens"] == 0 and tasks.get("swap_in", 0) > 0, summary
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("mode", ["recompute", "offload", "storage", "auto"])
@@ -149,15 +160,9 @@ def test_quantized_kv_equals_the_cache_free_reference(kv_cache_dtype, mode, tp, 
     url = f"lmdb://{tmp_path}/lmdb?max_bytes=64M" if mode in ("storage", "auto") else ""
     results, summary = run_tiny(tp, mode, tmp_path / "out", url, kv_cache_dtype=kv_cache_dtype)
     want = quantized_reference(kv_cache_dtype)
-    assert sorted(results) == sorted(want)
-    for rid, row in results.items():
-        assert row["finish"] == "length" and row["output"] == want[rid], f"{rid}: {row} != {want[rid]}"
-    pre, tasks = summary["preemptions"], summary["copy_tasks"]
-    assert sum(pre.values()) > 0 and (mode == "auto" or pre[mode] > 0), f"no {mode} preemption: {summary}"
-    if mode == "offload":
-        assert summary["recomputed_tokens"] == 0 and tasks.get("swap_in", 0) > 0, summary
+    _assert_the_reference_with_preemptions(results, summary, want, mode)
     if mode == "storage":
-        assert tasks.get("store", 0) > 0 and summary["storage_errors"] == 0, summary
+        assert summary["copy_tasks"].get("store", 0) > 0 and summary["storage_errors"] == 0, summary
     assert summary["host_checksum_mismatches"] == 0, summary
     assert summary["kv_cache_dtype"] == kv_cache_dtype
     assert summary["kv_bytes_per_token"] == 2 * 2 * (4 // tp) * (16 + 4)  # layers x K,V x heads x (values + scale)
@@ -173,18 +178,12 @@ def test_mla_latent_equals_the_cache_free_reference(mode, tp, tmp_path):
     url = f"lmdb://{path}?max_bytes=64M" if mode in ("storage", "auto") else ""
     results, summary = run_tiny(tp, mode, tmp_path / "out", url, lay=mla_layout(tp))
     want = mla_reference()
-    assert sorted(results) == sorted(want)
-    for rid, row in results.items():
-        assert row["finish"] == "length" and row["output"] == want[rid], f"{rid}: {row} != {want[rid]}"
-    pre, tasks = summary["preemptions"], summary["copy_tasks"]
-    assert sum(pre.values()) > 0 and (mode == "auto" or pre[mode] > 0), f"no {mode} preemption: {summary}"
-    if mode == "offload":
-        assert summary["recomputed_tokens"] == 0 and tasks.get("swap_in", 0) > 0, summary
+    _assert_the_reference_with_preemptions(results, summary, want, mode)
     assert summary["host_checksum_mismatches"] == 0 and summary["storage_errors"] == 0, summary
     assert summary["kv_bytes_per_token"] == 2 * 16 * 4  # layers x latent x float32, at any tp
     assert summary["kv_layout"] == "mla"
     if mode == "storage":
-        assert tasks.get("store", 0) > 0, summary
+        assert summary["copy_tasks"].get("store", 0) > 0, summary
         stored_bytes, families = lmdb_contents(path)
         assert families > 0
         # bytes stored per token: one value (header + one host block) per block, at tp 1 and tp 2
