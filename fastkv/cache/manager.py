@@ -204,6 +204,11 @@ class CacheManager:
     def block_table(self, request_id: object) -> np.ndarray:
         return np.asarray(self.state.get(request_id).table, dtype=np.int32)
 
+    def step_table(self, request_id: object, start: int, count: int) -> np.ndarray:
+        """The table a step computing [start, start + count) reads: the whole table, every block
+        of every slotted token taken already (``fastkv.cache.group_manager`` takes them per step)."""
+        return self.block_table(request_id)
+
     def request_state(self, request_id: object) -> ReqState:
         return self.state.get(request_id).state
 

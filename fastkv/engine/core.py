@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 
 from fastkv.cache import request_policy
 from fastkv.cache.keys import ExtraKeys
+from fastkv.cache.group_manager import GroupedManager
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import ClearTask, CopyKind, CopyPlan
 from fastkv.cache.write_policy import StorageWrites, Tier
@@ -154,8 +155,13 @@ class Engine:
                  = None, *, check: bool = False) -> None:
         self.spec = spec
         self.ends = ends
-        self.cache = CacheManager(cache_config(spec))
-        self.sched = Scheduler(self.cache, scheduler_config(spec), hits=hit_policy(spec))
+        sched_config = scheduler_config(spec)
+        if spec.layout.is_hybrid:  # one device pool and table per KV cache group (fastkv.cache.group_manager)
+            self.cache = GroupedManager(cache_config(spec), spec.device_group_blocks(),
+                                        sched_config.max_num_batched_tokens)
+        else:
+            self.cache = CacheManager(cache_config(spec))
+        self.sched = Scheduler(self.cache, sched_config, hits=hit_policy(spec))
         if self.sched.config.preemption is PreemptionMode.STORAGE and not spec.storage_url:
             raise ValueError("RunSpec.scheduler: preemption 'storage' needs a storage tier (RunSpec.storage_url)")
         if client_factory is None:
@@ -187,7 +193,8 @@ class Engine:
         self._params: dict[int, str] = {}  # requests not yet in a plan -> their PlanMsg.params entry
         self._tokens: dict[str, list[int]] = {}  # sampled in the step being run, by the caller's id
         # async scheduling: plans sent whose output is not in yet (oldest first), with their send time
-        self.async_scheduling = spec.async_scheduling and spec.role != "decode"
+        # a hybrid layout's groups take blocks per step, not ahead of a step in flight: synchronous
+        self.async_scheduling = spec.async_scheduling and spec.role != "decode" and not spec.layout.is_hybrid
         self._flight: list[tuple[StepPlan, float]] = []
         self._last_output = 0.0  # when the last step's output came in: the next step's wall time starts there
         self._held: dict[str, list[int]] = {}  # tokens of requests that stopped, kept for their result's update

@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from fastkv.cache.group_manager import GroupedManager
 from fastkv.cache.manager import CacheManager
 from fastkv.cache.plan import CopyKind, CopyPlan, Ready
 from fastkv.sched import admission, preemption, reservation, weights
@@ -52,8 +53,8 @@ S = RequestState
 class Scheduler:
     def __init__(self, cache: CacheManager, config: SchedulerConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, hits: HitPolicy | None = None) -> None:
-        if not isinstance(cache, CacheManager):
-            raise TypeError(f"cache must be a CacheManager, got {type(cache).__name__}")
+        if not isinstance(cache, CacheManager | GroupedManager):
+            raise TypeError(f"cache must be a CacheManager or a GroupedManager, got {type(cache).__name__}")
         cfg = config if config is not None else SchedulerConfig()
         if not isinstance(cfg, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(cfg).__name__}")

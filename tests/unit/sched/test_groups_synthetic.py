@@ -1,0 +1,107 @@
+"""A sliding-window hybrid layout through the scheduler: one device pool and block table per KV
+cache group (``fastkv.cache.group_manager``), the synthetic runner on real numpy caches whose
+sliding layers have fewer blocks than the full ones.
+
+The runner verifies every byte each group must still hold before every step, and its oracle reads
+each group through its own table (a sliding group only its window), so a wrong or missing block in
+any group changes the tokens; outputs must equal ``reference_output`` with the groups' windows.
+Memory is tight enough that requests are preempted (recompute) and shared prefixes hit.
+"""
+import numpy as np
+import pytest
+
+from fastkv.cache.group_manager import GroupedManager
+from fastkv.cache.manager import CacheConfig
+from fastkv.config import KVLayout, cdiv
+from fastkv.engine.runners.synthetic import KVMismatch, SyntheticRunner, reference_output
+from fastkv.sched import PreemptionMode, Request, Scheduler, SchedulerConfig
+from fastkv.sched.output import SeqWork, StepPlan
+
+WINDOW = 6
+LAYOUT = KVLayout(num_layers=4, kv_heads=2, block_size=4, head_dim=12, dtype="bfloat16", windows=(WINDOW, 0) * 2)
+SYSTEM = [5, 9, 13, 17, 21, 25, 29, 33, 37]  # a shared prefix: hits across requests
+
+
+def prompts(n: int = 8) -> list[list[int]]:
+    return [(SYSTEM if i % 2 else []) + [(i * 31 + j * 7) % 90 + 1 for j in range(5 + 3 * i)] for i in range(n)]
+
+
+def caches(group_blocks):
+    blocks = LAYOUT.layer_blocks(group_blocks, 0)
+    return ([np.zeros(LAYOUT.device_shape(n), LAYOUT.numpy_dtype) for n in blocks],
+            [np.zeros(LAYOUT.device_shape(n), LAYOUT.numpy_dtype) for n in blocks])
+
+
+def serve(group_blocks, max_new=12, chunk=16, n=8):
+    k, v = caches(group_blocks)
+    runner = SyntheticRunner(LAYOUT, 0, 1, k, v, vocab=97, verify="all")
+    cache = GroupedManager(CacheConfig(num_device_blocks=max(group_blocks), block_size=LAYOUT.block_size,
+                                       layout=LAYOUT), group_blocks, chunk)
+    sched = Scheduler(cache, SchedulerConfig(max_num_batched_tokens=chunk, preemption=PreemptionMode.RECOMPUTE))
+    ps = prompts(n)
+    for rid, p in enumerate(ps):
+        sched.add_request(Request(rid, np.array(p, np.int32), max_new))
+    outputs, held = {}, [0, 0]
+    sliding = [g for g, group in enumerate(LAYOUT.groups) if group.window]
+    for _ in range(3000):
+        if not sched.has_work():
+            break
+        out = sched.step()
+        assert not out.copies
+        for r in out.finished:
+            outputs[r.request_id] = r.output_token_ids
+        runner.release(r.request_id for r in out.finished)
+        if out.plan.seqs:
+            sched.on_step_output(runner.step(out.plan))
+        sched.check_integrity()
+        for rid in cache.request_ids():  # between steps: what each request holds per group
+            for g, count in enumerate(cache.groups.held_blocks(rid)):
+                held[g] = max(held[g], count)
+    else:
+        raise AssertionError("the scheduler did not finish")
+    for r in sched.take_finished():
+        outputs[r.request_id] = r.output_token_ids
+    windows = [g.window for g in LAYOUT.groups]
+    want = {rid: reference_output(p, max_new, 97, LAYOUT.dtype, windows=windows) for rid, p in enumerate(ps)}
+    return outputs, want, sched, cache, runner, held, sliding
+
+
+def test_outputs_equal_the_reference_under_recompute_preemption_with_a_bounded_sliding_group():
+    bound = cdiv(WINDOW, LAYOUT.block_size) + 1
+    # 12 blocks a group: the full group holds about one long request, the sliding group four
+    outputs, want, sched, cache, runner, held, sliding = serve([12, 12])
+    assert outputs == want
+    assert sched.stats.preempt_recompute > 0 and sched.stats.recomputed_tokens > 0, "no preemption under pressure"
+    assert runner.checks()["kv_blocks_verified"] > 0
+    for g in sliding:
+        assert 0 < held[g] <= bound, f"group {g} held {held[g]} blocks for one request between steps (bound {bound})"
+        assert cache.peak_held[g] <= bound
+    full = [g for g in range(len(LAYOUT.groups)) if g not in sliding]
+    assert held[full[0]] > bound  # the full group holds whole contexts: the bound is the sliding group's alone
+    summary = cache.group_summary()
+    assert sum(s["hit_blocks"] for s in summary) > 0, "the shared prefix never hit"
+    assert all(s["held"] == 0 for s in summary)  # everything let go at the end
+
+
+def test_outputs_are_the_reference_with_room_to_spare():
+    outputs, want, sched, *_ = serve([64, 64], chunk=8)
+    assert outputs == want
+    assert sched.stats.preempt_recompute == 0
+
+
+def test_a_hole_in_a_sliding_table_that_the_window_reads_is_caught():
+    """The check has teeth: a sliding group's table missing a block its window reads fails the
+    step's validation; one pointing at another request's block fails the byte check."""
+    k, v = caches([8, 8])
+    runner = SyntheticRunner(LAYOUT, 0, 1, k, v, vocab=97, verify="all")
+    toks = np.arange(1, 11, dtype=np.int32)
+    table = np.array([[0, 1, 2], [0, 1, 2]], np.int32)
+    runner.step(StepPlan(1, [SeqWork(1, toks, 0, table, True)]))
+    bad = table.copy()
+    bad[0, 1] = -1  # position 10's window [5, 10] reads block 1
+    with pytest.raises(ValueError, match="misses a block"):
+        runner.step(StepPlan(2, [SeqWork(1, np.array([3], np.int32), 10, bad, True)]))
+    moved = table.copy()
+    moved[0, 1] = 5  # a block never written for this request
+    with pytest.raises(KVMismatch, match="group 0"):
+        runner.step(StepPlan(3, [SeqWork(1, np.array([3], np.int32), 10, moved, True)]))
