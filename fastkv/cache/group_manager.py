@@ -128,10 +128,10 @@ class GroupedManager:
         return list(self._recs)
 
     def _rec(self, request_id: object) -> _Rec:
-        rec = self._recs.get(request_id)
-        if rec is None:
+        info = self._recs.get(request_id)
+        if info is None:
             raise ValueError(f"unknown request {request_id!r}")
-        return rec
+        return info
 
     def request_state(self, request_id: object) -> ReqState:
         self._rec(request_id)
@@ -157,8 +157,8 @@ class GroupedManager:
     def step_table(self, request_id: object, start: int, count: int) -> np.ndarray | None:
         """The tables for a step computing positions [start, start + count): blocks taken as the
         step needs them. None (nothing changed) when a group has no room: the request waits."""
-        rec = self._rec(request_id)
-        if count > rec.chunk:
+        info = self._rec(request_id)
+        if count > info.chunk:
             return None
         tables = self.groups.slots(request_id, start, count)
         return None if tables is None else _stack(tables, cdiv(start + count, self.block_size))
@@ -202,34 +202,34 @@ class GroupedManager:
         if ahead:
             raise ValueError("slots ahead of a token (async scheduling): not supported for a sliding-window "
                              "hybrid layout yet")
-        rec = self._rec(request_id)
+        info = self._rec(request_id)
         toks = as_tokens(tokens)
         start = self.groups.record(request_id).num_computed
-        end = rec.num_tokens + len(toks)
-        if end > start and self.groups.slots(request_id, start, min(end - start, rec.chunk)) is None:
+        end = info.num_tokens + len(toks)
+        if end > start and self.groups.slots(request_id, start, min(end - start, info.chunk)) is None:
             return None
-        rec.num_tokens = end
-        rec.tail += toks.tolist()
+        info.num_tokens = end
+        info.tail += toks.tolist()
         bs = self.block_size
-        if len(rec.tail) >= bs:  # blocks just filled get their chained keys (keyed once computed)
-            full = len(rec.tail) // bs
-            parent = rec.keys[-1] if rec.keys else rec.root
-            extras = rec.extras
+        if len(info.tail) >= bs:  # blocks just filled get their chained keys (keyed once computed)
+            full = len(info.tail) // bs
+            parent = info.keys[-1] if info.keys else info.root
+            extras = info.extras
             if extras:
-                extras = {i - len(rec.keys): e for i, e in extras.items() if i >= len(rec.keys)}
-            rec.keys += block_keys(np.asarray(rec.tail[:full * bs], np.int32), bs, parent, 0, extras)
-            del rec.tail[:full * bs]
+                extras = {i - len(info.keys): e for i, e in extras.items() if i >= len(info.keys)}
+            info.keys += block_keys(np.asarray(info.tail[:full * bs], np.int32), bs, parent, 0, extras)
+            del info.tail[:full * bs]
         return Growth((), (), True)
 
     def mark_computed(self, request_id: object, num_computed_tokens: int) -> list[CopyPlan]:
         """The first ``num_computed_tokens`` tokens' KV is on the device: full blocks are keyed,
         sliding groups let go of what slid out; a request with nothing left to compute decodes
         from now on (its sliding groups reserve a decode's bound)."""
-        rec = self._rec(request_id)
+        info = self._rec(request_id)
         n = num_computed_tokens
-        self.groups.computed(request_id, n, rec.keys if rec.writes else [])
-        if n == rec.num_tokens and rec.chunk > 1:
-            rec.chunk = 1
+        self.groups.computed(request_id, n, info.keys if info.writes else [])
+        if n == info.num_tokens and info.chunk > 1:
+            info.chunk = 1
             self.groups.set_chunk(request_id, 1)
         for i, held in enumerate(self.groups.held_blocks(request_id)):
             self.peak_held[i] = max(self.peak_held[i], held)
@@ -238,10 +238,10 @@ class GroupedManager:
     # ================================================================== release
     def free(self, request_id: object, cache: bool = True) -> None:
         """Done, aborted or preempted by recompute: keyed blocks stay cached unless ``cache`` is False."""
-        rec = self._recs.pop(request_id, None)
-        if rec is None:
+        info = self._recs.pop(request_id, None)
+        if info is None:
             raise ValueError(f"free of unknown request {request_id!r} (double free?)")
-        self.groups.free(request_id, cache=cache and rec.writes)
+        self.groups.free(request_id, cache=cache and info.writes)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds, in every group."""
