@@ -105,8 +105,9 @@ class GroupedManager:
 
     @property
     def num_free_device_blocks(self) -> int:
-        """What the primary group (a full one, whose room bounds growth) can still hand out."""
-        return self.groups.groups[self._primary].available
+        """What the group with the least room can still hand out: a growth that found no room
+        is short there (the scheduler preempts rather than waits for room no copy will free)."""
+        return min(gp.available for gp in self.groups.groups)
 
     has_host_tier = False
     host_occupancy = 0.0
@@ -267,6 +268,21 @@ class GroupedManager:
 
     def check_request(self, request_id: object) -> None:
         self._rec(request_id)
+
+
+def _not_yet(name: str):
+    def refuse(self, *args: object, **kwargs: object) -> None:
+        raise ValueError(f"{name}: not supported for a sliding-window hybrid layout yet")
+    refuse.__name__ = name
+    return refuse
+
+
+# CacheManager's calls for copies, the prefill handoff, weight updates and KV events: the run
+# refuses their flags for a hybrid at start-up, and an embedding caller gets one clear line here
+for _name in ("offload", "restore", "preemption_work", "export", "exported", "retry_export", "release_export",
+              "tail_key", "confirm_stored", "complete", "begin_weight_update", "finish_weight_update",
+              "watch_residency", "explain_miss", "reserve"):
+    setattr(GroupedManager, _name, _not_yet(_name))
 
 
 def _stack(tables: list[np.ndarray], width: int) -> np.ndarray:
