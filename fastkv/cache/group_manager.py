@@ -10,7 +10,12 @@ What differs from ``CacheManager``: a sliding group cannot hold a whole prompt, 
 taken per step for the chunk the step computes (``step_table``, from the batch), not at
 admission; admission reserves them (``GroupedCache.allocate``). A decode's growth
 (``append_slots``) takes the next token's blocks at once, so a lack of room is a None there and
-the scheduler preempts, as for the all-full cache. Copies are not built for groups here: the
+the scheduler preempts, as for the all-full cache. Async scheduling: a step planned while the
+request's previous step is in flight starts where that one ends; the group core is told that
+step's tokens are computed first (their blocks keyed, the slid-out ones given back). That is safe
+without copies: every worker runs its steps in order, so the step in flight has read and
+written them before any later step can. The scheduler's count of computed tokens
+(``num_computed_tokens``) still moves only with ``mark_computed``. Copies are not built for groups here: the
 run refuses a host tier, storage, the prefill handoff, weight updates and KV events for a hybrid
 layout at start-up (``RunSpec``), so every preemption recomputes and no copy is ever planned.
 """
@@ -45,6 +50,7 @@ class _Rec:
     num_tokens: int
     chunk: int
     writes: bool
+    computed: int  # tokens the scheduler was told are computed (mark_computed)
     readable: bool = True
     extra: ExtraKeys | None = field(default=None, repr=False)
 
@@ -110,6 +116,11 @@ class GroupedManager:
         return min(gp.available for gp in self.groups.groups)
 
     has_host_tier = False
+
+    @property
+    def takes_blocks_per_step(self) -> bool:
+        """True: ``step_table`` takes them; nothing is taken ahead of a token (async scheduling)."""
+        return True
     host_occupancy = 0.0
     num_export_holds = 0
 
@@ -149,7 +160,7 @@ class GroupedManager:
         return False
 
     def num_computed_tokens(self, request_id: object) -> int:
-        return self.groups.record(request_id).num_computed
+        return self._rec(request_id).computed
 
     def block_table(self, request_id: object) -> np.ndarray:
         """Per group the request's table, [groups, blocks] (-1: a block the group does not hold)."""
@@ -161,6 +172,8 @@ class GroupedManager:
         info = self._rec(request_id)
         if count > info.chunk:
             return None
+        if start > self.groups.record(request_id).num_computed:  # a step in flight computes up to start
+            self._computed(request_id, start, info)
         tables = self.groups.slots(request_id, start, count)
         return None if tables is None else _stack(tables, cdiv(start + count, self.block_size))
 
@@ -188,7 +201,7 @@ class GroupedManager:
             return None
         bs = self.block_size
         self._recs[request_id] = _Rec(root, extras, keys, toks[len(keys) * bs:].tolist(), n, chunk,
-                                      policy is None or policy.write, readable, extra)
+                                      policy is None or policy.write, first, readable, extra)
         st = self.stats
         st.requests += 1
         st.prompt_tokens += n
@@ -201,8 +214,7 @@ class GroupedManager:
         """The sequence grows by ``tokens`` (decode) and their slots are taken now, so a lack of
         room is a None here (nothing changed) and the scheduler preempts."""
         if ahead:
-            raise ValueError("slots ahead of a token (async scheduling): not supported for a sliding-window "
-                             "hybrid layout yet")
+            raise ValueError("slots ahead of a token: a hybrid's step_table takes them (takes_blocks_per_step)")
         info = self._rec(request_id)
         toks = as_tokens(tokens)
         start = self.groups.record(request_id).num_computed
@@ -228,13 +240,23 @@ class GroupedManager:
         from now on (its sliding groups reserve a decode's bound)."""
         info = self._rec(request_id)
         n = num_computed_tokens
-        self.groups.computed(request_id, n, info.keys if info.writes else [])
+        if not info.computed <= n <= info.num_tokens:
+            raise ValueError(f"request {request_id!r}: num_computed_tokens {n!r} outside "
+                             f"[{info.computed}, {info.num_tokens}]")
+        info.computed = n
+        if n > self.groups.record(request_id).num_computed:  # else told already (step_table)
+            self._computed(request_id, n, info)
         if n == info.num_tokens and info.chunk > 1:
             info.chunk = 1
             self.groups.set_chunk(request_id, 1)
+        return []
+
+    def _computed(self, request_id: object, n: int, info: _Rec) -> None:
+        """Tell the group core; what the request holds then, before its next step takes blocks,
+        is what it holds between steps."""
+        self.groups.computed(request_id, n, info.keys if info.writes else [])
         for i, held in enumerate(self.groups.held_blocks(request_id)):
             self.peak_held[i] = max(self.peak_held[i], held)
-        return []
 
     # ================================================================== release
     def free(self, request_id: object, cache: bool = True) -> None:

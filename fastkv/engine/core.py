@@ -193,8 +193,7 @@ class Engine:
         self._params: dict[int, str] = {}  # requests not yet in a plan -> their PlanMsg.params entry
         self._tokens: dict[str, list[int]] = {}  # sampled in the step being run, by the caller's id
         # async scheduling: plans sent whose output is not in yet (oldest first), with their send time
-        # a hybrid layout's groups take blocks per step, not ahead of a step in flight: synchronous
-        self.async_scheduling = spec.async_scheduling and spec.role != "decode" and not spec.layout.is_hybrid
+        self.async_scheduling = spec.async_scheduling and spec.role != "decode"
         self._flight: list[tuple[StepPlan, float]] = []
         self._last_output = 0.0  # when the last step's output came in: the next step's wall time starts there
         self._held: dict[str, list[int]] = {}  # tokens of requests that stopped, kept for their result's update

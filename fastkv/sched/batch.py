@@ -69,9 +69,12 @@ class StepBatch:
 
     def placeholder(self, req: Request, pos: int) -> None:
         """Decode ``req`` at ``pos`` on the token the step in flight samples for it (async
-        scheduling): the worker fills the placeholder in from its own sample."""
-        self.seqs[req.request_id] = SeqWork(req.request_id, np.array([PLACEHOLDER], np.int32), pos,
-                                            self.cache.step_table(req.request_id, pos, 1), True)
+        scheduling): the worker fills the placeholder in from its own sample. Not when a KV cache
+        group has no room for it yet (``group_manager``): it waits for the step after."""
+        table = self.cache.step_table(req.request_id, pos, 1)
+        if table is None:
+            return
+        self.seqs[req.request_id] = SeqWork(req.request_id, np.array([PLACEHOLDER], np.int32), pos, table, True)
         self.budget -= 1
 
     def _put(self, req: Request, n: int) -> None:

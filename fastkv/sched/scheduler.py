@@ -193,7 +193,7 @@ class Scheduler:
         pos = seq.end_pos
         if len(req.output_token_ids) + 1 >= req.max_new_tokens or req.num_tokens + 1 >= self.max_model_len:
             return
-        if pos % self.block_size == 0:
+        if pos % self.block_size == 0 and not self.cache.takes_blocks_per_step:
             g = self.cache.append_slots(req.request_id, (), ahead=1)
             if g is None:
                 return
@@ -201,7 +201,7 @@ class Scheduler:
             self.outbox.emit(g.plans)
             if not g.ready:  # the block's old content is being written back first
                 return
-        batch.placeholder(req, pos)
+        batch.placeholder(req, pos)  # a hybrid's groups may have no room for it yet: then it waits
 
     def on_step_output(self, output: StepOutput) -> dict[int, int]:
         """The workers computed the oldest plan in flight: KV of the scheduled tokens is on the

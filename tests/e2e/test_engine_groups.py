@@ -33,9 +33,13 @@ def spec(out_dir, group_blocks, **kw) -> RunSpec:
                    heartbeat_s=0.2, out_dir=str(out_dir), slot_size=256, nslots=256, **kw)
 
 
-def test_a_hybrid_serves_the_reference_with_a_bounded_sliding_group_under_preemption(tmp_path):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_hybrid_serves_the_reference_with_a_bounded_sliding_group_under_preemption(overlap, tmp_path):
+    """With async scheduling a step is planned while the one before runs: its tables follow
+    from where that step ends (``GroupedManager.step_table``)."""
     wl = workload(8, 10)
-    s = spec(tmp_path / "out", [12, 14])  # the sliding group's 12 blocks, the full group's 14
+    # the sliding group's 12 blocks, the full group's 14
+    s = spec(tmp_path / "out", [12, 14], async_scheduling=overlap)
     with Run(s, wl) as run:
         assert run.wait(120) == 0, "engine failed: a KV mismatch or a worker error (see stderr)"
         results, summary = run.results(), run.summary()
@@ -49,7 +53,8 @@ def test_a_hybrid_serves_the_reference_with_a_bounded_sliding_group_under_preemp
                                                  windows=windows), row
     assert summary["preemptions"]["recompute"] > 0 and summary["recomputed_tokens"] > 0, summary
     assert summary["verified"]["kv_blocks_verified"] > 0 and summary["verified"]["kv_mismatches"] == 0
-    assert not summary["async_scheduling"]["on"]  # a hybrid plans synchronously
+    steps = summary["async_scheduling"]
+    assert steps["on"] is overlap and (steps["overlapped_steps"] > 0) is overlap, steps
     sliding, full = summary["kv_groups"]
     assert sliding["window"] == WINDOW and full["window"] == 0
     assert (sliding["blocks"], full["blocks"]) == (12, 14)

@@ -16,6 +16,7 @@ from fastkv.cache.request_policy import CachePolicy
 from fastkv.config import KVLayout, cdiv
 from fastkv.engine.runners.synthetic import KVMismatch, SyntheticRunner, reference_output
 from fastkv.sched import PreemptionMode, Request, Scheduler, SchedulerConfig
+from fastkv.engine import protocol
 from fastkv.sched.output import SeqWork, StepPlan
 
 WINDOW = 6
@@ -108,11 +109,45 @@ def test_a_hole_in_a_sliding_table_that_the_window_reads_is_caught():
         runner.step(StepPlan(3, [SeqWork(1, np.array([3], np.int32), 10, moved, True)]))
 
 
+class Overlap:
+    """Steps as the engine plans them under async scheduling: the next plan goes out (through the
+    wire, placeholders filled by the worker) while one is in flight."""
+
+    def __init__(self, sched, runner) -> None:
+        self.sched, self.runner, self.flight, self.last, self.overlapped = sched, runner, [], {}, 0
+
+    def step(self, finished: dict) -> None:
+        s = self.sched
+        if not self.flight:
+            self._plan(False, finished)
+        if len(self.flight) == 1 and not s.sync_next:
+            self._plan(True, finished)
+        if self.flight:
+            plan = protocol.fill_placeholders(self.flight.pop(0), self.last)
+            out = self.runner.step(plan)
+            self.last = out.sampled
+            s.on_step_output(out)
+            for r in s.take_finished():
+                finished[r.request_id] = r.output_token_ids
+            self.runner.release(r for r in list(finished) if r not in s.requests)
+
+    def _plan(self, overlap: bool, finished: dict) -> None:
+        out = self.sched.step(overlap)
+        assert not out.copies
+        for r in out.finished:
+            finished[r.request_id] = r.output_token_ids
+        if out.plan.seqs:
+            self.overlapped += overlap
+            self.flight.append(protocol.msg_to_plan(protocol.plan_to_msg(out.plan), len(LAYOUT.groups)))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_arrivals_aborts_and_cache_policies_keep_every_group_exact(seed):
+def test_random_arrivals_aborts_and_cache_policies_keep_every_group_exact(seed, overlap):
     """Requests arrive over the run, some are aborted, some may not write or read the cache;
-    budgets, prefill shares and device sizes vary. Every step checks the scheduler's and the group
-    core's integrity and the runner verifies every byte; finished outputs are the reference."""
+    budgets, prefill shares and device sizes vary; with ``overlap`` each step is planned while the
+    one before runs (async scheduling). Every step checks the scheduler's and the group core's
+    integrity and the runner verifies every byte; finished outputs are the reference."""
     rng = np.random.default_rng(seed)
     bound = cdiv(WINDOW, LAYOUT.block_size) + 1
     group_blocks = [int(rng.integers(bound + 3, 16)), int(rng.integers(9, 16))]
@@ -137,6 +172,7 @@ def test_random_arrivals_aborts_and_cache_policies_keep_every_group_exact(seed):
         todo.append(Request(rid, np.array(prompt, np.int32), max_new, cache_policy=policy))
     prompts_by_id = {r.request_id: r.prompt_token_ids.tolist() for r in todo}
     aborted, outputs = set(), {}
+    rig = Overlap(sched, runner)
     for step in range(5000):
         if todo and rng.random() < 0.7:
             sched.add_request(todo.pop(0))
@@ -146,18 +182,22 @@ def test_random_arrivals_aborts_and_cache_policies_keep_every_group_exact(seed):
                 aborted.add(rid)
         if not todo and not sched.has_work():
             break
-        out = sched.step()
-        assert not out.copies
-        for r in out.finished:
-            outputs[r.request_id] = r.output_token_ids
-        runner.release(r.request_id for r in out.finished)
-        if out.plan.seqs:
-            sched.on_step_output(runner.step(out.plan))
+        if overlap:
+            rig.step(outputs)
+        else:
+            out = sched.step()
+            assert not out.copies
+            for r in out.finished:
+                outputs[r.request_id] = r.output_token_ids
+            runner.release(r.request_id for r in out.finished)
+            if out.plan.seqs:
+                sched.on_step_output(runner.step(out.plan))
         sched.check_integrity()
-        for rid in cache.request_ids():
-            for g, group in enumerate(LAYOUT.groups):
-                if group.window:
-                    assert cache.groups.held_blocks(rid)[g] <= bound, f"step {step}: request {rid} over its bound"
+        if not overlap:  # between steps (with overlap the next step's blocks are taken already)
+            for rid in cache.request_ids():
+                for g, group in enumerate(LAYOUT.groups):
+                    if group.window:
+                        assert cache.groups.held_blocks(rid)[g] <= bound, f"step {step}: request {rid} over its bound"
     else:
         raise AssertionError("the scheduler did not finish")
     for r in sched.take_finished():
@@ -169,3 +209,6 @@ def test_random_arrivals_aborts_and_cache_policies_keep_every_group_exact(seed):
         want = reference_output(prompts_by_id[rid], len(outputs[rid]), 97, LAYOUT.dtype, windows=windows)
         assert outputs[rid] == want, f"request {rid}"
     assert all(s["held"] == 0 for s in cache.group_summary())
+    assert all(0 < s["max_held_per_request"] <= bound for s, g in zip(cache.group_summary(), LAYOUT.groups,
+                                                                      strict=True) if g.window)
+    assert (rig.overlapped > 0) is overlap
