@@ -220,12 +220,12 @@ def hybrid_layout(family: str) -> KVLayout:
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_a_hybrid_with_per_group_tables_equals_the_oracle_under_recompute(family, tmp_path):
     """The sliding layers' cache holds and reads only its window's tail (16 blocks for every
-    request's sliding layers, 20 for the full ones): outputs are the no-cache forward's, with
+    request's sliding layers, 12 for the full ones): outputs are the no-cache forward's, with
     windows shorter than every prompt, preemptions and prefix hits, and a sliding group never
     holds more than ceil(WINDOW / block_size) + 1 blocks of a request between its steps."""
     lay = hybrid_layout(family)
     assert [g.window for g in lay.groups] == [WINDOW, 0]
-    s = RunSpec(new_run_id(), lay, num_device_blocks=20, num_host_blocks=0, group_blocks=(16, 20),
+    s = RunSpec(new_run_id(), lay, num_device_blocks=16, num_host_blocks=0, group_blocks=(16, 12),
                 runner=f"paddleformers:{family}", runner_options=options(family),
                 scheduler={"preemption": "recompute", "max_num_batched_tokens": 48}, heartbeat_s=0.2,
                 out_dir=str(tmp_path / "out"), slot_size=256, nslots=256)
