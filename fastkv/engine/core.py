@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastkv.cache import request_policy
-from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.group_manager import GroupedManager
+from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import ClearTask, CopyKind, CopyPlan
 from fastkv.cache.write_policy import StorageWrites, Tier

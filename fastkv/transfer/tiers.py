@@ -287,7 +287,8 @@ class DeviceTier:
         self.v = [numpy_to_paddle(a, self.layout.dtype) for a in self.v_arrays]
 
     @classmethod
-    def _create_cuda(cls, name: str, layout: KVLayout, num_blocks: int, layer_blocks: tuple[int, ...] = ()) -> DeviceTier:
+    def _create_cuda(cls, name: str, layout: KVLayout, num_blocks: int,
+                     layer_blocks: tuple[int, ...] = ()) -> DeviceTier:
         import paddle
 
         pages = layout.kv_pages

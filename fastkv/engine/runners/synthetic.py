@@ -655,8 +655,8 @@ class SyntheticRunner(ModelRunner):
         except KVMismatch as exc:
             for old in self._old_versions:
                 try:
-                    (verify_groups if self.kv_groups else verify_seq)(self.layout, self.rank, self.k_views, self.v_views,
-                                                                      rid, table, start, known, old)
+                    verify = verify_groups if self.kv_groups else verify_seq
+                    verify(self.layout, self.rank, self.k_views, self.v_views, rid, table, start, known, old)
                 except KVMismatch:
                     continue
                 self._checks["kv_stale_hits"] += 1

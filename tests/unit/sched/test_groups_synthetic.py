@@ -14,9 +14,9 @@ from fastkv.cache.group_manager import GroupedManager
 from fastkv.cache.manager import CacheConfig
 from fastkv.cache.request_policy import CachePolicy
 from fastkv.config import KVLayout, cdiv
+from fastkv.engine import protocol
 from fastkv.engine.runners.synthetic import KVMismatch, SyntheticRunner, reference_output
 from fastkv.sched import PreemptionMode, Request, Scheduler, SchedulerConfig
-from fastkv.engine import protocol
 from fastkv.sched.output import SeqWork, StepPlan
 
 WINDOW = 6
