@@ -196,6 +196,8 @@ class GroupedManager:
         keys = block_keys(toks, self.block_size, root, 0, extras)
         readable = policy is None or bool(policy.readable)
         chunk = min(self.max_chunk, n)
+        if extra is not None and extra.mm:  # a step never splits an item: it may take one past the budget
+            chunk = min(n, max(chunk, *(end - start for start, end, _ in extra.mm)))
         first = self.groups.allocate(request_id, keys if readable else [], n, chunk)
         if first is None:
             return None

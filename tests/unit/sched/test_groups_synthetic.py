@@ -212,3 +212,29 @@ def test_random_arrivals_aborts_and_cache_policies_keep_every_group_exact(seed, 
     assert all(0 < s["max_held_per_request"] <= bound for s, g in zip(cache.group_summary(), LAYOUT.groups,
                                                                       strict=True) if g.window)
     assert (rig.overlapped > 0) is overlap
+
+
+def test_a_multimodal_item_longer_than_the_budget_is_computed_in_one_step():
+    """A step never splits an image (``batch._whole_items``): the hybrid's reservation covers a
+    chunk as long as its longest item, so the request is not left waiting for a chunk it never fits."""
+    from fastkv.cache.keys import ExtraKeys
+
+    k, v = caches([24, 24])
+    runner = SyntheticRunner(LAYOUT, 0, 1, k, v, vocab=97, verify="all")
+    cache = GroupedManager(CacheConfig(num_device_blocks=24, block_size=LAYOUT.block_size, layout=LAYOUT), [24, 24], 4)
+    sched = Scheduler(cache, SchedulerConfig(max_num_batched_tokens=4))
+    prompt = list(range(1, 21))
+    sched.add_request(Request(0, np.array(prompt, np.int32), 3, extra=ExtraKeys(mm=((2, 12, b"image-0"),))))
+    outputs, chunks = {}, []
+    for _ in range(100):
+        if not sched.has_work():
+            break
+        out = sched.step()
+        chunks += [len(s.token_ids) for s in out.plan.seqs]
+        for r in out.finished:
+            outputs[r.request_id] = r.output_token_ids
+        if out.plan.seqs:
+            sched.on_step_output(runner.step(out.plan))
+        sched.check_integrity()
+    assert 10 in chunks, chunks  # the item's 10 tokens in one step, past the budget of 4
+    assert outputs[0] == reference_output(prompt, 3, 97, LAYOUT.dtype, windows=[g.window for g in LAYOUT.groups])
