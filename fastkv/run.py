@@ -140,14 +140,20 @@ class RunSpec:
 
     def _check_hybrid(self) -> None:
         """What a sliding-window hybrid layout does not run with yet, refused by its flag: those
-        paths would move or key every layer's blocks as one (docs/DESIGN.md, KV cache groups)."""
+        paths would move or key every layer's blocks as one (docs/DESIGN.md, KV cache groups); KV
+        events only in the schema whose events carry their group."""
+        from fastkv.events.config import SCHEMAS
+
+        schema = self.kv_events.get("schema", SCHEMAS[0])
         refused = [("--host-blocks", self.num_host_blocks > 0), ("--storage", bool(self.storage_url)),
                    ("--role", self.role != "mixed"), ("--update-weights-at", bool(self.update_weights_at)),
-                   ("--kv-events-endpoint", bool(self.kv_events.get("endpoint"))),
+                   (f"--kv-events-schema {schema} (its events cannot name a block's KV cache group: use vllm)",
+                    bool(self.kv_events) and schema != "vllm"),
                    ("--kv-layout mla", self.layout.mla)]
         for flag, used in refused:
             if used:
-                raise ValueError(f"{flag}: not supported for a sliding-window hybrid layout yet")
+                raise ValueError(f"{flag}: not supported for a sliding-window hybrid layout yet "
+                                 "(--kv-cache-groups off caches every layer in full)")
 
     def events_config(self):
         """The KV event settings (fastkv.events), topic ``kv@<run id>@<model id>`` unless given;

@@ -16,8 +16,9 @@ step's tokens are computed first (their blocks keyed, the slid-out ones given ba
 without copies: every worker runs its steps in order, so the step in flight has read and
 written them before any later step can. The scheduler's count of computed tokens
 (``num_computed_tokens``) still moves only with ``mark_computed``. Copies are not built for groups here: the
-run refuses a host tier, storage, the prefill handoff, weight updates and KV events for a hybrid
-layout at start-up (``RunSpec``), so every preemption recomputes and no copy is ever planned.
+run refuses a host tier, storage, the prefill handoff and weight updates for a hybrid layout at
+start-up (``RunSpec``), so every preemption recomputes and no copy is ever planned. KV events
+(``watch_residency``) report each group's device pool, every event tagged with its group.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from fastkv.cache.plan import Allocation, CopyPlan, Growth
 from fastkv.cache.pool import BlockPool, BlockState
 from fastkv.cache.request_policy import CachePolicy
 from fastkv.cache.requests import ReqState
+from fastkv.cache.residency import GroupedResidency
 from fastkv.cache.state import CacheConfig, CacheStats
 from fastkv.config import cdiv
 
@@ -82,6 +84,7 @@ class GroupedManager:
         self._recs: dict[object, _Rec] = {}
         # per group, the most blocks one request held between its steps (after its KV was computed)
         self.peak_held = [0] * len(self.groups.groups)
+        self.residency: GroupedResidency | None = None  # set by watch_residency while KV events are on
 
     # ================================================================== queries
     def _chain(self, extra: ExtraKeys | None) -> tuple[bytes, dict[int, bytes] | None]:
@@ -114,6 +117,18 @@ class GroupedManager:
         """What the group with the least room can still hand out: a growth that found no room
         is short there (the scheduler preempts rather than waits for room no copy will free)."""
         return min(gp.available for gp in self.groups.groups)
+
+    def never_fits(self, prompt_tokens: int) -> str | None:
+        """Why a prompt of ``prompt_tokens`` could never be admitted, or None: a sliding group with
+        fewer blocks than the request reserves there while it prefills (its chunk's bound). A full
+        group's bound is the scheduler's ``max_model_len`` (its blocks: ``config.num_device_blocks``)."""
+        chunk = min(self.max_chunk, prompt_tokens)
+        for gp in self.groups.groups:
+            bound = gp.group.max_blocks(self.block_size, chunk)
+            if bound is not None and bound > gp.pool.capacity:
+                return (f"a prefill chunk of {chunk} tokens needs {bound} blocks of the sliding-window {gp.group.window} "
+                        f"KV cache group, which has {gp.pool.capacity}")
+        return None
 
     has_host_tier = False
 
@@ -202,6 +217,8 @@ class GroupedManager:
         if first is None:
             return None
         bs = self.block_size
+        if self.residency is not None:  # the tokens its blocks' events carry
+            self.residency.register(keys, toks.tobytes(), bs, extra=extra)
         self._recs[request_id] = _Rec(root, extras, keys, toks[len(keys) * bs:].tolist(), n, chunk,
                                       policy is None or policy.write, first, readable, extra)
         st = self.stats
@@ -232,7 +249,12 @@ class GroupedManager:
             extras = info.extras
             if extras:
                 extras = {i - len(info.keys): e for i, e in extras.items() if i >= len(info.keys)}
-            info.keys += block_keys(np.asarray(info.tail[:full * bs], np.int32), bs, parent, 0, extras)
+            chunk = np.asarray(info.tail[:full * bs], np.int32)
+            new_keys = block_keys(chunk, bs, parent, 0, extras)
+            if self.residency is not None:
+                self.residency.register(new_keys, chunk.tobytes(), bs, 0, info.keys[-1] if info.keys else None,
+                                        info.extra, at=len(info.keys))
+            info.keys += new_keys
             del info.tail[:full * bs]
         return Growth((), (), True)
 
@@ -275,7 +297,16 @@ class GroupedManager:
             for b in list(gp.pool.evictable):
                 gp.pool.evict(b)
                 dropped += 1
+        if self.residency is not None:
+            self.residency.cleared()
         return dropped
+
+    # ================================================================== KV events
+    def watch_residency(self, log: object = None) -> GroupedResidency:
+        """Report every key each group's device pool gains or loses, per group
+        (``GroupedResidency``: one log per group, so ``log`` is not used)."""
+        self.residency = GroupedResidency(self.groups.groups)
+        return self.residency
 
     # ================================================================== diagnostics
     def group_summary(self) -> list[dict[str, int]]:
@@ -301,11 +332,11 @@ def _not_yet(name: str):
     return refuse
 
 
-# CacheManager's calls for copies, the prefill handoff, weight updates and KV events: the run
+# CacheManager's calls for copies, the prefill handoff and weight updates: the run
 # refuses their flags for a hybrid at start-up, and an embedding caller gets one clear line here
 for _name in ("offload", "restore", "preemption_work", "export", "exported", "retry_export", "release_export",
               "tail_key", "confirm_stored", "complete", "begin_weight_update", "finish_weight_update",
-              "watch_residency", "explain_miss", "reserve"):
+              "explain_miss", "reserve"):
     setattr(GroupedManager, _name, _not_yet(_name))
 
 

@@ -297,7 +297,8 @@ class GroupedCache:
 def split_device_tier(layout: KVLayout, device_bytes: int, num_tokens: int, chunk: int, prefills: int = 1) -> list[int]:
     """Blocks per group for a device tier of ``device_bytes``, in the proportions requests of
     ``num_tokens`` tokens need them: a full group their every block, a sliding group its bound
-    while decoding, and the bound for ``chunk`` tokens for ``prefills`` requests prefilling at once."""
+    while decoding, and the bound for ``chunk`` tokens for ``prefills`` requests prefilling at once;
+    a sliding group never less than one request's bound for ``chunk``."""
     bs = layout.block_size
     if device_bytes <= 0 or num_tokens <= 0 or chunk <= 0 or prefills < 0:
         raise ValueError(f"device_bytes, num_tokens and chunk must be > 0 and prefills >= 0, got "
@@ -308,7 +309,9 @@ def split_device_tier(layout: KVLayout, device_bytes: int, num_tokens: int, chun
     sizes = [layout.group_block_bytes(g) for g in groups]
     fixed = sum(e * s for e, s in zip(extra, sizes, strict=True))
     requests = max(0, device_bytes - fixed) / sum(n * s for n, s in zip(per_req, sizes, strict=True))
-    caps = [-int(-requests * n // 1) + e for n, e in zip(per_req, extra, strict=True)]  # rounded up
+    # rounded up, and a sliding group holds at least one request's chunk: else none would be admitted
+    caps = [max(-int(-requests * n // 1) + e, g.max_blocks(bs, chunk) or 0)
+            for g, n, e in zip(groups, per_req, extra, strict=True)]
     full = next((i for i, g in enumerate(groups) if not g.window), None)
     if full is not None:  # a full group takes what is left: it bounds how many requests fit
         caps[full] = 0

@@ -33,12 +33,22 @@ class KeyInfo(NamedTuple):
     items: tuple[bytes, ...] = ()  # hashes of the multimodal items it overlaps (never the tenant's salt)
 
 
+class GroupTag(NamedTuple):
+    """The KV cache group a change is of, as vLLM's events name it (a hybrid layout's only)."""
+
+    index: int  # group_idx
+    kind: str  # kv_cache_spec_kind: "full_attention" or "sliding_window"
+    window: int | None  # kv_cache_spec_sliding_window: None for full attention
+
+
 class Change(NamedTuple):
-    """One step's net residency change of one tier, in the order keys changed."""
+    """One step's net residency change of one tier (of one KV cache group: ``group``; None for
+    the all-full layout's one), in the order keys changed."""
 
     tier: Tier
     stored: list[tuple[bytes, KeyInfo]]
     removed: list[bytes]
+    group: GroupTag | None = None
 
 
 class ResidencyLog:
@@ -227,6 +237,43 @@ class ObservedOrderedMap(OrderedDict):
         for k in self:
             self.log.remove(self.tier, k)
         OrderedDict.clear(self)
+
+
+class GroupedResidency:
+    """A hybrid layout's residency: one ``ResidencyLog`` per KV cache group, watching that group's
+    device pool (the only tier a hybrid has), each change tagged with its group. Speaks the
+    log's calls the cache and ``KVEvents`` make (``register``, ``cleared``, ``take``)."""
+
+    def __init__(self, groups) -> None:
+        self.logs: list[tuple[GroupTag, ResidencyLog]] = []
+        for gp in groups:  # fastkv.cache.groups.GroupPool
+            log = ResidencyLog()
+            gp.pool.lookup = ObservedMap(gp.pool.lookup, log, Tier.DEVICE)
+            log.maps = {Tier.DEVICE: gp.pool.lookup}
+            log.pending_size = max(log.pending_size, 2 * gp.pool.capacity)
+            self.logs.append((GroupTag(gp.index, gp.group.kind, gp.group.window or None), log))
+
+    def register(self, *args, **kwargs) -> None:
+        for _, log in self.logs:
+            log.register(*args, **kwargs)
+
+    def cleared(self) -> None:
+        for _, log in self.logs:
+            log.cleared()
+
+    def take(self) -> tuple[int, list[Change]]:
+        """(AllBlocksCleared count, every group's changes in group order) since the last take."""
+        clears, out = 0, []
+        for tag, log in self.logs:
+            n, changes = log.take()
+            clears = max(clears, n)  # one clear empties every group: cleared() tells each log
+            out += [ch._replace(group=tag) for ch in changes]
+        return clears, out
+
+    def resident_keys(self) -> dict[str, list[bytes]]:
+        """Per ``GPU/<group_idx>``, the chained keys a subscriber that applied every change holds."""
+        return {f"GPU/{tag.index}": [k for k in log.maps[Tier.DEVICE] if k in log.announced or k in log.pending]
+                for tag, log in self.logs}
 
 
 def watch(state, log: ResidencyLog) -> ResidencyLog:

@@ -7,7 +7,8 @@ import dataclasses
 from typing import Any
 
 from fastkv.cache.eviction import POLICIES
-from fastkv.cli.job import CACHE_POLICIES, DEMO_DEVICE_BLOCKS, ROLES, RUNNERS, STORAGE_WRITES, JobConfig
+from fastkv.cli.job import (CACHE_POLICIES, DEMO_DEVICE_BLOCKS, KV_CACHE_GROUPS, ROLES, RUNNERS, STORAGE_WRITES,
+                            JobConfig)
 from fastkv.config import KV_CACHE_DTYPES, KV_LAYOUTS
 from fastkv.events.config import SCHEMAS as EVENT_SCHEMAS
 from fastkv.procs.cpu_policy import CPU_POLICIES
@@ -38,12 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-layout", choices=KV_LAYOUTS, help="kv (default): a K and a V per layer; mla: one latent of "
       "--head-dim values per token and layer, the same on every rank (needs --kv-heads 1 and --runner tiny)")
     a("--device-blocks", type=int, help=f"device tier capacity in blocks per rank (default {DEMO_DEVICE_BLOCKS}; "
-      "a trace or a workload file defaults to room for its longest request, up to 1 GiB per rank)")
-    a("--host-blocks", type=int, help="host tier capacity in blocks per rank, 0 = none (default 1024); under "
-      "write-through, running requests hold their host copies: give it more blocks than the device tier")
+      "a trace or a workload file defaults to room for its longest request, up to 1 GiB per rank); with KV "
+      "cache groups, the bytes of this many blocks of every layer, split between the groups")
+    a("--host-blocks", type=int, help="host tier capacity in blocks per rank, 0 = none (default 1024; none "
+      "with KV cache groups); under write-through, running requests hold their host copies: give it more "
+      "blocks than the device tier")
     a("--storage", help="storage URL (lmdb://DIR, redis://HOST:PORT, mooncake://MASTER:PORT?..., mooncake://local "
       "= a Mooncake pool of this run's own), 'none', or 'default' = lmdb://<out>/store")
-    a("--preemption", choices=PREEMPTION_MODES, help="what preempting a request does (default offload)")
+    a("--preemption", choices=PREEMPTION_MODES, help="what preempting a request does (default offload; "
+      "recompute with KV cache groups)")
     a("--cache-policy", choices=CACHE_POLICIES, help="when blocks are copied to the host tier (default write_through)")
     a("--storage-write", choices=STORAGE_WRITES,
       help="which blocks are written to the storage tier: 'through' every block once it is on the host "
@@ -68,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
       "(default: a worker's output wakes the engine without the engine preempting that worker) or normal")
     a("--eviction", choices=sorted(POLICIES), help="the order cached blocks leave a tier (default lru)")
     a("--runner", choices=RUNNERS, help="reference model runner (default synthetic)")
+    a("--kv-cache-groups", choices=KV_CACHE_GROUPS, help="a model with sliding-window layers (gemma3, gpt_oss, "
+      "--layer-windows): on caches a sliding layer's window only, one KV cache group per window, with no host "
+      "tier and recompute preemption by default; off caches every layer in full; auto (default) is on unless "
+      "the run asks for a host tier, storage, offload, --role, weight updates or array-form KV events")
+    a("--layer-windows", metavar="W,W,..", help="the synthetic runner's attention window per layer, repeated over "
+      "--layers (\"128,0\": sliding 128, full, ...; 0 = full)")
     a("--workload", help="demo | trace | trace:N | path to a workload.jsonl (default demo)")
     a("--seed", type=int, help="workload seed (default 0)")
     a("--out", help="output directory (default ./fastkv-out)")

@@ -44,6 +44,8 @@ QUICK_DEMO = {"conversations": 8, "turns": 3}
 DEMO_DEVICE_BLOCKS = 64  # the demo's conversations need several times this: memory pressure
 AUTO_DEVICE_BYTES = 1 << 30  # the most device tier per rank a workload's longest request sizes by default
 RUNNER_VOCAB = 1024  # both reference runners' default vocab (runner option "vocab", tiny: config.vocab)
+DEFAULT_HOST_BLOCKS = 1024
+KV_CACHE_GROUPS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -64,11 +66,14 @@ class JobConfig:
     # layer, whole on every rank (kv_heads 1; the tiny runner's MLA mode)
     kv_layout: str = "kv"
     # 0: the workload's default: DEMO_DEVICE_BLOCKS, or room for the longest request of a trace or a file
+    # (a sliding-window hybrid: the bytes of this many blocks of every layer, split between its KV
+    # cache groups in the proportion the workload's requests need them)
     device_blocks: int = 0
-    host_blocks: int = 1024  # 0 = no host tier
+    # 0 = no host tier; -1: DEFAULT_HOST_BLOCKS, or none when KV cache groups are on (they run without one)
+    host_blocks: int = -1
     # "default": lmdb://<out>/store, fresh every run (none without a host tier); "none": no storage tier
     storage: str = "default"
-    preemption: str = "offload"
+    preemption: str = ""  # "": offload, or recompute when KV cache groups are on (their only mode yet)
     # host tier: write_through copies full blocks as they fill, so evicting them never waits for a
     # copy (write_back makes the request that evicts wait for the block's copy to the host)
     cache_policy: str = "write_through"
@@ -81,6 +86,14 @@ class JobConfig:
     # "batch": the engine's wake-ups never preempt the worker that woke it (SCHED_BATCH); "normal"
     engine_cpu_policy: str = "batch"
     runner: str = "synthetic"
+    # KV cache groups for a model with sliding-window layers (docs/DESIGN.md): "on" caches a sliding
+    # layer's window only, one group per window; "off" every layer in full; "auto" on unless the run
+    # asks for what groups do not run with yet (a host tier, storage, offload, --role prefill/decode,
+    # weight updates, array-form KV events), then off with the reason in the banner
+    kv_cache_groups: str = "auto"
+    # the synthetic runner's attention window per layer, repeated over the layers ("128,0": sliding
+    # 128, full, sliding 128, ...; 0 = full); a PaddleFormers model's come from its config
+    layer_windows: str = ""
     workload: str = "demo"  # demo | trace | trace:N | path to a workload.jsonl
     seed: int = 0
     out: str = "fastkv-out"
@@ -132,6 +145,7 @@ class JobConfig:
             if not ok:
                 raise ValueError(f"setting {f.name!r} must be of type {kind.__name__}, got {value!r}")
         self._fastdeploy_names()
+        self._kv_cache_groups()
         for name in ("tp", "block_size", "layers", "kv_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"setting {name!r} must be >= 1, got {getattr(self, name)}")
@@ -206,6 +220,7 @@ class JobConfig:
                 raise ValueError(f"workload 'trace:N' needs a positive request count, got {self.workload!r}")
         if not self.device_blocks:
             object.__setattr__(self, "device_blocks", self._default_device_blocks())
+        object.__setattr__(self, "group_blocks", self._group_blocks())
         if self.device_ids and not all(d.strip().isdigit() for d in self.device_ids.split(",")):
             raise ValueError(f"setting 'device_ids' must be comma-separated device numbers, got {self.device_ids!r}")
         self._check_role()
@@ -239,6 +254,91 @@ class JobConfig:
 
                 storage = mooncake_config.to_url(mooncake_config.resolve(self.kvcache_storage_config))
             object.__setattr__(self, "storage", storage)
+
+    def _kv_cache_groups(self) -> None:
+        """Decide the layout's windows (``windows``: the model's, when KV cache groups are on, else
+        ``()``) and the defaults that follow: no host tier and recompute preemption with groups on,
+        since groups run without copies yet. ``groups_note``: the banner's line when a model with
+        sliding layers caches every layer in full."""
+        if self.kv_cache_groups not in KV_CACHE_GROUPS:
+            raise ValueError(f"setting 'kv_cache_groups' must be one of {KV_CACHE_GROUPS}, got {self.kv_cache_groups!r}")
+        windows = self._model_windows()
+        asked = self._unsupported_by_groups() if windows else []
+        on = bool(windows) and (self.kv_cache_groups == "on" or (self.kv_cache_groups == "auto" and not asked))
+        if self.kv_cache_groups == "on" and not windows:
+            raise ValueError(f"setting 'kv_cache_groups' 'on' needs sliding-window layers, and the {self.runner} "
+                             "runner's model has none" + (" (set 'layer_windows')" if self.runner == "synthetic"
+                                                          else ""))
+        if on and asked:
+            raise ValueError(f"{asked[0]}: not supported with KV cache groups yet; --kv-cache-groups off runs it "
+                             "with every layer cached in full")
+        note = ""
+        if windows and not on:
+            note = ("KV cache groups off (--kv-cache-groups off): every layer cached in full" if not asked else
+                    f"KV cache groups off: {', '.join(asked)} not supported with them yet, so every layer is "
+                    "cached in full (--kv-cache-groups on refuses instead)")
+        object.__setattr__(self, "windows", windows if on else ())
+        object.__setattr__(self, "groups_note", note)
+        if self.host_blocks == -1:
+            object.__setattr__(self, "host_blocks", 0 if on else DEFAULT_HOST_BLOCKS)
+        if not self.preemption:
+            object.__setattr__(self, "preemption", "recompute" if on else "offload")
+
+    def _model_windows(self) -> tuple[int, ...]:
+        """Per layer the model's attention window (0 full), () when none slides: the synthetic
+        runner's ``layer_windows``, a PaddleFormers model's config (``layer_types``, ``sliding_window``)."""
+        if self.layer_windows and self.runner != "synthetic":
+            raise ValueError(f"setting 'layer_windows' is the synthetic runner's; the {self.runner} runner's "
+                             "windows come from its model config (runner_options.config layer_types and "
+                             "sliding_window)" if self.runner.startswith("paddleformers:") else
+                             f"setting 'layer_windows' is the synthetic runner's; the {self.runner} runner has "
+                             "no sliding-window layers")
+        if self.runner == "synthetic":
+            return _parse_windows(self.layer_windows, self.layers) if self.layer_windows else ()
+        if not self.runner.startswith("paddleformers:"):
+            return ()
+        from fastkv.engine.runners.paddleformers_config import model_windows
+
+        try:
+            windows = model_windows(self.runner.removeprefix("paddleformers:"), self.layout(), self.runner_options)
+        except (ValueError, TypeError, KeyError):
+            return ()  # _check_paddleformers names what is wrong with the settings
+        return windows if any(windows) else ()
+
+    def _unsupported_by_groups(self) -> list[str]:
+        """What this run asks for that KV cache groups do not run with yet, by flag."""
+        from fastkv.events.config import SCHEMAS
+
+        events = self.kv_events_endpoint or self.kv_events_replay_endpoint
+        schema = self.kv_events_schema or SCHEMAS[0]
+        asked = [("--host-blocks", self.host_blocks > 0),
+                 ("--storage", self.storage not in ("default", "none")),
+                 (f"--preemption {self.preemption}", self.preemption in ("offload", "storage")),
+                 (f"--role {self.role}", self.role != "mixed"),
+                 ("--update-weights-at", bool(self.update_weights_at)),
+                 (f"--kv-events-schema {schema} (a block's KV cache group needs --kv-events-schema vllm)",
+                  bool(events) and schema != "vllm")]
+        return [flag for flag, used in asked if used]
+
+    def _group_blocks(self) -> tuple[int, ...]:
+        """A hybrid's device blocks per KV cache group: the bytes of ``device_blocks`` blocks of
+        every layer, split in the proportion the workload's requests need them
+        (``split_device_tier``: a full group a request's every block, a sliding group its window's,
+        and room for the longest prompt's chunk while it prefills)."""
+        layout = self.layout()
+        if not layout.is_hybrid:
+            return ()
+        from fastkv.cache.groups import split_device_tier
+
+        requests = self.requests()
+        lengths = [len(r["prompt"]) + r["max_new_tokens"] for r in requests] or [self.block_size]
+        budget = self.scheduler.get("max_num_batched_tokens", SchedulerConfig().max_num_batched_tokens)
+        chunk = min(budget, max([len(r["prompt"]) for r in requests] or [1]))
+        try:
+            return tuple(split_device_tier(layout, self.device_blocks * layout.block_bytes,
+                                           -(-sum(lengths) // len(lengths)), chunk))
+        except ValueError as exc:
+            raise ValueError(f"setting 'device_blocks' {self.device_blocks}: {exc}") from None
 
     def _kv_cache_dtype(self) -> None:
         if self.kv_cache_quant_type:
@@ -358,6 +458,7 @@ class JobConfig:
     def layout(self) -> KVLayout:
         shape = dict(num_layers=self.layers, kv_heads=self.kv_heads, block_size=self.block_size,
                      head_dim=self.head_dim, tp_size=self.tp, mla=self.kv_layout == "mla")
+        shape["windows"] = getattr(self, "windows", ())  # set once KV cache groups are decided
         if self.kv_cache_dtype != "auto":
             return KVLayout.of(self.kv_cache_dtype, **shape)
         return KVLayout(**shape, dtype=self.dtype)
@@ -421,7 +522,7 @@ class JobConfig:
         from fastkv.run import RunSpec
 
         return RunSpec(
-            run_id=run_id, layout=self.layout(), num_device_blocks=self.device_blocks,
+            run_id=run_id, layout=self.layout(), num_device_blocks=self.device_blocks, group_blocks=self.group_blocks,
             num_host_blocks=self.host_blocks, storage_url=self.storage_url(out_dir), runner=self.runner,
             runner_options=self.full_runner_options(),
             cache_policy=self.cache_policy, storage_writes=self.storage_write, eviction=self.eviction,
@@ -486,6 +587,21 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return doc
 
 
+
+
+def _parse_windows(text: str, layers: int) -> tuple[int, ...]:
+    """``layer_windows``: comma-separated windows (0 full), repeated over ``layers`` layers."""
+    try:
+        pattern = [int(w) for w in text.split(",")]
+    except ValueError:
+        pattern = []
+    if not pattern or min(pattern) < 0:
+        raise ValueError(f"setting 'layer_windows' must be comma-separated windows >= 0 (0: full attention), "
+                         f"e.g. \"128,0\"; got {text!r}")
+    if layers % len(pattern):
+        raise ValueError(f"setting 'layer_windows' {text!r} names {len(pattern)} layers, which do not repeat "
+                         f"evenly over the {layers} layers")
+    return tuple(pattern * (layers // len(pattern)))
 
 
 def _check_handoff_file(path: Path) -> None:

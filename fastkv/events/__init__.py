@@ -25,7 +25,9 @@ __all__ = ["EventsConfig", "KVEvents", "build_events"]
 def build_events(clears: int, changes: list[Change], block_size: int, schema) -> list:
     """The events of one batch in ``schema`` (fastkv.events.schema.EventSchema): AllBlocksCleared
     first, then per tier the removals and the stores, consecutive blocks of one chain in one
-    BlockStored (as vLLM groups a request's), with its chain's adapter and its blocks' items."""
+    BlockStored (as vLLM groups a request's), with its chain's adapter and its blocks' items. A
+    hybrid layout's changes come per KV cache group, and each event carries the group's
+    ``group_idx`` (BlockStored also ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``)."""
     from fastkv.events.schema import MEDIUM
 
     removed_cls, extra = schema.BlockRemoved, schema.stored_extra
@@ -34,18 +36,26 @@ def build_events(clears: int, changes: list[Change], block_size: int, schema) ->
     events: list = [schema.AllBlocksCleared()] if clears else []
     for ch in changes:
         medium = MEDIUM[ch.tier]
+        stored = stored_cls
+        if ch.group is not None:  # a hybrid's: every event names its KV cache group, as vLLM's do
+            if "group_idx" not in fields:
+                raise ValueError(f"KV events schema {schema.name!r} cannot name a block's KV cache group")
+            g = ch.group
+            stored = partial(stored_cls, group_idx=g.index, kv_cache_spec_kind=g.kind,
+                             kv_cache_spec_sliding_window=g.window)
         if ch.removed:
-            events.append(removed_cls(ch.removed, medium))
+            events.append(removed_cls(ch.removed, medium) if ch.group is None else
+                          removed_cls(ch.removed, medium, group_idx=ch.group.index))
         run: list[bytes] = []
         infos: list[KeyInfo] = []
         for k, info in ch.stored:
             if run and info.parent != run[-1]:
-                events.append(_stored(stored_cls, fields, run, infos, block_size, medium))
+                events.append(_stored(stored, fields, run, infos, block_size, medium))
                 run, infos = [], []
             run.append(k)
             infos.append(info)
         if run:
-            events.append(_stored(stored_cls, fields, run, infos, block_size, medium))
+            events.append(_stored(stored, fields, run, infos, block_size, medium))
     return events
 
 
@@ -125,11 +135,14 @@ class KVEvents:
         """Per medium, the chained keys the tier holds now, read off its residency map (the
         partial blocks' private, resume and tail keys, never announced, left out): how many, and
         a digest of them (docs/FORMATS.md: BLAKE3 of the 32-byte keys sorted ascending and
-        concatenated). A subscriber that applied every batch must hold exactly these: the maps,
+        concatenated); a hybrid's device tier per KV cache group, ``GPU/<group_idx>``. A subscriber that applied every batch must hold exactly these: the maps,
         not the log that announces them, are the truth."""
         from fastkv.events.schema import MEDIUM
 
         log = self.log
+        if hasattr(log, "resident_keys"):  # a hybrid's: its one tier per KV cache group (GroupedResidency)
+            groups = {name: resident_digest(keys) for name, keys in log.resident_keys().items()}
+            return {**groups, **{MEDIUM[t]: resident_digest([]) for t in Tier if t is not Tier.DEVICE}}
         return {MEDIUM[t]: resident_digest([k for k in log.maps[t] if k in log.announced or k in log.pending])
                 for t in Tier}
 

@@ -67,9 +67,14 @@ def test_a_hybrid_serves_the_reference_with_a_bounded_sliding_group_under_preemp
                                           ({"storage_url": "lmdb:///tmp/x"}, "--storage"),
                                           ({"role": "prefill"}, "--role"),
                                           ({"update_weights_at": ("2:v2",)}, "--update-weights-at"),
-                                          ({"kv_events": {"endpoint": "tcp://*:5557"}}, "--kv-events-endpoint")])
+                                          ({"kv_events": {"endpoint": "tcp://*:5557"}},
+                                           r"--kv-events-schema llm-d \(its events cannot name a block's KV cache "
+                                           r"group: use vllm\)")])
 def test_what_a_hybrid_does_not_run_with_yet_is_refused_by_its_flag(kw, flag, tmp_path):
     base = dict(num_device_blocks=8, num_host_blocks=0, runner="synthetic", out_dir=str(tmp_path))
-    with pytest.raises(ValueError, match=f"^{flag}: not supported for a sliding-window hybrid layout yet$"):
+    with pytest.raises(ValueError, match=f"^{flag}: not supported for a sliding-window hybrid layout yet "
+                                         r"\(--kv-cache-groups off caches every layer in full\)$"):
         RunSpec(new_run_id(), LAYOUT, **{**base, **kw})
     RunSpec(new_run_id(), KVLayout(4, 2, 4, 16), **{**base, **kw})  # the all-full layout runs with it
+    # KV events in the schema that names a block's group
+    RunSpec(new_run_id(), LAYOUT, **{**base, "kv_events": {"endpoint": "tcp://*:5557", "schema": "vllm"}})

@@ -32,6 +32,7 @@ class Family:
     fixed: dict[str, Any]  # settings fastkv owns or that this build cannot run
     hidden_is_heads: bool  # hidden_size must be num_attention_heads x head_dim
     sliding: bool = False  # layers may be sliding-window ones (layer_types, sliding_window)
+    full_every: int = 0  # sliding: the library's default layer_types, every this many-th layer full
 
 
 FAMILIES = {
@@ -40,15 +41,19 @@ FAMILIES = {
     # chunk or a decode over a cache, and a GPU kernel. ERNIE 4.5's configs have
     # num_attention_heads x head_dim != hidden_size (0.3B: 16 x 128 over 1024): o_proj maps back.
     "ernie4_5": Family("Ernie4_5Config", {**FIXED, "apply_rope_fusion": False}, hidden_is_heads=False),
-    # Sliding-window hybrids (``layer_types``, ``sliding_window``): fastkv caches every layer in full.
-    "gemma3": Family("Gemma3TextConfig", FIXED, hidden_is_heads=False, sliding=True),
+    # Sliding-window hybrids (``layer_types``, ``sliding_window``): their windows make the KV
+    # layout's (``windows``), one KV cache group per window, unless the job turns groups off.
+    "gemma3": Family("Gemma3TextConfig", FIXED, hidden_is_heads=False, sliding=True, full_every=6),
     # One expert: with several, the library's inference MoE (GptOssExperts, eval) is not per token:
     # its routing_weights.transpose([0, 1]) is a no-op, so the reshape to [experts, batch, tokens]
     # weights each expert's output by another (token, expert) pair's weight, and a token's output
     # depends on the other tokens of its forward. No cache can equal that.
     "gpt_oss": Family("GptOssConfig", {**FIXED, "num_local_experts": 1, "num_experts_per_tok": 1},
-                      hidden_is_heads=False, sliding=True),
+                      hidden_is_heads=False, sliding=True, full_every=2),
 }
+# fastkv's default window for the sliding families (the model's own comes with its config): of the
+# demo's scale, so that a demo's prompts slide past it (Gemma 3's library default is 4096)
+DEFAULT_SLIDING_WINDOW = 128
 
 
 def settings(family: str, layout: KVLayout, options: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +109,10 @@ def settings(family: str, layout: KVLayout, options: dict[str, Any]) -> dict[str
         raise ValueError(f"intermediate_size {out['intermediate_size']} must split evenly over "
                          f"tp {layout.tp_size}")
     if fam.sliding:
+        if "sliding_window" not in given:
+            out["sliding_window"] = DEFAULT_SLIDING_WINDOW
+        if given.get("layer_types") is None:
+            out["layer_types"] = default_layer_types(fam, out["num_hidden_layers"])
         check_layer_types(out)
     if layout.dtype != "float32":
         raise ValueError(f"the paddleformers runner computes in float32 on this build: dtype must be 'float32', "
@@ -128,6 +137,26 @@ def check_layer_types(config: dict[str, Any]) -> None:
     window = config.get("sliding_window")
     if "sliding_attention" in kinds and window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"model setting sliding_window must be a positive number of tokens, got {window!r}")
+
+
+def default_layer_types(fam: Family, layers: int) -> list[str]:
+    """The library's default pattern (every ``full_every``-th layer full, the others sliding),
+    written out so the layout and the model read one list. A model too shallow for the pattern
+    to name a full layer gets its last layer full: a hybrid, not a model with no full attention."""
+    kinds = ["full_attention" if (i + 1) % fam.full_every == 0 else "sliding_attention" for i in range(layers)]
+    if "full_attention" not in kinds:
+        kinds[-1] = "full_attention"
+    return kinds
+
+
+def model_windows(family: str, layout: KVLayout, options: dict[str, Any]) -> tuple[int, ...]:
+    """Per layer the model's attention window (0: full), from its settings (``settings``): what
+    the KV layout's ``windows`` are when its sliding layers are cached in KV cache groups."""
+    config = settings(family, layout, options)
+    if not FAMILIES[family].sliding:
+        return ()
+    window = config["sliding_window"] or 0
+    return tuple(window if k == "sliding_attention" else 0 for k in config["layer_types"])
 
 
 def vocab_size(options: dict[str, Any]) -> int | None:
