@@ -9,7 +9,14 @@ import pytest
 
 from fastkv.cli import JobConfig
 from fastkv.config import KVLayout
-from fastkv.engine.runners.paddleformers_config import FAMILIES, settings, vocab_size
+from fastkv.engine.runners.paddleformers_config import (
+    DEFAULT_SLIDING_WINDOW,
+    FAMILIES,
+    default_layer_types,
+    model_windows,
+    settings,
+    vocab_size,
+)
 from tests.optional import require_paddleformers
 
 
@@ -100,7 +107,7 @@ def test_the_job_is_refused_before_anything_starts(family):
     with pytest.raises(ValueError, match=f"the {runner} runner cannot run this shape: model setting "
                                          "head_dim = 64 disagrees"):
         JobConfig(runner=runner, runner_options={"config": {"head_dim": 64}}, head_dim=16)
-    cfg = JobConfig(runner=runner, runner_options={"config": {"vocab_size": 300}})
+    cfg = JobConfig(runner=runner, runner_options={"config": {"vocab_size": 300}}, demo={"vocab": 300})
     assert cfg.vocab() == 300
 
 
@@ -110,3 +117,26 @@ def test_an_unknown_runner_option_is_named_as_a_table_error(family):
 
     with pytest.raises(TableError, match=rf"unknown runner_options \['modle'\] for the paddleformers:{family} runner"):
         JobConfig(runner=f"paddleformers:{family}", runner_options={"modle": 1})
+
+
+@pytest.mark.parametrize("family", [f for f, fam in FAMILIES.items() if fam.sliding])
+@pytest.mark.parametrize("layers", [2, 4, 6, 12, 13])
+def test_the_default_layer_kinds_are_the_librarys_pattern(family, layers):
+    """Written out so the layout and the model read one list: the library's own default, but a
+    model too shallow for the pattern to name a full layer gets its last one full."""
+    require_paddleformers()
+    import paddleformers.transformers as pf
+
+    want = list(getattr(pf, FAMILIES[family].config_class)(num_hidden_layers=layers).layer_types)
+    if "full_attention" not in want:
+        want[-1] = "full_attention"
+    lay = KVLayout(num_layers=layers, kv_heads=2, block_size=4, head_dim=16, dtype="float32")
+    assert settings(family, lay, {})["layer_types"] == want
+    assert default_layer_types(FAMILIES[family], layers) == want
+
+
+def test_the_models_windows_come_from_its_config():
+    assert model_windows("gpt_oss", layout(), {}) == (DEFAULT_SLIDING_WINDOW, 0)
+    assert model_windows("gemma3", layout(), {"config": {"sliding_window": 6}}) == (6, 0)
+    assert model_windows("gemma3", layout(), {"config": {"layer_types": ["full_attention"] * 2}}) == (0, 0)
+    assert model_windows("llama", layout(), {}) == ()

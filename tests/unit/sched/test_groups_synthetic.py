@@ -238,3 +238,17 @@ def test_a_multimodal_item_longer_than_the_budget_is_computed_in_one_step():
         sched.check_integrity()
     assert 10 in chunks, chunks  # the item's 10 tokens in one step, past the budget of 4
     assert outputs[0] == reference_output(prompt, 3, 97, LAYOUT.dtype, windows=[g.window for g in LAYOUT.groups])
+
+
+def test_a_request_no_sliding_group_can_hold_is_refused_in_one_line():
+    """Admission counts blocks per group: a prompt whose prefill chunk needs more blocks of a
+    sliding group than it has would wait forever, so it is refused when added."""
+    cache = GroupedManager(CacheConfig(num_device_blocks=40, block_size=LAYOUT.block_size, layout=LAYOUT), [3, 40], 16)
+    sched = Scheduler(cache, SchedulerConfig(max_num_batched_tokens=16, preemption=PreemptionMode.RECOMPUTE))
+    bound = LAYOUT.groups[0].max_blocks(LAYOUT.block_size, 16)
+    with pytest.raises(ValueError, match=f"^request 0: a prefill chunk of 16 tokens needs {bound} blocks of the "
+                                         f"sliding-window {WINDOW} KV cache group, which has 3$"):
+        sched.add_request(Request(0, np.arange(1, 30, dtype=np.int32), 4))
+    sched.add_request(Request(1, np.arange(1, 3, dtype=np.int32), 4))  # a chunk of 2 needs 3 blocks
+    # the full group's bound is max_model_len, its blocks
+    assert sched.max_model_len == 40 * LAYOUT.block_size
