@@ -19,6 +19,7 @@ def flags(*argv: str) -> dict:
 def readme_table() -> list[tuple[str, str]]:
     """(FastDeploy setting, fastkv setting) of each row of the README's table."""
     text = README.read_text().split("### Settings for FastDeploy users", 1)[1]
+    text = re.split(r"^#", text, maxsplit=1, flags=re.M)[0]  # up to the next heading
     rows = re.findall(r"^\| (.+?) \| (.+?) \| .+ \|$", text, re.M)
     return [(fd, fk) for fd, fk in rows if not set(fd) <= {"-", "|"} and fd != "FastDeploy setting"]
 

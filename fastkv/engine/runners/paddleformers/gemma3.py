@@ -1,8 +1,8 @@
 """PaddleFormers' ``Gemma3ForCausalLM`` (``--runner paddleformers:gemma3``, model_type
 ``gemma3_text``): sliding-window layers interleaved with full ones (``layer_types``,
 ``sliding_window``), q/k RMSNorm, a fused QKV projection and a fused gate/up MLP; run by its own
-``forward`` on fastkv's cache (``runner.py``), which caches every layer in full and windows the
-sliding layers' masks.
+``forward`` on fastkv's cache (``runner.py``), which caches each sliding layer's window in its KV
+cache group (or, with groups off, every layer in full) and windows the sliding layers' masks.
 
 The library's own cached decode (``generate()``) is not this model once a sequence outgrows the
 window: its sliding cache layer (``DynamicSlidingWindowLayer``) keeps only the last

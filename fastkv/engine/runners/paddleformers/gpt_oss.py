@@ -2,7 +2,8 @@
 full attention layers alternating (``layer_types``), attention sinks (one learned logit per
 query head, ``self_attn.sinks``, that takes a share of the softmax and no value), biased q/k/v/o
 projections and a mixture-of-experts MLP; run by its own ``forward`` on fastkv's cache
-(``runner.py``), which caches every layer in full and windows the sliding layers' masks.
+(``runner.py``), which caches each sliding layer's window in its KV cache group (or, with groups
+off, every layer in full) and windows the sliding layers' masks.
 
 With one expert only: the library's inference MoE (``GptOssExperts.forward`` in eval mode) is
 not per token when there are several. ``routing_weights.transpose([0, 1])`` is Paddle's
