@@ -126,8 +126,8 @@ class GroupedManager:
         for gp in self.groups.groups:
             bound = gp.group.max_blocks(self.block_size, chunk)
             if bound is not None and bound > gp.pool.capacity:
-                return (f"a prefill chunk of {chunk} tokens needs {bound} blocks of the sliding-window {gp.group.window} "
-                        f"KV cache group, which has {gp.pool.capacity}")
+                return (f"a prefill chunk of {chunk} tokens needs {bound} blocks of the sliding-window "
+                        f"{gp.group.window} KV cache group, which has {gp.pool.capacity}")
         return None
 
     has_host_tier = False

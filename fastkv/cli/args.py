@@ -7,8 +7,15 @@ import dataclasses
 from typing import Any
 
 from fastkv.cache.eviction import POLICIES
-from fastkv.cli.job import (CACHE_POLICIES, DEMO_DEVICE_BLOCKS, KV_CACHE_GROUPS, ROLES, RUNNERS, STORAGE_WRITES,
-                            JobConfig)
+from fastkv.cli.job import (
+    CACHE_POLICIES,
+    DEMO_DEVICE_BLOCKS,
+    KV_CACHE_GROUPS,
+    ROLES,
+    RUNNERS,
+    STORAGE_WRITES,
+    JobConfig,
+)
 from fastkv.config import KV_CACHE_DTYPES, KV_LAYOUTS
 from fastkv.events.config import SCHEMAS as EVENT_SCHEMAS
 from fastkv.procs.cpu_policy import CPU_POLICIES

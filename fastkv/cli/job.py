@@ -261,7 +261,8 @@ class JobConfig:
         since groups run without copies yet. ``groups_note``: the banner's line when a model with
         sliding layers caches every layer in full."""
         if self.kv_cache_groups not in KV_CACHE_GROUPS:
-            raise ValueError(f"setting 'kv_cache_groups' must be one of {KV_CACHE_GROUPS}, got {self.kv_cache_groups!r}")
+            raise ValueError(f"setting 'kv_cache_groups' must be one of {KV_CACHE_GROUPS}, "
+                             f"got {self.kv_cache_groups!r}")
         windows = self._model_windows()
         asked = self._unsupported_by_groups() if windows else []
         on = bool(windows) and (self.kv_cache_groups == "on" or (self.kv_cache_groups == "auto" and not asked))

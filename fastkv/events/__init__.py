@@ -135,8 +135,9 @@ class KVEvents:
         """Per medium, the chained keys the tier holds now, read off its residency map (the
         partial blocks' private, resume and tail keys, never announced, left out): how many, and
         a digest of them (docs/FORMATS.md: BLAKE3 of the 32-byte keys sorted ascending and
-        concatenated); a hybrid's device tier per KV cache group, ``GPU/<group_idx>``. A subscriber that applied every batch must hold exactly these: the maps,
-        not the log that announces them, are the truth."""
+        concatenated); a hybrid's device tier per KV cache group, ``GPU/<group_idx>``. A
+        subscriber that applied every batch must hold exactly these: the maps, not the log that
+        announces them, are the truth."""
         from fastkv.events.schema import MEDIUM
 
         log = self.log

@@ -18,7 +18,7 @@ from fastkv.cache.group_manager import GroupedManager
 from fastkv.cache.manager import CacheConfig
 from fastkv.cache.residency import Change, GroupTag, KeyInfo
 from fastkv.cache.write_policy import Tier
-from fastkv.config import KVLayout
+from fastkv.config import KVLayout, cdiv
 from fastkv.events import EventsConfig, KVEvents, build_events
 from fastkv.events.schema import schema
 from fastkv.sched import PreemptionMode, Request, Scheduler, SchedulerConfig
@@ -154,3 +154,61 @@ def test_the_all_full_layouts_events_carry_no_group():
     events = build_events(0, [Change(Tier.DEVICE, [(b"k" * 32, info)], [])], 4, schema("vllm"))
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(events[0]))
     assert not {"group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"} & set(raw)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_supervised_hybrid_runs_its_events_per_group(tmp_path):
+    """``fastkv --quick --layer-windows 64,0 --kv-events-schema vllm``: groups stay on with KV
+    events in vLLM's schema, and a subscriber's per-group sets give the summary's digests."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import blake3
+    import zmq
+
+    from tests.optional import require_paddle
+
+    require_paddle()  # the supervisor runs the ops: the cpu extra
+    root = Path(__file__).resolve().parents[2]
+    pub = f"ipc://{tmp_path}/kv-events"
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.SUB)
+    sock.rcvhwm = 0
+    sock.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sock.connect(pub)
+    cmd = [sys.executable, "-m", "fastkv", "--quick", "--no-progress", "--out", str(tmp_path / "out"),
+           "--layer-windows", "64,0", "--kv-events-endpoint", pub, "--kv-events-schema", "vllm"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    payloads = []
+    try:
+        while proc.poll() is None:
+            if sock.poll(200):
+                payloads.append(sock.recv_multipart()[2])
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-3000:]
+        while sock.poll(1000):
+            payloads.append(sock.recv_multipart()[2])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        ctx.destroy(linger=0)
+    assert "KV cache groups: " in err and "KV cache groups off" not in err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    sub = Subscriber()
+    for p in payloads:
+        sub.apply(p)
+    assert sub.kinds == {0: ("sliding_window", 64), 1: ("full_attention", None)}
+    ev = summary["kv_events"]
+    assert len(payloads) == ev["batches"]
+    for g in (0, 1):
+        keys = sub.held.get(("GPU", g), set())
+        assert ev["resident"][f"GPU/{g}"] == {"keys": len(keys),
+                                               "digest": blake3.blake3(b"".join(sorted(keys))).hexdigest()}
+    sliding, full = summary["kv_groups"]
+    assert 0 < sliding["max_held_per_request"] <= cdiv(64, 16) + 1 < full["max_held_per_request"]
