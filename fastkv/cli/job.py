@@ -69,8 +69,8 @@ class JobConfig:
     # (a sliding-window hybrid: the bytes of this many blocks of every layer, split between its KV
     # cache groups in the proportion the workload's requests need them)
     device_blocks: int = 0
-    # 0 = no host tier; -1: DEFAULT_HOST_BLOCKS, or none when KV cache groups are on (they run without one)
-    host_blocks: int = -1
+    # 0 = no host tier; None: DEFAULT_HOST_BLOCKS, or none when KV cache groups are on (they run without one)
+    host_blocks: int | None = None
     # "default": lmdb://<out>/store, fresh every run (none without a host tier); "none": no storage tier
     storage: str = "default"
     preemption: str = ""  # "": offload, or recompute when KV cache groups are on (their only mode yet)
@@ -139,9 +139,12 @@ class JobConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            kind = {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type).split("[")[0], dict)
+            optional = str(f.type).endswith(" | None")  # None: a default decided with the others
+            kind = {"int": int, "float": float, "str": str, "bool": bool}.get(
+                str(f.type).removesuffix(" | None").split("[")[0], dict)
             ok = (isinstance(value, kind) and not (kind is int and isinstance(value, bool))) or (
-                kind is float and isinstance(value, int) and not isinstance(value, bool))
+                kind is float and isinstance(value, int) and not isinstance(value, bool)) or (
+                optional and value is None)
             if not ok:
                 raise ValueError(f"setting {f.name!r} must be of type {kind.__name__}, got {value!r}")
         self._fastdeploy_names()
@@ -280,7 +283,7 @@ class JobConfig:
                     "cached in full (--kv-cache-groups on refuses instead)")
         object.__setattr__(self, "windows", windows if on else ())
         object.__setattr__(self, "groups_note", note)
-        if self.host_blocks == -1:
+        if self.host_blocks is None:
             object.__setattr__(self, "host_blocks", 0 if on else DEFAULT_HOST_BLOCKS)
         if not self.preemption:
             object.__setattr__(self, "preemption", "recompute" if on else "offload")
@@ -312,7 +315,7 @@ class JobConfig:
 
         events = self.kv_events_endpoint or self.kv_events_replay_endpoint
         schema = self.kv_events_schema or SCHEMAS[0]
-        asked = [("--host-blocks", self.host_blocks > 0),
+        asked = [("--host-blocks", bool(self.host_blocks)),
                  ("--storage", self.storage not in ("default", "none")),
                  (f"--preemption {self.preemption}", self.preemption in ("offload", "storage")),
                  (f"--role {self.role}", self.role != "mixed"),
