@@ -210,6 +210,11 @@ class CacheManager:
         taken per step, by ``step_table``)."""
         return False
 
+    def never_fits(self, prompt_tokens: int) -> str | None:
+        """None: one group, whose bound is the scheduler's ``max_model_len`` (``group_manager``
+        also checks each sliding group's room for a prefill chunk)."""
+        return None
+
     def group_summary(self) -> list[dict[str, int]]:
         """Per KV cache group its counts (``group_manager``); none here: one group, the device's."""
         return []

@@ -115,7 +115,7 @@ class Scheduler:
         if req.num_tokens >= self.max_model_len:
             raise ValueError(f"request {req.request_id}: {req.num_tokens} tokens leave no room to generate "
                              f"within max_model_len {self.max_model_len}")
-        if isinstance(self.cache, GroupedManager) and (why := self.cache.never_fits(req.num_prompt_tokens)):
+        if why := self.cache.never_fits(req.num_prompt_tokens):  # a group too small for it (a hybrid's)
             raise ValueError(f"request {req.request_id}: {why}")
         mode = req.preemption if req.preemption is not None else self.config.preemption
         if mode is PreemptionMode.AUTO and not self.cost.block_bytes:
