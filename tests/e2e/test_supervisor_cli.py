@@ -134,7 +134,7 @@ def test_bad_config_files(tmp_path):
 def test_cli_reports_bad_values_as_usage_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--tp", "0", "--out", str(tmp_path)])
-    assert exc.value.code == 2 and "'tp' must be >= 1" in capsys.readouterr().err
+    assert exc.value.code == 2 and "--tp must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--entry", "scheduler=x:y", "--out", str(tmp_path)])
     assert "--entry must be ROLE=MODULE:FUNC" in capsys.readouterr().err
