@@ -7,7 +7,8 @@ named by ``spec.runner`` and loops:
 
 1. wait for a ``PlanMsg`` on ``plan.{rank}`` (blocking, timeout ``heartbeat_s``: beat, look
    at ``stop``, wait again);
-2. ``runner.step`` on it, its placeholders filled in with this rank's tokens of the step
+2. ``runner.step`` on it (a runner that is not ``layerwise`` first waits for the layered
+   host -> device copies the plan names, whole: ``fastkv.ipc.landed``), its placeholders filled in with this rank's tokens of the step
    before (async scheduling: ``protocol.fill_placeholders``); forget the requests the plan
    releases;
 3. with tp > 1, every rank joins one all-gather of its error text (empty when fine) on the
@@ -43,6 +44,7 @@ from fastkv.engine import protocol
 from fastkv.engine.runners import runner_class
 from fastkv.ipc import ChannelClosed, Namespace, OutputMsg, PeerDied, pid_alive
 from fastkv.ipc.collective import ShmCollective
+from fastkv.ipc.landed import Landed
 from fastkv.kernels import ops
 from fastkv.run import EXITING, READY, RunSpec, attach_worker, collective_prefix
 from fastkv.transfer.tiers import DeviceTier, TierKind, resident_bytes, select_device
@@ -99,8 +101,9 @@ def main(spec_json: str, rank: int) -> int:
     sig = ends.signals
     sig[f"{me}.pid"] = os.getpid()
     sig[f"{me}.beat"] = time.monotonic_ns()
-    tier = coll = runner = None
+    tier = coll = runner = landed = None
     try:
+        landed = Landed.attach(ns, sig, rank, spec.layout.num_layers)
         tier = _device_tier(spec, rank)
         opts, coll = runner_options(spec, rank, sig)
         # Shared-memory tier: hand the runner numpy views (zero-copy; every reference runner takes
@@ -113,7 +116,9 @@ def main(spec_json: str, rank: int) -> int:
             nonlocal tier
             tier, released = _load_weights(spec, rank, tier, runner, req)
             sig.add(f"{me}.released_bytes", released)
-        return _loop(spec, rank, ends, runner, coll, load_weights)
+        waiter = layer_waiter(spec, landed, lambda: sig.__setitem__(f"{me}.beat", time.monotonic_ns()))
+        runner.bind_layer_wait(waiter)
+        return _loop(spec, rank, ends, runner, coll, load_weights, waiter)
     except Exception:
         print(f"fastkv {me}: fatal error\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return 1
@@ -125,6 +130,8 @@ def main(spec_json: str, rank: int) -> int:
             coll.close()
         if tier is not None:
             tier.close()
+        if landed is not None:
+            landed.close()
         ends.close()
 
 
@@ -154,6 +161,18 @@ def _load_weights(spec: RunSpec, rank: int, tier: DeviceTier, runner,
     return tier, released
 
 
+def layer_waiter(spec: RunSpec, landed: Landed, beat: Callable[[], None]) -> Callable[[int, int], float]:
+    """``wait(task, layer)``: blocks until that layer of the layered copy landed on this rank,
+    beating meanwhile; a copy late past ``task_timeout_s`` fails the step (its transfer process
+    is gone or stuck, and the KV it acked is not all there)."""
+    def check() -> None:
+        beat()
+        if landed.signals["stop"]:
+            raise TimeoutError(f"stop requested while waiting for transfer{landed.rank}'s layers")
+
+    return lambda task, layer: landed.wait(task, layer, spec.task_timeout_s, check, spec.heartbeat_s)
+
+
 def _agree(coll: ShmCollective | None, error: str) -> str:
     """End of a step on every rank (tp > 1): nobody answers before every rank has written its
     KV (rank 0's output lets the engine plan copies that read those blocks), and every rank
@@ -168,7 +187,7 @@ def _agree(coll: ShmCollective | None, error: str) -> str:
 
 
 def _loop(spec: RunSpec, rank: int, ends, runner, coll: ShmCollective | None,
-          load_weights: Callable[[protocol.LoadWeights], None]) -> int:
+          load_weights: Callable[[protocol.LoadWeights], None], wait_layer: Callable[[int, int], float]) -> int:
     me, sig = f"worker{rank}", ends.signals
     beat = f"{me}.beat"
     last: dict[int, int] = {}  # sampled in the last step: the next plan's placeholders (protocol)
@@ -191,7 +210,9 @@ def _loop(spec: RunSpec, rank: int, ends, runner, coll: ShmCollective | None,
                 load_weights(protocol.weights_request(msg))
                 reply = OutputMsg(msg.step_id)
             else:
-                plan = protocol.fill_placeholders(protocol.msg_to_plan(msg), last)
+                plan = protocol.fill_placeholders(protocol.msg_to_plan(msg, rank), last)
+                if plan.wait_landed and not runner.layerwise:  # its copies whole, before the step
+                    wait_layer(plan.wait_landed, spec.layout.num_layers - 1)
                 out = runner.step(plan)
                 if plan.seqs:
                     last = out.sampled

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from fastkv.cache.plan import CopyKind, RestoreTask, Task
+from fastkv.ipc import landed
 from fastkv.ipc import (
     BadMessage,
     ChannelClosed,
@@ -115,6 +116,15 @@ class TransferClient:
         self._next_liveness = 0.0
         self.stale = 0  # acks ignored: for tasks already failed on that rank
         self.weights_version = spec.weights_version  # the latest RESTORE's: fences hand it to new processes
+        # layer-wise loading (fastkv.ipc.landed): SWAP_INs are numbered in submit order, the order
+        # each rank's swap lane runs them; ``landing[r]`` is the last one rank r acked (ok: landing
+        # layer by layer; failed: it posted it whole, nothing lands), which the next step's layers
+        # on rank r wait for. Per rank: a task one rank failed may still be landing on another,
+        # into blocks that its failure frees for other requests.
+        self.layerwise = spec.layerwise_load
+        self._layer_seq = 0
+        self._layered: dict[int, int] = {}  # pending layered task id -> its number
+        self.landing = [0] * self.tp
         for r in range(self.tp):
             self._try_adopt(r)
 
@@ -138,7 +148,11 @@ class TransferClient:
         task_id = plan.plan_id
         if task_id in self._plans:
             raise ValueError(f"task {task_id} is already pending")
-        buf = self.ends.tasks[0].encode(task_msg(plan))
+        layered = 0
+        if self.layerwise and plan.kind is CopyKind.SWAP_IN:
+            self._layer_seq += 1
+            layered = self._layered[task_id] = self._layer_seq
+        buf = self.ends.tasks[0].encode(task_msg(plan, layered))
         ring = self.ends.tasks[0].ring
         if ring.slots_for(len(buf)) > ring.nslots:
             raise ValueError(f"task {task_id} ({plan.num_blocks} blocks, {len(buf)} bytes) can never fit a task "
@@ -183,6 +197,9 @@ class TransferClient:
         if msg.task_id not in self._plans or msg.rank not in self._gather.missing(msg.task_id):
             self.stale += 1  # a dead or replaced process's ack for a task already failed on its rank
             return out
+        layered = self._layered.get(msg.task_id)
+        if layered:
+            self.landing[msg.rank] = max(self.landing[msg.rank], layered)
         done = self._gather.add(msg)
         if done is not None:
             out.append(self._finish(done))
@@ -267,6 +284,7 @@ class TransferClient:
 
     def _down(self, r: int, why: str) -> list[CopyResult]:
         st = self._ranks[r]
+        self._check_landed(r, why)
         why = st.hung or why  # a killed process's death: the timeout is what its tasks failed of
         if st.owner is not None:
             st.dead, st.owner = st.owner, None
@@ -276,6 +294,19 @@ class TransferClient:
             self.ends.inbox.remove(self.ends.dones[r])
             st.listening = False
         return [self._finish(t) for t in self._gather.fail_rank(r, why)]
+
+    def _check_landed(self, r: int, why: str) -> None:
+        """A rank going down must have landed every layered copy it acked: the engine took the
+        ack for KV on the way, and steps may already read it. RuntimeError otherwise (the run
+        cannot tell which device blocks hold half a copy)."""
+        n = self.landing[r]
+        if not n:
+            return
+        layers = self.spec.layout.num_layers
+        have = self.ends.signals[landed.slot(r)]
+        if have < landed.Landed.mark_of(n, layers - 1, layers):
+            raise RuntimeError(f"transfer[{r}] went down ({why}) while layered copy {n} it had acked was landing: "
+                               f"its device blocks are incomplete; run with --layerwise-load off to recompute instead")
 
     def _ack_failed(self, task_id: int, r: int, why: str) -> None:
         done = self._gather.add(DoneMsg(task_id, r, False, error=why))
@@ -330,6 +361,7 @@ class TransferClient:
     # -- results -----------------------------------------------------------------------
     def _finish(self, done: TaskResult) -> CopyResult:
         plan, _ = self._plans.pop(done.task_id)
+        self._layered.pop(done.task_id, None)
         if plan.kind in STORAGE_KINDS:
             self._storage_pending -= 1
             self._spin_for_acks()
