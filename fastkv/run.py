@@ -10,7 +10,7 @@ with ``create_run``; each process reads the spec and attaches only the ends it u
 | ``plan.{r}``           | supervisor | engine -> worker[r]             |
 | ``output``             | supervisor | worker[0] -> engine (doorbell ``engine.in``)   |
 | ``signals``            | supervisor | heartbeats, pids, ready flags (``SIGNALS`` below) |
-| ``landed.{r}`` (sem)   | supervisor | transfer[r] -> worker[r]: a layer of a layered SWAP_IN landed (``fastkv.ipc.landed``) |
+| ``landed.{r}`` (sem)   | supervisor | transfer[r] -> worker[r]: a layered SWAP_IN's layer landed (``ipc.landed``) |
 | ``coll`` (tp > 1)      | supervisor | worker[r] <-> worker[s]: ``ShmCollective`` of the tp group |
 | ``kvdev{r}``/``kvhost{r}`` | supervisor | KV tiers of rank r (``fastkv.transfer.tiers``) |
 
@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastkv.config import KVLayout
-from fastkv.ipc import Channel, DoneMsg, Doorbell, Inbox, Namespace, OutputMsg, PlanMsg, SignalArray, TaskMsg
-from fastkv.ipc import landed
+from fastkv.ipc import Channel, DoneMsg, Doorbell, Inbox, Namespace, OutputMsg, PlanMsg, SignalArray, TaskMsg, landed
 from fastkv.ipc.collective import ShmCollective
 
 

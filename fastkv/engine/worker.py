@@ -8,9 +8,9 @@ named by ``spec.runner`` and loops:
 1. wait for a ``PlanMsg`` on ``plan.{rank}`` (blocking, timeout ``heartbeat_s``: beat, look
    at ``stop``, wait again);
 2. ``runner.step`` on it (a runner that is not ``layerwise`` first waits for the layered
-   host -> device copies the plan names, whole: ``fastkv.ipc.landed``), its placeholders filled in with this rank's tokens of the step
-   before (async scheduling: ``protocol.fill_placeholders``); forget the requests the plan
-   releases;
+   host -> device copies the plan names, whole: ``fastkv.ipc.landed``), its placeholders
+   filled in with this rank's tokens of the step before (async scheduling:
+   ``protocol.fill_placeholders``); forget the requests the plan releases;
 3. with tp > 1, every rank joins one all-gather of its error text (empty when fine) on the
    run's ``ShmCollective``: rank 0 answers only after every rank has written the step's
    KV. Without that, a copy the engine plans right after rank 0's answer could read a block

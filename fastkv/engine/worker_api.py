@@ -4,8 +4,8 @@ One ``WorkerPort`` per tensor-parallel rank, in the deployment's worker process:
 
     port = WorkerPort(spec, rank)              # attaches the run the launch created
     tier = DeviceTier.attach(...) / .create(..., backend="cuda") / .adopt(...)
-    port.ready()                               # WorkerPort(..., layerwise=True): the model calls
-    for plan in port.plans():                  #   port.wait_layer(plan, l) before layer l's KV                  # ends when the engine closes (or ``stop``)
+    port.ready()
+    for plan in port.plans():                  # ends when the engine closes (or ``stop``)
         if plan.weights is not None:           # the weight-update hook
             model.load_weights(plan.weights.version)
             port.answer(plan)
@@ -26,6 +26,10 @@ One ``WorkerPort`` per tensor-parallel rank, in the deployment's worker process:
   from the ``sampled`` this rank passed to ``answer``: so every rank passes its sampled
   tokens (at tp > 1 they must be the same on every rank, as greedy sampling of the same
   logits is). A deployment whose ranks > 0 do not sample runs ``--async-scheduling off``.
+- Layer-wise loading: ``WorkerPort(..., layerwise=True)`` promises that the model calls
+  ``port.wait_layer(plan, layer)`` before each layer writes or reads KV, so a step starts
+  while the host -> device copies it needs still land layer by layer (``Plan.wait_landed``).
+  Without it ``plans()`` waits for those copies whole before it yields the plan.
 - ``Plan.release``: requests finished (or aborted) since the last plan; the engine also
   sends them in an empty plan when it idles, and before it closes.
 - Heartbeats: ``plans()`` beats ``worker{r}.beat`` whenever it waits; a step longer than

@@ -61,7 +61,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from fastkv.cache.plan import CopyKind, RestoreTask, Task
-from fastkv.ipc import landed
 from fastkv.ipc import (
     BadMessage,
     ChannelClosed,
@@ -72,6 +71,7 @@ from fastkv.ipc import (
     PeerTimeout,
     Side,
     TaskResult,
+    landed,
 )
 from fastkv.run import EngineEnds, RunSpec
 from fastkv.transfer.protocol import BAD_TASK_ID, fence_for, task_msg
