@@ -34,8 +34,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from fastkv.cache import request_policy
 from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
@@ -194,8 +192,7 @@ class Engine:
         self._last_output = 0.0  # when the last step's output came in: the next step's wall time starts there
         self._held: dict[str, list[int]] = {}  # tokens of requests that stopped, kept for their result's update
         self.overlapped_steps = 0  # steps sent while the one before was still running
-        self.plans_on_landing = 0  # plans sent with a layered SWAP_IN acked since the plan before (summary)
-        self._landing_sent: list[int] = []
+        self.plans_on_landing = 0  # plans sent whose layers wait for a layered SWAP_IN (summary)
         self.sync_plans = 0  # plans made after the step in flight because a preemption waited on it
         # steps' wall time, each from its send, or from the output before it when that came later
         # (the time the workers reported for them is gpu_clock.gpu_s)
@@ -657,12 +654,12 @@ class Engine:
         try:
             msg = control or protocol.plan_to_msg(plan, self._release, new)
             landing = getattr(self.transfer, "landing", None)
-            if control is None and landing is not None and any(landing):
-                # its layers wait for the layered SWAP_INs each rank acked so far (fastkv.ipc.landed)
-                msg.wait_landed = np.array(landing, np.int64)
-                if landing != self._landing_sent:
+            if control is None and landing is not None and plan.seqs:
+                # its layers wait for the layered SWAP_INs still landing into its blocks (fastkv.transfer.landing)
+                wait = landing.wait_for([s.block_table for s in plan.seqs])
+                if wait is not None:
+                    msg.wait_landed = wait
                     self.plans_on_landing += 1
-                    self._landing_sent = list(landing)
             self._broadcast.send(msg, timeout=self.spec.dead_after_s)
         except ChannelClosed as exc:  # a worker let go of its plans: it is on its way out
             raise EngineError(self._worker_left(exc)) from exc

@@ -71,9 +71,9 @@ from fastkv.ipc import (
     PeerTimeout,
     Side,
     TaskResult,
-    landed,
 )
 from fastkv.run import EngineEnds, RunSpec
+from fastkv.transfer.landing import LandingCopies
 from fastkv.transfer.protocol import BAD_TASK_ID, fence_for, task_msg
 
 log = logging.getLogger(__name__)
@@ -116,15 +116,9 @@ class TransferClient:
         self._next_liveness = 0.0
         self.stale = 0  # acks ignored: for tasks already failed on that rank
         self.weights_version = spec.weights_version  # the latest RESTORE's: fences hand it to new processes
-        # layer-wise loading (fastkv.ipc.landed): SWAP_INs are numbered in submit order, the order
-        # each rank's swap lane runs them; ``landing[r]`` is the last one rank r acked (ok: landing
-        # layer by layer; failed: it posted it whole, nothing lands), which the next step's layers
-        # on rank r wait for. Per rank: a task one rank failed may still be landing on another,
-        # into blocks that its failure frees for other requests.
+        # layer-wise loading: SWAP_INs go layer by layer, numbered in submit order (fastkv.transfer.landing)
         self.layerwise = spec.layerwise_load
-        self._layer_seq = 0
-        self._layered: dict[int, int] = {}  # pending layered task id -> its number
-        self.landing = [0] * self.tp
+        self.landing = LandingCopies(self.tp, spec.layout.num_layers, getattr(ends, "signals", None))
         for r in range(self.tp):
             self._try_adopt(r)
 
@@ -150,8 +144,7 @@ class TransferClient:
             raise ValueError(f"task {task_id} is already pending")
         layered = 0
         if self.layerwise and plan.kind is CopyKind.SWAP_IN:
-            self._layer_seq += 1
-            layered = self._layered[task_id] = self._layer_seq
+            layered = self.landing.number(task_id, plan.dst)
         buf = self.ends.tasks[0].encode(task_msg(plan, layered))
         ring = self.ends.tasks[0].ring
         if ring.slots_for(len(buf)) > ring.nslots:
@@ -197,9 +190,7 @@ class TransferClient:
         if msg.task_id not in self._plans or msg.rank not in self._gather.missing(msg.task_id):
             self.stale += 1  # a dead or replaced process's ack for a task already failed on its rank
             return out
-        layered = self._layered.get(msg.task_id)
-        if layered:
-            self.landing[msg.rank] = max(self.landing[msg.rank], layered)
+        self.landing.on_ack(msg.task_id, msg.rank, msg.ok)
         done = self._gather.add(msg)
         if done is not None:
             out.append(self._finish(done))
@@ -299,12 +290,8 @@ class TransferClient:
         """A rank going down must have landed every layered copy it acked: the engine took the
         ack for KV on the way, and steps may already read it. RuntimeError otherwise (the run
         cannot tell which device blocks hold half a copy)."""
-        n = self.landing[r]
-        if not n:
-            return
-        layers = self.spec.layout.num_layers
-        have = self.ends.signals[landed.slot(r)]
-        if have < landed.Landed.mark_of(n, layers - 1, layers):
+        n = self.landing.torn(r)
+        if n:
             raise RuntimeError(f"transfer[{r}] went down ({why}) while layered copy {n} it had acked was landing: "
                                f"its device blocks are incomplete; run with --layerwise-load off to recompute instead")
 
@@ -361,7 +348,7 @@ class TransferClient:
     # -- results -----------------------------------------------------------------------
     def _finish(self, done: TaskResult) -> CopyResult:
         plan, _ = self._plans.pop(done.task_id)
-        self._layered.pop(done.task_id, None)
+        self.landing.on_complete(done.task_id)
         if plan.kind in STORAGE_KINDS:
             self._storage_pending -= 1
             self._spin_for_acks()

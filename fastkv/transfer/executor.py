@@ -338,21 +338,18 @@ class TaskExecutor:
         nbytes = len(plan.src) * self.block_bytes
         early(DoneMsg(msg.task_id, self.rank, True, nbytes, time.perf_counter() - t0))
         layers = self.spec.layout.num_layers
-        if not device.k_arrays:  # CUDA: one swap, then every layer at once
-            if self._bound is None:
-                from fastkv.kernels import ops
+        if self._bound is None:
+            from fastkv.kernels import ops
 
-                self._bound = ops.BoundSwap(device.k, device.v, host.tensor, hold_gil=True)
+            self._bound = ops.BoundSwap(device.k, device.v, host.tensor, hold_gil=True)
+        if self._bound.on_gpu:  # CUDA: one swap, then every layer at once
             self._bound.swap(plan.src, plan.dst, to_host=False, num_threads=self.spec.ops_threads)
             landed.post(msg.layered, layers - 1)
             return None
-        pages = [device.k_arrays, device.v_arrays] if device.v_arrays else [device.k_arrays]
-        src, dst, arr = plan.src, plan.dst, host.array
         for layer in range(layers):
             if self.layer_delay is not None:
                 self.layer_delay(msg.layered, layer)
-            for kv, caches in enumerate(pages):
-                caches[layer][dst] = arr[src, layer, kv]
+            self._bound.swap_in_layer(plan.src, plan.dst, layer, self.spec.ops_threads)
             landed.post(msg.layered, layer)
             progress()
         return None

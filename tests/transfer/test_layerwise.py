@@ -157,3 +157,36 @@ def test_a_step_waits_for_its_late_layer_and_no_other(sup, rig):
         sig.close()
     finally:
         sup2.close()
+
+
+def test_the_engine_waits_only_for_copies_still_landing_into_a_plans_blocks(sup):
+    """``LandingCopies``: a plan waits, per rank, for the layered copies that rank acked into a
+    block of its tables, until the rank's counter shows them landed; other plans wait for nothing."""
+    from fastkv.transfer.landing import LandingCopies
+
+    sig = SignalArray.attach(sup.ns, "signals")
+    layers = sup.spec.layout.num_layers
+    posts = [Landed.attach(sup.ns, sig, r, layers) for r in range(2)]
+    try:
+        book = LandingCopies(2, layers, sig)
+        a = book.number(100, np.array([3, 4], np.int32))
+        b = book.number(101, np.array([9], np.int32))
+        assert (a, b) == (1, 2) and book.wait_for([np.array([3])]) is None, "not acked: nothing lands yet"
+        book.on_ack(100, 0, True)
+        book.on_ack(100, 1, True)
+        book.on_ack(101, 0, True)
+        book.on_ack(101, 1, False)  # rank 1 refused it: nothing of it lands there
+        assert book.wait_for([np.array([0, 1, 2])]) is None, "a plan on other blocks waits for nothing"
+        assert book.wait_for([np.array([7]), np.array([4, 5])]).tolist() == [1, 1]
+        assert book.wait_for([np.array([9])]).tolist() == [2, 0]
+        posts[0].post(1, layers - 1)
+        assert book.wait_for([np.array([4])]).tolist() == [0, 1], "landed on rank 0, still landing on rank 1"
+        assert book.torn(1) == 1 and book.torn(0) == 2
+        posts[1].post(1, layers - 1)
+        posts[0].post(2, layers - 1)
+        assert book.wait_for([np.array([3, 4, 9])]) is None
+        assert book.torn(0) == book.torn(1) == 0
+    finally:
+        for p in posts:
+            p.close()
+        sig.close()
