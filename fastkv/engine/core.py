@@ -781,7 +781,9 @@ class Engine:
             self.lookups.complete(res.plan.plan_id, res.ok, self.spec.tp_size)
             return
         # The scheduler's cost model wants per-rank bytes; the client reports all ranks'.
-        self.sched.on_copy_complete(res.plan.plan_id, res.ok, res.nbytes // self.spec.tp_size, res.seconds)
+        # a layered SWAP_IN's ack comes before its copy: its time says nothing of the link (0: not observed)
+        seconds = 0.0 if getattr(res, "layered", False) else res.seconds
+        self.sched.on_copy_complete(res.plan.plan_id, res.ok, res.nbytes // self.spec.tp_size, seconds)
         self.metrics.observe_copy(res.plan.kind.name.lower(), res.ok, res.nbytes, res.seconds)
         if self.exporter:
             self.exporter.poll()

@@ -63,8 +63,11 @@ class Landed:
         return self.signals[self._slot]
 
     def post(self, task: int, layer: int) -> None:
-        """Layer ``layer`` of layered task ``task`` is on the device (all before it too)."""
-        self.signals[self._slot] = self.mark(task, layer)
+        """Layer ``layer`` of layered task ``task`` is on the device (all before it too). Never
+        lowers the slot: a copy done again after its process died re-posts layers that landed."""
+        mark = self.mark(task, layer)
+        if self.value() < mark:  # one writer: this rank's transfer process
+            self.signals[self._slot] = mark
         self.sem.release()
 
     def landed(self, task: int, layer: int) -> bool:

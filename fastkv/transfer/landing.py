@@ -22,24 +22,26 @@ class LandingCopies:
         self.tp, self.layers, self.signals = tp, layers, signals
         self.numbered = 0  # layered SWAP_INs sent (the last number given)
         self.acked = [0] * tp  # per rank, the highest number it acked ok
-        self._sent: dict[int, tuple[int, np.ndarray]] = {}  # task id -> (number, dst blocks), until complete
-        self._landing: dict[int, tuple[np.ndarray, set[int]]] = {}  # number -> (dst, ranks that acked it ok)
+        self._sent: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # task id -> (number, src, dst), until complete
+        # number -> (src, dst, ranks that acked it ok), until it landed on each of them
+        self._landing: dict[int, tuple[np.ndarray, np.ndarray, set[int]]] = {}
 
-    def number(self, task_id: int, dst: np.ndarray) -> int:
+    def number(self, task_id: int, src: np.ndarray, dst: np.ndarray) -> int:
         self.numbered += 1
-        self._sent[task_id] = (self.numbered, dst)
+        self._sent[task_id] = (self.numbered, src, dst)
         return self.numbered
 
     def on_ack(self, task_id: int, rank: int, ok: bool) -> None:
         sent = self._sent.get(task_id)
         if sent is None or not ok:  # a rank that failed it posted it whole: nothing of it lands there
             return
-        n, dst = sent
+        n, src, dst = sent
         self.acked[rank] = max(self.acked[rank], n)
-        self._landing.setdefault(n, (dst, set()))[1].add(rank)
+        self._landing.setdefault(n, (src, dst, set()))[2].add(rank)
 
-    def on_complete(self, task_id: int) -> None:
-        self._sent.pop(task_id, None)
+    def on_complete(self, task_id: int) -> bool:
+        """The task is done (every rank acked or failed it); whether it was a layered one."""
+        return self._sent.pop(task_id, None) is not None
 
     def _landed(self, n: int, rank: int) -> bool:
         return self.signals[slot(rank)] >= Landed.mark_of(n, self.layers - 1, self.layers)
@@ -47,21 +49,23 @@ class LandingCopies:
     def wait_for(self, tables: list[np.ndarray]) -> np.ndarray | None:
         """Per rank, the layered task a step with these block tables waits for (0: none); None
         when it waits for nothing."""
-        for n in [n for n, (_, ranks) in self._landing.items() if all(self._landed(n, r) for r in ranks)]:
+        for n in [n for n, (_, _, ranks) in self._landing.items() if all(self._landed(n, r) for r in ranks)]:
             del self._landing[n]
         if not self._landing or not tables:
             return None
         blocks = np.concatenate(tables)
         out = np.zeros(self.tp, np.int64)
-        for n, (dst, ranks) in self._landing.items():
+        for n, (_, dst, ranks) in self._landing.items():
             if np.isin(dst, blocks).any():
                 for r in ranks:
                     if not self._landed(n, r):
                         out[r] = max(out[r], n)
         return out if out.any() else None
 
-    def torn(self, rank: int) -> int:
-        """The layered task ``rank`` acked and did not land whole (0: none): checked when the rank
-        goes down, as its copies end there."""
-        n = self.acked[rank]
-        return n if n and not self._landed(n, rank) else 0
+    def torn(self, rank: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(number, src, dst) of each layered copy ``rank`` acked and has not landed whole: what
+        its process left half done when it went down. Its successor copies them again, first
+        (``TransferClient``): nothing else ran on that rank since, so their host blocks still hold
+        the verified bytes, and every step that holds one of their device blocks still waits."""
+        return [(n, src, dst) for n, (src, dst, ranks) in sorted(self._landing.items())
+                if rank in ranks and not self._landed(n, rank)]

@@ -43,6 +43,7 @@ from fastkv.storage import namespace_fingerprint
 FENCE = 0  # TaskMsg.kind of a fence (CopyKind starts at 1)
 FENCE_ID = -1
 BAD_TASK_ID = -2  # DoneMsg.task_id of the ack of a task message that could not be read
+REDO_IDS = -1000  # and down: layered copies a dead process left half done, redone by its successor
 
 
 def task_msg(plan: Task, layered: int = 0) -> TaskMsg:

@@ -169,8 +169,8 @@ def test_the_engine_waits_only_for_copies_still_landing_into_a_plans_blocks(sup)
     posts = [Landed.attach(sup.ns, sig, r, layers) for r in range(2)]
     try:
         book = LandingCopies(2, layers, sig)
-        a = book.number(100, np.array([3, 4], np.int32))
-        b = book.number(101, np.array([9], np.int32))
+        a = book.number(100, np.array([0, 1], np.int32), np.array([3, 4], np.int32))
+        b = book.number(101, np.array([2], np.int32), np.array([9], np.int32))
         assert (a, b) == (1, 2) and book.wait_for([np.array([3])]) is None, "not acked: nothing lands yet"
         book.on_ack(100, 0, True)
         book.on_ack(100, 1, True)
@@ -181,12 +181,69 @@ def test_the_engine_waits_only_for_copies_still_landing_into_a_plans_blocks(sup)
         assert book.wait_for([np.array([9])]).tolist() == [2, 0]
         posts[0].post(1, layers - 1)
         assert book.wait_for([np.array([4])]).tolist() == [0, 1], "landed on rank 0, still landing on rank 1"
-        assert book.torn(1) == 1 and book.torn(0) == 2
+        assert [t[0] for t in book.torn(1)] == [1] and [t[0] for t in book.torn(0)] == [2]
+        assert book.torn(1)[0][1].tolist() == [0, 1] and book.torn(1)[0][2].tolist() == [3, 4]
         posts[1].post(1, layers - 1)
         posts[0].post(2, layers - 1)
         assert book.wait_for([np.array([3, 4, 9])]) is None
-        assert book.torn(0) == book.torn(1) == 0
+        assert book.torn(0) == book.torn(1) == []
     finally:
         for p in posts:
             p.close()
         sig.close()
+
+
+def slow_layer_main(spec_json: str, rank: int, late_s: float) -> None:
+    """A transfer process whose layered copies stall ``late_s`` before their last layer."""
+    import sys
+
+    from fastkv.transfer import process
+    from fastkv.transfer.executor import TaskExecutor
+
+    TaskExecutor.layer_delay = staticmethod(lambda task, layer: time.sleep(late_s) if layer == 1 else None)
+    sys.exit(process.main(spec_json, rank))
+
+
+def test_a_copy_its_process_left_half_done_is_redone_by_its_successor():
+    """transfer[1] acks a layered SWAP_IN, lands layer 0 and dies before layer 1. Its blocks stay
+    'landing' on rank 1 (a plan holding them still waits there); the supervisor's replacement,
+    once adopted, copies it again first, and rank 1's device ends up with the host bytes."""
+    from tests.transfer.helpers import CTX, plan, run_tasks, set_device_blocks, wait_ready
+
+    sup = Supervisor(layerwise_load=True)
+    try:
+        client = sup.engine()
+        sup.start(0)
+        sup.procs[1] = CTX.Process(target=slow_layer_main, args=(sup.spec.to_json(), 1, 60.0), daemon=True)
+        sup.procs[1].start()
+        wait_ready(client)
+        rng = np.random.default_rng(7)
+        for r in range(2):
+            fill_random(sup.hosts[r], rng)
+            set_device_blocks(sup.devices[r], [5, 6], 0)
+        layers = sup.spec.layout.num_layers
+        waiter = Landed.attach(sup.ns, sup.signals, 1, layers)
+        try:
+            res, = run_tasks(sup, client, plan(CopyKind.SWAP_IN, [3, 4], [5, 6]))
+            assert res.ok and res.layered, res
+            waiter.wait(1, 0, timeout=20)  # layer 0 landed on rank 1; layer 1 waits out the stall
+            assert not waiter.landed(1, 1)
+            assert client.landing.wait_for([np.array([6])]).tolist() == [0, 1]
+            sup.procs[1].kill()
+            down, = run_tasks(sup, client, plan(CopyKind.SWAP_OUT, [0], [0]))  # fails on the dead rank
+            assert not down.ok and "died" in down.error
+            sup.start(1)
+            wait_ready(client)  # adopting it sends the redo right after its fence
+            waiter.wait(1, layers - 1, timeout=20)
+            after, = run_tasks(sup, client, plan(CopyKind.SWAP_OUT, [1], [1]))  # its acks flow again
+            assert after.ok, after.error
+            for r in range(2):
+                dev, host = sup.devices[r], sup.hosts[r]
+                for layer in range(layers):
+                    assert np.array_equal(dev.k_arrays[layer][[5, 6]], host.array[[3, 4], layer, 0]), (r, layer)
+                    assert np.array_equal(dev.v_arrays[layer][[5, 6]], host.array[[3, 4], layer, 1]), (r, layer)
+            assert client.landing.wait_for([np.array([5, 6])]) is None
+        finally:
+            waiter.close()
+    finally:
+        sup.close()
