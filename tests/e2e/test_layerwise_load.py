@@ -82,3 +82,26 @@ def test_paddleformers_outputs_identical_with_layerwise_load_on_and_off(tp, mode
         assert not pf.mismatches("llama", results), f"layerwise {on}"
         pf.check_preempted(summary, mode)
         _layered(summary, on)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_deployment_worker_with_and_without_wait_layer_serves_the_same_tokens(tp, tmp_path):
+    """The embedding example's toy worker on a tight device tier (offloads, restores by swap-in):
+    with ``WorkerPort(layerwise=True)`` it calls ``wait_layer`` before its layer; without, its
+    port waits for the whole copies in ``plans()``. Both equal the toy's reference."""
+    import numpy as np
+
+    from fastkv.config import KVLayout
+    from tests.e2e.embed_example import reference, serve
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 1000, int(n)).tolist() for n in rng.integers(6, 14, 6)]
+    layout = KVLayout(num_layers=1, kv_heads=2, block_size=4, head_dim=8, dtype="float32", tp_size=tp)
+    want = {f"req-{i}": reference(p, 12, i, 0.7) for i, p in enumerate(prompts)}
+    for layerwise in (True, False):
+        spec = RunSpec(new_run_id(), layout, 12, 64, out_dir=str(tmp_path / f"out-{layerwise}"), heartbeat_s=0.2,
+                       dead_after_s=5.0)
+        got = serve(spec, prompts, 12, layerwise=layerwise)
+        assert got["preemptions"] > 0, "no preemption: nothing was swapped back in"
+        assert got["outputs"] == want, f"layerwise {layerwise}"
