@@ -116,7 +116,8 @@ def main(spec_json: str, rank: int) -> int:
             nonlocal tier
             tier, released = _load_weights(spec, rank, tier, runner, req)
             sig.add(f"{me}.released_bytes", released)
-        waiter = layer_waiter(spec, landed, lambda: sig.__setitem__(f"{me}.beat", time.monotonic_ns()))
+        waiter = landed.waiter(spec.task_timeout_s, lambda: sig.__setitem__(f"{me}.beat", time.monotonic_ns()),
+                               spec.heartbeat_s)
         runner.bind_layer_wait(waiter)
         return _loop(spec, rank, ends, runner, coll, load_weights, waiter)
     except Exception:
@@ -159,18 +160,6 @@ def _load_weights(spec: RunSpec, rank: int, tier: DeviceTier, runner,
     tier = _device_tier(spec, rank)
     runner.set_caches(tier.k, tier.v)
     return tier, released
-
-
-def layer_waiter(spec: RunSpec, landed: Landed, beat: Callable[[], None]) -> Callable[[int, int], float]:
-    """``wait(task, layer)``: blocks until that layer of the layered copy landed on this rank,
-    beating meanwhile; a copy late past ``task_timeout_s`` fails the step (its transfer process
-    is gone or stuck, and the KV it acked is not all there)."""
-    def check() -> None:
-        beat()
-        if landed.signals["stop"]:
-            raise TimeoutError(f"stop requested while waiting for transfer{landed.rank}'s layers")
-
-    return lambda task, layer: landed.wait(task, layer, spec.task_timeout_s, check, spec.heartbeat_s)
 
 
 def _agree(coll: ShmCollective | None, error: str) -> str:

@@ -106,10 +106,8 @@ class WorkerPort:
                                               check=lambda peer: _check_peer(self.signals, rank, peer))
         self._msg = None
         self._last: dict[str, int] = {}  # wire id -> token this rank sampled in the last step
-        from fastkv.engine.worker import layer_waiter
-
         self._landed = Landed.attach(self._ns, self.signals, rank, spec.layout.num_layers)
-        self._wait = layer_waiter(spec, self._landed, self.beat)
+        self._wait = self._landed.waiter(spec.task_timeout_s, self.beat, spec.heartbeat_s)
 
     def beat(self) -> None:
         self.signals[f"{self.me}.beat"] = time.monotonic_ns()

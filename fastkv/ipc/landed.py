@@ -91,5 +91,16 @@ class Landed:
                 check()
         return time.monotonic() - t0
 
+    def waiter(self, timeout: float, beat: Callable[[], None], slice_s: float) -> Callable[[int, int], float]:
+        """``wait(task, layer)`` for a worker: beats every ``slice_s`` while it waits and ends the
+        wait at once on the run's ``stop``; LayerTimeout after ``timeout`` (the copy's transfer
+        process is gone or stuck, and the KV it acked is not all there)."""
+        def check() -> None:
+            beat()
+            if self.signals["stop"]:
+                raise TimeoutError(f"stop requested while waiting for transfer{self.rank}'s layers")
+
+        return lambda task, layer: self.wait(task, layer, timeout, check, slice_s)
+
     def close(self) -> None:
         self.sem.close()

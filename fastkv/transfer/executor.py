@@ -310,6 +310,7 @@ class TaskExecutor:
         every layer is announced after it (no per-layer copy in the C ABI yet)."""
         t0 = time.perf_counter()
         task, landed = self._task, self.landed
+        outer = getattr(task, "progress", None), getattr(task, "hold", None)
         task.progress, task.hold = progress, None
         plan = None
         try:
@@ -334,7 +335,7 @@ class TaskExecutor:
             early(DoneMsg(msg.task_id, self.rank, False, 0, time.perf_counter() - t0, error))
             return None
         finally:
-            task.progress = None
+            task.progress, task.hold = outer
         nbytes = len(plan.src) * self.block_bytes
         early(DoneMsg(msg.task_id, self.rank, True, nbytes, time.perf_counter() - t0))
         layers = self.spec.layout.num_layers

@@ -96,3 +96,14 @@ def test_a_waiter_in_another_process_blocks_without_burning_a_core(ns, pair):
     assert wall >= 0.4 and waited >= 0.4, "returned before the post"
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     assert cpu < 0.25 * wall, f"the wait burnt {cpu:.3f} s of CPU in {wall:.3f} s"
+
+
+def test_a_workers_waiter_beats_and_ends_at_stop(pair):
+    _, waiter = pair
+    beats = []
+    wait = waiter.waiter(timeout=30, beat=lambda: beats.append(1), slice_s=0.05)
+    threading.Timer(0.3, lambda: waiter.signals.__setitem__("stop", 1)).start()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="stop requested"):
+        wait(1, 0)
+    assert time.monotonic() - t0 < 5 and len(beats) >= 3
