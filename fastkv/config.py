@@ -203,6 +203,28 @@ class KVLayout:
         """Some layer slides: the groups hold different blocks."""
         return bool(self.windows)
 
+    def group_of(self, layer: int) -> int:
+        """The index in ``groups`` of the group holding ``layer``."""
+        for i, g in enumerate(self.groups):
+            if layer in g.layers:
+                return i
+        raise ValueError(f"layer {layer} is not one of the {self.num_layers} layers")
+
+    def layer_blocks(self, group_blocks: tuple[int, ...] | list[int], num_blocks: int) -> tuple[int, ...]:
+        """Device blocks of each layer's K (and V) tensor: its group's in ``group_blocks``, or
+        ``num_blocks`` for every layer when ``group_blocks`` is empty."""
+        if not group_blocks:
+            return (num_blocks,) * self.num_layers
+        groups = self.groups
+        if len(group_blocks) != len(groups) or any(not isinstance(n, int) or n <= 0 for n in group_blocks):
+            raise ValueError(f"group_blocks must name a positive block count for each of the {len(groups)} "
+                             f"KV cache groups, got {list(group_blocks)}")
+        out = [0] * self.num_layers
+        for g, n in zip(groups, group_blocks, strict=True):
+            for layer in g.layers:
+                out[layer] = n
+        return tuple(out)
+
     def group_block_bytes(self, group: KVGroup) -> int:
         """Bytes of one block of ``group``'s layers, every page (K and V, or the latent)."""
         return len(group.layers) * self.kv_pages * self.page_bytes

@@ -151,6 +151,7 @@ class Launch:
             with _tier_fits("device", r, spec.num_device_blocks, spec.layout.block_bytes):
                 if not workers_make_device:
                     self._tiers.append(DeviceTier.create(spec.tier_prefix, r, spec.layout, spec.num_device_blocks,
+                                                         layer_blocks=spec.layer_blocks(),
                                                          backend="shm", populate=True))
             if spec.num_host_blocks:
                 self.ns.record("shm", f"kvhost{r}")

@@ -238,6 +238,9 @@ class GroupedCache:
             raise ValueError(f"request {request_id!r} is {req.state}, not {' or '.join(states)}")
         return req
 
+    def request_ids(self) -> list[object]:
+        return list(self._reqs)
+
     def tables(self, request_id: object) -> list[np.ndarray]:
         """Per group, the request's table indexed by block number (-1: a hole)."""
         self.record(request_id)

@@ -204,6 +204,21 @@ class CacheManager:
     def block_table(self, request_id: object) -> np.ndarray:
         return np.asarray(self.state.get(request_id).table, dtype=np.int32)
 
+    @property
+    def takes_blocks_per_step(self) -> bool:
+        """False: ``append_slots`` takes every slotted token's blocks (``group_manager``'s are
+        taken per step, by ``step_table``)."""
+        return False
+
+    def group_summary(self) -> list[dict[str, int]]:
+        """Per KV cache group its counts (``group_manager``); none here: one group, the device's."""
+        return []
+
+    def step_table(self, request_id: object, start: int, count: int) -> np.ndarray:
+        """The table a step computing [start, start + count) reads: the whole table, every block
+        of every slotted token taken already (``fastkv.cache.group_manager`` takes them per step)."""
+        return self.block_table(request_id)
+
     def request_state(self, request_id: object) -> ReqState:
         return self.state.get(request_id).state
 

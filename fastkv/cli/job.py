@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import re
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from fastkv.sched.config import SchedulerConfig
 from fastkv.sched.hits import HIT_POLICIES
 from fastkv.sched.prefetch import PREFETCH_POLICIES
 from fastkv.workload import PREEMPTION_MODES, ConversationConfig
+
+_SETTING = re.compile(r"setting '(\w+)'")  # how JobConfig's checks name a setting
 
 RUNNERS = ("synthetic", "tiny", "paddleformers:llama", "paddleformers:ernie4_5", "paddleformers:gemma3",
            "paddleformers:gpt_oss")
@@ -345,8 +348,12 @@ class JobConfig:
         layers = [Layer(f"config file {path}", read_config_file(path), str)] if path is not None else []
         layers.append(Layer("flags", dict(overrides or {}), flag_name))
         values, notes = merge(layers)
-        with in_file(path):
-            cfg = cls(**values)
+        flags = {k for k, v in (overrides or {}).items() if v is not None}
+        try:
+            with in_file(path):
+                cfg = cls(**values)
+        except ValueError as exc:  # a setting the user gave as a flag is named as the flag
+            raise ValueError(_SETTING.sub(lambda m: flag_name(m[1]) if m[1] in flags else m[0], str(exc))) from None
         object.__setattr__(cfg, "overridden", notes)
         return cfg
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastkv.cache import request_policy
+from fastkv.cache.group_manager import GroupedManager
 from fastkv.cache.keys import ExtraKeys
 from fastkv.cache.manager import CacheConfig, CacheManager
 from fastkv.cache.plan import ClearTask, CopyKind, CopyPlan
@@ -154,8 +155,13 @@ class Engine:
                  = None, *, check: bool = False) -> None:
         self.spec = spec
         self.ends = ends
-        self.cache = CacheManager(cache_config(spec))
-        self.sched = Scheduler(self.cache, scheduler_config(spec), hits=hit_policy(spec))
+        sched_config = scheduler_config(spec)
+        if spec.layout.is_hybrid:  # one device pool and table per KV cache group (fastkv.cache.group_manager)
+            self.cache = GroupedManager(cache_config(spec), spec.device_group_blocks(),
+                                        sched_config.max_num_batched_tokens)
+        else:
+            self.cache = CacheManager(cache_config(spec))
+        self.sched = Scheduler(self.cache, sched_config, hits=hit_policy(spec))
         if self.sched.config.preemption is PreemptionMode.STORAGE and not spec.storage_url:
             raise ValueError("RunSpec.scheduler: preemption 'storage' needs a storage tier (RunSpec.storage_url)")
         if client_factory is None:
@@ -656,7 +662,7 @@ class Engine:
             landing = getattr(self.transfer, "landing", None)
             if control is None and landing is not None and plan.seqs:
                 # its layers wait for the layered SWAP_INs still landing into its blocks (fastkv.transfer.landing)
-                wait = landing.wait_for([s.block_table for s in plan.seqs])
+                wait = landing.wait_for([s.block_table.reshape(-1) for s in plan.seqs])
                 if wait is not None:
                     msg.wait_landed = wait
                     self.plans_on_landing += 1

@@ -73,6 +73,9 @@ def counters(engine: Engine) -> dict[str, Any]:
         "kv_layout": "mla" if engine.spec.layout.mla else "kv",  # --kv-layout
         "host_checksum_mismatches": sum(sig[f"transfer{r}.host_checksum_mismatches"] for r in ranks),
         "weight_updates": engine.weight_updates,
+        # a sliding-window hybrid layout's KV cache groups (fastkv.cache.group_manager): per group its
+        # blocks, those held and cached now, the most one request held between steps, its hit blocks
+        "kv_groups": engine.cache.group_summary(),
         # steps planned and sent while the one before ran (async scheduling; 0 when off)
         "async_scheduling": {"on": engine.async_scheduling, "overlapped_steps": engine.overlapped_steps,
                              "steps": engine.sched.stats.steps, "sync_plans": engine.sync_plans,

@@ -126,7 +126,9 @@ class EngineMetrics:
 
     def blocks(self) -> dict[str, dict[str, int]]:
         out = {}
-        for pool in (self.scheduler.cache.device, self.scheduler.cache.host):
+        cache = self.scheduler.cache
+        groups = getattr(cache, "groups", None)  # a hybrid layout: one device pool per KV cache group
+        for pool in ([gp.pool for gp in groups.groups] if groups is not None else [cache.device]) + [cache.host]:
             out[pool.tier] = {"free": pool.num_free, "allocated": pool.num_allocated, "cached": pool.num_cached,
                               "in_flight": pool.num_in_flight}
         return out

@@ -36,7 +36,7 @@ def plan_to_msg(plan: StepPlan, release: Iterable[int] = (), params: dict[int, s
         plan.step_id,
         [str(s.request_id) for s in seqs],
         [s.token_ids for s in seqs],
-        [s.block_table for s in seqs],
+        [s.block_table.reshape(-1) for s in seqs],  # a hybrid's [groups, blocks] goes row by row
         np.fromiter((s.start_pos for s in seqs), np.int32, len(seqs)),
         np.empty(0, np.int32) if sample.all() else sample,  # all-sample (decode) steps send no flags
         [str(r) for r in release],
@@ -44,12 +44,13 @@ def plan_to_msg(plan: StepPlan, release: Iterable[int] = (), params: dict[int, s
     )
 
 
-def msg_to_plan(msg: PlanMsg, rank: int = 0) -> StepPlan:
-    """Rank ``rank``'s StepPlan; arrays are the message's read-only views (runners only read them)."""
+def msg_to_plan(msg: PlanMsg, groups: int = 1, rank: int = 0) -> StepPlan:
+    """Rank ``rank``'s StepPlan; arrays are the message's read-only views (runners only read them).
+    ``groups``: the layout's KV cache groups; more than one, each table is [groups, blocks]."""
     n = len(msg.request_ids)
     sample = msg.sample if len(msg.sample) else np.ones(n, np.int32)
     return StepPlan(msg.step_id, [
-        SeqWork(int(rid), tok, int(start), table, bool(smp))
+        SeqWork(int(rid), tok, int(start), table.reshape(groups, -1) if groups > 1 else table, bool(smp))
         for rid, tok, table, start, smp in zip(msg.request_ids, msg.token_ids, msg.block_tables, msg.num_computed,
                                                sample, strict=True)
     ], int(msg.wait_landed[rank]) if len(msg.wait_landed) else 0)

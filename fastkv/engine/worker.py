@@ -88,8 +88,10 @@ def _device_tier(spec: RunSpec, rank: int) -> DeviceTier:
     here and publish its CUDA IPC handles under the name the supervisor listed in the run's
     manifest (the transfer process of this rank attaches it; the supervisor unlinks it)."""
     if select_device(spec.device_id(rank)):
-        return DeviceTier.create(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks, backend="cuda")
-    return DeviceTier.attach(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks, populate=True)
+        return DeviceTier.create(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks, backend="cuda",
+                                 layer_blocks=spec.layer_blocks())
+    return DeviceTier.attach(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks, populate=True,
+                             layer_blocks=spec.layer_blocks())
 
 
 def main(spec_json: str, rank: int) -> int:
@@ -199,7 +201,7 @@ def _loop(spec: RunSpec, rank: int, ends, runner, coll: ShmCollective | None,
                 load_weights(protocol.weights_request(msg))
                 reply = OutputMsg(msg.step_id)
             else:
-                plan = protocol.fill_placeholders(protocol.msg_to_plan(msg, rank), last)
+                plan = protocol.fill_placeholders(protocol.msg_to_plan(msg, len(spec.layout.groups), rank), last)
                 if plan.wait_landed and not runner.layerwise:  # its copies whole, before the step
                     wait_layer(plan.wait_landed, spec.layout.num_layers - 1)
                 out = runner.step(plan)

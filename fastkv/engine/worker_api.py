@@ -20,7 +20,11 @@ One ``WorkerPort`` per tensor-parallel rank, in the deployment's worker process:
   ``block_table`` (device block of each ``block_size`` positions), ``sample`` (sample a
   token after the last one) and ``sampling`` (``fastkv.engine.sampling.Sampling``, as given).
   Write each new token's K/V at ``k[layer][block_table[pos // block_size], :, pos %
-  block_size]`` and nothing else: other slots may be in flight to another tier.
+  block_size]`` and nothing else: other slots may be in flight to another tier. A
+  sliding-window hybrid layout (``KVLayout.windows``) has one table per KV cache group:
+  ``block_table`` is [groups, blocks] and layer l uses row ``layout.group_of(l)`` (its K/V
+  tensors have that group's block count); -1 marks a block the group no longer holds (before
+  the window of the step's first query), which the layer must not read.
 - Async scheduling: the engine sends a plan before the previous one's answer is in. A seq
   that decodes on the token its previous step samples arrives with that token filled in
   from the ``sampled`` this rank passed to ``answer``: so every rank passes its sampled
@@ -69,7 +73,9 @@ class Seq(NamedTuple):
     request_id: str  # the caller's id
     token_ids: np.ndarray  # the tokens to compute this step (read-only)
     start_pos: int  # position of token_ids[0]; the request's K/V below it is in place
-    block_table: np.ndarray  # device block of positions [i * block_size, (i + 1) * block_size)
+    # device block of positions [i * block_size, (i + 1) * block_size); a sliding-window hybrid
+    # layout: [groups, blocks], layer l's row ``layout.group_of(l)``, -1 where that group holds none
+    block_table: np.ndarray
     sample: bool  # sample the next token after the last of token_ids (else a prefill chunk)
     sampling: Sampling
 
@@ -154,7 +160,9 @@ class WorkerPort:
                 doc = json.loads(params)
                 self._known[wire] = (doc["id"], Sampling.from_json(doc["sampling"]))
         sample = msg.sample if len(msg.sample) else np.ones(len(msg.request_ids), np.int32)
-        seqs = [Seq(self._known[wire][0], self._filled(msg.step_id, wire, tok), int(start), table, bool(smp),
+        groups = len(self.spec.layout.groups)
+        seqs = [Seq(self._known[wire][0], self._filled(msg.step_id, wire, tok), int(start),
+                    table.reshape(groups, -1) if groups > 1 else table, bool(smp),
                     self._known[wire][1])
                 for wire, tok, table, start, smp in zip(msg.request_ids, msg.token_ids, msg.block_tables,
                                                         msg.num_computed, sample, strict=True)]

@@ -69,17 +69,25 @@ class StepBatch:
 
     def placeholder(self, req: Request, pos: int) -> None:
         """Decode ``req`` at ``pos`` on the token the step in flight samples for it (async
-        scheduling): the worker fills the placeholder in from its own sample."""
-        self.seqs[req.request_id] = SeqWork(req.request_id, np.array([PLACEHOLDER], np.int32), pos,
-                                            self.cache.block_table(req.request_id), True)
+        scheduling): the worker fills the placeholder in from its own sample. Not when a KV cache
+        group has no room for it yet (``group_manager``): it waits for the step after."""
+        table = self.cache.step_table(req.request_id, pos, 1)
+        if table is None:
+            return
+        self.seqs[req.request_id] = SeqWork(req.request_id, np.array([PLACEHOLDER], np.int32), pos, table, True)
         self.budget -= 1
 
     def _put(self, req: Request, n: int) -> None:
         start = self.starts.get(req.request_id, req.num_computed_tokens)
         n = _whole_items(req, start, n)
-        self.seqs[req.request_id] = SeqWork(
-            req.request_id, req.token_span(start, start + n), start, self.cache.block_table(req.request_id),
-            start + n == req.num_tokens)
+        table = self.cache.step_table(req.request_id, start, n)
+        if table is None:  # a KV cache group has no room for the chunk now (group_manager): it waits
+            kept = self.seqs.get(req.request_id)  # top_up's smaller chunk, whose budget it gave back
+            if kept is not None:
+                self.budget -= len(kept.token_ids)
+            return
+        self.seqs[req.request_id] = SeqWork(req.request_id, req.token_span(start, start + n), start, table,
+                                            start + n == req.num_tokens)
         self.budget -= n
 
     def unschedule(self, req: Request) -> None:

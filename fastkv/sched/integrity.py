@@ -49,8 +49,8 @@ def check(p: SchedulerParts, inflight: list[StepPlan], update: WeightUpdate) -> 
             assert cache.num_computed_tokens(rid) == req.num_computed_tokens, f"request {rid}: offloaded tokens"
             continue
         blocks = cache.block_table(rid)
-        assert len(blocks) == cdiv(req.num_slotted, bs), f"request {rid}: {len(blocks)} blocks for " \
-                                                         f"{req.num_slotted} slotted tokens"
+        assert blocks.ndim == 2 or len(blocks) == cdiv(req.num_slotted, bs), \
+            f"request {rid}: {len(blocks)} blocks for {req.num_slotted} slotted tokens"  # 2-D: taken per step
         cache.check_request(rid)
         if st is S.RUNNING:
             assert cache.is_ready(rid), f"request {rid}: RUNNING but its copies are pending"

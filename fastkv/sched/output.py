@@ -4,16 +4,20 @@ rank 0 sends back, and one step's ``SchedulerOutput``.
 A ``StepPlan`` is the same message for every rank: the engine decides which requests run,
 which tokens they compute and which device blocks hold their KV; each rank computes its
 shard. Block tables are device block ids; position ``p`` of a sequence lives in block
-``block_table[p // block_size]``, slot ``p % block_size``.
+``block_table[p // block_size]``, slot ``p % block_size``. A sliding-window hybrid layout's
+tables are [groups, blocks], one row per KV cache group (``KVLayout.groups``): layer l reads row
+``layout.group_of(l)``, and -1 marks a block that group does not hold (slid out of its window).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from fastkv.cache.plan import CopyPlan
+from fastkv.config import KVGroup
 from fastkv.sched.request import Request
 
 PLACEHOLDER = -1  # an input token the step before (in flight) samples: the worker fills it in
@@ -26,12 +30,14 @@ class SeqWork:
     request_id: int
     token_ids: np.ndarray  # int32, the new tokens computed this step (a prefill chunk, or 1 decode token)
     start_pos: int  # tokens whose KV is already in the cache (positions 0..start_pos-1)
-    block_table: np.ndarray  # int32 device block ids covering positions 0..start_pos+len(token_ids)-1
+    # int32 device block ids covering positions 0..start_pos+len(token_ids)-1 (a hybrid: one row per group)
+    block_table: np.ndarray
     sample: bool  # True when this step ends the prompt (last prefill chunk) or is a decode step
 
     def __post_init__(self) -> None:
         self.token_ids = np.ascontiguousarray(self.token_ids, dtype=np.int32).reshape(-1)
-        self.block_table = np.ascontiguousarray(self.block_table, dtype=np.int32).reshape(-1)
+        table = np.ascontiguousarray(self.block_table, dtype=np.int32)
+        self.block_table = table if table.ndim == 2 else table.reshape(-1)
 
     @property
     def end_pos(self) -> int:
@@ -60,9 +66,12 @@ class SchedulerOutput(NamedTuple):
     kv_writable: list[int]  # prefilled requests whose reserved blocks may now receive their remote KV
 
 
-def validate_plan(plan: StepPlan, block_size: int, num_device_blocks: int) -> None:
+def validate_plan(plan: StepPlan, block_size: int, num_device_blocks: int,
+                  groups: Sequence[KVGroup] = (), group_blocks: Sequence[int] = ()) -> None:
     """Raise ValueError naming the request whose work cannot be executed as given (the first,
-    in plan order, with the first fault ``_validate_each`` finds in it).
+    in plan order, with the first fault ``_validate_each`` finds in it). ``groups`` (a hybrid
+    layout's, more than one) and ``group_blocks`` (each group's device blocks): the plan's tables
+    are per group (``validate_grouped``).
 
     Runners call this every step on every rank, so the whole plan is checked in a few numpy
     calls (per sequence, numpy's fixed costs add up to milliseconds for a full batch); any fault
@@ -70,6 +79,9 @@ def validate_plan(plan: StepPlan, block_size: int, num_device_blocks: int) -> No
     exact message."""
     if not isinstance(plan, StepPlan):
         raise TypeError(f"step() takes a StepPlan, got {type(plan).__name__}")
+    if len(groups) > 1:
+        validate_grouped(plan, block_size, groups, group_blocks or [num_device_blocks] * len(groups))
+        return
     if plan.seqs and _faulty(plan.seqs, block_size, num_device_blocks):
         _validate_each(plan, block_size, num_device_blocks)
         raise AssertionError(f"step {plan.step_id}: validate_plan found a fault _validate_each does not")
@@ -140,6 +152,45 @@ def _validate_each(plan: StepPlan, block_size: int, num_device_blocks: int) -> N
         slots = np.concatenate(written)
         if len(np.unique(slots)) != len(slots):
             raise ValueError(f"step {plan.step_id}: two requests write the same KV slot")
+
+
+def validate_grouped(plan: StepPlan, block_size: int, groups: Sequence[KVGroup], group_blocks: Sequence[int]) -> None:
+    """``validate_plan`` for per-group tables: per group, every block the step reads or writes
+    (a sliding group's from the first its window needs) in range, no block twice in one row, no
+    slot written by two requests."""
+    seen: set[int] = set()
+    written: list[list[np.ndarray]] = [[] for _ in groups]
+    for seq in plan.seqs:
+        rid, table = seq.request_id, seq.block_table
+        if rid in seen:
+            raise ValueError(f"step {plan.step_id}: request {rid} appears twice")
+        seen.add(rid)
+        if len(seq.token_ids) == 0 or seq.start_pos < 0 or np.any(seq.token_ids < 0):
+            raise ValueError(f"step {plan.step_id}: request {rid} has no new tokens, a negative start_pos or "
+                             f"negative token ids")
+        if table.ndim != 2 or table.shape[0] != len(groups):
+            raise ValueError(f"step {plan.step_id}: request {rid} has a block table of shape {table.shape}, "
+                             f"expected one row per KV cache group ({len(groups)})")
+        need = -(-seq.end_pos // block_size)
+        if table.shape[1] < need:
+            raise ValueError(f"step {plan.step_id}: request {rid} needs {need} blocks for {seq.end_pos} positions, "
+                             f"block table has {table.shape[1]}")
+        for g, (group, cap) in enumerate(zip(groups, group_blocks, strict=True)):
+            row = table[g]
+            used = row[group.first_needed(seq.start_pos, block_size):need]
+            if np.any(used < 0) or np.any(used >= cap):
+                raise ValueError(f"step {plan.step_id}: request {rid} group {g} table {row.tolist()} misses a block "
+                                 f"it reads or has ids outside [0, {cap})")
+            held = row[row >= 0]
+            if len(np.unique(held)) != len(held):
+                raise ValueError(f"step {plan.step_id}: request {rid} group {g} table {row.tolist()} repeats a block")
+            pos = np.arange(seq.start_pos, seq.end_pos, dtype=np.int64)
+            written[g].append(row[pos // block_size].astype(np.int64) * block_size + pos % block_size)
+    for g, slots in enumerate(written):
+        if len(slots) > 1:
+            flat = np.concatenate(slots)
+            if len(np.unique(flat)) != len(flat):
+                raise ValueError(f"step {plan.step_id}: two requests write the same KV slot of group {g}")
 
 
 def slot_ids(seq: SeqWork, block_size: int) -> np.ndarray:

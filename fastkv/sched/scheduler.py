@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from fastkv.cache.group_manager import GroupedManager
 from fastkv.cache.manager import CacheManager
 from fastkv.cache.plan import CopyKind, CopyPlan, Ready
 from fastkv.sched import admission, preemption, reservation, weights
@@ -52,8 +53,8 @@ S = RequestState
 class Scheduler:
     def __init__(self, cache: CacheManager, config: SchedulerConfig | None = None,
                  clock: Callable[[], float] = time.monotonic, hits: HitPolicy | None = None) -> None:
-        if not isinstance(cache, CacheManager):
-            raise TypeError(f"cache must be a CacheManager, got {type(cache).__name__}")
+        if not isinstance(cache, CacheManager | GroupedManager):
+            raise TypeError(f"cache must be a CacheManager or a GroupedManager, got {type(cache).__name__}")
         cfg = config if config is not None else SchedulerConfig()
         if not isinstance(cfg, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(cfg).__name__}")
@@ -192,7 +193,7 @@ class Scheduler:
         pos = seq.end_pos
         if len(req.output_token_ids) + 1 >= req.max_new_tokens or req.num_tokens + 1 >= self.max_model_len:
             return
-        if pos % self.block_size == 0:
+        if pos % self.block_size == 0 and not self.cache.takes_blocks_per_step:
             g = self.cache.append_slots(req.request_id, (), ahead=1)
             if g is None:
                 return
@@ -200,7 +201,7 @@ class Scheduler:
             self.outbox.emit(g.plans)
             if not g.ready:  # the block's old content is being written back first
                 return
-        batch.placeholder(req, pos)
+        batch.placeholder(req, pos)  # a hybrid's groups may have no room for it yet: then it waits
 
     def on_step_output(self, output: StepOutput) -> dict[int, int]:
         """The workers computed the oldest plan in flight: KV of the scheduled tokens is on the

@@ -146,7 +146,8 @@ class TaskExecutor:
     def _attach_device(self) -> None:
         self._drop_device()
         self.device = DeviceTier.attach(self.spec.tier_prefix, self.rank, self.spec.layout,
-                                        self.spec.num_device_blocks, populate=True)
+                                        self.spec.num_device_blocks, populate=True,
+                                        layer_blocks=self.spec.layer_blocks())
 
     def _drop_device(self) -> None:
         self._bound = None  # before the mapping it points into goes

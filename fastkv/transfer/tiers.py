@@ -205,7 +205,8 @@ def paddle_to_numpy(tensor: Any) -> np.ndarray:
 @dataclass(slots=True)
 class DeviceTier:
     """One rank's device tier: per layer, a K and a V tensor ``layout.device_shape(num_blocks)``
-    (MLA: the latent in ``k``, and ``v`` empty).
+    (MLA: the latent in ``k``, and ``v`` empty). A sliding-window hybrid's KV cache groups may
+    have blocks of their own (``layer_blocks``: per layer its count, ``KVLayout.layer_blocks``).
 
     ``k_arrays``/``v_arrays`` are numpy views of the same bytes on the shm backend (empty on CUDA).
     """
@@ -219,11 +220,15 @@ class DeviceTier:
     k_arrays: list[np.ndarray] = field(default_factory=list)
     v_arrays: list[np.ndarray] = field(default_factory=list)
     _segment: ShmSegment | None = None
+    layer_blocks: tuple[int, ...] = ()  # per layer; () every layer ``num_blocks``
+
+    def __post_init__(self) -> None:
+        self.layer_blocks = tuple(self.layer_blocks) or (self.num_blocks,) * self.layout.num_layers
 
     @classmethod
     def create(
         cls, prefix: str, rank: int, layout: KVLayout, num_blocks: int, *, backend: str | None = None,
-        populate: bool = False,
+        populate: bool = False, layer_blocks: tuple[int, ...] = (),
     ) -> DeviceTier:
         """Allocates the tier (the worker of ``rank``). backend: "shm", "cuda" or None (CUDA if Paddle has it)."""
         _check_blocks(num_blocks)
@@ -231,12 +236,11 @@ class DeviceTier:
         if backend is None:
             backend = "cuda" if _cuda_available() else "shm"
         if backend == "shm":
-            layer_bytes = num_blocks * layout.page_bytes
-            payload = layout.kv_pages * layout.num_layers * layer_bytes
+            payload = layout.kv_pages * sum(_per_layer(layout, num_blocks, layer_blocks)) * layout.page_bytes
             segment = ShmSegment(name, HEADER_BYTES + payload, create=True,
                                  populate=populate)
             try:
-                tier = cls(layout, num_blocks, name, TierKind.DEVICE_SHM, _segment=segment)
+                tier = cls(layout, num_blocks, name, TierKind.DEVICE_SHM, _segment=segment, layer_blocks=layer_blocks)
                 tier._map_shm()
             except BaseException:
                 segment.unlink()
@@ -244,11 +248,12 @@ class DeviceTier:
             _write_header(segment.buf, TierKind.DEVICE_SHM, num_blocks, payload, layout)
             return tier
         if backend == "cuda":
-            return cls._create_cuda(name, layout, num_blocks)
+            return cls._create_cuda(name, layout, num_blocks, layer_blocks)
         raise ValueError(f"backend must be 'shm', 'cuda' or None, got {backend!r}")
 
     @classmethod
-    def attach(cls, prefix: str, rank: int, layout: KVLayout, num_blocks: int, *, populate: bool = False) -> DeviceTier:
+    def attach(cls, prefix: str, rank: int, layout: KVLayout, num_blocks: int, *, populate: bool = False,
+               layer_blocks: tuple[int, ...] = ()) -> DeviceTier:
         """Maps the tier that rank's worker created (the transfer process)."""
         _check_blocks(num_blocks)
         name = device_tier_name(prefix, rank)
@@ -256,9 +261,9 @@ class DeviceTier:
         kind, payload = _read_header(
             segment.buf, name, (TierKind.DEVICE_SHM, TierKind.DEVICE_CUDA_IPC), num_blocks, layout
         )
-        tier = cls(layout, num_blocks, name, kind, _segment=segment)
+        tier = cls(layout, num_blocks, name, kind, _segment=segment, layer_blocks=layer_blocks)
         if kind is TierKind.DEVICE_SHM:
-            expected = HEADER_BYTES + layout.kv_pages * layout.num_layers * num_blocks * layout.page_bytes
+            expected = HEADER_BYTES + layout.kv_pages * sum(tier.layer_blocks) * layout.page_bytes
             if segment.size != expected:
                 raise ValueError(f"shm segment {name!r} has {segment.size} bytes, expected {expected}")
             tier._map_shm()
@@ -268,29 +273,33 @@ class DeviceTier:
 
     def _map_shm(self) -> None:
         assert self._segment is not None, "shm device tier without a segment"
-        layer_bytes = self.num_blocks * self.layout.page_bytes
-        shape = self.layout.device_shape(self.num_blocks)
         views = []
         pages = self.layout.kv_pages
+        offset = HEADER_BYTES
         for i in range(pages * self.layout.num_layers):
-            offset = HEADER_BYTES + i * layer_bytes
+            blocks = self.layer_blocks[i // pages]
+            layer_bytes = blocks * self.layout.page_bytes
             views.append(np.frombuffer(self._segment.buf, self.layout.numpy_dtype, layer_bytes // self.layout.itemsize,
-                                       offset).reshape(shape))
+                                       offset).reshape(self.layout.device_shape(blocks)))
+            offset += layer_bytes
         self.k_arrays, self.v_arrays = _split_pages(views, pages)
         self.k = [numpy_to_paddle(a, self.layout.dtype) for a in self.k_arrays]
         self.v = [numpy_to_paddle(a, self.layout.dtype) for a in self.v_arrays]
 
     @classmethod
-    def _create_cuda(cls, name: str, layout: KVLayout, num_blocks: int) -> DeviceTier:
+    def _create_cuda(cls, name: str, layout: KVLayout, num_blocks: int,
+                     layer_blocks: tuple[int, ...] = ()) -> DeviceTier:
         import paddle
 
-        shape = list(layout.device_shape(num_blocks))
         pages = layout.kv_pages
-        tensors = [paddle.zeros(shape, dtype=layout.dtype) for _ in range(pages * layout.num_layers)]
-        return cls._publish_cuda(name, layout, num_blocks, *_split_pages(tensors, pages))
+        per_layer = _per_layer(layout, num_blocks, layer_blocks)
+        tensors = [paddle.zeros(list(layout.device_shape(per_layer[i // pages])), dtype=layout.dtype)
+                   for i in range(pages * layout.num_layers)]
+        return cls._publish_cuda(name, layout, num_blocks, *_split_pages(tensors, pages), layer_blocks)
 
     @classmethod
-    def _publish_cuda(cls, name: str, layout: KVLayout, num_blocks: int, k: list, v: list) -> DeviceTier:
+    def _publish_cuda(cls, name: str, layout: KVLayout, num_blocks: int, k: list, v: list,
+                      layer_blocks: tuple[int, ...] = ()) -> DeviceTier:
         """Writes the CUDA IPC handles of ``k``/``v`` (interleaved K[0], V[0], ...) under ``name``."""
         tensors = [t for pair in zip(k, v, strict=True) for t in pair] if v else list(k)
         metas = [t.value().get_tensor()._share_cuda() for t in tensors]
@@ -303,7 +312,8 @@ class DeviceTier:
         segment = ShmSegment(name, HEADER_BYTES + len(payload), create=True)
         segment.buf[HEADER_BYTES : HEADER_BYTES + len(payload)] = payload
         _write_header(segment.buf, TierKind.DEVICE_CUDA_IPC, num_blocks, len(payload), layout)
-        return cls(layout, num_blocks, name, TierKind.DEVICE_CUDA_IPC, k=list(k), v=list(v), _segment=segment)
+        return cls(layout, num_blocks, name, TierKind.DEVICE_CUDA_IPC, k=list(k), v=list(v), _segment=segment,
+                   layer_blocks=layer_blocks)
 
     @classmethod
     def adopt(cls, prefix: str, rank: int, layout: KVLayout, k_caches: list, v_caches: list) -> DeviceTier:
@@ -526,6 +536,17 @@ def _check_caches(layout: KVLayout, k_caches: list, v_caches: list) -> int:
             which = f"{'KV'[i // layout.num_layers]} cache of layer {i % layout.num_layers}"
             raise ValueError(f"{which} has shape {tuple(cache.shape)}, expected {want}")
     return num_blocks
+
+
+def _per_layer(layout: KVLayout, num_blocks: int, layer_blocks: tuple[int, ...]) -> tuple[int, ...]:
+    """Blocks of each layer's tensors: ``layer_blocks``, or ``num_blocks`` for every layer."""
+    if not layer_blocks:
+        return (num_blocks,) * layout.num_layers
+    if len(layer_blocks) != layout.num_layers:
+        raise ValueError(f"layer_blocks must name each of the {layout.num_layers} layers, got {len(layer_blocks)}")
+    for n in layer_blocks:
+        _check_blocks(n)
+    return tuple(layer_blocks)
 
 
 def _check_blocks(num_blocks: int) -> None:

@@ -73,7 +73,7 @@ class Run:
         for r in range(spec.tp_size):
             self.ns.record("shm", f"kvdev{r}")
             self.tiers.append(DeviceTier.create(spec.tier_prefix, r, spec.layout, spec.num_device_blocks,
-                                                backend="shm"))
+                                                backend="shm", layer_blocks=spec.layer_blocks()))
             if spec.num_host_blocks:
                 self.ns.record("shm", f"kvhost{r}")
                 self.tiers.append(HostTier.create(spec.tier_prefix, r, spec.layout, spec.num_host_blocks))

@@ -207,6 +207,44 @@ def test_every_request_equals_the_oracle_under_preemption(family, tp, mode, tmp_
     check_preempted(summary, mode)
 
 
+HYBRIDS = ("gemma3", "gpt_oss")
+
+
+def hybrid_layout(family: str) -> KVLayout:
+    """``layout``'s, with the model's windows: one device pool and block table per KV cache group."""
+    windows = tuple(WINDOW if kind == SLIDING else 0 for kind in CONFIG[family]["layer_types"])
+    return KVLayout(num_layers=len(windows), kv_heads=2, block_size=4, head_dim=16, dtype="float32", windows=windows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_a_hybrid_with_per_group_tables_equals_the_oracle_under_recompute(family, tmp_path):
+    """The sliding layers' cache holds and reads only its window's tail (16 blocks for every
+    request's sliding layers, 12 for the full ones): outputs are the no-cache forward's, with
+    windows shorter than every prompt, preemptions and prefix hits, and a sliding group never
+    holds more than ceil(WINDOW / block_size) + 1 blocks of a request between its steps."""
+    lay = hybrid_layout(family)
+    assert [g.window for g in lay.groups] == [WINDOW, 0]
+    s = RunSpec(new_run_id(), lay, num_device_blocks=16, num_host_blocks=0, group_blocks=(16, 12),
+                runner=f"paddleformers:{family}", runner_options=options(family),
+                scheduler={"preemption": "recompute", "max_num_batched_tokens": 48}, heartbeat_s=0.2,
+                out_dir=str(tmp_path / "out"), slot_size=256, nslots=256)
+    results, summary = serve(s)
+    assert not mismatches(family, results)
+    check_preempted(summary, "recompute")
+    sliding, full = summary["kv_groups"]
+    assert 0 < sliding["max_held_per_request"] <= -(-WINDOW // 4) + 1, summary["kv_groups"]
+    assert full["max_held_per_request"] > -(-WINDOW // 4) + 1 and sliding["hit_blocks"] > 0, summary["kv_groups"]
+
+
+def test_a_hybrid_layout_whose_windows_are_not_the_models_is_refused():
+    lay = KVLayout(num_layers=4, kv_heads=2, block_size=4, head_dim=16, dtype="float32", windows=(4, 0) * 2)
+    blocks = lay.layer_blocks((8, 8), 0)
+    k = [np.zeros(lay.device_shape(n), np.float32) for n in blocks]
+    with pytest.raises(ValueError, match=r"KVLayout.windows \[4, 0, 4, 0\] are not the model's"):
+        runner_class("paddleformers:gpt_oss")(lay, 0, 1, k, [a.copy() for a in k], **options("gpt_oss"))
+
+
 def corrupting_transfer_main(spec_json: str, rank: int) -> int:
     """The transfer process, but the first block it swaps in from the host has one byte flipped
     there just before the copy: the top exponent bit of a key of its first slot whose magnitude

@@ -259,3 +259,29 @@ def test_a_tier_too_big_for_dev_shm_fails_at_once_and_leaves_nothing(prefix):
     with pytest.raises(MemoryError, match=r"cannot allocate \d+ MiB in /dev/shm \(\d+ MiB free\)"):
         HostTier.create(prefix, 0, LAYOUT, too_many, populate=True)
     assert not list(Path("/dev/shm").glob(prefix + "*"))
+
+
+def test_a_hybrids_groups_have_device_blocks_of_their_own(prefix):
+    """A sliding-window hybrid's layers get their KV cache group's block count; the attaching
+    process maps the same bytes, and a different split is refused by the segment's size."""
+    lay = KVLayout(num_layers=4, kv_heads=2, block_size=4, head_dim=16, dtype="float32", windows=(8, 0) * 2)
+    per_layer = lay.layer_blocks((3, 10), 10)
+    assert per_layer == (3, 10, 3, 10)
+    device = DeviceTier.create(prefix, 0, lay, 10, backend="shm", layer_blocks=per_layer)
+    try:
+        assert [k.shape[0] for k in device.k_arrays] == [3, 10, 3, 10] == [v.shape[0] for v in device.v_arrays]
+        for i, (k, v) in enumerate(zip(device.k_arrays, device.v_arrays, strict=True)):
+            k[...] = i + 1
+            v[...] = -(i + 1)
+        other = DeviceTier.attach(prefix, 0, lay, 10, layer_blocks=per_layer)
+        try:
+            for i, (k, v) in enumerate(zip(other.k_arrays, other.v_arrays, strict=True)):
+                assert (k == i + 1).all() and (v == -(i + 1)).all(), f"layer {i} does not map the creator's bytes"
+        finally:
+            other.close()
+        with pytest.raises(ValueError, match="bytes, expected"):
+            DeviceTier.attach(prefix, 0, lay, 10)
+    finally:
+        device.close()
+        device.unlink()
+    assert not list(Path("/dev/shm").glob(prefix + "*"))

@@ -128,11 +128,11 @@ def test_kv_layout_mla_gives_one_latent_per_token_at_every_tp(tmp_path):
 
 @pytest.mark.parametrize(("argv", "match"), [
     (["--kv-layout", "gqa"], "argument --kv-layout: invalid choice: 'gqa'"),
-    (["--kv-layout", "mla", "--runner", "tiny"], "setting 'kv_layout' 'mla' caches one latent per token: set "
+    (["--kv-layout", "mla", "--runner", "tiny"], "--kv-layout 'mla' caches one latent per token: set "
                                                  "'kv_heads' to 1, got 2"),
-    (["--kv-layout", "mla", "--kv-heads", "1"], "setting 'kv_layout' 'mla' needs runner 'tiny'"),
+    (["--kv-layout", "mla", "--kv-heads", "1"], "--kv-layout 'mla' needs runner 'tiny'"),
     (["--kv-layout", "mla", "--kv-heads", "1", "--runner", "tiny", "--kv-cache-dtype", "int8"],
-     "setting 'kv_layout' 'mla' takes no quantized KV"),
+     "--kv-layout 'mla' takes no quantized KV"),
     (["--kv-layout", "mla", "--kv-heads", "1", "--runner", "tiny", "--head-dim", "12"],
      "the tiny runner cannot run this shape: the MLA latent needs head_dim a multiple of 8"),
 ])
@@ -176,3 +176,16 @@ def test_the_hit_and_prefetch_policies_follow_the_rule(tmp_path):
         "load", "wait_complete", 2.0)
     default = JobConfig.from_sources(None, flags())
     assert (default.hit_policy, default.prefetch_policy, default.storage_lookup_timeout_s) == ("auto", "timeout", 0.2)
+
+
+def test_a_bad_value_is_named_as_the_user_gave_it(tmp_path):
+    """A flag's bad value names the flag; the same value from the config file names its setting."""
+    with pytest.raises(ValueError) as exc:
+        JobConfig.from_sources(None, flags("--storage-backlog-blocks", "-3"))
+    assert str(exc.value) == "--storage-backlog-blocks must be >= 0, got -3"
+    path = tmp_path / "job.toml"
+    path.write_text("storage_backlog_blocks = -3\n")
+    with pytest.raises(ValueError) as exc:
+        JobConfig.from_sources(path, flags())
+    assert "setting 'storage_backlog_blocks' must be >= 0, got -3" in str(exc.value)
+    assert "--storage-backlog-blocks" not in str(exc.value)

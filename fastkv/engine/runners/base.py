@@ -97,13 +97,20 @@ class ModelRunner(ABC):
         shape0 = tuple(k_caches[0].shape)
         if len(shape0) != 4 or shape0 != layout.device_shape(shape0[0]):
             raise ValueError(f"cache shape {shape0} is not layout.device_shape(n) = {layout.device_shape(0)[1:]}")
+        # a hybrid's KV cache groups may differ in blocks: every layer has its group's first layer's
+        first_of = {layer: g.layers[0] for g in layout.groups for layer in g.layers}
         for i, cache in enumerate([*k_caches, *v_caches]):
-            which = f"{'KV'[i // layout.num_layers]} cache of layer {i % layout.num_layers}"
-            if tuple(cache.shape) != shape0:
-                raise ValueError(f"{which} has shape {tuple(cache.shape)}, expected {shape0}")
+            layer = i % layout.num_layers
+            which = f"{'KV'[i // layout.num_layers]} cache of layer {layer}"
+            want = layout.device_shape(k_caches[first_of[layer]].shape[0])
+            if tuple(cache.shape) != want:
+                raise ValueError(f"{which} has shape {tuple(cache.shape)}, expected {want}")
             if _dtype_name(cache) not in _PADDLE_DTYPES[layout.dtype]:
                 raise ValueError(f"{which} has dtype {_dtype_name(cache)}, layout says {layout.dtype}")
-        self.num_device_blocks = shape0[0]
+        # per KV cache group its device blocks; validate_plan checks a hybrid's tables against them
+        self.group_blocks = tuple(int(k_caches[g.layers[0]].shape[0]) for g in layout.groups)
+        self.kv_groups = layout.groups if layout.is_hybrid else ()
+        self.num_device_blocks = max(self.group_blocks)
         self.k_caches = list(k_caches)
         self.v_caches = list(v_caches)
         # Zero-copy host views (None on an accelerator): the in-place write path.

@@ -24,6 +24,13 @@ without a cache). A wrong block, a stale block or another prompt's prefix hit ch
 sampled token even where nothing verifies bytes: the outputs compared with ``next_token``'s
 are the check. Reading one header per position keeps it cheap enough for every sequence of
 every step; ``verify`` adds full byte comparison of the prefix a sequence resumes from.
+
+A sliding-window hybrid layout (``KVLayout.windows``) has one block table per KV cache group
+(``fastkv.sched.output``): each group's rows go through its own table, and the oracle reads,
+group by group in ``KVLayout.groups`` order, the headers of the first layer of the group over
+the positions that layer attends to from the last one (a full group every position, a sliding
+group of window w the last w), so a wrong block in any group's window changes the token; a
+resumed prefix is verified per group over the blocks the group still holds from its window.
 """
 from __future__ import annotations
 
@@ -214,27 +221,46 @@ def decode_rows(layout: KVLayout, rows: np.ndarray) -> tuple[np.ndarray, np.ndar
     return (b[:, :4] << shifts).sum(axis=1), (b[:, 4:7] << shifts[:3]).sum(axis=1)
 
 
+def _scatter_group(layout: KVLayout, rank: int, layers: Sequence[int], caches: list[np.ndarray], tok: np.ndarray,
+                   pos: np.ndarray, blocks: np.ndarray, slots: np.ndarray, weights_version: str) -> None:
+    """``write_rows`` for some layers only (a KV cache group's): ``caches`` their K and V caches in turn."""
+    key = _keys(tok, pos, weights_version)
+    header = np.ascontiguousarray(_bytes_to_elems(_header(tok, pos, key), layout.dtype))
+    salts = np.ascontiguousarray(_row_salts(layout, rank)[list(layers)])
+    _synthetic.scatter_rows(caches, np.ascontiguousarray(blocks, np.int64), np.ascontiguousarray(slots, np.int64),
+                            key, salts, header, _KINDS[layout.dtype], layout.head_dim, layout.block_size)
+
+
+def window_start(window: int, num_tokens: int) -> int:
+    """The first position the query at ``num_tokens - 1`` reads in a layer of ``window`` (0: full)."""
+    return max(0, num_tokens - window) if window else 0
+
+
 def _oracle(header_elems: np.ndarray, vocab: int) -> int:
     """The next token after a context whose rows have these header elements, in position order."""
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(header_elems).tobytes()) % vocab
 
 
-def next_token(context: Sequence[int], vocab: int, dtype: str = "float32", weights_version: str = "0") -> int:
+def next_token(context: Sequence[int], vocab: int, dtype: str = "float32", weights_version: str = "0",
+               windows: Sequence[int] = (0,)) -> int:
     """The synthetic model's greedy choice after the token sequence ``context`` (positions 0..n-1):
-    what the runner samples when its cache holds exactly this context's KV. Needs no cache."""
+    what the runner samples when its cache holds exactly this context's KV. Needs no cache.
+    ``windows``: each KV cache group's (``KVLayout.groups``; the all-full layout's one group: (0,))."""
     tok = np.asarray(context, dtype=np.int64).reshape(-1)
     pos = np.arange(len(tok), dtype=np.int64)
     _check_args(tok, pos)
-    return _oracle(_bytes_to_elems(_header(tok, pos, _keys(tok, pos, weights_version)), dtype), vocab)
+    header = _bytes_to_elems(_header(tok, pos, _keys(tok, pos, weights_version)), dtype)
+    return _oracle(np.concatenate([header[window_start(w, len(tok)):] for w in windows]), vocab)
 
 
 def reference_output(
-    prompt: Sequence[int], max_new_tokens: int, vocab: int, dtype: str = "float32", weights_version: str = "0"
+    prompt: Sequence[int], max_new_tokens: int, vocab: int, dtype: str = "float32", weights_version: str = "0",
+    windows: Sequence[int] = (0,),
 ) -> list[int]:
     """The tokens the synthetic model generates after ``prompt`` (greedy, no stop token)."""
     context = [int(t) for t in prompt]
     for _ in range(max_new_tokens):
-        context.append(next_token(context, vocab, dtype, weights_version))
+        context.append(next_token(context, vocab, dtype, weights_version, windows))
     return context[len(prompt):]
 
 
@@ -369,6 +395,48 @@ def verify_seq(
     return decoded
 
 
+def verify_groups(
+    layout: KVLayout, rank: int, k_views: Sequence[np.ndarray], v_views: Sequence[np.ndarray], request_id: int,
+    tables: np.ndarray, num_tokens: int, token_ids: np.ndarray | None = None, weights_version: str = "0",
+) -> np.ndarray:
+    """``verify_seq`` for a hybrid layout's per-group ``tables`` [groups, blocks]: each group's
+    layers over the positions of the blocks it must still hold (a sliding group from the first
+    block the query at ``num_tokens`` reads). Returns the tokens the cache names (-1 where no
+    group holds a position); KVMismatch names the request, group, block and position."""
+    bs = layout.block_size
+    out = np.full(num_tokens, -1, np.int64)
+    for g, group in enumerate(layout.groups):
+        lo = group.first_needed(num_tokens, bs) * bs
+        pos = np.arange(lo, num_tokens)
+        if not len(pos):
+            continue
+        blocks = tables[g][pos // bs].astype(np.int64)
+        if np.any(blocks < 0):
+            i = int(np.flatnonzero(blocks < 0)[0])
+            raise KVMismatch(f"request {request_id}: group {g} holds no block for position {int(pos[i])}, which "
+                             f"its window reads")
+        layers = list(group.layers)
+        rows = np.stack([np.stack([c[layer][blocks, :, pos % bs] for c in (k_views, v_views)]) for layer in layers])
+        rows = rows.transpose(0, 1, 3, 2, 4)  # [layers, 2, n, H, D] -> [layers, 2, H, n, D]
+        decoded_tok, decoded_pos = decode_rows(layout, rows)
+        want = kv_rows(layout, rank, decoded_tok.clip(0, 2**32 - 1), pos, weights_version)[layers]
+        bad = np.flatnonzero((rows.view(np.uint8).reshape(*rows.shape[:4], -1)
+                              != want.view(np.uint8).reshape(*want.shape[:4], -1)).any(axis=(0, 1, 2, 4))
+                             | (decoded_pos != pos))
+        if token_ids is not None:
+            known = np.asarray(token_ids, np.int64)[lo:num_tokens]
+            wrong = np.flatnonzero((known >= 0) & (decoded_tok[:len(known)] != known))
+            bad = np.union1d(bad, wrong)
+        if len(bad):
+            i = int(bad[0])
+            raise KVMismatch(f"request {request_id}: group {g} block {int(blocks[i])} position {int(pos[i])} holds "
+                             f"token {int(decoded_tok[i])} at position {int(decoded_pos[i])}; {len(bad)} bad "
+                             f"position(s) in all")
+        fill = out[lo:] < 0
+        out[lo:][fill] = decoded_tok[fill]
+    return out
+
+
 class SyntheticRunner(ModelRunner):
     """The synthetic model on one rank; caches may be numpy arrays or CPU Paddle tensors.
 
@@ -447,8 +515,10 @@ class SyntheticRunner(ModelRunner):
 
     def _step(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
-        validate_plan(plan, self.layout.block_size, self.num_device_blocks)
+        validate_plan(plan, self.layout.block_size, self.num_device_blocks, self.kv_groups, self.group_blocks)
         layered = self._layer_timeline(plan, t0) if plan.wait_landed else None
+        if self.kv_groups:
+            return self._step_groups(plan, t0, layered)
         bs = self.layout.block_size
         toks, poss, blocks, slots = [], [], [], []
         for seq in plan.seqs:
@@ -468,6 +538,42 @@ class SyntheticRunner(ModelRunner):
             write_rows(self.layout, self.rank, caches, np.concatenate(toks), np.concatenate(poss),
                        np.concatenate(blocks), np.concatenate(slots), self.weights_version)
         sampled = self._sample([s for s in plan.seqs if s.sample])
+        return self._finish_step(plan, sampled, t0, layered)
+
+    def _step_groups(self, plan: StepPlan, t0: float, layered: tuple[float, float] | None) -> StepOutput:
+        """``_step`` for a hybrid layout: each group's rows through its own table."""
+        bs = self.layout.block_size
+        toks, poss, tables = [], [], []
+        for seq in plan.seqs:
+            known = self._check_history(seq)
+            self._history[seq.request_id] = (known, seq.block_table.copy())
+            self._history.move_to_end(seq.request_id)
+            toks.append(seq.token_ids)
+            poss.append(np.arange(seq.start_pos, seq.end_pos))
+            tables.append(seq.block_table)
+        while len(self._history) > self.max_tracked_requests:
+            self._history.popitem(last=False)
+        self._last_step_ids = {s.request_id for s in plan.seqs}
+        if plan.seqs:
+            tok, pos = _rows_args(self.layout, np.concatenate(toks), np.concatenate(poss))
+            for g, group in enumerate(self.kv_groups):
+                blocks = np.concatenate([t[g][p // bs] for t, p in zip(tables, poss, strict=True)])
+                caches = [c for layer in group.layers for c in (self.k_views[layer], self.v_views[layer])]
+                _scatter_group(self.layout, self.rank, group.layers, caches, tok, pos, blocks, pos % bs,
+                               self.weights_version)
+        sampled = {}
+        for s in plan.seqs:
+            if s.sample:
+                parts = []
+                for g, group in enumerate(self.kv_groups):
+                    p = np.arange(window_start(group.window, s.end_pos), s.end_pos)
+                    parts.append(self.k_views[group.layers[0]][s.block_table[g][p // bs], 0, p % bs, :HEADER])
+                    self._checks["kv_positions_read"] += len(p)
+                sampled[s.request_id] = _oracle(np.concatenate(parts), self.vocab)
+        return self._finish_step(plan, sampled, t0, layered)
+
+    def _finish_step(self, plan: StepPlan, sampled: dict[int, int], t0: float,
+                     layered: tuple[float, float] | None = None) -> StepOutput:
         # Making, checking and reading the synthetic bytes stands for what the model's compute
         # does, and costs this CPU more than a GPU's time: making a token's KV rows costs about
         # as much as a modelled prefill token, checking a resumed prefix more. Hidden under the
@@ -536,8 +642,9 @@ class SyntheticRunner(ModelRunner):
         resumed = (
             rid not in self._last_step_ids
             or last_table is None
-            or len(last_table) < n_prev
-            or not np.array_equal(last_table[:n_prev], seq.block_table[:n_prev])
+            or last_table.shape[-1] < n_prev
+            # a hybrid's sliding rows change every step (blocks slide out): its full rows must not
+            or not np.array_equal(self._steady(last_table, n_prev), self._steady(seq.block_table, n_prev))
         )
         if self.verify == "all" or (self.verify == "resumed" and (resumed or start > len(known))):
             cached = self._verify(rid, seq.block_table, start, known)
@@ -560,16 +667,27 @@ class SyntheticRunner(ModelRunner):
             )
         return np.concatenate([known[:start], seq.token_ids.astype(np.int64)])
 
+    def _steady(self, table: np.ndarray, n: int) -> np.ndarray:
+        """The part of a table that stays put between a request's steps: its first ``n`` blocks,
+        of the full groups only for a hybrid."""
+        if table.ndim == 1:
+            return table[:n]
+        return table[[g for g, group in enumerate(self.kv_groups) if not group.window], :n]
+
     def _verify(self, rid: int, table: np.ndarray, start: int, known: np.ndarray) -> np.ndarray:
         """``verify_seq`` under the current weights; KV that verifies under weights this runner
         served before is a stale hit (counted, and named in the error)."""
         try:
+            if self.kv_groups:
+                return verify_groups(self.layout, self.rank, self.k_views, self.v_views, rid, table, start, known,
+                                     self.weights_version)
             return verify_seq(self.layout, self.rank, self.k_views, self.v_views, rid, table, start, known,
                               self.weights_version)
         except KVMismatch as exc:
             for old in self._old_versions:
                 try:
-                    verify_seq(self.layout, self.rank, self.k_views, self.v_views, rid, table, start, known, old)
+                    verify = verify_groups if self.kv_groups else verify_seq
+                    verify(self.layout, self.rank, self.k_views, self.v_views, rid, table, start, known, old)
                 except KVMismatch:
                     continue
                 self._checks["kv_stale_hits"] += 1

@@ -155,6 +155,8 @@ class TinyDecoderRunner(ModelRunner):
         collective: ShmCollective | None = None,
         weights_version: str = "0",
     ) -> None:
+        if layout.is_hybrid:  # its attention is full in every layer: a sliding group's table would lose keys
+            raise ValueError("the tiny runner has no sliding-window layers: give it a KVLayout without windows")
         super().__init__(layout, rank, tp_size, k_caches, v_caches)
         self.config = cfg = config or TinyConfig()
         cfg.check(layout)

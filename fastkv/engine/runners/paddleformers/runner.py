@@ -19,9 +19,12 @@ Linear layers (``Split``). The partial outputs of the row-sharded layers are sum
 workers' ``ShmCollective`` (rank order, so every rank gets the same bits). Embedding, norms and
 the LM head are replicated.
 
-Sliding-window layers (Gemma 3, gpt-oss): fastkv caches every layer's K and V in full, so a
-sliding layer gets every position like a full one, and its window is applied by the mask
-(``window_sliding_masks``), over absolute positions, as in the library's no-cache forward.
+Sliding-window layers (Gemma 3, gpt-oss): the window is applied by the mask
+(``window_sliding_masks``), over absolute positions, as in the library's no-cache forward. With
+an all-full ``KVLayout`` fastkv caches every layer's K and V in full; with the model's windows in
+``KVLayout.windows`` each KV cache group has its own tensors and table (``fastkv.sched.output``),
+and a sliding layer's cache reads only the blocks its table holds, its window's tail: the blocks
+that slid out (-1) read as zeros at positions the mask hides from every query of the step.
 Attention sinks (gpt-oss) are the attention layer's own parameter: the cache has no part in them.
 
 A model family is a subclass (``llama.py``, ``ernie4_5.py``, ``gemma3.py``, ``gpt_oss.py``): its
@@ -98,6 +101,9 @@ class PaddleFormersRunner(ModelRunner):
     ) -> None:
         super().__init__(layout, rank, tp_size, k_caches, v_caches)
         self.settings = settings(self.family, layout, {"config": dict(config or {}), "config_file": config_file})
+        if layout.is_hybrid:
+            check_windows(layout, self.settings)
+        self.layer_group = [layout.group_of(i) for i in range(layout.num_layers)]
         if tp_size > 1 and (collective is None or collective.rank != rank or collective.world_size != tp_size):
             raise ValueError(f"tp_size {tp_size} needs a collective attached as rank {rank} of {tp_size}")
         self.collective = collective
@@ -130,7 +136,7 @@ class PaddleFormersRunner(ModelRunner):
 
     def step(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
-        validate_plan(plan, self.layout.block_size, self.num_device_blocks)
+        validate_plan(plan, self.layout.block_size, self.num_device_blocks, self.kv_groups, self.group_blocks)
         vocab, max_pos = self.settings["vocab_size"], self.settings["max_position_embeddings"]
         for s in plan.seqs:
             if s.end_pos > max_pos:
@@ -140,7 +146,7 @@ class PaddleFormersRunner(ModelRunner):
                 raise ValueError(f"request {s.request_id} has a token id outside the vocab [0, {vocab})")
         sampled: dict[int, int] = {}
         for group in _groups(plan.seqs, self.group):  # the same on every rank: the collectives pair up
-            b = _Batch(group, self.layout.block_size)
+            b = _Batch(group, self.layout.block_size, len(self.layout.groups))
             cache = Cache(layers=[_PagedLayer(self, i, b, plan) for i in range(self.layout.num_layers)])
             with paddle.no_grad():
                 out = self.model(paddle.to_tensor(b.token_ids), position_ids=paddle.to_tensor(b.positions),
@@ -151,6 +157,17 @@ class PaddleFormersRunner(ModelRunner):
             sampled.update({s.request_id: int(np.argmax(logits[i, len(s.token_ids) - 1]))
                             for i, s in enumerate(group) if s.sample})
         return StepOutput(plan.step_id, sampled, time.perf_counter() - t0)
+
+
+def check_windows(layout: KVLayout, config: dict[str, Any]) -> None:
+    """A hybrid ``KVLayout``'s windows must be the model's: a sliding layer's cache holds only its
+    window's tail, so a layout window shorter than the model's would lose keys it reads."""
+    kinds = config.get("layer_types") or ["full_attention"] * layout.num_layers
+    window = config.get("sliding_window") or 0
+    want = tuple(window if k == "sliding_attention" else 0 for k in kinds)
+    if tuple(layout.windows) != want:
+        raise ValueError(f"KVLayout.windows {list(layout.windows)} are not the model's (layer_types and "
+                         f"sliding_window give {list(want)})")
 
 
 def window_sliding_masks(decoder: paddle.nn.Layer) -> None:
@@ -190,28 +207,36 @@ class _Batch:
     tokens (a row's padding repeats its last token and position), keys [0, L) per row, and
     the 4-D mask the library uses as given: query r of row i sees positions up to its own."""
 
-    def __init__(self, seqs, block_size: int) -> None:
+    def __init__(self, seqs, block_size: int, kv_groups: int = 1) -> None:
         n = np.array([len(s.token_ids) for s in seqs])
         self.starts = np.array([s.start_pos for s in seqs])
         self.ends = self.starts + n
         S, Q, L = len(seqs), int(n.max()), int(self.ends.max())
         self.nb = -(-L // block_size)
         self.length = L
-        self.tables = np.zeros((S, self.nb), np.int64)  # padding reads block 0: masked, zeroed
+        # per KV cache group (one unless the layout is a hybrid's): [S, nb] tables, padding and
+        # blocks a sliding group let go of (-1) read block 0: masked, zeroed
+        self.tables = [np.zeros((S, self.nb), np.int64) for _ in range(kv_groups)]
         self.token_ids = np.zeros((S, Q), np.int64)
         for i, s in enumerate(seqs):
             used = -(-int(self.ends[i]) // block_size)
-            self.tables[i, :used] = s.block_table[:used]
+            rows = s.block_table.reshape(kv_groups, -1)
+            for g in range(kv_groups):
+                self.tables[g][i, :used] = rows[g, :used]
             self.token_ids[i] = np.asarray(s.token_ids)[np.minimum(np.arange(Q), n[i] - 1)]
         last = np.minimum(np.arange(Q)[None, :], (n - 1)[:, None])  # [S, Q]: each query's own token
         self.positions = self.starts[:, None] + last
         self.mask = (np.arange(L)[None, None, :] <= self.positions[:, :, None])[:, None]  # [S, 1, Q, L]
-        self.valid = np.arange(L)[None, :] < self.ends[:, None]  # [S, L]: slots that hold this request's KV
+        within = np.arange(L)[None, :] < self.ends[:, None]  # [S, L]: slots that hold this request's KV
+        # per group, the slots its table holds (a sliding group's holes hold nothing)
+        self.valid = [within & np.repeat(t >= 0, block_size, axis=1)[:, :L] for t in self.tables]
+        for t in self.tables:
+            t[t < 0] = 0
         # the new tokens: (row, query) of each, and its slot
         self.rows = np.repeat(np.arange(S), n)
         self.cols = np.concatenate([np.arange(k) for k in n])
         pos = self.starts[self.rows] + self.cols
-        self.slot_blocks = self.tables[self.rows, pos // block_size]
+        self.slot_blocks = [t[self.rows, pos // block_size] for t in self.tables]
         self.slot_offsets = pos % block_size
 
 
@@ -232,26 +257,28 @@ class _PagedLayer(CacheLayerMixin):
         other slot; return the K/V [S, h, L, D] of every row's positions, zero past its end."""
         r, b = self.runner, self.b
         r.wait_layer(self.plan, self.layer)  # this layer's KV of the copies in flight has landed
+        g = r.layer_group[self.layer]
+        tables, valid_g, slot_blocks = b.tables[g], b.valid[g], b.slot_blocks[g]
         out = []
         for views, caches, new in ((r.k_views, r.k_caches, key_states), (r.v_views, r.v_caches, value_states)):
             view, cache = views[self.layer], caches[self.layer]
             if view is not None:  # host memory: numpy writes in place
-                view[b.slot_blocks, :, b.slot_offsets, :] = new.numpy()[b.rows, :, b.cols, :]
-                kv = view[b.tables]  # [S, nb, h, bs, D], a copy
+                view[slot_blocks, :, b.slot_offsets, :] = new.numpy()[b.rows, :, b.cols, :]
+                kv = view[tables]  # [S, nb, h, bs, D], a copy
                 S, nb, h, bs, D = kv.shape
                 kv = kv.transpose(0, 2, 1, 3, 4).reshape(S, h, nb * bs, D)[:, :, : b.length]
-                kv = np.where(b.valid[:, None, :, None], kv, 0.0)  # not 0 * x: a stale slot may hold NaN
+                kv = np.where(valid_g[:, None, :, None], kv, 0.0)  # not 0 * x: a stale slot may hold NaN
                 out.append(paddle.to_tensor(kv).astype(new.dtype))
             else:  # an accelerator tensor: Paddle's index_put writes in place
                 rows, cols = paddle.to_tensor(b.rows), paddle.to_tensor(b.cols)
                 tokens = new.transpose([0, 2, 1, 3])[rows, cols]  # [T, h, D]
-                cache[paddle.to_tensor(b.slot_blocks), :, paddle.to_tensor(b.slot_offsets), :] = \
+                cache[paddle.to_tensor(slot_blocks), :, paddle.to_tensor(b.slot_offsets), :] = \
                     tokens.astype(cache.dtype)
-                kv = paddle.index_select(cache, paddle.to_tensor(b.tables.reshape(-1)), axis=0)
-                S, nb, (h, bs, D) = b.tables.shape[0], b.nb, kv.shape[1:]
+                kv = paddle.index_select(cache, paddle.to_tensor(tables.reshape(-1)), axis=0)
+                S, nb, (h, bs, D) = tables.shape[0], b.nb, kv.shape[1:]
                 kv = kv.reshape([S, nb, h, bs, D]).transpose([0, 2, 1, 3, 4]).reshape([S, h, nb * bs, D])
                 kv = kv[:, :, : b.length].astype(new.dtype)
-                valid = paddle.to_tensor(b.valid[:, None, :, None])
+                valid = paddle.to_tensor(valid_g[:, None, :, None])
                 out.append(paddle.where(valid, kv, paddle.zeros_like(kv)))
         return out[0], out[1]
 
