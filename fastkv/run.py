@@ -10,6 +10,7 @@ with ``create_run``; each process reads the spec and attaches only the ends it u
 | ``plan.{r}``           | supervisor | engine -> worker[r]             |
 | ``output``             | supervisor | worker[0] -> engine (doorbell ``engine.in``)   |
 | ``signals``            | supervisor | heartbeats, pids, ready flags (``SIGNALS`` below) |
+| ``landed.{r}`` (sem)   | supervisor | transfer[r] -> worker[r]: a layered SWAP_IN's layer landed (``ipc.landed``) |
 | ``coll`` (tp > 1)      | supervisor | worker[r] <-> worker[s]: ``ShmCollective`` of the tp group |
 | ``kvdev{r}``/``kvhost{r}`` | supervisor | KV tiers of rank r (``fastkv.transfer.tiers``) |
 
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fastkv.config import KVLayout
-from fastkv.ipc import Channel, DoneMsg, Doorbell, Inbox, Namespace, OutputMsg, PlanMsg, SignalArray, TaskMsg
+from fastkv.ipc import Channel, DoneMsg, Doorbell, Inbox, Namespace, OutputMsg, PlanMsg, SignalArray, TaskMsg, landed
 from fastkv.ipc.collective import ShmCollective
 
 
@@ -61,6 +62,9 @@ class RunSpec:
     scheduler: dict[str, Any] = field(default_factory=dict)  # SchedulerConfig keyword arguments
     # plan and send step N+1 while the workers run step N (fastkv.engine.core); False: one step at a time
     async_scheduling: bool = True
+    # host -> device copies a step waits for land layer by layer, and the step's layer l starts once
+    # its layer l landed (``fastkv.ipc.landed``); False: the step waits for the whole copy
+    layerwise_load: bool = True
     # the engine thread's Linux scheduling policy (fastkv.procs.cpu_policy): "batch" keeps its
     # wake-ups from preempting the worker that woke it; "normal" is the default SCHED_OTHER
     engine_cpu_policy: str = "batch"
@@ -256,7 +260,8 @@ def signal_names(tp_size: int) -> list[str]:
     Counters for the summary: ``worker{r}.<VERIFY_COUNTERS>`` and
     ``transfer{r}.host_checksum_mismatches`` (kept across transfer restarts), and the bytes
     of memory each worker (device tier) and transfer process (host tier) gave back during
-    weight updates with free_memory (``{worker,transfer}{r}.released_bytes``)."""
+    weight updates with free_memory (``{worker,transfer}{r}.released_bytes``). ``transfer{r}.landed``:
+    the layers of layered SWAP_INs on rank r's device (``fastkv.ipc.landed``)."""
     names = ["stop"]
     procs = ["engine"] + [f"worker{r}" for r in range(tp_size)] + [f"transfer{r}" for r in range(tp_size)]
     for p in procs:
@@ -266,6 +271,7 @@ def signal_names(tp_size: int) -> list[str]:
     names += [f"transfer{r}.host_checksum_mismatches" for r in range(tp_size)]
     names += [f"{p}{r}.released_bytes" for p in ("worker", "transfer") for r in range(tp_size)]
     names += ["engine.total", "engine.finished", "storage.errors", "storage.corrupt"]
+    names += [landed.slot(r) for r in range(tp_size)]
     return names
 
 
@@ -296,7 +302,7 @@ def create_run(ns: Namespace, spec: RunSpec) -> None:
     kw = dict(slot_size=spec.slot_size, nslots=spec.nslots)
     for r in range(spec.tp_size):
         opened += [Channel.create(ns, f"task.{r}", **kw), Channel.create(ns, f"done.{r}", bell=bell, **kw),
-                   Channel.create(ns, f"plan.{r}", **kw)]
+                   Channel.create(ns, f"plan.{r}", **kw), ns.create_sem(landed.sem_name(r))]
     opened.append(Channel.create(ns, "output", bell=bell, **kw))
     if spec.tp_size > 1:  # the tensor-parallel workers' all-gather; listed first, so cleanup finds it
         ns.record("shm", "coll")

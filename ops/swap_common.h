@@ -37,8 +37,12 @@ struct SwapGeometry {
   int64_t num_dev_blocks = 0;
   int64_t num_host_blocks = 0;
   int64_t kv_pages = 2;  // pages per layer: K and V, or MLA's latent alone
+  // bytes from one host block to the next: 0 = block_bytes(); a span of a block's layers (one
+  // layer of a layer-wise swap-in) keeps the whole block's stride
+  int64_t host_stride = 0;
   int64_t pages_per_block() const { return num_layers * kv_pages; }
   int64_t block_bytes() const { return pages_per_block() * page_bytes; }
+  int64_t host_block_bytes() const { return host_stride ? host_stride : block_bytes(); }
 };
 
 // A run of `len` pairs with consecutive source and destination ids: contiguous per layer on
@@ -229,7 +233,7 @@ inline void copy_pages(char* const* dev_k, char* const* dev_v, char* host, const
                        uint64_t* digests = nullptr, PageCopyHash fused = nullptr) {
   const int64_t pages_per_pair = g.pages_per_block();
   const int64_t page = g.page_bytes;
-  const int64_t block = g.block_bytes();
+  const int64_t block = g.host_block_bytes();
   auto locate = [&](int64_t p, char** to, const char** from) -> int64_t {
     const int64_t pair = order[to_host ? p % n : p / pages_per_pair];
     const int64_t slot = to_host ? p / n : p % pages_per_pair;  // kv_pages * layer + kv: the page's index in a host block

@@ -258,6 +258,33 @@ extern "C" int fkv_cpu_swap(char* const* dev_k, char* const* dev_v, int64_t num_
   return 0;
 }
 
+// One layer of a CPU SWAP_IN (layer-wise loading, fastkv/ipc/landed.py): host blocks src ->
+// device blocks dst, layer `layer` only (its K and V pages, or MLA's latent). The host pages of
+// a layer are strided by the whole block; each is one page, so the stride costs no copy speed.
+extern "C" int fkv_cpu_swap_in_layer(char* const* dev_k, char* const* dev_v, int64_t num_layers, int64_t layer,
+                                     char* host, int64_t page_bytes, int64_t num_dev_blocks, int64_t num_host_blocks,
+                                     const int32_t* src, const int32_t* dst, int64_t n, int32_t num_threads) {
+  const int64_t kv_pages = dev_v == nullptr ? 1 : 2;
+  fkv::SwapGeometry whole{num_layers, page_bytes, num_dev_blocks, num_host_blocks, kv_pages};
+  std::string problem = fkv::check_geometry(whole);
+  if (problem.empty() && (layer < 0 || layer >= num_layers)) {
+    problem = "layer " + std::to_string(layer) + " out of range [0, " + std::to_string(num_layers) + ")";
+  }
+  if (problem.empty() && num_threads < 1) problem = "num_threads must be >= 1";
+  if (problem.empty()) problem = fkv::check_ids(src, dst, n, num_host_blocks, num_dev_blocks);
+  if (!problem.empty()) {
+    g_cpu_error = problem;
+    return -1;
+  }
+  fkv::SwapGeometry one{1, page_bytes, num_dev_blocks, num_host_blocks, kv_pages};
+  one.host_stride = whole.block_bytes();
+  char* const* k = dev_k + layer;
+  char* const* v = dev_v == nullptr ? nullptr : dev_v + layer;
+  fkv::swap_cpu(k, v, host + layer * kv_pages * page_bytes, one, src, dst, n, false,
+                g_policy.pick(n * one.block_bytes(), num_threads));
+  return 0;
+}
+
 // The checksums of host blocks ids[0..n) from their bytes, into out[j * 16] (block_digest.h).
 // pages: a block's pages (layers * 2, or layers for MLA).
 extern "C" int fkv_cpu_block_checksums(const char* host, int64_t pages, int64_t page_bytes,

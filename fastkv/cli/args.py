@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
       "per 1,000 prompt tokens, on top of the base (default 0)")
     a("--async-scheduling", choices=("on", "off"), help="on (default): the engine plans and sends each step "
       "while the workers run the one before; off: one step at a time (outputs are the same)")
+    a("--layerwise-load", choices=("on", "off"), help="on (default): a step starts while the host -> device "
+      "copies it waits for land layer by layer, each layer's compute once its KV landed; off: the step waits "
+      "for the whole copy (outputs are the same)")
     a("--engine-cpu-policy", choices=CPU_POLICIES, help="the engine thread's Linux scheduling policy: batch "
       "(default: a worker's output wakes the engine without the engine preempting that worker) or normal")
     a("--eviction", choices=sorted(POLICIES), help="the order cached blocks leave a tier (default lru)")

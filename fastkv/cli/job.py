@@ -83,6 +83,7 @@ class JobConfig:
     eviction: str = "lru"  # the order cached blocks leave a tier: lru | lfu
     host_checksums: bool = True  # checksum host blocks (a corrupt one is recomputed, never served)
     async_scheduling: str = "on"  # "on": the engine sends step N+1 while the workers run step N; "off"
+    layerwise_load: str = "on"  # "on": a step's layer l waits only for layer l of the swap-ins it needs; "off"
     # "batch": the engine's wake-ups never preempt the worker that woke it (SCHED_BATCH); "normal"
     engine_cpu_policy: str = "batch"
     runner: str = "synthetic"
@@ -160,6 +161,7 @@ class JobConfig:
                              f">= 0, got {self.storage_lookup_timeout_s} and {self.prefetch_timeout_per_1k_tokens_s}")
         for name, choices in (("prefetch_policy", PREFETCH_POLICIES), ("hit_policy", HIT_POLICIES),
                               ("cache_policy", CACHE_POLICIES), ("async_scheduling", ("on", "off")),
+                              ("layerwise_load", ("on", "off")),
                               ("engine_cpu_policy", CPU_POLICIES), ("storage_write", STORAGE_WRITES),
                               ("eviction", sorted(POLICIES)), ("preemption", PREEMPTION_MODES), ("runner", RUNNERS),
                               ("kv_layout", KV_LAYOUTS)):
@@ -531,6 +533,7 @@ class JobConfig:
             runner_options=self.full_runner_options(),
             cache_policy=self.cache_policy, storage_writes=self.storage_write, eviction=self.eviction,
             host_checksums=self.host_checksums, async_scheduling=self.async_scheduling == "on",
+            layerwise_load=self.layerwise_load == "on",
             engine_cpu_policy=self.engine_cpu_policy,
             scheduler=dict(self.scheduler),
             heartbeat_s=self.heartbeat_s,

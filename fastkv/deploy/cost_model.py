@@ -158,6 +158,38 @@ class Deployment:
         return max(flops / (self.peak_flops * self.mfu),
                    (self.weight_bytes + kv_read) / (self.hbm_bandwidth * self.hbm_efficiency))
 
+    def layer_seconds(self, seqs: Iterable[tuple[int, int]]) -> list[float]:
+        """``step_seconds`` split over the layers, each its share of the step's roofline: a
+        layer's matmuls and weights are 1/layers of the model's, its attention what its window
+        attends to. Layer-wise loading times a step with these: layer l starts once its KV has
+        landed and layer l - 1 is done (``fastkv.engine.runners.synthetic``)."""
+        seqs = list(seqs)
+        total = self.step_seconds(seqs)
+        if not total:
+            return [0.0] * self.layers
+        windows = self.windows or (0,) * self.layers
+        own = []
+        for w in windows:
+            flops, kv_read = 0.0, 0
+            for start, end in seqs:
+                n = end - start
+                if n <= 0:
+                    continue
+                if not w or end <= w:
+                    attended, read = n * (start + end + 1) / 2, end
+                else:
+                    below = max(0, min(end, w) - start)
+                    attended, read = below * (2 * start + below + 1) / 2 + (n - below) * w, end - max(0, start - w + 1)
+                flops += 2.0 * self.matmul_params / self.layers * n + 4.0 * self.q_heads * self.head_dim * attended
+                kv_read += read * self.kv_bytes_per_layer_token
+            own.append(max(flops / self.tp / (self.peak_flops * self.mfu),
+                           (self.weight_bytes / self.layers + kv_read) / (self.hbm_bandwidth * self.hbm_efficiency)))
+        return [total * t / sum(own) for t in own]
+
+    def layer_copy_seconds(self, tokens: int) -> float:
+        """One layer of ``tokens`` tokens' KV over the host link, one direction."""
+        return tokens * self.copy_seconds_per_token() / self.layers
+
     def prefill_seconds(self, start: int, end: int) -> float:
         """The compute of positions start..end-1 of one sequence alone: a prefill chunk beside
         other work (the step reads the weights anyway, so only its FLOPs add time)."""
@@ -269,6 +301,12 @@ class ScaledCostModel:
 
     def step_seconds(self, seqs: Iterable[tuple[int, int]]) -> float:
         return self.scale * self.deployment.step_seconds(seqs)
+
+    def layer_seconds(self, seqs: Iterable[tuple[int, int]]) -> list[float]:
+        return [self.scale * t for t in self.deployment.layer_seconds(seqs)]
+
+    def layer_copy_seconds(self, tokens: int) -> float:
+        return self.scale * self.deployment.layer_copy_seconds(tokens)
 
     def prefill_seconds(self, start: int, end: int) -> float:
         return self.scale * self.deployment.prefill_seconds(start, end)

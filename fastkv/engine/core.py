@@ -198,6 +198,7 @@ class Engine:
         self._last_output = 0.0  # when the last step's output came in: the next step's wall time starts there
         self._held: dict[str, list[int]] = {}  # tokens of requests that stopped, kept for their result's update
         self.overlapped_steps = 0  # steps sent while the one before was still running
+        self.plans_on_landing = 0  # plans sent whose layers wait for a layered SWAP_IN (summary)
         self.sync_plans = 0  # plans made after the step in flight because a preemption waited on it
         # steps' wall time, each from its send, or from the output before it when that came later
         # (the time the workers reported for them is gpu_clock.gpu_s)
@@ -657,8 +658,15 @@ class Engine:
         if plan.step_id and control is None:
             self.gpu_clock.sent()
         try:
-            self._broadcast.send(control or protocol.plan_to_msg(plan, self._release, new),
-                                 timeout=self.spec.dead_after_s)
+            msg = control or protocol.plan_to_msg(plan, self._release, new)
+            landing = getattr(self.transfer, "landing", None)
+            if control is None and landing is not None and plan.seqs:
+                # its layers wait for the layered SWAP_INs still landing into its blocks (fastkv.transfer.landing)
+                wait = landing.wait_for([s.block_table.reshape(-1) for s in plan.seqs])
+                if wait is not None:
+                    msg.wait_landed = wait
+                    self.plans_on_landing += 1
+            self._broadcast.send(msg, timeout=self.spec.dead_after_s)
         except ChannelClosed as exc:  # a worker let go of its plans: it is on its way out
             raise EngineError(self._worker_left(exc)) from exc
         except (PeerDied, PeerTimeout) as exc:
@@ -779,7 +787,9 @@ class Engine:
             self.lookups.complete(res.plan.plan_id, res.ok, self.spec.tp_size)
             return
         # The scheduler's cost model wants per-rank bytes; the client reports all ranks'.
-        self.sched.on_copy_complete(res.plan.plan_id, res.ok, res.nbytes // self.spec.tp_size, res.seconds)
+        # a layered SWAP_IN's ack comes before its copy: its time says nothing of the link (0: not observed)
+        seconds = 0.0 if getattr(res, "layered", False) else res.seconds
+        self.sched.on_copy_complete(res.plan.plan_id, res.ok, res.nbytes // self.spec.tp_size, seconds)
         self.metrics.observe_copy(res.plan.kind.name.lower(), res.ok, res.nbytes, res.seconds)
         if self.exporter:
             self.exporter.poll()

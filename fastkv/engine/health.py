@@ -81,6 +81,11 @@ def counters(engine: Engine) -> dict[str, Any]:
                              "steps": engine.sched.stats.steps, "sync_plans": engine.sync_plans,
                              "step_wall_s": round(engine.step_wall_s, 4),
                              "step_worker_s": round(engine.gpu_clock.gpu_s, 4)},
+        # layer-wise loading: SWAP_INs copied layer by layer, and the plans whose layers waited for one
+        # still landing into their blocks (fastkv.transfer.landing)
+        "layerwise_load": {"on": engine.spec.layerwise_load,
+                           "layered_swap_ins": getattr(getattr(engine.transfer, "landing", None), "numbered", 0),
+                           "plans_on_landing_copies": engine.plans_on_landing},
         # KV computed under older weights that a request read (the synthetic runner checks): must be 0
         "stale_hits": sum(sig[f"worker{r}.kv_stale_hits"] for r in ranks),
         # memory the weight updates gave back (free_memory_on_update), measured as each tier's resident bytes

@@ -44,8 +44,8 @@ def plan_to_msg(plan: StepPlan, release: Iterable[int] = (), params: dict[int, s
     )
 
 
-def msg_to_plan(msg: PlanMsg, groups: int = 1) -> StepPlan:
-    """The runner's StepPlan; arrays are the message's read-only views (runners only read them).
+def msg_to_plan(msg: PlanMsg, groups: int = 1, rank: int = 0) -> StepPlan:
+    """Rank ``rank``'s StepPlan; arrays are the message's read-only views (runners only read them).
     ``groups``: the layout's KV cache groups; more than one, each table is [groups, blocks]."""
     n = len(msg.request_ids)
     sample = msg.sample if len(msg.sample) else np.ones(n, np.int32)
@@ -53,7 +53,7 @@ def msg_to_plan(msg: PlanMsg, groups: int = 1) -> StepPlan:
         SeqWork(int(rid), tok, int(start), table.reshape(groups, -1) if groups > 1 else table, bool(smp))
         for rid, tok, table, start, smp in zip(msg.request_ids, msg.token_ids, msg.block_tables, msg.num_computed,
                                                sample, strict=True)
-    ])
+    ], int(msg.wait_landed[rank]) if len(msg.wait_landed) else 0)
 
 
 def placeholder_error(step_id: int, request_id: object) -> str:

@@ -7,9 +7,10 @@ named by ``spec.runner`` and loops:
 
 1. wait for a ``PlanMsg`` on ``plan.{rank}`` (blocking, timeout ``heartbeat_s``: beat, look
    at ``stop``, wait again);
-2. ``runner.step`` on it, its placeholders filled in with this rank's tokens of the step
-   before (async scheduling: ``protocol.fill_placeholders``); forget the requests the plan
-   releases;
+2. ``runner.step`` on it (a runner that is not ``layerwise`` first waits for the layered
+   host -> device copies the plan names, whole: ``fastkv.ipc.landed``), its placeholders
+   filled in with this rank's tokens of the step before (async scheduling:
+   ``protocol.fill_placeholders``); forget the requests the plan releases;
 3. with tp > 1, every rank joins one all-gather of its error text (empty when fine) on the
    run's ``ShmCollective``: rank 0 answers only after every rank has written the step's
    KV. Without that, a copy the engine plans right after rank 0's answer could read a block
@@ -43,6 +44,7 @@ from fastkv.engine import protocol
 from fastkv.engine.runners import runner_class
 from fastkv.ipc import ChannelClosed, Namespace, OutputMsg, PeerDied, pid_alive
 from fastkv.ipc.collective import ShmCollective
+from fastkv.ipc.landed import Landed
 from fastkv.kernels import ops
 from fastkv.run import EXITING, READY, RunSpec, attach_worker, collective_prefix
 from fastkv.transfer.tiers import DeviceTier, TierKind, resident_bytes, select_device
@@ -101,8 +103,9 @@ def main(spec_json: str, rank: int) -> int:
     sig = ends.signals
     sig[f"{me}.pid"] = os.getpid()
     sig[f"{me}.beat"] = time.monotonic_ns()
-    tier = coll = runner = None
+    tier = coll = runner = landed = None
     try:
+        landed = Landed.attach(ns, sig, rank, spec.layout.num_layers)
         tier = _device_tier(spec, rank)
         opts, coll = runner_options(spec, rank, sig)
         # Shared-memory tier: hand the runner numpy views (zero-copy; every reference runner takes
@@ -115,7 +118,10 @@ def main(spec_json: str, rank: int) -> int:
             nonlocal tier
             tier, released = _load_weights(spec, rank, tier, runner, req)
             sig.add(f"{me}.released_bytes", released)
-        return _loop(spec, rank, ends, runner, coll, load_weights)
+        waiter = landed.waiter(spec.task_timeout_s, lambda: sig.__setitem__(f"{me}.beat", time.monotonic_ns()),
+                               spec.heartbeat_s)
+        runner.bind_layer_wait(waiter)
+        return _loop(spec, rank, ends, runner, coll, load_weights, waiter)
     except Exception:
         print(f"fastkv {me}: fatal error\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return 1
@@ -127,6 +133,8 @@ def main(spec_json: str, rank: int) -> int:
             coll.close()
         if tier is not None:
             tier.close()
+        if landed is not None:
+            landed.close()
         ends.close()
 
 
@@ -170,7 +178,7 @@ def _agree(coll: ShmCollective | None, error: str) -> str:
 
 
 def _loop(spec: RunSpec, rank: int, ends, runner, coll: ShmCollective | None,
-          load_weights: Callable[[protocol.LoadWeights], None]) -> int:
+          load_weights: Callable[[protocol.LoadWeights], None], wait_layer: Callable[[int, int], float]) -> int:
     me, sig = f"worker{rank}", ends.signals
     beat = f"{me}.beat"
     last: dict[int, int] = {}  # sampled in the last step: the next plan's placeholders (protocol)
@@ -193,7 +201,9 @@ def _loop(spec: RunSpec, rank: int, ends, runner, coll: ShmCollective | None,
                 load_weights(protocol.weights_request(msg))
                 reply = OutputMsg(msg.step_id)
             else:
-                plan = protocol.fill_placeholders(protocol.msg_to_plan(msg, len(spec.layout.groups)), last)
+                plan = protocol.fill_placeholders(protocol.msg_to_plan(msg, len(spec.layout.groups), rank), last)
+                if plan.wait_landed and not runner.layerwise:  # its copies whole, before the step
+                    wait_layer(plan.wait_landed, spec.layout.num_layers - 1)
                 out = runner.step(plan)
                 if plan.seqs:
                     last = out.sampled

@@ -30,6 +30,10 @@ One ``WorkerPort`` per tensor-parallel rank, in the deployment's worker process:
   from the ``sampled`` this rank passed to ``answer``: so every rank passes its sampled
   tokens (at tp > 1 they must be the same on every rank, as greedy sampling of the same
   logits is). A deployment whose ranks > 0 do not sample runs ``--async-scheduling off``.
+- Layer-wise loading: ``WorkerPort(..., layerwise=True)`` promises that the model calls
+  ``port.wait_layer(plan, layer)`` before each layer writes or reads KV, so a step starts
+  while the host -> device copies it needs still land layer by layer (``Plan.wait_landed``).
+  Without it ``plans()`` waits for those copies whole before it yields the plan.
 - ``Plan.release``: requests finished (or aborted) since the last plan; the engine also
   sends them in an empty plan when it idles, and before it closes.
 - Heartbeats: ``plans()`` beats ``worker{r}.beat`` whenever it waits; a step longer than
@@ -57,6 +61,7 @@ from fastkv.engine import protocol
 from fastkv.engine.sampling import Sampling
 from fastkv.ipc import ChannelClosed, Namespace, OutputMsg, PeerDied
 from fastkv.ipc.collective import ShmCollective
+from fastkv.ipc.landed import Landed
 from fastkv.run import EXITING, READY, RunSpec, attach_worker, collective_prefix
 
 
@@ -80,14 +85,16 @@ class Plan(NamedTuple):
     seqs: list[Seq]
     release: list[str]  # finished since the last plan: forget them
     weights: protocol.LoadWeights | None  # the weight-update hook: load these weights, then answer
+    wait_landed: int = 0  # layer-wise loading: the layered copy this step's layers wait for (``wait_layer``)
 
 
 class WorkerPort:
     """Rank ``rank``'s end of the worker contract (module docstring). ``agree``: run
     fastkv's end-of-step agreement at tp > 1 (False: the deployment barriers itself)."""
 
-    def __init__(self, spec: RunSpec, rank: int, *, agree: bool = True) -> None:
+    def __init__(self, spec: RunSpec, rank: int, *, agree: bool = True, layerwise: bool = False) -> None:
         self.spec, self.rank = spec, rank
+        self.layerwise = layerwise
         self.me = f"worker{rank}"
         self._ns = Namespace.attach(spec.run_id)
         self.ends = attach_worker(self._ns, spec, rank)
@@ -105,6 +112,8 @@ class WorkerPort:
                                               check=lambda peer: _check_peer(self.signals, rank, peer))
         self._msg = None
         self._last: dict[str, int] = {}  # wire id -> token this rank sampled in the last step
+        self._landed = Landed.attach(self._ns, self.signals, rank, spec.layout.num_layers)
+        self._wait = self._landed.waiter(spec.task_timeout_s, self.beat, spec.heartbeat_s)
 
     def beat(self) -> None:
         self.signals[f"{self.me}.beat"] = time.monotonic_ns()
@@ -129,7 +138,19 @@ class WorkerPort:
                     return
                 continue
             self._msg = msg
-            yield self._plan(msg)
+            plan = self._plan(msg)
+            if plan.wait_landed and not self.layerwise:  # the copies whole, before the step
+                self._wait(plan.wait_landed, self.spec.layout.num_layers - 1)
+            yield plan
+
+    def wait_layer(self, plan: Plan, layer: int) -> float:
+        """Layer-wise loading (``WorkerPort(layerwise=True)``): blocks until layer ``layer``'s KV
+        that ``plan`` reads has landed on this rank's device; call it before layer ``layer``
+        writes or reads any KV. Returns the seconds waited (0 when nothing was in flight).
+        TimeoutError when a copy is late past ``spec.task_timeout_s``."""
+        if not plan.wait_landed:
+            return 0.0
+        return self._wait(plan.wait_landed, layer)
 
     def _plan(self, msg) -> Plan:
         if msg.control:
@@ -146,7 +167,8 @@ class WorkerPort:
                 for wire, tok, table, start, smp in zip(msg.request_ids, msg.token_ids, msg.block_tables,
                                                         msg.num_computed, sample, strict=True)]
         release = [self._known.pop(wire)[0] for wire in msg.release if wire in self._known]
-        return Plan(msg.step_id, seqs, release, None)
+        return Plan(msg.step_id, seqs, release, None,
+                    int(msg.wait_landed[self.rank]) if len(msg.wait_landed) else 0)
 
     def _filled(self, step_id: int, wire: str, tok: np.ndarray) -> np.ndarray:
         """``tok``, its placeholder (async scheduling) replaced by this rank's last sample."""
@@ -217,5 +239,6 @@ class WorkerPort:
         self.signals[f"{self.me}.ready"] = EXITING
         if self._coll is not None:
             self._coll.close()
+        self._landed.close()
         self.ends.close()
         self._ns.close()

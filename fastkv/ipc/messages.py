@@ -21,6 +21,8 @@ from fastkv.ipc.codec import message
 
 _EMPTY = np.empty(0, np.int32)
 _EMPTY.setflags(write=False)
+_EMPTY64 = np.empty(0, np.int64)
+_EMPTY64.setflags(write=False)
 
 
 def _empty() -> np.ndarray:
@@ -33,12 +35,16 @@ class TaskMsg:
     """One copy task; every rank receives the same message and copies its own shard
     (``fastkv.transfer.protocol`` converts it to and from a ``CopyPlan``)."""
 
-    WIRE: ClassVar[str] = "task_id:i64 kind:i32 src:i32[] dst:i32[] keys:bytes[]"
+    WIRE: ClassVar[str] = "task_id:i64 kind:i32 src:i32[] dst:i32[] keys:bytes[] layered:i64"
     task_id: int
     kind: int  # fastkv.cache.plan.CopyKind
     src: np.ndarray = field(default_factory=_empty)
     dst: np.ndarray = field(default_factory=_empty)
     keys: tuple[bytes, ...] = ()
+    # SWAP_IN only: 0 copies it whole; n > 0 copies it layer by layer, the engine's n-th such
+    # task, acked once verified and announced per layer on the rank's landed counter
+    # (``fastkv.ipc.landed``)
+    layered: int = 0
 
 
 @message(2)
@@ -78,7 +84,7 @@ class PlanMsg:
     empty when no request in the step is new (``fastkv.engine.worker_api`` reads it)."""
 
     WIRE: ClassVar[str] = ("step_id:i64 request_ids:str[] token_ids:i32[][] block_tables:i32[][] num_computed:i32[] "
-                           "sample:i32[] release:str[] control:str params:str[]")
+                           "sample:i32[] release:str[] control:str params:str[] wait_landed:i64[]")
     step_id: int
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[np.ndarray] = field(default_factory=list)
@@ -88,6 +94,9 @@ class PlanMsg:
     release: list[str] = field(default_factory=list)
     control: str = ""
     params: list[str] = field(default_factory=list)
+    # per rank, the last layered SWAP_IN it acked before this plan (empty: none): layer l of this
+    # step reads KV on rank r only once layer l of task wait_landed[r] landed (``fastkv.ipc.landed``)
+    wait_landed: np.ndarray = field(default_factory=lambda: _EMPTY64)
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)

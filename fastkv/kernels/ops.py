@@ -314,6 +314,7 @@ def load() -> Path:
 def _bind_c_abi(lib: ctypes.CDLL) -> ctypes.CDLL:
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.fkv_cpu_swap.argtypes = [ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32, i32, i32, ptr]
+    lib.fkv_cpu_swap_in_layer.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i32]
     lib.fkv_cpu_block_checksums.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
     lib.fkv_cpu_set_fused_checksums.argtypes = [i32]
     lib.fkv_cpu_set_copy_policy.argtypes = [i32, ptr, ptr, ptr]
@@ -616,6 +617,20 @@ class BoundSwap:
             raise ValueError(self._lib.fkv_cpu_last_error().decode())
         return sealing
 
+    def swap_in_layer(self, src: Any, dst: Any, layer: int, num_threads: int | None = None) -> None:
+        """Layer ``layer`` of a SWAP_IN of host blocks ``src`` to device blocks ``dst`` (layer-wise
+        loading): its K and V pages only. CPU tiers only (the CUDA op has no per-layer entry yet)."""
+        if self.on_gpu:
+            raise ValueError("swap_in_layer: a CUDA tier swaps whole (no per-layer CUDA entry point yet)")
+        src, dst = _ids_fast(src, "src"), _ids_fast(dst, "dst")
+        n = len(src)
+        if n != len(dst):
+            raise ValueError(f"got {n} src ids but {len(dst)} dst ids")
+        threads = default_num_threads() if num_threads is None else num_threads
+        layers, host, page, ndev, nhost = self._geometry
+        if self._lib.fkv_cpu_swap_in_layer(self._k_ptrs, self._v_ptrs, layers, int(layer), host, page, ndev, nhost,
+                                           src.ctypes.data, dst.ctypes.data, n, threads) != 0:
+            raise ValueError(self._lib.fkv_cpu_last_error().decode())
 
     def _sums_address(self, sums: np.ndarray, nhost: int) -> int:
         """``sums``'s address, checked once per array (the transfer process passes its host

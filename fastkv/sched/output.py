@@ -49,6 +49,8 @@ class SeqWork:
 class StepPlan:
     step_id: int
     seqs: list[SeqWork]
+    # the worker side's: the last layered SWAP_IN acked before this step (``PlanMsg.wait_landed``)
+    wait_landed: int = 0
 
 
 class StepOutput(NamedTuple):

@@ -286,7 +286,8 @@ class Scheduler:
 
     def on_copy_complete(self, plan: CopyPlan | int, ok: bool, nbytes: int = 0, seconds: float = 0.0) -> None:
         """A copy plan finished on every rank (``ok``) or failed. ``nbytes``/``seconds`` (per
-        rank) feed the bandwidth estimate."""
+        rank) feed the bandwidth estimate; ``seconds`` 0: not a measure of the copy (a layered
+        SWAP_IN is acked before it copies)."""
         pid = plan if isinstance(plan, int) else getattr(plan, "plan_id", None)
         p = self.outbox.complete(pid)
         if p is None:
@@ -294,9 +295,9 @@ class Scheduler:
         self._completed_since_step += 1
         if not ok:
             self.stats.copies_failed += 1
-        elif nbytes and p.kind in (CopyKind.SWAP_IN, CopyKind.SWAP_OUT):  # what an offload does (not storage I/O)
+        elif nbytes and seconds > 0 and p.kind in (CopyKind.SWAP_IN, CopyKind.SWAP_OUT):  # an offload's (not storage)
             self.cost.observe_copy(nbytes, seconds)
-        if ok and nbytes and p.kind in (CopyKind.SWAP_IN, CopyKind.LOAD):  # what a hit's copy costs here
+        if ok and nbytes and seconds > 0 and p.kind in (CopyKind.SWAP_IN, CopyKind.LOAD):  # a hit's copy here
             self.hits.observe(p.kind is CopyKind.LOAD, nbytes, seconds)
         c = self.cache.complete(p, bool(ok))
         if p.kind is CopyKind.CLEAR:

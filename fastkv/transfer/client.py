@@ -60,6 +60,8 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from fastkv.cache.plan import CopyKind, RestoreTask, Task
 from fastkv.ipc import (
     BadMessage,
@@ -70,10 +72,12 @@ from fastkv.ipc import (
     PeerDied,
     PeerTimeout,
     Side,
+    TaskMsg,
     TaskResult,
 )
 from fastkv.run import EngineEnds, RunSpec
-from fastkv.transfer.protocol import BAD_TASK_ID, fence_for, task_msg
+from fastkv.transfer.landing import LandingCopies
+from fastkv.transfer.protocol import BAD_TASK_ID, REDO_IDS, fence_for, task_msg
 
 log = logging.getLogger(__name__)
 STORAGE_KINDS = frozenset((CopyKind.STORE, CopyKind.LOAD, CopyKind.LOOKUP))
@@ -85,6 +89,7 @@ class CopyResult(NamedTuple):
     error: str  # "rank r: <why>; ..." for every failed rank, "" when ok
     nbytes: int  # summed over ranks
     seconds: float  # the slowest rank's execution time
+    layered: bool = False  # a layered SWAP_IN: acked before its copy, so ``seconds`` is not the copy's
 
 
 @dataclass(slots=True)
@@ -115,6 +120,12 @@ class TransferClient:
         self._next_liveness = 0.0
         self.stale = 0  # acks ignored: for tasks already failed on that rank
         self.weights_version = spec.weights_version  # the latest RESTORE's: fences hand it to new processes
+        # layer-wise loading: SWAP_INs go layer by layer, numbered in submit order (fastkv.transfer.landing)
+        self.layerwise = spec.layerwise_load
+        self.landing = LandingCopies(self.tp, spec.layout.num_layers, getattr(ends, "signals", None))
+        self._redo: dict[int, list[tuple[int, np.ndarray, np.ndarray]]] = {}  # rank -> copies its successor redoes
+        self._redo_ids: dict[int, tuple[int, int]] = {}  # task id of a redo -> (rank, layered number)
+        self._next_redo_id = REDO_IDS
         for r in range(self.tp):
             self._try_adopt(r)
 
@@ -138,7 +149,10 @@ class TransferClient:
         task_id = plan.plan_id
         if task_id in self._plans:
             raise ValueError(f"task {task_id} is already pending")
-        buf = self.ends.tasks[0].encode(task_msg(plan))
+        layered = 0
+        if self.layerwise and plan.kind is CopyKind.SWAP_IN:
+            layered = self.landing.number(task_id, plan.src, plan.dst)
+        buf = self.ends.tasks[0].encode(task_msg(plan, layered))
         ring = self.ends.tasks[0].ring
         if ring.slots_for(len(buf)) > ring.nslots:
             raise ValueError(f"task {task_id} ({plan.num_blocks} blocks, {len(buf)} bytes) can never fit a task "
@@ -180,9 +194,13 @@ class TransferClient:
                 return out
             log.error("transfer[%d]: task %d fails: %s", msg.rank, owed, msg.error)
             msg = DoneMsg(owed, msg.rank, False, msg.nbytes, msg.seconds, msg.error)
+        if msg.task_id in self._redo_ids:
+            self._redone(msg)
+            return out
         if msg.task_id not in self._plans or msg.rank not in self._gather.missing(msg.task_id):
             self.stale += 1  # a dead or replaced process's ack for a task already failed on its rank
             return out
+        self.landing.on_ack(msg.task_id, msg.rank, msg.ok)
         done = self._gather.add(msg)
         if done is not None:
             out.append(self._finish(done))
@@ -250,6 +268,7 @@ class TransferClient:
             self.ends.inbox.add(done)
             st.listening = True
         log.info("transfer[%d]: adopted pid %d", r, peer.pid)
+        self._send_redo(r)
         return True
 
     def _discard_leftovers(self, r: int) -> None:
@@ -267,6 +286,7 @@ class TransferClient:
 
     def _down(self, r: int, why: str) -> list[CopyResult]:
         st = self._ranks[r]
+        self._check_landed(r, why)
         why = st.hung or why  # a killed process's death: the timeout is what its tasks failed of
         if st.owner is not None:
             st.dead, st.owner = st.owner, None
@@ -276,6 +296,33 @@ class TransferClient:
             self.ends.inbox.remove(self.ends.dones[r])
             st.listening = False
         return [self._finish(t) for t in self._gather.fail_rank(r, why)]
+
+    def _check_landed(self, r: int, why: str) -> None:
+        """A rank going down leaves the layered copies it acked and did not land: its successor
+        copies them again before anything else (``_redo``); until then the steps that hold their
+        blocks wait on that rank (``fastkv.transfer.landing``)."""
+        torn = self.landing.torn(r)
+        if torn:
+            log.warning("transfer[%d] went down (%s) with layered copies %s landing: its successor redoes them",
+                        r, why, [n for n, _, _ in torn])
+            known = {n for n, _, _ in self._redo.get(r, [])}
+            self._redo.setdefault(r, []).extend(t for t in torn if t[0] not in known)
+
+    def _send_redo(self, r: int) -> None:
+        """The torn layered copies of rank ``r``, to its successor right after its fence."""
+        for n, src, dst in self._redo.pop(r, []):
+            task_id, self._next_redo_id = self._next_redo_id, self._next_redo_id - 1
+            self._redo_ids[task_id] = (r, n)
+            try:
+                self.ends.tasks[r].send(TaskMsg(task_id, int(CopyKind.SWAP_IN), src, dst, (), n), timeout=0)
+            except (PeerTimeout, PeerDied, ChannelClosed) as exc:
+                raise RuntimeError(f"transfer[{r}]: cannot redo layered copy {n} its predecessor left half done: "
+                                   f"{exc}") from exc
+
+    def _redone(self, msg: DoneMsg) -> None:
+        r, n = self._redo_ids.pop(msg.task_id)
+        if not msg.ok:  # its device blocks hold half a copy that steps may read: nothing can make them right
+            raise RuntimeError(f"transfer[{r}]: layered copy {n}, redone after its process died, failed: {msg.error}")
 
     def _ack_failed(self, task_id: int, r: int, why: str) -> None:
         done = self._gather.add(DoneMsg(task_id, r, False, error=why))
@@ -330,10 +377,11 @@ class TransferClient:
     # -- results -----------------------------------------------------------------------
     def _finish(self, done: TaskResult) -> CopyResult:
         plan, _ = self._plans.pop(done.task_id)
+        layered = self.landing.on_complete(done.task_id)
         if plan.kind in STORAGE_KINDS:
             self._storage_pending -= 1
             self._spin_for_acks()
-        return CopyResult(plan, done.ok, done.error, done.nbytes, done.seconds)
+        return CopyResult(plan, done.ok, done.error, done.nbytes, done.seconds, layered)
 
     def _spin_for_acks(self) -> None:
         """The engine's inbox spins before it sleeps (``fastkv.ipc.doorbell``) only while no

@@ -133,6 +133,7 @@ class TaskExecutor:
         self.released_bytes = 0  # host tier memory given back by CLEAR with FREE
         self._storage_s = storage_time_model(spec)  # None: storage I/O at this machine's speed
         self._closing = threading.Event()  # cuts a modelled storage wait short at close
+        self.landed = None  # fastkv.ipc.landed.Landed of this rank: set by the process, for layered SWAP_INs
         try:
             self._attach_device()
             self._attach_host()
@@ -197,10 +198,15 @@ class TaskExecutor:
         self.host = None
 
     # -- tasks -------------------------------------------------------------------------
-    def run(self, msg: TaskMsg, progress: Callable[[], None] = lambda: None, hold: Hold | None = None) -> DoneMsg:
+    def run(self, msg: TaskMsg, progress: Callable[[], None] = lambda: None, hold: Hold | None = None,
+            early: Callable[[DoneMsg], None] | None = None) -> DoneMsg | None:
         """Executes one task, calling ``progress()`` as its parts complete; never raises
         for a bad or failed task. ``hold``: the host blocks a storage task was dispatched
-        on, released part by part and all at the end."""
+        on, released part by part and all at the end. ``early``: a layered SWAP_IN
+        (``msg.layered``) is acked through it once verified, then copied layer by layer, and
+        None is returned (``_layered``)."""
+        if msg.layered and early is not None and msg.kind == CopyKind.SWAP_IN and self.landed is not None:
+            return self._layered(msg, progress, early)
         t0 = time.perf_counter()
         task = self._task
         outer = getattr(task, "progress", None), getattr(task, "hold", None)  # a LOOKUP run between parts
@@ -286,6 +292,72 @@ class TaskExecutor:
         if unsealed:  # a swap that wrote no checksums: sealed from the host bytes
             host.seal(unsealed)
         return len(plan.src) * self.block_bytes, ""
+
+    def _layered(self, msg: TaskMsg, progress: Callable[[], None], early: Callable[[DoneMsg], None]) -> None:
+        """A SWAP_IN a step waits for, layer by layer (module docstring of ``fastkv.ipc.landed``).
+
+        Everything that can fail is checked before the ack: ids, the storage tasks still on its
+        host blocks, every host checksum. Then the ack goes out (the engine may plan the step at
+        once) and the copy runs layer-major: layer 0 of every block, then layer 1, ..., each layer
+        announced as it lands, so the step's layer l starts while layers > l are still copying.
+        A host block is block-major (its layers are consecutive spans), so one layer of n blocks
+        is n strided spans of one K and one V page each: pages of kilobytes, as cheap to gather as
+        a contiguous run. Block-major order would land every layer of block 0 first, which no
+        layer's attention can use before the last block has landed.
+
+        This process's loop runs nothing else until the copy is done, so the host blocks the
+        engine unpinned at the ack are not overwritten meanwhile (a later LOAD is dispatched only
+        after it: ``fastkv.transfer.lanes``). On a CUDA device tier the copy is one swap and
+        every layer is announced after it (no per-layer copy in the C ABI yet)."""
+        t0 = time.perf_counter()
+        task, landed = self._task, self.landed
+        outer = getattr(task, "progress", None), getattr(task, "hold", None)
+        task.progress, task.hold = progress, None
+        plan = None
+        try:
+            plan = task_plan(msg)
+            if self.cleared:
+                raise TaskRefused(f"SWAP_IN refused: caches cleared for a weight update (weights version "
+                                  f"{self.weights_version!r}); waiting for RESTORE")
+            host, device = self.host, self.device
+            if host is None:
+                raise TaskRefused("SWAP_IN refused: this run has no host tier (num_host_blocks=0)")
+            self._check_ids(plan.src, self.spec.num_host_blocks, "src")
+            self._check_ids(plan.dst, self.spec.num_device_blocks, "dst")
+            if len(plan.dst) > 1 and len(np.unique(plan.dst)) != len(plan.dst):
+                raise ValueError(f"SWAP_IN dst block ids must be unique, got {plan.dst.tolist()[:16]}")
+            self.holds.wait(plan.src, False, progress, self.spec.heartbeat_s)
+            self._check_host(plan.src.tolist(), hold_gil=True)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, ValueError | TypeError | TaskRefused | CorruptHostBlock):
+                log.exception("transfer[%d]: layered task %d raised", self.rank, msg.task_id)
+            landed.post(msg.layered, self.spec.layout.num_layers - 1)  # nothing of it lands: no step waits
+            early(DoneMsg(msg.task_id, self.rank, False, 0, time.perf_counter() - t0, error))
+            return None
+        finally:
+            task.progress, task.hold = outer
+        nbytes = len(plan.src) * self.block_bytes
+        early(DoneMsg(msg.task_id, self.rank, True, nbytes, time.perf_counter() - t0))
+        layers = self.spec.layout.num_layers
+        if self._bound is None:
+            from fastkv.kernels import ops
+
+            self._bound = ops.BoundSwap(device.k, device.v, host.tensor, hold_gil=True)
+        if self._bound.on_gpu:  # CUDA: one swap, then every layer at once
+            self._bound.swap(plan.src, plan.dst, to_host=False, num_threads=self.spec.ops_threads)
+            landed.post(msg.layered, layers - 1)
+            return None
+        for layer in range(layers):
+            if self.layer_delay is not None:
+                self.layer_delay(msg.layered, layer)
+            self._bound.swap_in_layer(plan.src, plan.dst, layer, self.spec.ops_threads)
+            landed.post(msg.layered, layer)
+            progress()
+        return None
+
+    # tests: called before each layer's copy (task, layer), to make one layer late
+    layer_delay: Callable[[int, int], None] | None = None
 
     def take_faults(self) -> tuple[int, int]:
         """Storage errors and corrupt values since the last call (the engine's summary counts them)."""

@@ -34,6 +34,7 @@ import time
 from fastkv.cache.plan import CopyKind
 from fastkv.cache.store_backlog import TAIL_SHARE
 from fastkv.ipc import BadMessage, ChannelClosed, DoneMsg, Namespace, PeerDied, PeerTimeout, SignalArray, TaskMsg
+from fastkv.ipc.landed import Landed
 from fastkv.ipc.peers import me
 from fastkv.kernels import ops
 from fastkv.run import EXITING, READY, RunSpec, TransferEnds, attach_transfer
@@ -135,7 +136,9 @@ class TransferLoop:
             return
         if msg.kind not in SWAPS:  # CLEAR, RESTORE (and unknown kinds, which fail)
             self.barrier()
-        self.finish(self.executor.run(msg, progress=self.beat))
+        done = self.executor.run(msg, progress=self.beat, early=self.finish)
+        if done is not None:  # a layered SWAP_IN acked itself before its copy
+            self.finish(done)
 
     def _run_stored(self, msg: TaskMsg, hold: Hold) -> None:
         self.finish(self.executor.run(msg, progress=self._between_parts, hold=hold))
@@ -214,6 +217,7 @@ def main(spec_json: str, rank: int) -> int:
     signals = ends.signals
     prefix = f"transfer{rank}"
     loop = TransferLoop(spec, rank, ends, executor)
+    executor.landed = Landed.attach(ns, signals, rank, spec.layout.num_layers)
     try:
         signals[f"{prefix}.pid"] = loop.me.pid
         loop.beat()
@@ -223,6 +227,8 @@ def main(spec_json: str, rank: int) -> int:
         return code
     finally:
         loop.close()
+        if executor.landed is not None:
+            executor.landed.close()
         signals[f"{prefix}.ready"] = EXITING
         ends.close()
         executor.close()

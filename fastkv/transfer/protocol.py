@@ -43,12 +43,14 @@ from fastkv.storage import namespace_fingerprint
 FENCE = 0  # TaskMsg.kind of a fence (CopyKind starts at 1)
 FENCE_ID = -1
 BAD_TASK_ID = -2  # DoneMsg.task_id of the ack of a task message that could not be read
+REDO_IDS = -1000  # and down: layered copies a dead process left half done, redone by its successor
 
 
-def task_msg(plan: Task) -> TaskMsg:
-    """The task carrying ``plan`` (a copy plan or a control task) to every rank."""
+def task_msg(plan: Task, layered: int = 0) -> TaskMsg:
+    """The task carrying ``plan`` (a copy plan or a control task) to every rank; ``layered``:
+    a SWAP_IN's number among the layered ones (``TaskMsg.layered``)."""
     src, dst, keys = wire_fields(plan)
-    return TaskMsg(plan.plan_id, int(plan.kind), src, dst, tuple(keys))
+    return TaskMsg(plan.plan_id, int(plan.kind), src, dst, tuple(keys), layered)
 
 
 KINDS = {int(kind): kind for kind in CopyKind}  # a dict look-up, where CopyKind(n) costs microseconds per task

@@ -70,14 +70,18 @@ def reference(prompt: list[int], max_new_tokens: int, seed: int, temperature: fl
     return tokens[len(prompt):]
 
 
-def worker_main(spec_json: str, rank: int) -> int:
+def worker_main(spec_json: str, rank: int, layerwise: bool = True) -> int:
+    """``layerwise``: the toy's one layer waits for its K/V landing (``port.wait_layer``) instead
+    of ``plans()`` waiting for whole copies (docs/WORKER_API.md, layer-wise loading)."""
     spec = RunSpec.from_json(spec_json)
-    port = WorkerPort(spec, rank)
+    port = WorkerPort(spec, rank, layerwise=layerwise)
     tier = DeviceTier.attach(spec.tier_prefix, rank, spec.layout, spec.num_device_blocks)
     history: dict[str, list[int]] = {}  # per-request state: dropped when the engine releases it
     port.ready()
     try:
         for plan in port.plans():
+            if layerwise:
+                port.wait_layer(plan, 0)  # before the layer writes or reads K/V
             sampled, error = toy_step(plan, tier.k_arrays, tier.v_arrays, spec.layout.block_size, history)
             port.answer(plan, sampled, error)
             for request_id in plan.release:
@@ -90,12 +94,12 @@ def worker_main(spec_json: str, rank: int) -> int:
 
 
 # -- the serving side -----------------------------------------------------------------------
-def serve(spec: RunSpec, prompts: list[list[int]], max_new_tokens: int) -> dict:
+def serve(spec: RunSpec, prompts: list[list[int]], max_new_tokens: int, layerwise: bool = True) -> dict:
     streamed: dict[str, list[list[int]]] = {}  # request id -> the tokens of each step that had some
     finished = {}
     with launch(spec) as run:  # namespace, channels, tiers, transfer processes; all gone after the block
         for rank in range(spec.tp_size):
-            run.start("worker", rank, WORKER)
+            run.start("worker", rank, WORKER, (spec.to_json(), rank, layerwise))
         engine = Engine.attach(spec)
         try:
             engine.wait_until_ready()

@@ -253,11 +253,20 @@ def corrupting_transfer_main(spec_json: str, rank: int) -> int:
     every score it meets, so a request that reads the block cannot get the oracle's tokens."""
     from fastkv.transfer import process
     from fastkv.transfer.executor import TaskExecutor
+    from fastkv.transfer.protocol import task_plan
 
-    swap = TaskExecutor._swap
+    swap, layered = TaskExecutor._swap, TaskExecutor._layered
     flipped = []
 
     def flip_then_swap(self, plan):
+        flip(self, plan)
+        return swap(self, plan)
+
+    def flip_then_layered(self, msg, progress, early):  # a SWAP_IN copied layer by layer (--layerwise-load)
+        flip(self, task_plan(msg))
+        return layered(self, msg, progress, early)
+
+    def flip(self, plan):
         if plan.kind is CopyKind.SWAP_IN and not flipped:
             src = int(plan.src[0])
             keys = self.host.array[src][:, 0, :, 0, :]  # [layers, heads, head_dim]: K of slot 0
@@ -267,9 +276,8 @@ def corrupting_transfer_main(spec_json: str, rank: int) -> int:
                 keys[layer, head, d : d + 1].view(np.uint8)[3] ^= 0x40  # little endian: byte 3 = sign, exponent
                 flipped.append(src)
                 print(f"corrupting transfer{rank}: flipped a byte of host block {src} before its swap-in", flush=True)
-        return swap(self, plan)
 
-    TaskExecutor._swap = flip_then_swap
+    TaskExecutor._swap, TaskExecutor._layered = flip_then_swap, flip_then_layered
     return process.main(spec_json, rank)
 
 

@@ -23,15 +23,15 @@ def same(a, b) -> None:
         if isinstance(x, list) and x and isinstance(x[0], np.ndarray):
             assert len(x) == len(y) and all(np.array_equal(p, q) for p, q in zip(x, y, strict=True)), name
         elif isinstance(x, np.ndarray):
-            assert np.array_equal(x, y) and y.dtype == np.int32, name
+            assert np.array_equal(x, y) and y.dtype == x.dtype, name
         else:
             assert list(x) == list(y) if isinstance(x, tuple | list) else x == y, name
 
 
 @given(st.integers(-(2**63), 2**63 - 1), st.sampled_from(list(CopyKind)), i32s, i32s,
-       st.lists(st.binary(max_size=40), max_size=10))
-def test_task_roundtrip(task_id, kind, src, dst, keys):
-    msg = TaskMsg(task_id, kind, src, dst, tuple(keys))
+       st.lists(st.binary(max_size=40), max_size=10), st.integers(0, 2**62))
+def test_task_roundtrip(task_id, kind, src, dst, keys, layered):
+    msg = TaskMsg(task_id, kind, src, dst, tuple(keys), layered)
     buf = encode(msg)
     assert len(buf) % 8 == 0
     same(msg, decode(buf))
@@ -44,10 +44,11 @@ def test_done_roundtrip(task_id, rank, ok, nbytes, seconds, error):
     assert decode(encode(msg)) == msg
 
 
-@given(st.lists(st.tuples(texts, i32s, i32s, st.integers(0, 10_000)), max_size=8), st.integers(0, 2**40))
-def test_plan_and_output_roundtrip(reqs, step):
+@given(st.lists(st.tuples(texts, i32s, i32s, st.integers(0, 10_000)), max_size=8), st.integers(0, 2**40),
+       st.lists(st.integers(0, 2**62), max_size=4))
+def test_plan_and_output_roundtrip(reqs, step, landing):
     plan = PlanMsg(step, [r[0] for r in reqs], [r[1] for r in reqs], [r[2] for r in reqs],
-                   np.array([r[3] for r in reqs], np.int32))
+                   np.array([r[3] for r in reqs], np.int32), wait_landed=np.array(landing, np.int64))
     same(plan, decode(encode(plan)))
     out = OutputMsg(step, 5, 0.25, [r[0] for r in reqs], np.arange(len(reqs), dtype=np.int32), "")
     same(out, decode(encode(out)))
@@ -90,7 +91,7 @@ def test_decode_rejects_malformed_bytes():
     with pytest.raises(BadMessage, match="schema tag"):
         decode(bytes(wrong_tag))
     # a count that disagrees with the byte size of the src array
-    off = 8 + 16
+    off = 8 + 24  # the header, then the scalars: task_id, kind (padded), layered
     corrupt = bytearray(buf)
     struct.pack_into("<I", corrupt, off, 5)
     with pytest.raises(BadMessage, match="TaskMsg.src"):

@@ -66,7 +66,7 @@ def extra_args(script: str, tmp_path: Path) -> list[str]:
 
 
 # > 10 s on a loaded 2-core machine
-SLOW = {"bench_ipc.py", "bench_e2e.py", "bench_swap.py", "bench_pool.py", "bench_hits.py"}
+SLOW = {"bench_ipc.py", "bench_e2e.py", "bench_swap.py", "bench_pool.py", "bench_hits.py", "bench_layerwise.py"}
 
 
 def test_every_script_is_covered():

@@ -79,6 +79,9 @@ class Supervisor:
         self.procs: dict[int, mp.Process] = {}
         self.ends = None
         try:
+            # a SWAP_IN acked is one landed, as these tests read the device right after the ack;
+            # layer-wise loading (acked before the copy) is tests/transfer/test_layerwise.py's
+            spec_kw.setdefault("layerwise_load", False)
             self.spec = RunSpec(run_id=self.ns.run_id, layout=layout, num_device_blocks=num_device_blocks,
                                 num_host_blocks=num_host_blocks, heartbeat_s=0.2, dead_after_s=2.0, **spec_kw)
             create_run(self.ns, self.spec)

@@ -14,7 +14,7 @@ import pytest
 
 from fastkv.cache.plan import CopyKind
 from fastkv.config import KVLayout
-from fastkv.ipc import Channel, DoneMsg, Namespace, PeerDied, TaskMsg
+from fastkv.ipc import Channel, DoneMsg, Namespace, PeerDied, TaskMsg, landed
 from fastkv.ipc.peers import me
 from fastkv.run import RunSpec, attach_engine, attach_transfer, create_run
 from fastkv.transfer.client import TransferClient
@@ -257,6 +257,8 @@ def test_death_replacement_and_stale_tasks(run):
         assert queued == [(FENCE_ID, FENCE, (first.pid, queued[0][2][1])), (doomed.plan_id, 1, None),
                           (FENCE_ID, FENCE, (second.pid, queued[2][2][1])), (after.plan_id, 2, None)]
         Channel.attach(ns, "done.1").send(DoneMsg(after.plan_id, 1, True, 9, 0.0))  # as the successor would
+        layers = spec.layout.num_layers  # and it landed the layered swap-in it acked (fastkv.ipc.landed)
+        ends.signals[landed.slot(1)] = landed.Landed.mark_of(1, layers - 1, layers)
         zero.done.send(DoneMsg(after.plan_id, 0, True, 9, 0.0))
         res, = results_until(client, ends, 1)
         assert res.plan is after and res.ok and res.nbytes == 18

@@ -10,7 +10,7 @@ new tokens: every other slot may belong to another request or be in flight to an
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,7 +60,15 @@ class ModelRunner(ABC):
     lists of K and V cache tensors of shape ``layout.device_shape(num_device_blocks)`` (an MLA
     layout: the latents as K, and no V)
     (Paddle tensors, or numpy arrays for runners that never compute in Paddle).
+
+    Layer-wise loading: a runner with ``layerwise = True`` calls ``wait_layer(plan, l)`` before
+    layer l writes or reads any KV; the worker then starts its step while host -> device copies
+    the step needs are still landing, layer by layer. Otherwise the worker waits for those
+    copies whole before ``step``.
     """
+
+    layerwise = False
+    _layer_wait: Callable[[int, int], float] | None = None  # set by the worker (``bind_layer_wait``)
 
     def __init__(
         self, layout: KVLayout, rank: int, tp_size: int, k_caches: Sequence[Any], v_caches: Sequence[Any]
@@ -108,6 +116,17 @@ class ModelRunner(ABC):
         # Zero-copy host views (None on an accelerator): the in-place write path.
         self.k_views = [host_view(c) for c in self.k_caches]
         self.v_views = [host_view(c) for c in self.v_caches]
+
+    def bind_layer_wait(self, wait: Callable[[int, int], float] | None) -> None:
+        """``wait(task, layer)`` blocks until layer ``layer`` of layered copy ``task`` landed
+        on this rank (``fastkv.ipc.landed``); the worker binds it."""
+        self._layer_wait = wait
+
+    def wait_layer(self, plan: StepPlan, layer: int) -> float:
+        """Blocks until layer ``layer`` of the KV ``plan`` reads has landed; the seconds waited."""
+        if not plan.wait_landed or self._layer_wait is None:
+            return 0.0
+        return self._layer_wait(plan.wait_landed, layer)
 
     def drop_caches(self) -> None:
         """Let go of every reference to the caches (their memory is about to be freed); no

@@ -454,6 +454,8 @@ class SyntheticRunner(ModelRunner):
     a step's modelled compute starts after it, and the step reports the modelled time alone.
     """
 
+    layerwise = True  # calls wait_layer before each layer's KV (ModelRunner)
+
     def __init__(
         self,
         layout: KVLayout,
@@ -514,8 +516,9 @@ class SyntheticRunner(ModelRunner):
     def _step(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
         validate_plan(plan, self.layout.block_size, self.num_device_blocks, self.kv_groups, self.group_blocks)
+        layered = self._layer_timeline(plan, t0) if plan.wait_landed else None
         if self.kv_groups:
-            return self._step_groups(plan, t0)
+            return self._step_groups(plan, t0, layered)
         bs = self.layout.block_size
         toks, poss, blocks, slots = [], [], [], []
         for seq in plan.seqs:
@@ -535,9 +538,9 @@ class SyntheticRunner(ModelRunner):
             write_rows(self.layout, self.rank, caches, np.concatenate(toks), np.concatenate(poss),
                        np.concatenate(blocks), np.concatenate(slots), self.weights_version)
         sampled = self._sample([s for s in plan.seqs if s.sample])
-        return self._finish_step(plan, sampled, t0)
+        return self._finish_step(plan, sampled, t0, layered)
 
-    def _step_groups(self, plan: StepPlan, t0: float) -> StepOutput:
+    def _step_groups(self, plan: StepPlan, t0: float, layered: tuple[float, float] | None) -> StepOutput:
         """``_step`` for a hybrid layout: each group's rows through its own table."""
         bs = self.layout.block_size
         toks, poss, tables = [], [], []
@@ -567,9 +570,10 @@ class SyntheticRunner(ModelRunner):
                     parts.append(self.k_views[group.layers[0]][s.block_table[g][p // bs], 0, p % bs, :HEADER])
                     self._checks["kv_positions_read"] += len(p)
                 sampled[s.request_id] = _oracle(np.concatenate(parts), self.vocab)
-        return self._finish_step(plan, sampled, t0)
+        return self._finish_step(plan, sampled, t0, layered)
 
-    def _finish_step(self, plan: StepPlan, sampled: dict[int, int], t0: float) -> StepOutput:
+    def _finish_step(self, plan: StepPlan, sampled: dict[int, int], t0: float,
+                     layered: tuple[float, float] | None = None) -> StepOutput:
         # Making, checking and reading the synthetic bytes stands for what the model's compute
         # does, and costs this CPU more than a GPU's time: making a token's KV rows costs about
         # as much as a modelled prefill token, checking a resumed prefix more. Hidden under the
@@ -578,10 +582,37 @@ class SyntheticRunner(ModelRunner):
         # (synthetic_us): wall time less synthetic_us is the run as the model times it. The flat
         # cost is CPU time per token that includes this work.
         now = time.perf_counter()
-        self._checks["synthetic_us"] += round((now - t0) * 1e6)
-        start = t0 if self.cost is None else now
-        self._busy(start + self.step_us * 1e-6 + self._compute_seconds(plan))
-        return StepOutput(plan.step_id, sampled, time.perf_counter() - start)  # the modelled time, if any
+        if layered is None:
+            self._checks["synthetic_us"] += round((now - t0) * 1e6)
+            start = t0 if self.cost is None else now
+            self._busy(start + self.step_us * 1e-6 + self._compute_seconds(plan))
+            return StepOutput(plan.step_id, sampled, time.perf_counter() - start)  # the modelled time, if any
+        # Layer-wise: the modelled compute ran along the layers as they landed (``_layer_timeline``);
+        # the byte work, which reads every layer, came after the last one: under a cost model it is
+        # counted and the modelled end moved past it, as the whole path starts the model after it.
+        done, bytes_from = layered
+        byte_s = now - bytes_from if self.cost is not None else 0.0
+        self._checks["synthetic_us"] += round((now - bytes_from) * 1e6)
+        self._busy(done + byte_s + self.step_us * 1e-6)
+        return StepOutput(plan.step_id, sampled, time.perf_counter() - t0 - byte_s)
+
+    def _layer_timeline(self, plan: StepPlan, t0: float) -> tuple[float, float]:
+        """The modelled compute of a step whose KV is still landing: layer l starts once its KV
+        landed and layer l - 1 is done, ``max(landed(l), done(l - 1)) + compute(l)``, the
+        cost model's per-layer share (``layer_seconds``). Returns (when the last layer is done,
+        when the waits ended): the compute is waited out later, with the byte work's time."""
+        per = self._layer_seconds(plan)
+        done = t0
+        for layer in range(self.layout.num_layers):
+            self.wait_layer(plan, layer)  # returns when it landed, or at once (then done >= now)
+            done = max(done, time.perf_counter()) + per[layer]
+        return done, time.perf_counter()
+
+    def _layer_seconds(self, plan: StepPlan) -> list[float]:
+        if self.cost is not None:
+            return self.cost.layer_seconds((s.start_pos, s.end_pos) for s in plan.seqs)
+        per = self._compute_seconds(plan) / self.layout.num_layers
+        return [per] * self.layout.num_layers
 
     def _compute_seconds(self, plan: StepPlan) -> float:
         if self.cost is not None:

@@ -141,6 +141,8 @@ def _rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Te
 class TinyDecoderRunner(ModelRunner):
     """The tiny decoder on one rank. ``collective`` (attached, rank = ``rank``) is required when tp_size > 1."""
 
+    layerwise = True  # calls wait_layer before each layer's KV (ModelRunner)
+
     def __init__(
         self,
         layout: KVLayout,
@@ -235,6 +237,7 @@ class TinyDecoderRunner(ModelRunner):
         sin = paddle.gather(self.sin, b.positions).unsqueeze(1)
         D, h, g = self.layout.head_dim, self.layout.kv_heads, self.q_heads // self.layout.kv_heads
         for i, w in enumerate(self.layers):
+            self.wait_layer(plan, i)  # layer i's KV of the copies in flight has landed
             hn = _rms_norm(x, w["ln1"])
             if self.layout.mla:
                 o = self._mla(i, hn, w, b, cos, sin)

@@ -79,6 +79,8 @@ class PaddleFormersRunner(ModelRunner):
     settings), ``config_file`` (a config.json), ``seed`` (weights); ``collective`` is required
     when tp_size > 1. A family sets the class attributes and ``shard``."""
 
+    layerwise = True  # calls wait_layer before each layer's KV (ModelRunner)
+
     family: str  # its key in paddleformers_config.FAMILIES
     config_class: type
     model_class: type
@@ -145,7 +147,7 @@ class PaddleFormersRunner(ModelRunner):
         sampled: dict[int, int] = {}
         for group in _groups(plan.seqs, self.group):  # the same on every rank: the collectives pair up
             b = _Batch(group, self.layout.block_size, len(self.layout.groups))
-            cache = Cache(layers=[_PagedLayer(self, i, b) for i in range(self.layout.num_layers)])
+            cache = Cache(layers=[_PagedLayer(self, i, b, plan) for i in range(self.layout.num_layers)])
             with paddle.no_grad():
                 out = self.model(paddle.to_tensor(b.token_ids), position_ids=paddle.to_tensor(b.positions),
                                  attention_mask=paddle.to_tensor(b.mask), past_key_values=cache, use_cache=True,
@@ -241,9 +243,9 @@ class _Batch:
 class _PagedLayer(CacheLayerMixin):
     """One layer's cache for one step's batch: its slots in the device tier, by block table."""
 
-    def __init__(self, runner: PaddleFormersRunner, layer: int, batch: _Batch) -> None:
+    def __init__(self, runner: PaddleFormersRunner, layer: int, batch: _Batch, plan: StepPlan) -> None:
         super().__init__()
-        self.runner, self.layer, self.b = runner, layer, batch
+        self.runner, self.layer, self.b, self.plan = runner, layer, batch, plan
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: paddle.Tensor, value_states: paddle.Tensor | None = None) -> None:
@@ -254,6 +256,7 @@ class _PagedLayer(CacheLayerMixin):
         """Write the new tokens' K/V (of [S, h, Q, D]; not the padding) into their slots, no
         other slot; return the K/V [S, h, L, D] of every row's positions, zero past its end."""
         r, b = self.runner, self.b
+        r.wait_layer(self.plan, self.layer)  # this layer's KV of the copies in flight has landed
         g = r.layer_group[self.layer]
         tables, valid_g, slot_blocks = b.tables[g], b.valid[g], b.slot_blocks[g]
         out = []
