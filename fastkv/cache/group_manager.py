@@ -94,6 +94,9 @@ class GroupedManager:
         self._recs: dict[object, _Rec] = {}
         # per group, the most blocks one request held between its steps (after its KV was computed)
         self.peak_held = [0] * len(self.groups.groups)
+        # per group, the blocks offloads copied out, and the most one offload copied
+        self.offloaded_blocks = [0] * len(self.groups.groups)
+        self.peak_offloaded = [0] * len(self.groups.groups)
         self.residency: GroupedResidency | None = None  # set by watch_residency while KV events are on
 
     # ================================================================== queries
@@ -339,6 +342,9 @@ class GroupedManager:
             return None
         plans = self.copies.start(request_id, CopyKind.SWAP_OUT, copies)
         self.stats.swap_out_blocks += sum(p.num_blocks for p in plans)
+        for c in copies:
+            self.offloaded_blocks[c.group] += c.plan.num_blocks
+            self.peak_offloaded[c.group] = max(self.peak_offloaded[c.group], c.plan.num_blocks)
         return plans
 
     def restore(self, request_id: object, reserve_tokens: int = 0) -> Allocation | None:
@@ -433,10 +439,13 @@ class GroupedManager:
     # ================================================================== diagnostics
     def group_summary(self) -> list[dict[str, int]]:
         """Per group: its window and layers, its device blocks, the blocks held now, the most one
-        request held between its steps, and the blocks admissions found there (its hits)."""
+        request held between its steps, the blocks admissions found there (its hits), and those
+        offloads copied out (all, and the most one offload did)."""
         return [{"window": gp.group.window, "layers": len(gp.group.layers), "blocks": gp.pool.capacity,
                  "held": gp.pool.num_allocated, "cached": gp.pool.num_cached,
-                 "max_held_per_request": self.peak_held[i], "hit_blocks": gp.hit_blocks}
+                 "max_held_per_request": self.peak_held[i], "hit_blocks": gp.hit_blocks,
+                 "host_blocks": gp.host.capacity, "offloaded_blocks": self.offloaded_blocks[i],
+                 "max_offloaded_per_request": self.peak_offloaded[i]}
                 for i, gp in enumerate(self.groups.groups)]
 
     def check_integrity(self) -> None:
