@@ -481,7 +481,7 @@ class JobConfig:
     def storage_url(self, out_dir: Path) -> str:
         if self.storage == "none" or self.host_blocks == 0:  # "default" without a host tier: no storage tier
             return ""
-        if self.storage == "default" and self.windows:  # nor with KV cache groups (not stored per group yet)
+        if self.storage == "default" and getattr(self, "windows", ()):  # nor with KV cache groups (not per group yet)
             return ""
         if self.storage == "default":
             return f"lmdb://{out_dir / 'store'}?max_bytes=1G"
