@@ -16,6 +16,7 @@ from fastkv.cache.manager import CacheConfig
 from fastkv.cache.plan import CopyKind, CopyPlan, task_of, wire_fields
 from fastkv.cache.requests import ReqState
 from fastkv.config import cdiv
+from fastkv.engine.metrics import EngineMetrics
 from fastkv.engine.runners.synthetic import SyntheticRunner, reference_output
 from fastkv.sched import PreemptionMode, Request, Scheduler, SchedulerConfig
 from tests.unit.sched.test_groups_synthetic import LAYOUT, WINDOW, caches, prompts
@@ -98,6 +99,9 @@ def test_offload_preemption_restores_every_group_exactly():
     assert max(n for g, n in outs if g not in sliding) > BOUND, "no long request offloaded"
     for gp in cache.groups.groups:
         assert gp.host.num_free == gp.host.capacity
+    blocks = EngineMetrics(sched).blocks()  # the health endpoint's and Prometheus' block counts
+    assert sorted(blocks) == ["group 0 device", "group 0 host", "group 1 device", "group 1 host"], blocks
+    assert blocks["group 1 host"] == {"free": 40, "allocated": 0, "cached": 0, "in_flight": 0}
 
 
 def test_failed_copies_fall_back_to_recompute_and_stay_exact():
