@@ -49,12 +49,12 @@ class GroupHosts:
         self.swapped.append((plan.kind, plan.group, plan.num_blocks))
 
 
-def serve(group_blocks, host_blocks, max_new=12, chunk=16, n=8, fail=()):
+def serve(group_blocks, host_blocks, max_new=12, chunk=16, n=8, fail=(), mode=PreemptionMode.OFFLOAD):
     k, v = caches(group_blocks)
     runner = SyntheticRunner(LAYOUT, 0, 1, k, v, vocab=97, verify="all")
     cache = GroupedManager(CacheConfig(num_device_blocks=max(group_blocks), block_size=LAYOUT.block_size,
                                        layout=LAYOUT), group_blocks, chunk, host_group_blocks=host_blocks)
-    sched = Scheduler(cache, SchedulerConfig(max_num_batched_tokens=chunk, preemption=PreemptionMode.OFFLOAD))
+    sched = Scheduler(cache, SchedulerConfig(max_num_batched_tokens=chunk, preemption=mode))
     hosts = GroupHosts(k, v, host_blocks, poison=not fail)
     ps = prompts(n)
     for rid, p in enumerate(ps):
@@ -108,6 +108,17 @@ def test_failed_copies_fall_back_to_recompute_and_stay_exact():
     outputs, want, sched, *_ = serve([12, 12], [40, 40], fail=(1, 4, 7))
     assert outputs == want
     assert sched.stats.copies_failed == 3
+
+
+def test_auto_preemption_weighs_a_groups_copy_by_its_layers_and_stays_exact():
+    cache = manager()
+    run_long(cache)
+    work = cache.preemption_work(0)
+    held = cache.groups.held_blocks(0)  # two layers in each group, of four: half a block each
+    assert work.copy_blocks == cdiv(sum(held), 2) and work.recompute_tokens == 37 and work.unheld_tokens == 0
+    outputs, want, sched, *_ = serve([12, 12], [40, 40], mode=PreemptionMode.AUTO)
+    assert outputs == want
+    assert sched.stats.preempt_offload + sched.stats.preempt_recompute > 0
 
 
 def test_a_host_pool_without_room_recomputes():
