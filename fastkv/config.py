@@ -22,7 +22,7 @@ the same on every tensor-parallel rank, so every rank holds all of it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -224,6 +224,12 @@ class KVLayout:
             for layer in g.layers:
                 out[layer] = n
         return tuple(out)
+
+    def group_layout(self, index: int) -> KVLayout:
+        """The layout of group ``index``'s layers alone: a hybrid's host tier holds one block-major
+        section per group of this layout (``fastkv.transfer.tiers.HostTier``, ``group``)."""
+        g = self.groups[index]
+        return replace(self, num_layers=len(g.layers), windows=(g.window,) * len(g.layers))
 
     def group_block_bytes(self, group: KVGroup) -> int:
         """Bytes of one block of ``group``'s layers, every page (K and V, or the latent)."""

@@ -153,11 +153,10 @@ class Launch:
                     self._tiers.append(DeviceTier.create(spec.tier_prefix, r, spec.layout, spec.num_device_blocks,
                                                          layer_blocks=spec.layer_blocks(),
                                                          backend="shm", populate=True))
-            if spec.num_host_blocks:
-                self.ns.record("shm", f"kvhost{r}")
+            for g, layout, n in spec.host_tiers():  # a hybrid's: a segment per KV cache group
+                self.ns.record("shm", f"kvhost{r}" + ("" if g is None else f"g{g}"))
                 with _tier_fits("host", r, spec.num_host_blocks, spec.layout.block_bytes):
-                    self._tiers.append(HostTier.create(spec.tier_prefix, r, spec.layout, spec.num_host_blocks,
-                                                       populate=True))
+                    self._tiers.append(HostTier.create(spec.tier_prefix, r, layout, n, populate=True, group=g))
         self.signals = SignalArray.attach(self.ns, "signals")
 
     def start(self, role: str, rank: int, target: str | None = None, args: tuple | None = None) -> Child:

@@ -12,7 +12,7 @@ with ``create_run``; each process reads the spec and attaches only the ends it u
 | ``signals``            | supervisor | heartbeats, pids, ready flags (``SIGNALS`` below) |
 | ``landed.{r}`` (sem)   | supervisor | transfer[r] -> worker[r]: a layered SWAP_IN's layer landed (``ipc.landed``) |
 | ``coll`` (tp > 1)      | supervisor | worker[r] <-> worker[s]: ``ShmCollective`` of the tp group |
-| ``kvdev{r}``/``kvhost{r}`` | supervisor | KV tiers of rank r (``fastkv.transfer.tiers``) |
+| ``kvdev{r}``/``kvhost{r}`` | supervisor | KV tiers of rank r (``fastkv.transfer.tiers``; hybrid: ``kvhost{r}g{g}``) |
 
 The KV tiers are created by the supervisor on a CPU build so that they outlive any child
 (a restarted transfer process re-attaches); on a GPU build the worker allocates the device
@@ -142,14 +142,30 @@ class RunSpec:
         """Device blocks of each KV cache group (every group ``num_device_blocks`` unless given)."""
         return self.group_blocks or (self.num_device_blocks,) * len(self.layout.groups)
 
+    def host_group_blocks(self) -> tuple[int, ...]:
+        """A hybrid's host blocks per KV cache group (a segment each, ``HostTier`` ``group``): the
+        bytes of ``num_host_blocks`` blocks of every layer, split in the device tier's proportion.
+        () for the all-full layout or without a host tier."""
+        if not self.layout.is_hybrid or not self.num_host_blocks:
+            return ()
+        return tuple(max(1, n * self.num_host_blocks // self.num_device_blocks) for n in self.device_group_blocks())
+
+    def host_tiers(self) -> list[tuple[int | None, KVLayout, int]]:
+        """A rank's host segments, as (KV cache group or None, layout, blocks): one of every layer,
+        or a hybrid's one per group of that group's layers (``fastkv.transfer.tiers``)."""
+        if self.layout.is_hybrid:
+            return [(g, self.layout.group_layout(g), n) for g, n in enumerate(self.host_group_blocks())]
+        return [(None, self.layout, self.num_host_blocks)] if self.num_host_blocks else []
+
     def _check_hybrid(self) -> None:
         """What a sliding-window hybrid layout does not run with yet, refused by its flag: those
         paths would move or key every layer's blocks as one (docs/DESIGN.md, KV cache groups); KV
-        events only in the schema whose events carry their group."""
+        events only in the schema whose events carry their group. A host tier is per group, for
+        preemption by offload (``host_group_blocks``)."""
         from fastkv.events.config import SCHEMAS
 
         schema = self.kv_events.get("schema", SCHEMAS[0])
-        refused = [("--host-blocks", self.num_host_blocks > 0), ("--storage", bool(self.storage_url)),
+        refused = [("--storage", bool(self.storage_url)),
                    ("--role", self.role != "mixed"), ("--update-weights-at", bool(self.update_weights_at)),
                    (f"--kv-events-schema {schema} (its events cannot name a block's KV cache group: use vllm)",
                     bool(self.kv_events) and schema != "vllm"),

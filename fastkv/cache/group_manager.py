@@ -15,9 +15,14 @@ request's previous step is in flight starts where that one ends; the group core 
 step's tokens are computed first (their blocks keyed, the slid-out ones given back). That is safe
 without copies: every worker runs its steps in order, so the step in flight has read and
 written them before any later step can. The scheduler's count of computed tokens
-(``num_computed_tokens``) still moves only with ``mark_computed``. Copies are not built for groups here: the
-run refuses a host tier, storage, the prefill handoff and weight updates for a hybrid layout at
-start-up (``RunSpec``), so every preemption recomputes and no copy is ever planned. KV events
+(``num_computed_tokens``) still moves only with ``mark_computed``.
+
+Preemption by offload (``host_group_blocks``: host blocks per group): ``offload`` copies per
+group the blocks its table holds (a sliding group its window's tail) into that group's host
+pool, one SWAP_OUT per group tagged with the group (``CopyPlan.group``); ``restore`` swaps them
+back into fresh device blocks, exactly what every layer reads from there on
+(``fastkv.cache.group_tiers``, ``fastkv.cache.group_copies``). Storage, the prefill handoff and
+weight updates are refused for a hybrid layout at start-up (``RunSpec``). KV events
 (``watch_residency``) report each group's device pool, every event tagged with its group.
 """
 from __future__ import annotations
@@ -27,10 +32,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fastkv.cache import group_tiers
+from fastkv.cache.group_copies import GroupCopies
 from fastkv.cache.groups import GroupedCache
 from fastkv.cache.index import MatchResult
 from fastkv.cache.keys import ExtraKeys, KeyNamespace, as_tokens, block_keys, root_key
-from fastkv.cache.plan import Allocation, CopyPlan, Growth
+from fastkv.cache.plan import Allocation, Completion, CopyKind, CopyPlan, Growth, PreemptionWork, Ready
 from fastkv.cache.pool import BlockPool, BlockState
 from fastkv.cache.request_policy import CachePolicy
 from fastkv.cache.requests import ReqState
@@ -60,15 +67,18 @@ class _Rec:
 class GroupedManager:
     """``CacheManager``'s scheduler-facing calls over one device pool per KV cache group
     (module docstring). ``group_blocks``: device blocks per group; ``max_chunk``: the most
-    tokens a step computes for one request (the scheduler's ``max_num_batched_tokens``)."""
+    tokens a step computes for one request (the scheduler's ``max_num_batched_tokens``);
+    ``host_group_blocks``: host blocks per group, for preemption by offload (() none)."""
 
-    def __init__(self, config: CacheConfig, group_blocks: tuple[int, ...], max_chunk: int) -> None:
+    def __init__(self, config: CacheConfig, group_blocks: tuple[int, ...], max_chunk: int,
+                 host_group_blocks: tuple[int, ...] = ()) -> None:
         layout = config.layout
         if layout is None or not layout.is_hybrid:
             raise ValueError("GroupedManager is for a sliding-window hybrid layout (KVLayout.windows)")
         if max_chunk <= 0:
             raise ValueError(f"max_chunk must be > 0, got {max_chunk!r}")
-        self.groups = GroupedCache(layout, list(group_blocks), config.eviction)
+        self.groups = GroupedCache(layout, list(group_blocks), config.eviction, list(host_group_blocks) or None)
+        self.copies = GroupCopies(self.groups)
         full = [i for i, gp in enumerate(self.groups.groups) if not gp.group.window]
         self._primary = full[0] if full else 0  # its capacity bounds a context; its hits count
         # the scheduler sizes max_model_len and its load budget by num_device_blocks: the primary group's
@@ -84,6 +94,9 @@ class GroupedManager:
         self._recs: dict[object, _Rec] = {}
         # per group, the most blocks one request held between its steps (after its KV was computed)
         self.peak_held = [0] * len(self.groups.groups)
+        # per group, the blocks offloads copied out, and the most one offload copied
+        self.offloaded_blocks = [0] * len(self.groups.groups)
+        self.peak_offloaded = [0] * len(self.groups.groups)
         self.residency: GroupedResidency | None = None  # set by watch_residency while KV events are on
 
     # ================================================================== queries
@@ -130,14 +143,22 @@ class GroupedManager:
                         f"{gp.group.window} KV cache group, which has {gp.pool.capacity}")
         return None
 
-    has_host_tier = False
+    @property
+    def has_host_tier(self) -> bool:
+        """Whether every group has host blocks to offload to."""
+        return all(gp.host.capacity for gp in self.groups.groups)
 
     @property
     def takes_blocks_per_step(self) -> bool:
         """True: ``step_table`` takes them; nothing is taken ahead of a token (async scheduling)."""
         return True
-    host_occupancy = 0.0
     num_export_holds = 0
+
+    @property
+    def host_occupancy(self) -> float:
+        """The most any group's host pool is taken (0 without a host tier)."""
+        return max((1.0 - gp.host.num_free / gp.host.capacity for gp in self.groups.groups if gp.host.capacity),
+                   default=0.0)
 
     def queued_blocks(self) -> tuple[int, int]:
         return 0, 0
@@ -146,13 +167,15 @@ class GroupedManager:
         return {}
 
     def copies_in_flight(self) -> set[int]:
-        return set()
+        return self.copies.in_flight()
 
     def has_copies_in_flight(self) -> bool:
-        return False
+        return bool(self.copies.flights)
 
     def request_ids(self) -> list[object]:
-        return list(self._recs)
+        """The requests the scheduler holds here (not those freed while their copies fly)."""
+        flights = self.copies.flights
+        return [rid for rid in self._recs if rid not in flights or not flights[rid].freed]
 
     def _rec(self, request_id: object) -> _Rec:
         info = self._recs.get(request_id)
@@ -162,17 +185,24 @@ class GroupedManager:
 
     def request_state(self, request_id: object) -> ReqState:
         self._rec(request_id)
-        return ReqState.RUNNING
+        if self.is_offloaded(request_id):
+            return ReqState.OFFLOADED
+        return ReqState.OFFLOADING if self.groups.record(request_id).state == "offloading" else ReqState.RUNNING
 
     def is_ready(self, request_id: object) -> bool:
         self._rec(request_id)
-        return True
+        return self.groups.record(request_id).state == "running"
 
     def is_restoring(self, request_id: object) -> bool:
-        return False
+        """Its restore's copies are in flight: ``offload`` makes it OFFLOADED again with no copy."""
+        f = self.copies.flights.get(request_id)
+        return f is not None and f.kind is CopyKind.SWAP_IN and not f.cancelled
 
     def is_offloaded(self, request_id: object) -> bool:
-        return False
+        """OFFLOADED: its KV is on the host (a restore preempted in flight is at once)."""
+        state = self.groups.record(request_id).state
+        f = self.copies.flights.get(request_id)
+        return state == "offloaded" or (f is not None and f.cancelled)
 
     def num_computed_tokens(self, request_id: object) -> int:
         return self._rec(request_id).computed
@@ -282,12 +312,110 @@ class GroupedManager:
         for i, held in enumerate(self.groups.held_blocks(request_id)):
             self.peak_held[i] = max(self.peak_held[i], held)
 
+    # ================================================================== preemption by offload
+    def preemption_work(self, request_id: object) -> PreemptionWork:
+        """What offloading or recomputing the request would do now: the blocks an offload copies,
+        in all-layer blocks (a group's block is its layers' share), and the tokens a recompute computes."""
+        info = self._rec(request_id)
+        layers = self.groups.layout.num_layers
+        held = self.groups.held_blocks(request_id)
+        share = sum(n * len(gp.group.layers) for n, gp in zip(held, self.groups.groups, strict=True))
+        return PreemptionWork(cdiv(share, layers), info.computed, 0)
+
+    def offload(self, request_id: object, to_storage: bool = False) -> tuple[CopyPlan, ...] | None:
+        """Copy, per group, the blocks the request holds to that group's host pool. The device
+        blocks go when every group's copy is done (``complete``: ``Completion.offloaded``). A
+        request whose restore is in flight is OFFLOADED at once, with no copy. None: a group's
+        host pool lacks room (nothing changed)."""
+        if to_storage:
+            raise ValueError("preemption to storage: not supported for a sliding-window hybrid layout yet")
+        info = self._rec(request_id)
+        if not info.writes:
+            raise ValueError(f"offload of request {request_id!r}, whose cache policy lets it write nothing")
+        if self.is_restoring(request_id):
+            self.copies.flights[request_id].cancelled = True
+            return ()
+        if not self.has_host_tier:
+            raise ValueError("offload needs a host tier (host blocks for every KV cache group)")
+        copies = group_tiers.offload(self.groups, request_id)
+        if copies is None:
+            return None
+        plans = self.copies.start(request_id, CopyKind.SWAP_OUT, copies)
+        self.stats.swap_out_blocks += sum(p.num_blocks for p in plans)
+        for c in copies:
+            self.offloaded_blocks[c.group] += c.plan.num_blocks
+            self.peak_offloaded[c.group] = max(self.peak_offloaded[c.group], c.plan.num_blocks)
+        return plans
+
+    def restore(self, request_id: object, reserve_tokens: int = 0) -> Allocation | None:
+        """Swap an OFFLOADED request's host blocks back into fresh device blocks, per group, with
+        room reserved for ``reserve_tokens`` more tokens. None: a group lacks room (or the copies
+        of a restore preempted in flight have not landed yet)."""
+        info = self._rec(request_id)
+        if request_id in self.copies.flights:
+            return None
+        req = self.groups.record(request_id, "offloaded")
+        before = req.num_tokens
+        req.num_tokens = max(before, info.num_tokens + reserve_tokens)  # the reservations cover them
+        copies = group_tiers.restore(self.groups, request_id)
+        if copies is None:
+            req.num_tokens = before
+            return None
+        plans = self.copies.start(request_id, CopyKind.SWAP_IN, copies)
+        self.stats.swap_in_blocks += sum(p.num_blocks for p in plans)
+        return Allocation((), 0 if plans else info.computed, info.computed if plans else 0, plans, not plans)
+
+    def complete(self, plan: CopyPlan, ok: bool) -> Completion:
+        """One group's copy finished on every rank (``ok``) or failed on one. What follows once
+        the request's last one is: offloaded (or failed: still running on its device blocks), or
+        ready again (a failed restore lost its KV: it computes from token 0)."""
+        done = self.copies.landed(plan, ok)
+        if not ok:
+            self.stats.failed_copies += 1
+        if not done:
+            return Completion()
+        rid, f = done
+        if f.kind is CopyKind.SWAP_OUT:
+            group_tiers.offloaded(self.groups, rid, f.ok)
+            if f.freed:
+                self._let_go(rid, cache=True)
+                return Completion()
+            return Completion(offloaded=(rid,)) if f.ok else Completion(offload_failed=(rid,))
+        if f.cancelled:
+            group_tiers.unrestore(self.groups, rid)
+            if f.freed:
+                self._let_go(rid, cache=False)
+            return Completion()
+        group_tiers.restored(self.groups, rid, f.ok)  # a failed one frees the request in the group core
+        if f.freed:
+            if f.ok:
+                self._let_go(rid, cache=False)
+            else:
+                self._recs.pop(rid)
+            return Completion()
+        info = self._recs[rid]
+        if not f.ok:
+            info.chunk, info.computed = min(self.max_chunk, info.num_tokens), 0
+            if self.groups.allocate(rid, [], info.num_tokens, info.chunk) is None:
+                raise RuntimeError(f"request {rid!r}: its restore failed and no KV cache group has room to "
+                                   "recompute it")
+        return Completion(ready=(Ready(rid, info.computed),))
+
     # ================================================================== release
     def free(self, request_id: object, cache: bool = True) -> None:
-        """Done, aborted or preempted by recompute: keyed blocks stay cached unless ``cache`` is False."""
-        info = self._recs.pop(request_id, None)
-        if info is None:
+        """Done, aborted or preempted by recompute: keyed blocks stay cached unless ``cache`` is False.
+        A request whose copies fly is let go of once they land (``complete``)."""
+        info = self._recs.get(request_id)
+        f = self.copies.flights.get(request_id)
+        if info is None or (f is not None and f.freed):
             raise ValueError(f"free of unknown request {request_id!r} (double free?)")
+        if f is not None:
+            f.freed = True
+            return
+        self._let_go(request_id, cache)
+
+    def _let_go(self, request_id: object, cache: bool) -> None:
+        info = self._recs.pop(request_id)
         self.groups.free(request_id, cache=cache and info.writes)
 
     def reset_prefix_cache(self) -> int:
@@ -311,10 +439,13 @@ class GroupedManager:
     # ================================================================== diagnostics
     def group_summary(self) -> list[dict[str, int]]:
         """Per group: its window and layers, its device blocks, the blocks held now, the most one
-        request held between its steps, and the blocks admissions found there (its hits)."""
+        request held between its steps, the blocks admissions found there (its hits), and those
+        offloads copied out (all, and the most one offload did)."""
         return [{"window": gp.group.window, "layers": len(gp.group.layers), "blocks": gp.pool.capacity,
                  "held": gp.pool.num_allocated, "cached": gp.pool.num_cached,
-                 "max_held_per_request": self.peak_held[i], "hit_blocks": gp.hit_blocks}
+                 "max_held_per_request": self.peak_held[i], "hit_blocks": gp.hit_blocks,
+                 "host_blocks": gp.host.capacity, "offloaded_blocks": self.offloaded_blocks[i],
+                 "max_offloaded_per_request": self.peak_offloaded[i]}
                 for i, gp in enumerate(self.groups.groups)]
 
     def check_integrity(self) -> None:
@@ -332,10 +463,10 @@ def _not_yet(name: str):
     return refuse
 
 
-# CacheManager's calls for copies, the prefill handoff and weight updates: the run
+# CacheManager's calls for storage, the prefill handoff and weight updates: the run
 # refuses their flags for a hybrid at start-up, and an embedding caller gets one clear line here
-for _name in ("offload", "restore", "preemption_work", "export", "exported", "retry_export", "release_export",
-              "tail_key", "confirm_stored", "complete", "begin_weight_update", "finish_weight_update",
+for _name in ("export", "exported", "retry_export", "release_export",
+              "tail_key", "confirm_stored", "begin_weight_update", "finish_weight_update",
               "explain_miss", "reserve"):
     setattr(GroupedManager, _name, _not_yet(_name))
 

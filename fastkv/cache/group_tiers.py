@@ -26,8 +26,8 @@ class GroupCopy(NamedTuple):
     plan: CopyPlan
 
 
-def _plan(cache: GroupedCache, kind: CopyKind, src: list[int], dst: list[int]) -> CopyPlan:
-    plan = CopyPlan(cache.next_plan, kind, src, dst)
+def _plan(cache: GroupedCache, kind: CopyKind, src: list[int], dst: list[int], group: int) -> CopyPlan:
+    plan = CopyPlan(cache.next_plan, kind, src, dst, group=group)
     cache.next_plan += 1
     return plan
 
@@ -43,7 +43,8 @@ def offload(cache: GroupedCache, request_id: object) -> list[GroupCopy] | None:
         order = sorted(table)
         host = gp.host.take_many(len(order))
         gp.offloaded[request_id] = dict(zip(order, host, strict=True))
-        copies.append(GroupCopy(gp.index, _plan(cache, CopyKind.SWAP_OUT, [table[i] for i in order], host)))
+        copies.append(GroupCopy(gp.index, _plan(cache, CopyKind.SWAP_OUT, [table[i] for i in order], host,
+                                                gp.index)))
     req.state = "offloading"
     return copies
 
@@ -83,7 +84,7 @@ def restore(cache: GroupedCache, request_id: object) -> list[GroupCopy] | None:
         h.table = dict(zip(order, gp.pool.take_many(len(order)), strict=True))
         gp.reserve(h, need)
         copies.append(GroupCopy(gp.index, _plan(cache, CopyKind.SWAP_IN, [host[i] for i in order],
-                                                [h.table[i] for i in order])))
+                                                [h.table[i] for i in order], gp.index)))
     req.state = "restoring"
     return copies
 
@@ -98,3 +99,15 @@ def restored(cache: GroupedCache, request_id: object, ok: bool) -> None:
     req.state = "running"
     if not ok:
         cache.free(request_id, cache=False)
+
+
+def unrestore(cache: GroupedCache, request_id: object) -> None:
+    """A restore preempted while its copies flew, once they are done: OFFLOADED again on the host
+    blocks it kept; the device blocks the copies wrote go (FREE: the request's own, unkeyed)."""
+    req = cache.record(request_id, "restoring")
+    for gp in cache.groups:
+        h = gp.held[request_id]
+        gp.reserve(h, 0)
+        gp.pool.release_many([h.table[i] for i in sorted(h.table, reverse=True)], keep=False)
+        h.table = {}
+    req.state = "offloaded"

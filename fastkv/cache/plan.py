@@ -30,6 +30,7 @@ class CopyKind(IntEnum):
 
 COPIES = frozenset((CopyKind.SWAP_OUT, CopyKind.SWAP_IN, CopyKind.STORE, CopyKind.LOAD))
 FREE = b"free"  # a CLEAR's only key on the wire: free_memory
+GROUP = b"group:"  # a group's SWAP on the wire: its only key, GROUP + the group's index (a swap has no keys)
 
 
 @dataclass(slots=True)
@@ -39,6 +40,9 @@ class CopyPlan:
     src: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     dst: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     keys: tuple[bytes, ...] = ()  # storage keys, one per block, for STORE and LOAD
+    # a SWAP of one KV cache group's blocks (ids in its own pools, copied for its layers only);
+    # -1: every layer, the all-full layout's one id space (fastkv.cache.group_manager)
+    group: int = -1
 
     def __post_init__(self) -> None:
         if type(self.kind) is not CopyKind:  # CopyKind(member) costs a microsecond or two per task
@@ -49,6 +53,9 @@ class CopyPlan:
         self.dst = np.ascontiguousarray(self.dst, dtype=np.int32)
         if self.kind in (CopyKind.SWAP_OUT, CopyKind.SWAP_IN) and len(self.src) != len(self.dst):
             raise ValueError(f"{self.kind.name} plan needs as many src as dst ids: {len(self.src)} != {len(self.dst)}")
+        if self.group != -1 and (self.kind not in (CopyKind.SWAP_OUT, CopyKind.SWAP_IN) or self.group < 0):
+            raise ValueError(f"a KV cache group's copy is a SWAP_OUT or SWAP_IN with group >= 0, got "
+                             f"{self.kind.name} of group {self.group}")
         if self.kind is CopyKind.STORE and len(self.keys) != len(self.src):
             raise ValueError(f"STORE plan needs one key per src block: {len(self.keys)} != {len(self.src)}")
         if self.kind is CopyKind.LOAD and len(self.keys) != len(self.dst):
@@ -108,7 +115,12 @@ Task = CopyPlan | ClearTask | RestoreTask | LookupTask
 def task_of(task_id: int, kind: CopyKind, src=(), dst=(), keys: tuple[bytes, ...] = ()) -> Task:
     """The task a wire message (kind, src, dst, keys) stands for. ValueError if inconsistent."""
     if kind in COPIES:
-        return CopyPlan(task_id, kind, src, dst, tuple(keys))
+        keys = tuple(keys)
+        if kind in (CopyKind.SWAP_OUT, CopyKind.SWAP_IN) and keys:
+            if len(keys) != 1 or not keys[0].startswith(GROUP) or not keys[0][len(GROUP):].isdigit():
+                raise ValueError(f"{kind.name} takes no keys or one {GROUP!r} key, got {keys[:2]!r}")
+            return CopyPlan(task_id, kind, src, dst, group=int(keys[0][len(GROUP):]))
+        return CopyPlan(task_id, kind, src, dst, keys)
     if kind is CopyKind.CLEAR:
         if tuple(keys) not in ((), (FREE,)):
             raise ValueError(f"CLEAR takes no keys or {FREE!r}, got {tuple(keys)[:2]!r}")
@@ -128,6 +140,8 @@ def task_of(task_id: int, kind: CopyKind, src=(), dst=(), keys: tuple[bytes, ...
 def wire_fields(task: Task) -> tuple[np.ndarray | tuple, np.ndarray | tuple, tuple[bytes, ...]]:
     """(src, dst, keys) of a task on the wire: ``task_of``'s inverse."""
     if type(task) is CopyPlan:
+        if task.group >= 0:
+            return task.src, task.dst, (GROUP + str(task.group).encode(),)
         return task.src, task.dst, task.keys
     if type(task) is ClearTask:
         return (), (), (FREE,) if task.free_memory else ()

@@ -234,9 +234,11 @@ def _run(cfg: JobConfig, spec, workload: Path, entries: dict[str, str], progress
           f"storage {spec.storage_url or 'none'}; output in {spec.out_dir}", file=sys.stderr)
     for note in getattr(cfg, "overridden", []):
         print(f"fastkv-supervisor: {note}", file=sys.stderr)
-    if spec.group_blocks:  # the device tier's blocks per KV cache group
+    if spec.group_blocks:  # the device (and host) tier's blocks per KV cache group
+        host = spec.host_group_blocks() or (0,) * len(spec.group_blocks)
         groups = ", ".join(f"{n} blocks of {len(g.layers)} layer(s) " + (f"sliding {g.window}" if g.window else "full")
-                           for g, n in zip(spec.layout.groups, spec.group_blocks, strict=True))
+                           + (f" ({h} host)" if h else "")
+                           for g, n, h in zip(spec.layout.groups, spec.group_blocks, host, strict=True))
         print(f"fastkv-supervisor: KV cache groups: {groups}", file=sys.stderr)
     if getattr(cfg, "groups_note", ""):
         print(f"fastkv-supervisor: {cfg.groups_note}", file=sys.stderr)

@@ -69,11 +69,12 @@ class JobConfig:
     # (a sliding-window hybrid: the bytes of this many blocks of every layer, split between its KV
     # cache groups in the proportion the workload's requests need them)
     device_blocks: int = 0
-    # 0 = no host tier; None: DEFAULT_HOST_BLOCKS, or none when KV cache groups are on (they run without one)
+    # 0 = no host tier; None: DEFAULT_HOST_BLOCKS, or with KV cache groups on none unless preemption offloads
     host_blocks: int | None = None
-    # "default": lmdb://<out>/store, fresh every run (none without a host tier); "none": no storage tier
+    # "default": lmdb://<out>/store, fresh every run (none without a host tier or with KV cache groups on);
+    # "none": no storage tier
     storage: str = "default"
-    preemption: str = ""  # "": offload, or recompute when KV cache groups are on (their only mode yet)
+    preemption: str = ""  # "": offload, or recompute when KV cache groups are on
     # host tier: write_through copies full blocks as they fill, so evicting them never waits for a
     # copy (write_back makes the request that evicts wait for the block's copy to the host)
     cache_policy: str = "write_through"
@@ -89,8 +90,8 @@ class JobConfig:
     runner: str = "synthetic"
     # KV cache groups for a model with sliding-window layers (docs/DESIGN.md): "on" caches a sliding
     # layer's window only, one group per window; "off" every layer in full; "auto" on unless the run
-    # asks for what groups do not run with yet (a host tier, storage, offload, --role prefill/decode,
-    # weight updates, array-form KV events), then off with the reason in the banner
+    # asks for what groups do not run with yet (storage, --role prefill/decode, weight updates,
+    # array-form KV events), then off with the reason in the banner (a host tier and offload run with them)
     kv_cache_groups: str = "auto"
     # the synthetic runner's attention window per layer, repeated over the layers ("128,0": sliding
     # 128, full, sliding 128, ...; 0 = full); a PaddleFormers model's come from its config
@@ -262,9 +263,9 @@ class JobConfig:
 
     def _kv_cache_groups(self) -> None:
         """Decide the layout's windows (``windows``: the model's, when KV cache groups are on, else
-        ``()``) and the defaults that follow: no host tier and recompute preemption with groups on,
-        since groups run without copies yet. ``groups_note``: the banner's line when a model with
-        sliding layers caches every layer in full."""
+        ``()``) and the defaults that follow: with groups on, recompute preemption and no host tier
+        (a host tier serves a hybrid's offload only), unless preemption offloads. ``groups_note``:
+        the banner's line when a model with sliding layers caches every layer in full."""
         if self.kv_cache_groups not in KV_CACHE_GROUPS:
             raise ValueError(f"setting 'kv_cache_groups' must be one of {KV_CACHE_GROUPS}, "
                              f"got {self.kv_cache_groups!r}")
@@ -286,7 +287,8 @@ class JobConfig:
         object.__setattr__(self, "windows", windows if on else ())
         object.__setattr__(self, "groups_note", note)
         if self.host_blocks is None:
-            object.__setattr__(self, "host_blocks", 0 if on else DEFAULT_HOST_BLOCKS)
+            offloads = self.preemption in ("offload", "auto")
+            object.__setattr__(self, "host_blocks", DEFAULT_HOST_BLOCKS if not on or offloads else 0)
         if not self.preemption:
             object.__setattr__(self, "preemption", "recompute" if on else "offload")
 
@@ -317,9 +319,8 @@ class JobConfig:
 
         events = self.kv_events_endpoint or self.kv_events_replay_endpoint
         schema = self.kv_events_schema or SCHEMAS[0]
-        asked = [("--host-blocks", bool(self.host_blocks)),
-                 ("--storage", self.storage not in ("default", "none")),
-                 (f"--preemption {self.preemption}", self.preemption in ("offload", "storage")),
+        asked = [("--storage", self.storage not in ("default", "none")),
+                 (f"--preemption {self.preemption}", self.preemption == "storage"),
                  (f"--role {self.role}", self.role != "mixed"),
                  ("--update-weights-at", bool(self.update_weights_at)),
                  (f"--kv-events-schema {schema} (a block's KV cache group needs --kv-events-schema vllm)",
@@ -481,6 +482,8 @@ class JobConfig:
 
     def storage_url(self, out_dir: Path) -> str:
         if self.storage == "none" or self.host_blocks == 0:  # "default" without a host tier: no storage tier
+            return ""
+        if self.storage == "default" and getattr(self, "windows", ()):  # nor with KV cache groups (not per group yet)
             return ""
         if self.storage == "default":
             return f"lmdb://{out_dir / 'store'}?max_bytes=1G"

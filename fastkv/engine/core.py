@@ -158,7 +158,7 @@ class Engine:
         sched_config = scheduler_config(spec)
         if spec.layout.is_hybrid:  # one device pool and table per KV cache group (fastkv.cache.group_manager)
             self.cache = GroupedManager(cache_config(spec), spec.device_group_blocks(),
-                                        sched_config.max_num_batched_tokens)
+                                        sched_config.max_num_batched_tokens, spec.host_group_blocks())
         else:
             self.cache = CacheManager(cache_config(spec))
         self.sched = Scheduler(self.cache, sched_config, hits=hit_policy(spec))

@@ -127,8 +127,13 @@ class EngineMetrics:
     def blocks(self) -> dict[str, dict[str, int]]:
         out = {}
         cache = self.scheduler.cache
-        groups = getattr(cache, "groups", None)  # a hybrid layout: one device pool per KV cache group
-        for pool in ([gp.pool for gp in groups.groups] if groups is not None else [cache.device]) + [cache.host]:
+        groups = getattr(cache, "groups", None)  # a hybrid layout: a device and a host pool per KV cache group
+        if groups is None:
+            pools = [cache.device, cache.host]
+        else:
+            hosts = [gp.host for gp in groups.groups] if cache.has_host_tier else [cache.host]
+            pools = [gp.pool for gp in groups.groups] + hosts
+        for pool in pools:
             out[pool.tier] = {"free": pool.num_free, "allocated": pool.num_allocated, "cached": pool.num_cached,
                               "in_flight": pool.num_in_flight}
         return out

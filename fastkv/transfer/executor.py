@@ -84,6 +84,7 @@ from fastkv.ipc import DoneMsg, TaskMsg
 from fastkv.run import RunSpec
 from fastkv.storage import StorageBackend, open_store
 from fastkv.storage.lookup import found_prefixes
+from fastkv.transfer.group_swaps import GroupSwaps
 from fastkv.transfer.lanes import Hold, HostHolds
 from fastkv.transfer.protocol import storage_namespace, task_plan
 from fastkv.transfer.tiers import DeviceTier, HostTier, resident_bytes
@@ -121,6 +122,7 @@ class TaskExecutor:
         self.weights_version = spec.weights_version
         self.device: DeviceTier | None = None
         self.host: HostTier | None = None
+        self.groups: GroupSwaps | None = None  # a hybrid's host tier: a segment per KV cache group
         self._bound = None  # ops.BoundSwap over the tiers, made on the first swap after they attach
         self.store: StorageBackend | None = None
         self.store_error = ""  # why there is no storage backend (empty: none configured, or open)
@@ -151,6 +153,8 @@ class TaskExecutor:
 
     def _drop_device(self) -> None:
         self._bound = None  # before the mapping it points into goes
+        if self.groups is not None:
+            self.groups.unbind()
         if self.device is not None:
             self.device.close()
             self.device = None
@@ -160,7 +164,12 @@ class TaskExecutor:
         if self.host is not None:
             self.host.close()
             self.host = None
-        if self.spec.num_host_blocks:
+        if self.groups is not None:
+            self.groups.close()
+            self.groups = None
+        if self.spec.host_group_blocks():
+            self.groups = GroupSwaps(self.spec, self.rank)
+        elif self.spec.num_host_blocks:
             self.host = HostTier.attach(self.spec.tier_prefix, self.rank, self.spec.layout, self.spec.num_host_blocks,
                                         populate=True)
 
@@ -196,6 +205,9 @@ class TaskExecutor:
         if self.host is not None:
             self.host.close()
         self.host = None
+        if self.groups is not None:
+            self.groups.close()
+            self.groups = None
 
     # -- tasks -------------------------------------------------------------------------
     def run(self, msg: TaskMsg, progress: Callable[[], None] = lambda: None, hold: Hold | None = None,
@@ -257,6 +269,12 @@ class TaskExecutor:
         return self._storage(plan)
 
     def _swap(self, plan: CopyPlan) -> tuple[int, str]:
+        if plan.group >= 0 and self.groups is not None:  # a hybrid's: that group's layers (group_swaps.py)
+            assert self.device is not None, "executor not cleared but without a device tier"
+            return self.groups.swap(self.device, plan, threads=self.spec.ops_threads,
+                                    checksums=self.spec.host_checksums,
+                                    in_parts=lambda n, step: self._in_parts(n, step, SWAP_PART_S),
+                                    check_ids=self._check_ids, check_host=self._check_host_of), ""
         device, host = self.device, self.host
         if host is None:
             raise TaskRefused(f"{plan.kind.name} refused: this run has no host tier (num_host_blocks=0)")
@@ -387,9 +405,11 @@ class TaskExecutor:
 
     def _check_host(self, blocks: list[int], hold_gil: bool = False) -> None:
         """CorruptHostBlock naming the blocks whose bytes changed since they landed."""
-        if not self.spec.host_checksums:
-            return
-        bad = self.host.corrupt(blocks, hold_gil)
+        if self.spec.host_checksums:
+            self._check_host_of(self.host, blocks, hold_gil)
+
+    def _check_host_of(self, host: HostTier, blocks: list[int], hold_gil: bool = True) -> None:
+        bad = host.corrupt(blocks, hold_gil)
         if bad:
             with self._counting:
                 self.checksum_mismatches += len(bad)

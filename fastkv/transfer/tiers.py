@@ -5,7 +5,10 @@ transfer process (``DeviceTier.attach``). Host tier: created by the supervisor
 (``HostTier.create``) so that it outlives a transfer-process restart, attached by the
 transfer process (``HostTier.attach``). Names come from the run's prefix (``fkv...``), so
 the IPC layer's manifest and ``--cleanup`` find them: ``{prefix}kvdev{rank}`` and
-``{prefix}kvhost{rank}``; both are POSIX shm objects, mode 0600.
+``{prefix}kvhost{rank}``; both are POSIX shm objects, mode 0600. A sliding-window hybrid's host
+tier is one segment per KV cache group, ``{prefix}kvhost{rank}g{group}``, each a host tier of
+that group's layers alone (``KVLayout.group_layout``) with the group's host blocks: a group's
+SWAP moves its layers between its device tensors and its own segment.
 
 Byte layout of both segments::
 
@@ -74,8 +77,9 @@ def device_tier_name(prefix: str, rank: int) -> str:
     return f"{_check_prefix(prefix)}kvdev{int(rank)}"
 
 
-def host_tier_name(prefix: str, rank: int) -> str:
-    return f"{_check_prefix(prefix)}kvhost{int(rank)}"
+def host_tier_name(prefix: str, rank: int, group: int | None = None) -> str:
+    """``group``: a hybrid's KV cache group, whose host blocks are a segment of their own."""
+    return f"{_check_prefix(prefix)}kvhost{int(rank)}" + ("" if group is None else f"g{int(group)}")
 
 
 class ShmSegment:
@@ -390,10 +394,12 @@ class HostTier:
     pinned: bool = False
 
     @classmethod
-    def create(cls, prefix: str, rank: int, layout: KVLayout, num_blocks: int, *, populate: bool = False) -> HostTier:
-        """Creates the segment (the supervisor; needs no Paddle)."""
+    def create(cls, prefix: str, rank: int, layout: KVLayout, num_blocks: int, *, populate: bool = False,
+               group: int | None = None) -> HostTier:
+        """Creates the segment (the supervisor; needs no Paddle). ``group``: a hybrid's KV cache
+        group, whose layers alone ``layout`` describes (``KVLayout.group_layout``)."""
         _check_blocks(num_blocks)
-        name = host_tier_name(prefix, rank)
+        name = host_tier_name(prefix, rank, group)
         data = num_blocks * layout.block_bytes
         segment = ShmSegment(name, cls._size(layout, num_blocks), create=True, populate=populate)
         tier = cls(layout, num_blocks, name, *cls._views(segment, layout, num_blocks), segment)
@@ -404,11 +410,12 @@ class HostTier:
     @classmethod
     def attach(
         cls, prefix: str, rank: int, layout: KVLayout, num_blocks: int, *, pin: bool | None = None,
-        populate: bool = False,
+        populate: bool = False, group: int | None = None,
     ) -> HostTier:
-        """Maps the rank's host tier (the transfer process). pin: cudaHostRegister it (default: on CUDA builds)."""
+        """Maps the rank's host tier (the transfer process). pin: cudaHostRegister it (default: on
+        CUDA builds). ``group``: as ``create``."""
         _check_blocks(num_blocks)
-        name = host_tier_name(prefix, rank)
+        name = host_tier_name(prefix, rank, group)
         segment = ShmSegment(name, cls._size(layout, num_blocks), create=False, populate=populate)
         _read_header(segment.buf, name, (TierKind.HOST,), num_blocks, layout)
         tier = cls(layout, num_blocks, name, *cls._views(segment, layout, num_blocks), segment)

@@ -74,9 +74,9 @@ class Run:
             self.ns.record("shm", f"kvdev{r}")
             self.tiers.append(DeviceTier.create(spec.tier_prefix, r, spec.layout, spec.num_device_blocks,
                                                 backend="shm", layer_blocks=spec.layer_blocks()))
-            if spec.num_host_blocks:
-                self.ns.record("shm", f"kvhost{r}")
-                self.tiers.append(HostTier.create(spec.tier_prefix, r, spec.layout, spec.num_host_blocks))
+            for g, layout, n in spec.host_tiers():  # a hybrid's: a segment per KV cache group
+                self.ns.record("shm", f"kvhost{r}" + ("" if g is None else f"g{g}"))
+                self.tiers.append(HostTier.create(spec.tier_prefix, r, layout, n, group=g))
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / "workload.jsonl"
         path.write_text("".join(json.dumps(w) + "\n" for w in self.workload))

@@ -72,8 +72,8 @@ def transfer_main(spec_json: str, rank: int) -> int:
     spec = RunSpec.from_json(spec_json)
     ns = Namespace.attach(spec.run_id)
     ends = attach_transfer(ns, spec, rank)
-    host = HostTier.attach(spec.tier_prefix, rank, spec.layout, spec.num_host_blocks, pin=False) \
-        if spec.num_host_blocks else None
+    hosts = [HostTier.attach(spec.tier_prefix, rank, layout, n, pin=False, group=g)
+             for g, layout, n in spec.host_tiers()]
     proc = f"transfer{rank}"
     gen = ends.signals[f"{proc}.gen"]
     _announce(ends.signals, proc)
@@ -81,7 +81,7 @@ def transfer_main(spec_json: str, rank: int) -> int:
     try:
         return _serve(spec, ends.signals, proc, ends.task, hang)
     finally:
-        if host is not None:
+        for host in hosts:
             host.close()
         ends.close()
 

@@ -217,24 +217,31 @@ def hybrid_layout(family: str) -> KVLayout:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "offload"])
 @pytest.mark.parametrize("family", HYBRIDS)
-def test_a_hybrid_with_per_group_tables_equals_the_oracle_under_recompute(family, tmp_path):
+def test_a_hybrid_with_per_group_tables_equals_the_oracle_under_preemption(family, mode, tmp_path):
     """The sliding layers' cache holds and reads only its window's tail (16 blocks for every
     request's sliding layers, 12 for the full ones): outputs are the no-cache forward's, with
     windows shorter than every prompt, preemptions and prefix hits, and a sliding group never
-    holds more than ceil(WINDOW / block_size) + 1 blocks of a request between its steps."""
+    holds more than ceil(WINDOW / block_size) + 1 blocks of a request between its steps. Under
+    offload each group copies out what it holds (a sliding group its window's tail) to a host
+    segment of its own, and the restore brings exactly that back."""
     lay = hybrid_layout(family)
     assert [g.window for g in lay.groups] == [WINDOW, 0]
-    s = RunSpec(new_run_id(), lay, num_device_blocks=16, num_host_blocks=0, group_blocks=(16, 12),
-                runner=f"paddleformers:{family}", runner_options=options(family),
-                scheduler={"preemption": "recompute", "max_num_batched_tokens": 48}, heartbeat_s=0.2,
+    s = RunSpec(new_run_id(), lay, num_device_blocks=16, num_host_blocks=64 if mode == "offload" else 0,
+                group_blocks=(16, 12), runner=f"paddleformers:{family}", runner_options=options(family),
+                scheduler={"preemption": mode, "max_num_batched_tokens": 48}, heartbeat_s=0.2,
                 out_dir=str(tmp_path / "out"), slot_size=256, nslots=256)
     results, summary = serve(s)
     assert not mismatches(family, results)
-    check_preempted(summary, "recompute")
+    check_preempted(summary, mode)
+    bound = -(-WINDOW // 4) + 1
     sliding, full = summary["kv_groups"]
-    assert 0 < sliding["max_held_per_request"] <= -(-WINDOW // 4) + 1, summary["kv_groups"]
-    assert full["max_held_per_request"] > -(-WINDOW // 4) + 1 and sliding["hit_blocks"] > 0, summary["kv_groups"]
+    assert 0 < sliding["max_held_per_request"] <= bound, summary["kv_groups"]
+    assert full["max_held_per_request"] > bound and sliding["hit_blocks"] > 0, summary["kv_groups"]
+    if mode == "offload":
+        assert 0 < sliding["max_offloaded_per_request"] <= bound < full["max_offloaded_per_request"], \
+            summary["kv_groups"]
 
 
 def test_a_hybrid_layout_whose_windows_are_not_the_models_is_refused():

@@ -275,3 +275,32 @@ def test_a_child_that_fails_to_start_is_reported_and_nothing_leaks(tmp_path, mon
         sup.run()
     assert all(c.process.exitcode is not None for c in sup.children.values() if c.process.pid is not None)
     assert leftovers(spec.run_id) == []
+
+
+def test_a_hybrid_offloads_per_group_and_cleanup_finds_each_groups_host_segment(tmp_path):
+    """Real processes: a sliding-window hybrid under offload preemption completes with offloads in
+    every group and leaves nothing; killed mid-run, ``--cleanup`` removes each group's host segment."""
+    hybrid = ["--layers", "2", "--layer-windows", "8,0", "--preemption", "offload", "--device-blocks", "200",
+              "--host-blocks", "400"]
+    for sub in "ab":
+        (tmp_path / sub).mkdir()
+    rid = run_id()
+    code, _, err = finish(start_cli(tmp_path / "a", rid, *hybrid, entries=()))
+    assert code == 0, err
+    assert "KV cache groups: " in err and " host)" in err, err
+    summary = json.loads((tmp_path / "a" / "out" / "summary.json").read_text())
+    assert summary["preemptions"]["offload"] > 0 and summary["verified"]["kv_mismatches"] == 0, summary
+    assert all(g["offloaded_blocks"] > 0 for g in summary["kv_groups"]), summary["kv_groups"]
+    assert leftovers(rid) == []
+    rid = run_id()
+    proc = start_cli(tmp_path / "b", rid, *hybrid, entries=ENTRIES, standin_request_s=1.0)
+    attach_signals(rid, proc).close()
+    proc.kill()
+    proc.communicate()
+    wait_for(lambda: f"fkv.{rid}.kvhost0g1" in leftovers(rid), "the run's host segments", timeout=15)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "fastkv", "--cleanup"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"/fkv.{rid}.kvhost0g0" in done.stdout and f"/fkv.{rid}.kvhost0g1" in done.stdout
+    wait_for(lambda: leftovers(rid) == [], "cleanup", timeout=15)

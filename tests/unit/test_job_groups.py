@@ -1,7 +1,8 @@
 """A supervisor job's KV cache groups: the layout's windows from the model (the synthetic
 runner's ``layer_windows``, a PaddleFormers model's config), the defaults that follow (no host
-tier, recompute), ``auto`` falling back to full caching with its reason when the run asks for
-what groups do not run with yet, ``on`` refusing it in one line, and the device tier's split."""
+tier, recompute; a host tier when preemption offloads), ``auto`` falling back to full caching with
+its reason when the run asks for what groups do not run with yet, ``on`` refusing it in one line,
+and the device tier's split."""
 from __future__ import annotations
 
 import pytest
@@ -45,9 +46,8 @@ def test_the_device_tier_is_split_by_bytes_in_the_proportion_requests_need():
     assert all(b > a for a, b in zip(cfg.group_blocks, big.group_blocks, strict=True))
 
 
-@pytest.mark.parametrize(("kw", "flag"), [({"host_blocks": 256}, "--host-blocks"),
-                                          ({"storage": "lmdb:///tmp/s"}, "--storage"),
-                                          ({"preemption": "offload"}, "--preemption offload"),
+@pytest.mark.parametrize(("kw", "flag"), [({"storage": "lmdb:///tmp/s"}, "--storage"),
+                                          ({"preemption": "storage"}, "--preemption storage"),
                                           ({"update_weights_at": "4:v2"}, "--update-weights-at"),
                                           ({"kv_events_endpoint": "ipc:///tmp/e"}, "--kv-events-schema llm-d")])
 def test_auto_caches_in_full_when_the_run_asks_for_what_groups_lack_and_on_refuses(kw, flag):
@@ -59,6 +59,21 @@ def test_auto_caches_in_full_when_the_run_asks_for_what_groups_lack_and_on_refus
     with pytest.raises(ValueError, match=f"^{flag}.*: not supported with KV cache groups yet; --kv-cache-groups "
                                          "off runs it with every layer cached in full$"):
         job(layer_windows="64,0", kv_cache_groups="on", **kw)
+
+
+@pytest.mark.parametrize("kw", [{"host_blocks": 256}, {"preemption": "offload"}, {"preemption": "auto"},
+                                {"host_blocks": 300, "preemption": "offload", "kv_cache_groups": "on"}])
+def test_a_host_tier_and_offload_keep_the_groups_with_a_host_segment_per_group(kw):
+    cfg = job(layer_windows="64,0", **kw)
+    assert cfg.layout().windows and cfg.groups_note == ""
+    assert cfg.host_blocks == kw.get("host_blocks", DEFAULT_HOST_BLOCKS if "preemption" in kw else 256)
+    spec = cfg.to_spec("r", __import__("pathlib").Path("/o"))
+    lay, host = spec.layout, spec.host_group_blocks()
+    assert len(host) == 2 and min(host) > 0
+    # the bytes of host_blocks blocks of every layer, in the device tier's proportion
+    used = sum(n * lay.group_block_bytes(g) for n, g in zip(host, lay.groups, strict=True))
+    assert 0.9 * cfg.host_blocks * lay.block_bytes <= used <= cfg.host_blocks * lay.block_bytes
+    assert host[0] * spec.group_blocks[1] <= host[1] * spec.group_blocks[0] + spec.group_blocks[1]
 
 
 def test_kv_events_in_vllms_schema_keep_the_groups():
