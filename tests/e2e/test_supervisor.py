@@ -2,6 +2,7 @@
 clean runs, signals, restarts, crashes, and that nothing is ever left in /dev/shm."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -243,7 +244,7 @@ def test_api_request_stop_and_bad_entry_point(tmp_path):
     assert result.restarts == {"transfer0": 0}
     assert leftovers(spec.run_id) == []
 
-    spec2, workload2 = prepare(JobConfig(**{**cfg.__dict__, "out": str(tmp_path / "out2")}), run_id())
+    spec2, workload2 = prepare(dataclasses.replace(cfg, out=str(tmp_path / "out2")), run_id())
     bad = Supervisor(spec2, workload2, entry_points={**entries, "worker": "tests.e2e.no_such_module:main"}).run()
     assert not bad.ok and bad.message.startswith("worker0") and "No module named 'tests.e2e.no_such_module'" \
         in bad.message
