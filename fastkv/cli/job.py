@@ -273,7 +273,7 @@ class JobConfig:
         asked = self._unsupported_by_groups() if windows else []
         on = bool(windows) and (self.kv_cache_groups == "on" or (self.kv_cache_groups == "auto" and not asked))
         if self.kv_cache_groups == "on" and not windows:
-            how = " (give it --layer-windows, or layer_windows in the config file)" if self.runner == "synthetic" else ""
+            how = " (give --layer-windows, or layer_windows in the config file)" if self.runner == "synthetic" else ""
             raise ValueError(f"setting 'kv_cache_groups' 'on' needs sliding-window layers, and the {self.runner} "
                              f"runner's model has none{how}")
         if on and asked:
