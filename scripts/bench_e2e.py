@@ -58,6 +58,7 @@ the cheaper way to preempt differs between requests (``mixed_workload``): what a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import shutil
@@ -149,10 +150,11 @@ def run_config(base: JobConfig, label: str, out: Path) -> JobConfig:
     mode, host = RUNS[label.removesuffix(SYNC).removesuffix(BF16)]
     kv = {"kv_cache_dtype": "auto", "dtype": "bfloat16"} if label.endswith(BF16) else {}
     try:
-        return JobConfig(**{**base.__dict__, **kv, "preemption": mode, "async_scheduling": "off" if label.endswith(SYNC)
-                            else base.async_scheduling, "host_blocks": base.host_blocks if host else 0,
-                            "storage": base.storage if host else "none",
-                            "storage_write": base.storage_write if host else JobConfig.storage_write, "out": str(out)})
+        return dataclasses.replace(base, **{**kv, "preemption": mode, "async_scheduling": "off" if label.endswith(SYNC)
+                                            else base.async_scheduling, "host_blocks": base.host_blocks if host else 0,
+                                            "storage": base.storage if host else "none",
+                                            "storage_write": base.storage_write if host else JobConfig.storage_write,
+                                            "out": str(out)})
     except ValueError as exc:
         raise ValueError(f"run {label!r}: {exc}") from None
 

@@ -94,7 +94,7 @@ def run_one(base: JobConfig, label: str, out: Path) -> dict:
     publishes on), so that the runs differ only in what the engine does."""
     endpoint, replay = f"ipc://{out.parent}/{label}.pub", f"ipc://{out.parent}/{label}.replay"
     kw = {} if label == "off" else {"kv_events_endpoint": endpoint, "kv_events_replay_endpoint": replay}
-    cfg = JobConfig(**{**base.__dict__, **kw, "out": str(out)})
+    cfg = dataclasses.replace(base, **kw, out=str(out))
     spec, workload = prepare(cfg)
     if label == "stalled":
         spec = dataclasses.replace(spec, kv_events={**spec.kv_events, "hwm": STALLED_HWM})
