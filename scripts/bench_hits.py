@@ -15,7 +15,6 @@ The last line is {"bench": "hits", "ttft_p50_s": {"pool10g": {"auto": .., "load"
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -27,10 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_pool import SMOKE_SHAPE, supervise  # noqa: E402
+from bench_pool import restart_pair_args, supervise  # noqa: E402
 
-from fastkv.cli import at_least  # noqa: E402
-from fastkv.deploy.cost_model import measure_copy_bandwidth  # noqa: E402
 from fastkv.sched.hits import HIT_POLICIES  # noqa: E402
 
 POOLS = {"pool10g": "llama3-8b-h100-sxm-pool10g", "pool100g": "llama3-8b-h100-sxm-pool100g"}
@@ -48,18 +45,7 @@ def outputs(rows: dict[str, dict]) -> dict[str, list[int]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=at_least(1), default=64, help="trace requests (default 64)")
-    ap.add_argument("--repeats", type=at_least(1), default=3, help="runs B per pool and policy (default 3)")
-    ap.add_argument("--smoke", action="store_true", help="4 requests, one repeat, a tiny model shape: checks that "
-                    "the script runs (its figures mean nothing)")
-    ap.add_argument("--copy-gbps", type=at_least(0.0, float), default=0.0, help="this machine's copy bandwidth "
-                    "the cost model is scaled to (default: measured once, the same for every run)")
-    args = ap.parse_args()
-    if args.smoke:
-        args.requests, args.repeats = 4, 1
-    shape = SMOKE_SHAPE if args.smoke else []
-    gbps = args.copy_gbps or round(measure_copy_bandwidth() / 1e9, 2)
+    args, shape, gbps = restart_pair_args(__doc__, "pool and policy")
     tmp = Path(tempfile.mkdtemp(prefix="bench_hits."))
     try:
         cfgs = {pool: config(tmp, pool, gbps) for pool in POOLS}

@@ -22,7 +22,6 @@ The last line is {"bench": "layerwise", "ttft_p50_s": {"layerwise": .., "whole":
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
@@ -35,10 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_pool import SMOKE_SHAPE, supervise  # noqa: E402
+from bench_pool import restart_pair_args, supervise  # noqa: E402
 
-from fastkv.cli import at_least  # noqa: E402
-from fastkv.deploy.cost_model import deployment, measure_copy_bandwidth  # noqa: E402
+from fastkv.deploy.cost_model import deployment  # noqa: E402
 
 MODEL = "llama3-8b-h100-sxm-pool100g"
 MODES = {"layerwise": "on", "whole": "off"}
@@ -72,18 +70,7 @@ def layer_timings(hit: int, new: int) -> dict[str, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=at_least(1), default=64, help="trace requests (default 64)")
-    ap.add_argument("--repeats", type=at_least(1), default=3, help="runs B per mode (default 3)")
-    ap.add_argument("--smoke", action="store_true", help="4 requests, one repeat, a tiny model shape: checks that "
-                    "the script runs (its figures mean nothing)")
-    ap.add_argument("--copy-gbps", type=at_least(0.0, float), default=0.0, help="this machine's copy bandwidth "
-                    "the cost model is scaled to (default: measured once, the same for every run)")
-    args = ap.parse_args()
-    if args.smoke:
-        args.requests, args.repeats = 4, 1
-    shape = SMOKE_SHAPE if args.smoke else []
-    gbps = args.copy_gbps or round(measure_copy_bandwidth() / 1e9, 2)
+    args, shape, gbps = restart_pair_args(__doc__, "mode")
     tmp = Path(tempfile.mkdtemp(prefix="bench_layerwise."))
     try:
         cfg = tmp / "model.toml"

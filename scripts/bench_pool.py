@@ -41,6 +41,25 @@ from bench_swap import EchoPeer  # noqa: E402
 SMOKE_SHAPE = ["--layers", "1", "--kv-heads", "1", "--head-dim", "16"]
 
 
+def restart_pair_args(doc: str, per: str) -> tuple[argparse.Namespace, list[str], float]:
+    """The flags of a restart-pair bench (runs B ``per`` what it compares): its arguments, the model
+    shape flags (``--smoke``'s tiny one, or none) and the copy GB/s the cost model is scaled to."""
+    from fastkv.cli import at_least
+    from fastkv.deploy.cost_model import measure_copy_bandwidth
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--requests", type=at_least(1), default=64, help="trace requests (default 64)")
+    ap.add_argument("--repeats", type=at_least(1), default=3, help=f"runs B per {per} (default 3)")
+    ap.add_argument("--smoke", action="store_true", help="4 requests, one repeat, a tiny model shape: checks that "
+                    "the script runs (its figures mean nothing)")
+    ap.add_argument("--copy-gbps", type=at_least(0.0, float), default=0.0, help="this machine's copy bandwidth "
+                    "the cost model is scaled to (default: measured once, the same for every run)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.repeats = 4, 1
+    return args, SMOKE_SHAPE if args.smoke else [], args.copy_gbps or round(measure_copy_bandwidth() / 1e9, 2)
+
+
 def supervise(out: Path, store: str, workload: str, shape: list[str]) -> tuple[dict, dict[str, dict]]:
     """One supervisor run: its report.json, and its results.jsonl rows by request id."""
     cmd = [sys.executable, "-m", "fastkv", "--no-progress", "--out", str(out), "--storage", store,
