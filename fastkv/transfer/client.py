@@ -152,7 +152,7 @@ class TransferClient:
         layered = 0
         # a hybrid's per-group SWAP_IN moves one group's layers under that group's block ids, which
         # the layer counter (every layer, one id space) cannot tell apart: it is copied whole
-        if self.layerwise and plan.kind is CopyKind.SWAP_IN and getattr(plan, "group", -1) < 0:
+        if self.layerwise and plan.kind is CopyKind.SWAP_IN and plan.group < 0:
             layered = self.landing.number(task_id, plan.src, plan.dst)
         buf = self.ends.tasks[0].encode(task_msg(plan, layered))
         ring = self.ends.tasks[0].ring

@@ -33,13 +33,9 @@ def spec(out_dir, group_blocks, host_blocks=0, preemption="recompute", **kw) -> 
                    heartbeat_s=0.2, out_dir=str(out_dir), slot_size=256, nslots=256, **kw)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_a_hybrid_serves_the_reference_with_a_bounded_sliding_group_under_preemption(overlap, tmp_path):
-    """With async scheduling a step is planned while the one before runs: its tables follow
-    from where that step ends (``GroupedManager.step_table``)."""
-    wl = workload(8, 10)
-    # the sliding group's 12 blocks, the full group's 14
-    s = spec(tmp_path / "out", [12, 14], async_scheduling=overlap)
+def _serves_the_reference(s, wl) -> dict:
+    """Runs ``wl`` on ``s`` (nothing left in /dev/shm after, host segments included); every output
+    equals the windowed reference. The run's summary."""
     with Run(s, wl) as run:
         assert run.wait(120) == 0, "engine failed: a KV mismatch or a worker error (see stderr)"
         results, summary = run.results(), run.summary()
@@ -51,6 +47,17 @@ def test_a_hybrid_serves_the_reference_with_a_bounded_sliding_group_under_preemp
         assert row["finish"] == "length", row
         assert row["output"] == reference_output(w["prompt"], w["max_new_tokens"], VOCAB, "bfloat16",
                                                  windows=windows), row
+    return summary
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_hybrid_serves_the_reference_with_a_bounded_sliding_group_under_preemption(overlap, tmp_path):
+    """With async scheduling a step is planned while the one before runs: its tables follow
+    from where that step ends (``GroupedManager.step_table``)."""
+    wl = workload(8, 10)
+    # the sliding group's 12 blocks, the full group's 14
+    s = spec(tmp_path / "out", [12, 14], async_scheduling=overlap)
+    summary = _serves_the_reference(s, wl)
     assert summary["preemptions"]["recompute"] > 0 and summary["recomputed_tokens"] > 0, summary
     assert summary["verified"]["kv_blocks_verified"] > 0 and summary["verified"]["kv_mismatches"] == 0
     steps = summary["async_scheduling"]
@@ -72,17 +79,7 @@ def test_a_hybrid_preempts_by_offload_per_group_and_restores_exactly(overlap, tm
     bound = cdiv(WINDOW, LAYOUT.block_size) + 1
     s = spec(tmp_path / "out", [12, 14], host_blocks=40, preemption="offload", async_scheduling=overlap)
     assert s.host_group_blocks() == (34, 40)
-    with Run(s, wl) as run:
-        assert run.wait(120) == 0, "engine failed: a KV mismatch or a worker error (see stderr)"
-        results, summary = run.results(), run.summary()
-        codes = run.close()  # asserts nothing is left in /dev/shm (the host segments included)
-    assert all(c == 0 for c in codes.values()), codes
-    windows = [g.window for g in LAYOUT.groups]
-    for w in wl:
-        row = results[w["id"]]
-        assert row["finish"] == "length", row
-        assert row["output"] == reference_output(w["prompt"], w["max_new_tokens"], VOCAB, "bfloat16",
-                                                 windows=windows), row
+    summary = _serves_the_reference(s, wl)
     assert summary["preemptions"]["offload"] > 0 and summary["preemptions"]["recompute"] == 0, summary["preemptions"]
     assert summary["verified"]["kv_blocks_verified"] > 0 and summary["verified"]["kv_mismatches"] == 0
     sliding, full = summary["kv_groups"]
