@@ -21,6 +21,16 @@ GARBAGE = -7
 _MASK = (1 << 63) - 1
 
 
+def run_step(sched, runner, out, outputs: dict) -> None:
+    """The rest of a synchronous step ``out`` (copies already handled): finished requests' outputs
+    into ``outputs`` and released from ``runner``, then the plan run and its output given back."""
+    for r in out.finished:
+        outputs[r.request_id] = r.output_token_ids
+    runner.release(r.request_id for r in out.finished)
+    if out.plan.seqs:
+        sched.on_step_output(runner.step(out.plan))
+
+
 def next_digest(prev: int, token: int, pos: int) -> int:
     return ((prev * 1000003) ^ (token * 7919) ^ (pos << 24) ^ 0x5BD1E995) & _MASK
 

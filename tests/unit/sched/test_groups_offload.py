@@ -19,6 +19,7 @@ from fastkv.config import cdiv
 from fastkv.engine.metrics import EngineMetrics
 from fastkv.engine.runners.synthetic import SyntheticRunner, reference_output
 from fastkv.sched import PreemptionMode, Request, Scheduler, SchedulerConfig
+from tests.sched_harness import run_step
 from tests.unit.sched.test_groups_synthetic import LAYOUT, WINDOW, caches, prompts
 
 BOUND = cdiv(WINDOW, LAYOUT.block_size) + 1  # a sliding group's blocks per request between steps
@@ -70,11 +71,7 @@ def serve(group_blocks, host_blocks, max_new=12, chunk=16, n=8, fail=(), mode=Pr
             if ok:
                 hosts.run(plan)
             sched.on_copy_complete(plan.plan_id, ok)
-        for r in out.finished:
-            outputs[r.request_id] = r.output_token_ids
-        runner.release(r.request_id for r in out.finished)
-        if out.plan.seqs:
-            sched.on_step_output(runner.step(out.plan))
+        run_step(sched, runner, out, outputs)
         sched.check_integrity()
     else:
         raise AssertionError("the scheduler did not finish")

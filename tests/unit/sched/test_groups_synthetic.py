@@ -18,6 +18,7 @@ from fastkv.engine import protocol
 from fastkv.engine.runners.synthetic import KVMismatch, SyntheticRunner, reference_output
 from fastkv.sched import PreemptionMode, Request, Scheduler, SchedulerConfig
 from fastkv.sched.output import SeqWork, StepPlan
+from tests.sched_harness import run_step
 
 WINDOW = 6
 LAYOUT = KVLayout(num_layers=4, kv_heads=2, block_size=4, head_dim=12, dtype="bfloat16", windows=(WINDOW, 0) * 2)
@@ -50,11 +51,7 @@ def serve(group_blocks, max_new=12, chunk=16, n=8):
             break
         out = sched.step()
         assert not out.copies
-        for r in out.finished:
-            outputs[r.request_id] = r.output_token_ids
-        runner.release(r.request_id for r in out.finished)
-        if out.plan.seqs:
-            sched.on_step_output(runner.step(out.plan))
+        run_step(sched, runner, out, outputs)
         sched.check_integrity()
         for rid in cache.request_ids():  # between steps: what each request holds per group
             for g, count in enumerate(cache.groups.held_blocks(rid)):
@@ -187,11 +184,7 @@ def test_random_arrivals_aborts_and_cache_policies_keep_every_group_exact(seed, 
         else:
             out = sched.step()
             assert not out.copies
-            for r in out.finished:
-                outputs[r.request_id] = r.output_token_ids
-            runner.release(r.request_id for r in out.finished)
-            if out.plan.seqs:
-                sched.on_step_output(runner.step(out.plan))
+            run_step(sched, runner, out, outputs)
         sched.check_integrity()
         if not overlap:  # between steps (with overlap the next step's blocks are taken already)
             for rid in cache.request_ids():

@@ -15,6 +15,7 @@ from fastkv.cache.write_policy import WritePolicy as CachePolicy
 from fastkv.config import KVLayout
 from fastkv.engine.runners.synthetic import SyntheticRunner, reference_output
 from fastkv.sched import PreemptionMode, Request, Scheduler, SchedulerConfig
+from tests.sched_harness import run_step
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, block_size=4, head_dim=12, dtype="bfloat16")
 
@@ -75,11 +76,7 @@ def serve(prompts, max_new, dev, mode, host=16, storage=False, cache_policy=Cach
             break
         out = sched.step()
         xfer.pending += out.copies
-        for r in out.finished:
-            outputs[r.request_id] = r.output_token_ids
-        runner.release(r.request_id for r in out.finished)
-        if out.plan.seqs:
-            sched.on_step_output(runner.step(out.plan))
+        run_step(sched, runner, out, outputs)
         xfer.finish_some(sched, everything=not out.plan.seqs)
         sched.check_integrity()
     assert not sched.has_work(), sched.counts()
